@@ -1,0 +1,153 @@
+"""Placeholders for scheduler factories whose arguments are only known once training starts.
+
+A learning-rate scheduler such as ``OneCycleLR`` needs the number of optimizer updates in the run, which
+is only known after the dataloaders have been created and prepared for the current processes. Put a
+:class:`TrainerPlaceholderValues` member where that number goes in a :func:`functools.partial` factory;
+the trainer resolves it (with plain arithmetic, never ``eval``) right before calling the factory.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import operator
+from typing import Any, Callable, Mapping, Optional
+
+_OPERATORS: dict[str, Callable[[Any, Any], Any]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "//": operator.floordiv,
+}
+
+
+class _PlaceholderArithmetic:
+    """Arithmetic shared by a placeholder and the expressions built from it."""
+
+    def _combine(self, symbol: str, other: Any, reverse: bool = False) -> "PlaceholderExpression":
+        if isinstance(other, TrainerPlaceholderValues):
+            other = PlaceholderExpression(other)
+        if not isinstance(other, (int, float, PlaceholderExpression)):
+            return NotImplemented
+        left, right = (other, self) if reverse else (self, other)
+        return PlaceholderExpression(_as_expression(left), symbol, right)
+
+    def __add__(self, other):
+        return self._combine("+", other)
+
+    def __radd__(self, other):
+        return self._combine("+", other, reverse=True)
+
+    def __sub__(self, other):
+        return self._combine("-", other)
+
+    def __rsub__(self, other):
+        return self._combine("-", other, reverse=True)
+
+    def __mul__(self, other):
+        return self._combine("*", other)
+
+    def __rmul__(self, other):
+        return self._combine("*", other, reverse=True)
+
+    def __floordiv__(self, other):
+        return self._combine("//", other)
+
+    def __rfloordiv__(self, other):
+        return self._combine("//", other, reverse=True)
+
+
+class TrainerPlaceholderValues(_PlaceholderArithmetic, enum.Enum):
+    """Values a scheduler factory may use before they are known.
+
+    Example::
+
+        from functools import partial
+        from torch.optim.lr_scheduler import OneCycleLR
+        from pytorch_accel_trainer import TrainerPlaceholderValues as P
+
+        create_scheduler_fn = partial(
+            OneCycleLR,
+            max_lr=0.1,
+            epochs=P.NUM_EPOCHS,
+            steps_per_epoch=P.NUM_UPDATE_STEPS_PER_EPOCH,
+        )
+
+    Members combine with ``+``, ``-``, ``*`` and ``//`` and numbers (``P.NUM_EPOCHS * 2 + 1``).
+
+    ``NUM_UPDATE_STEPS_PER_EPOCH`` is the number of optimizer updates each process makes in one epoch.
+    Every process makes the same updates in lockstep, so this is also the number of scheduler steps per
+    epoch, whatever the number of processes: ``OneCycleLR`` above spans the run exactly on 1 or 8 GPUs.
+    ``PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH`` is the same value, kept for pytorch-accelerated code.
+    ``TRAIN_DATALOADER_LEN`` and ``EVAL_DATALOADER_LEN`` are the number of batches per process.
+    """
+
+    NUM_EPOCHS = "num_epochs"
+    NUM_UPDATE_STEPS_PER_EPOCH = "num_update_steps_per_epoch"
+    PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH = "num_local_update_steps_per_epoch"
+    TRAIN_DATALOADER_LEN = "train_dataloader_len"
+    EVAL_DATALOADER_LEN = "eval_dataloader_len"
+
+    @classmethod
+    def placeholder_set(cls) -> set[str]:
+        """Return the names of every placeholder."""
+        return {member.name for member in cls}
+
+
+class PlaceholderExpression(_PlaceholderArithmetic):
+    """An arithmetic expression over placeholders and numbers, built by the operators above."""
+
+    def __init__(self, left: Any, symbol: Optional[str] = None, right: Any = None):
+        self.left, self.symbol, self.right = left, symbol, right
+
+    def resolve(self, values: Mapping[TrainerPlaceholderValues, Any]) -> Any:
+        """Return the value of the expression, given a value for each placeholder it uses."""
+        left = _resolve_value(self.left, values)
+        if self.symbol is None:
+            return left
+        return _OPERATORS[self.symbol](left, _resolve_value(self.right, values))
+
+    def __repr__(self) -> str:
+        if self.symbol is None:
+            return repr(self.left)
+        return f"({self.left!r} {self.symbol} {self.right!r})"
+
+
+def _as_expression(value: Any) -> Any:
+    if isinstance(value, TrainerPlaceholderValues):
+        return PlaceholderExpression(value)
+    return value
+
+
+def _resolve_value(value: Any, values: Mapping[TrainerPlaceholderValues, Any]) -> Any:
+    if isinstance(value, PlaceholderExpression):
+        return value.resolve(values)
+    if isinstance(value, TrainerPlaceholderValues):
+        resolved = values.get(value)
+        if resolved is None:
+            raise ValueError(
+                f"The scheduler factory uses TrainerPlaceholderValues.{value.name}, whose value is unknown in "
+                "this run (the training dataset has no __len__, or there is no eval dataset). Give the dataset "
+                "a __len__, or pass the number itself in the factory."
+            )
+        return resolved
+    return value
+
+
+def replace_trainer_placeholder_values(
+    factory: Callable, values: Mapping[TrainerPlaceholderValues, Any]
+) -> Callable:
+    """Return ``factory`` with every placeholder in its partial arguments replaced by its value.
+
+    Args:
+        factory: a callable; only a :func:`functools.partial` can hold placeholders.
+        values: the value of each placeholder in the current run.
+
+    Returns:
+        A new partial with resolved arguments, or ``factory`` itself when it is not a partial.
+    """
+    if not isinstance(factory, functools.partial):
+        return factory
+    args = [_resolve_value(arg, values) for arg in factory.args]
+    keywords = {name: _resolve_value(arg, values) for name, arg in factory.keywords.items()}
+    return functools.partial(replace_trainer_placeholder_values(factory.func, values), *args, **keywords)

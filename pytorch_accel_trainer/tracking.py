@@ -1,0 +1,166 @@
+"""Run history (metrics by epoch) and the device-side loss accumulator."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+
+if TYPE_CHECKING:  # pandas is imported only when a table is asked for
+    import pandas
+
+
+class RunHistory(ABC):
+    """The abstract record of the metrics of a run, by epoch.
+
+    Subclass it to keep metrics somewhere else than in memory; the trainer only uses the methods below.
+    """
+
+    @abstractmethod
+    def get_metric_names(self) -> set:
+        """Return the names of every metric recorded so far."""
+
+    @abstractmethod
+    def get_metric_values(self, metric_name: str) -> list:
+        """Return every value recorded for ``metric_name``, oldest first."""
+
+    @abstractmethod
+    def get_latest_metric(self, metric_name: str) -> Any:
+        """Return the newest value recorded for ``metric_name``."""
+
+    @abstractmethod
+    def update_metric(self, metric_name: str, metric_value: Any) -> None:
+        """Record ``metric_value`` for ``metric_name`` at the current epoch."""
+
+    @property
+    @abstractmethod
+    def current_epoch(self) -> int:
+        """The epoch being run, counted from 1."""
+
+    @abstractmethod
+    def _increment_epoch(self) -> None:
+        """Move on to the next epoch; called by the trainer at the end of each training-run epoch."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every metric and go back to epoch 1."""
+
+
+class InMemoryRunHistory(RunHistory):
+    """A :class:`RunHistory` kept in memory, with export to pandas and CSV.
+
+    Example::
+
+        history = trainer.run_history
+        history.get_latest_metric("eval_loss_epoch")
+        history.to_dataframe()          # one row per epoch, one column per metric
+        history.to_csv("history.csv")
+    """
+
+    def __init__(self):
+        self._current_epoch = 1
+        self._metrics: dict[str, list] = defaultdict(list)
+        self._epochs: dict[str, list[int]] = defaultdict(list)
+        self.metric_name_prefix = ""
+
+    def get_metric_names(self) -> set:
+        return set(self._metrics)
+
+    def get_metric_values(self, metric_name: str) -> list:
+        return list(self._metric(metric_name))
+
+    def get_latest_metric(self, metric_name: str) -> Any:
+        values = self._metric(metric_name)
+        if not values:
+            raise ValueError(f"The metric {metric_name!r} has no values yet.")
+        return values[-1]
+
+    def update_metric(self, metric_name: str, metric_value: Any) -> None:
+        name = f"{self.metric_name_prefix}{metric_name}"
+        self._metrics[name].append(metric_value)
+        self._epochs[name].append(self._current_epoch)
+
+    def delete_metric(self, metric_name: str) -> None:
+        """Forget every value of ``metric_name``."""
+        self._metric(metric_name)
+        del self._metrics[metric_name], self._epochs[metric_name]
+
+    def set_metric_name_prefix(self, prefix: str = "") -> None:
+        """Prefix the names of the metrics recorded from now on (``""`` to stop)."""
+        self.metric_name_prefix = prefix
+
+    @property
+    def current_epoch(self) -> int:
+        return self._current_epoch
+
+    def _increment_epoch(self) -> None:
+        self._current_epoch += 1
+
+    def reset(self) -> None:
+        self._current_epoch = 1
+        self._metrics.clear()
+        self._epochs.clear()
+
+    def to_dataframe(self) -> "pandas.DataFrame":
+        """Return every metric as a column of a DataFrame indexed by epoch.
+
+        A metric recorded several times in one epoch keeps its last value for that epoch.
+        """
+        import pandas
+
+        columns = {
+            name: pandas.Series(values, index=self._epochs[name]).groupby(level=0).last()
+            for name, values in sorted(self._metrics.items())
+        }
+        frame = pandas.DataFrame(columns)
+        frame.index.name = "epoch"
+        return frame
+
+    def to_csv(self, path: str) -> None:
+        """Write :meth:`to_dataframe` to a CSV file at ``path``."""
+        self.to_dataframe().to_csv(path)
+
+    def _metric(self, metric_name: str) -> list:
+        if metric_name not in self._metrics:
+            raise KeyError(
+                f"No metric named {metric_name!r} in the run history; the metrics recorded are "
+                f"{sorted(self._metrics)}."
+            )
+        return self._metrics[metric_name]
+
+
+class LossTracker:
+    """Sums batch losses, weighted by batch size, without leaving the device.
+
+    Each update is a device-side multiply-add: reading the loss back to the host (a synchronisation)
+    happens once, in :meth:`reduce_average`, at the end of an epoch.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.total_loss: Optional[torch.Tensor] = None
+        self.running_count: Union[int, torch.Tensor] = 0
+
+    def update(self, batch_loss: torch.Tensor, batch_size: Union[int, torch.Tensor]) -> None:
+        """Add one batch's mean loss, weighted by its number of samples."""
+        weighted = batch_loss.detach().float() * batch_size
+        self.total_loss = weighted if self.total_loss is None else self.total_loss + weighted
+        self.running_count = self.running_count + batch_size
+
+    def reduce_average(self, reduce_sum, device: torch.device) -> Optional[float]:
+        """Return the per-sample average over every process, or ``None`` when no process tracked a loss.
+
+        Every process must call this, even one that saw no batch, since it is a collective operation.
+
+        Args:
+            reduce_sum: sums a tensor over processes (``accelerator.reduce``).
+            device: where the sum is taken.
+        """
+        total = torch.zeros((), device=device) if self.total_loss is None else self.total_loss.to(device)
+        count = torch.as_tensor(self.running_count, device=device).float()
+        loss_sum, sample_count = reduce_sum(torch.stack([total, count])).tolist()  # the epoch's one sync
+        return loss_sum / sample_count if sample_count else None

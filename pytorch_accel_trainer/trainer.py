@@ -1,0 +1,723 @@
+"""The Trainer: a documented skeleton of hooks and events, run on Hugging Face Accelerate."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from numbers import Number
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from accelerate import Accelerator, DistributedType
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, IterableDataset
+
+from pytorch_accel_trainer.callbacks import (
+    CallbackHandler,
+    LogMetricsCallback,
+    MoveModulesToDeviceCallback,
+    PrintProgressCallback,
+    ProgressBarCallback,
+    StopTrainingError,
+    TerminateOnNaNCallback,
+)
+from pytorch_accel_trainer.checkpointing import (
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    SCHEDULER_KEY,
+    build_checkpoint,
+    checkpoint_extras,
+    load_checkpoint_file,
+    save_checkpoint_file,
+)
+from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values
+from pytorch_accel_trainer.run_config import TrainerRunConfig, count_update_steps, plan_run_length
+from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory
+from pytorch_accel_trainer.utils import dataloader_length, remove_padding, seed_worker, with_last_flag
+from pytorch_accel_trainer.validation import (
+    validate_batch_output,
+    validate_evaluate_arguments,
+    validate_train_arguments,
+)
+
+DEFAULT_CALLBACKS = (
+    MoveModulesToDeviceCallback,
+    TerminateOnNaNCallback,
+    PrintProgressCallback,
+    ProgressBarCallback,
+    LogMetricsCallback,
+)
+
+
+class Trainer:
+    """Trains and evaluates a model through a fixed skeleton of overridable hooks and callback events.
+
+    The skeleton is the pseudocode of ``docs/inside_the_trainer.md``; each hook runs, then its ``on_*``
+    event. Accelerate places the model, optimizer and data on the right devices and processes, so the
+    same script runs with ``python train.py`` or ``accelerate launch train.py``.
+
+    Args:
+        model: the ``torch.nn.Module`` to train.
+        loss_func: called as ``loss_func(model_outputs, targets)`` by the default batch-loss hooks.
+        optimizer: an optimizer over the model's parameters (``None`` for an evaluation-only trainer).
+        callbacks: callback classes or instances, called in order for each event.
+        run_history: where metrics are recorded; a new :class:`InMemoryRunHistory` by default.
+        seed: seeds torch, numpy and ``random`` (offset by the process index) at the start of each
+            ``train()``, so runs are repeatable; ``None`` leaves the random state alone. Importing the
+            package never seeds anything.
+
+    Example::
+
+        trainer = Trainer(model, loss_func=nn.MSELoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        trainer.train(train_dataset, num_epochs=3, eval_dataset=eval_dataset, per_device_batch_size=32)
+        trainer.run_history.get_latest_metric("eval_loss_epoch")
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_func: Optional[Callable],
+        optimizer: Optional[torch.optim.Optimizer],
+        callbacks: Iterable = DEFAULT_CALLBACKS,
+        run_history: Optional[RunHistory] = None,
+        seed: Optional[int] = 42,
+    ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model is a {type(model).__name__}; pass a torch.nn.Module.")
+        self.model = model
+        self.loss_func = loss_func
+        self.optimizer = optimizer
+        self.seed = seed
+        self._callbacks = callbacks
+        self.callback_handler = self._create_callback_handler()
+        self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
+        self._accelerator = self._create_accelerator()
+        self._train_loss_tracker = LossTracker()
+        self._eval_loss_tracker = LossTracker()
+        self._num_update_steps_completed = 0
+        self._train_epoch_length: Optional[int] = None
+        # set by train() / evaluate()
+        self.create_scheduler_fn = None
+        self.scheduler = None
+        self.collate_fn = None
+        self.train_dataset = None
+        self.eval_dataset = None
+        self._train_dataloader = None
+        self._eval_dataloader = None
+        self._train_dl_kwargs: Optional[dict] = None
+        self._eval_dl_kwargs: Optional[dict] = None
+        self.run_config: Optional[TrainerRunConfig] = None
+
+        self.callback_handler.call_event("on_init_end", self)
+
+    def _create_callback_handler(self) -> CallbackHandler:
+        """Return the :class:`CallbackHandler` that calls the trainer's callbacks."""
+        return CallbackHandler(self._callbacks)
+
+    def _create_accelerator(self) -> Accelerator:
+        """Return the :class:`accelerate.Accelerator` that runs training; override to configure it."""
+        return Accelerator()
+
+    # ------------------------------------------------------------------------------------------------
+    # Setup hooks
+    # ------------------------------------------------------------------------------------------------
+
+    def create_train_dataloader(self, batch_size: int, train_dl_kwargs: Optional[dict] = None) -> Iterable:
+        """Return the training dataloader over ``self.train_dataset`` (before Accelerate prepares it).
+
+        Runs once at the start of ``train()``. The default builds a :class:`~torch.utils.data.DataLoader`
+        from :meth:`get_default_train_dl_kwargs`, updated with ``train_dl_kwargs`` (which wins, ``batch_size``
+        included), and ``self.collate_fn``.
+
+        Args:
+            batch_size: the batch size per device.
+            train_dl_kwargs: extra DataLoader arguments.
+
+        Returns:
+            Any iterable of batches; a DataLoader is sharded across processes by Accelerate.
+        """
+        self._train_dl_kwargs = self._merge_dataloader_kwargs(
+            self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
+        )
+        return DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
+
+    def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
+        """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
+        self._eval_dl_kwargs = self._merge_dataloader_kwargs(
+            self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
+        )
+        return DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
+
+    def get_default_train_dl_kwargs(self, batch_size: int) -> dict:
+        """Return the default training DataLoader arguments.
+
+        ``num_workers`` is 0: on small in-memory data, worker processes make each step several times
+        slower. Pass ``train_dataloader_kwargs={"num_workers": 4}`` for data that is costly to load;
+        workers then persist across epochs and seed numpy per worker.
+        """
+        return {
+            "shuffle": True,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": 0,
+        }
+
+    def get_default_eval_dl_kwargs(self, batch_size: int) -> dict:
+        """Return the default evaluation DataLoader arguments: as for training, without shuffling."""
+        return {
+            "shuffle": False,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": 0,
+        }
+
+    @staticmethod
+    def _merge_dataloader_kwargs(defaults: dict, overrides: Optional[dict], dataset: Any) -> dict:
+        kwargs = dict(defaults)
+        overrides = dict(overrides or {})
+        if "sampler" in overrides or "batch_sampler" in overrides or isinstance(dataset, IterableDataset):
+            kwargs.pop("shuffle", None)  # a sampler, or a stream, decides the order itself
+        if "batch_sampler" in overrides:
+            kwargs.pop("batch_size", None)
+        kwargs.update(overrides)
+        if kwargs.get("num_workers", 0) > 0:
+            kwargs.setdefault("persistent_workers", True)  # workers start once, not every epoch
+            kwargs.setdefault("worker_init_fn", seed_worker)
+        return kwargs
+
+    def create_scheduler(self) -> Any:
+        """Return the learning-rate scheduler built by ``self.create_scheduler_fn(self.optimizer)``.
+
+        Runs once in ``train()``, after the dataloaders are prepared, so that
+        :class:`TrainerPlaceholderValues` in a ``functools.partial`` factory resolve to this run's values.
+        The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`.
+        """
+        factory = replace_trainer_placeholder_values(self.create_scheduler_fn, self._placeholder_values())
+        return factory(self.optimizer)
+
+    def _placeholder_values(self) -> dict:
+        config = self.run_config
+        return {
+            TrainerPlaceholderValues.NUM_EPOCHS: config.num_epochs,
+            TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH: config.num_update_steps_per_epoch,
+            TrainerPlaceholderValues.PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH: config.num_local_update_steps_per_epoch,
+            TrainerPlaceholderValues.TRAIN_DATALOADER_LEN: dataloader_length(self._train_dataloader),
+            TrainerPlaceholderValues.EVAL_DATALOADER_LEN: dataloader_length(self._eval_dataloader),
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    # Training run hooks
+    # ------------------------------------------------------------------------------------------------
+
+    def training_run_start(self) -> None:
+        """Runs at the start of a training run, before ``on_training_run_start``. Default: nothing."""
+
+    def train_epoch_start(self) -> None:
+        """Runs at the start of each training epoch. Default: puts the model in training mode."""
+        self.model.train()
+
+    def calculate_train_batch_loss(self, batch) -> dict:
+        """Return the loss of one training batch, with the model outputs and the batch size.
+
+        The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``.
+
+        Args:
+            batch: one batch from the training dataloader.
+
+        Returns:
+            A dict with at least ``loss`` (a scalar tensor), ``model_outputs`` and ``batch_size``; any extra
+            keys reach ``on_train_step_end``. Return the plain loss: the trainer scales it for gradient
+            accumulation itself, and logs it unscaled.
+        """
+        xb, yb = batch[0], batch[1]
+        model_outputs = self.model(xb)
+        loss = self.loss_func(model_outputs, yb)
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+
+    def backward_step(self, loss: torch.Tensor) -> None:
+        """Run the backward pass through Accelerate (which handles mixed-precision loss scaling).
+
+        Args:
+            loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
+                micro-batches in the current accumulation window.
+        """
+        self._accelerator.backward(loss)
+
+    def optimizer_step(self) -> None:
+        """Update the parameters: ``self.optimizer.step()``. Runs once per accumulation window."""
+        self.optimizer.step()
+
+    def scheduler_step(self) -> None:
+        """Step ``self.scheduler``, if there is one. Runs after each optimizer update that was not skipped."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def optimizer_zero_grad(self) -> None:
+        """Reset the gradients: ``self.optimizer.zero_grad()``. Runs after each optimizer update."""
+        self.optimizer.zero_grad()
+
+    def train_epoch_end(self) -> None:
+        """Runs at the end of each training epoch, before its loss is recorded. Default: nothing."""
+
+    def eval_epoch_start(self) -> None:
+        """Runs at the start of each evaluation epoch. Default: puts the model in evaluation mode."""
+        self.model.eval()
+
+    def calculate_eval_batch_loss(self, batch) -> dict:
+        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`."""
+        with torch.no_grad():
+            xb, yb = batch[0], batch[1]
+            model_outputs = self.model(xb)
+            loss = self.loss_func(model_outputs, yb)
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+
+    def eval_epoch_end(self) -> None:
+        """Runs at the end of each evaluation epoch, before its loss is recorded. Default: nothing."""
+
+    def training_run_epoch_end(self) -> None:
+        """Runs after the training and evaluation epochs of each training-run epoch. Default: nothing."""
+
+    def training_run_end(self) -> None:
+        """Runs at the end of a training run. Default: unwraps ``self.model`` from its Accelerate wrappers."""
+        self.model = self.get_model()
+
+    def evaluation_run_start(self) -> None:
+        """Runs at the start of an evaluation run, before ``on_evaluation_run_start``. Default: nothing."""
+
+    def evaluation_run_end(self) -> None:
+        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` from its Accelerate wrappers."""
+        self.model = self.get_model()
+
+    # ------------------------------------------------------------------------------------------------
+    # Entry points
+    # ------------------------------------------------------------------------------------------------
+
+    def train(
+        self,
+        train_dataset,
+        num_epochs: Optional[int],
+        eval_dataset=None,
+        per_device_batch_size: int = 8,
+        max_num_train_steps: Optional[int] = None,
+        gradient_accumulation_steps: int = 1,
+        gradient_clip_value: Optional[Number] = None,
+        create_scheduler_fn: Optional[Callable] = None,
+        train_dataloader_kwargs: Optional[dict] = None,
+        eval_dataloader_kwargs: Optional[dict] = None,
+        reset_run_history: bool = True,
+        collate_fn: Optional[Callable] = None,
+        gradient_clip_norm: Optional[Number] = None,
+    ) -> None:
+        """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
+
+        Args:
+            train_dataset: the training data; a dataset without ``__len__`` (iterable, streaming) works too.
+            num_epochs: the number of epochs; ``None`` to stop on ``max_num_train_steps`` only.
+            eval_dataset: evaluated after each training epoch when given.
+            per_device_batch_size: the batch size on each process.
+            max_num_train_steps: the most optimizer updates to make; whichever of this and ``num_epochs``
+                comes first ends the run.
+            gradient_accumulation_steps: micro-batches per optimizer update. The gradients equal those of
+                one batch ``gradient_accumulation_steps`` times larger, and a partial window at the end of
+                an epoch is weighted by the micro-batches it really has.
+            gradient_clip_value: clip each gradient element to ``[-value, value]`` before each update.
+            create_scheduler_fn: a factory ``fn(optimizer) -> scheduler``, possibly a ``functools.partial``
+                holding :class:`TrainerPlaceholderValues`; a scheduler instance is refused.
+            train_dataloader_kwargs: extra arguments for the training DataLoader.
+            eval_dataloader_kwargs: extra arguments for the evaluation DataLoader.
+            reset_run_history: start from an empty run history (``False`` continues the epoch count).
+            collate_fn: the collate function of both dataloaders.
+            gradient_clip_norm: clip the total gradient norm to this value before each update.
+        """
+        validate_train_arguments(
+            train_dataset, num_epochs, eval_dataset, per_device_batch_size, max_num_train_steps,
+            gradient_accumulation_steps, gradient_clip_value, gradient_clip_norm, create_scheduler_fn,
+            train_dataloader_kwargs, eval_dataloader_kwargs,
+        )  # fmt: skip
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
+        if reset_run_history:
+            self.run_history.reset()
+        if self.optimizer is None:
+            raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
+        if self.seed is not None:
+            set_seed(self.seed, device_specific=True)
+
+        self._train_dataloader = self.create_train_dataloader(per_device_batch_size, train_dataloader_kwargs)
+        self._eval_dataloader = None
+        if eval_dataset is not None:
+            self._eval_dataloader = self.create_eval_dataloader(per_device_batch_size, eval_dataloader_kwargs)
+        self._prepare_model_optimizer_and_dataloaders()
+        self.run_config = self._create_run_config(
+            per_device_batch_size=per_device_batch_size,
+            num_epochs=num_epochs,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_num_train_steps=max_num_train_steps,
+            gradient_clip_value=gradient_clip_value,
+            gradient_clip_norm=gradient_clip_norm,
+        )
+        self.scheduler = self.create_scheduler() if create_scheduler_fn is not None else None
+        self._run_training()
+
+    def evaluate(
+        self,
+        dataset=None,
+        per_device_batch_size: int = 8,
+        dataloader_kwargs: Optional[dict] = None,
+        collate_fn: Optional[Callable] = None,
+    ) -> None:
+        """Run one evaluation epoch over ``dataset`` and record ``evaluation_loss`` in the run history.
+
+        Unlike pytorch-accelerated, the run history is kept: the metrics of an earlier ``train()`` stay.
+
+        Args:
+            dataset: the data to evaluate; defaults to the ``eval_dataset`` of the last ``train()``.
+            per_device_batch_size: the batch size on each process.
+            dataloader_kwargs: extra arguments for the DataLoader.
+            collate_fn: the collate function of the DataLoader.
+        """
+        dataset = dataset if dataset is not None else self.eval_dataset
+        validate_evaluate_arguments(dataset, per_device_batch_size, dataloader_kwargs)
+        self.eval_dataset, self.collate_fn = dataset, collate_fn
+        self._train_dataloader = None
+        self._eval_dataloader = self.create_eval_dataloader(per_device_batch_size, dataloader_kwargs)
+        self._prepare_model_optimizer_and_dataloaders()
+        self.run_config = self._create_run_config(
+            per_device_batch_size=per_device_batch_size,
+            num_epochs=1,
+            gradient_accumulation_steps=1,
+            max_num_train_steps=None,
+            gradient_clip_value=None,
+        )
+        self._run_evaluation()
+
+    # ------------------------------------------------------------------------------------------------
+    # Internal setup
+    # ------------------------------------------------------------------------------------------------
+
+    def _prepare_model_optimizer_and_dataloaders(self) -> None:
+        """Wrap the model, optimizer and dataloaders for the current devices and processes, via Accelerate.
+
+        Preparing shards each DataLoader across processes, which changes its length: the run config and
+        the scheduler are built after this.
+        """
+        self._accelerator.free_memory()
+        self.model = self.get_model()  # a model left wrapped by an earlier run is wrapped only once
+        if isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer = self.optimizer.optimizer
+        components = [self.model, self.optimizer, self._train_dataloader, self._eval_dataloader]
+        present = [index for index, component in enumerate(components) if component is not None]
+        prepared = self._accelerator.prepare(*(components[index] for index in present))
+        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        for index, component in zip(present, prepared):
+            components[index] = component
+        self.model, self.optimizer, self._train_dataloader, self._eval_dataloader = components
+
+    def _create_run_config(
+        self,
+        per_device_batch_size: int,
+        num_epochs: Optional[int],
+        gradient_accumulation_steps: int,
+        max_num_train_steps: Optional[int],
+        gradient_clip_value: Optional[Number],
+        gradient_clip_norm: Optional[Number] = None,
+    ) -> TrainerRunConfig:
+        """Return the frozen :class:`TrainerRunConfig` of the run being started."""
+        train_batch_size = (self._train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+        eval_batch_size = (self._eval_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+        if self._train_dataloader is None:
+            train_batch_size, updates_per_epoch = None, 0
+        else:
+            updates_per_epoch = count_update_steps(
+                dataloader_length(self._train_dataloader), gradient_accumulation_steps
+            )
+            if updates_per_epoch == 0:
+                raise ValueError(
+                    f"The training dataloader has no batches on this process (dataset of {len(self.train_dataset)} "
+                    f"samples, batch size {train_batch_size}, {self._accelerator.num_processes} processes, "
+                    f"dataloader arguments {self._train_dl_kwargs}). Lower the batch size or drop drop_last=True."
+                )
+        num_epochs, max_num_train_steps = plan_run_length(num_epochs, max_num_train_steps, updates_per_epoch)
+        num_processes = self._accelerator.num_processes
+        return TrainerRunConfig(
+            num_epochs=num_epochs,
+            train_per_device_batch_size=train_batch_size,
+            train_dl_kwargs=self._train_dl_kwargs,
+            eval_per_device_batch_size=eval_batch_size,
+            eval_dl_kwargs=self._eval_dl_kwargs,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            train_total_batch_size=None if train_batch_size is None else train_batch_size * num_processes * gradient_accumulation_steps,
+            eval_total_batch_size=None if eval_batch_size is None else eval_batch_size * num_processes,
+            num_update_steps_per_epoch=updates_per_epoch,
+            num_local_update_steps_per_epoch=updates_per_epoch,
+            max_num_train_steps=max_num_train_steps,
+            is_local_process_zero=self._accelerator.is_local_main_process,
+            is_world_process_zero=self._accelerator.is_main_process,
+            is_distributed=self._accelerator.distributed_type != DistributedType.NO,
+            mixed_precision=self._accelerator.mixed_precision,
+            num_processes=num_processes,
+            gradient_clip_value=gradient_clip_value,
+            gradient_clip_norm=gradient_clip_norm,
+            seed=self.seed,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------
+    # Orchestrators: the documented skeleton
+    # ------------------------------------------------------------------------------------------------
+
+    def _run_training(self) -> None:
+        """Run the epochs of a training run, as in the documented pseudocode."""
+        self._num_update_steps_completed = 0
+        self.training_run_start()
+        self.callback_handler.call_event("on_training_run_start", self)
+        for _ in self._epochs():
+            try:
+                self._run_train_epoch(self._train_dataloader)
+                if self._eval_dataloader is not None:
+                    self._run_eval_epoch(self._eval_dataloader)
+                self.training_run_epoch_end()
+                self.callback_handler.call_event("on_training_run_epoch_end", self)
+            except StopTrainingError as error:
+                self._stop_training(error)
+                break
+            self.run_history._increment_epoch()
+            if self._reached_max_steps():
+                break  # the step limit came before the epoch limit
+        self.training_run_end()
+        self.callback_handler.call_event("on_training_run_end", self)
+
+    def _run_evaluation(self) -> None:
+        """Run the single evaluation epoch of an evaluation run."""
+        self.evaluation_run_start()
+        self.callback_handler.call_event("on_evaluation_run_start", self)
+        try:
+            self._run_eval_epoch(self._eval_dataloader, is_training=False)
+        except StopTrainingError as error:
+            self._stop_training(error)
+        self.evaluation_run_end()
+        self.callback_handler.call_event("on_evaluation_run_end", self)
+
+    def _run_train_epoch(self, train_dl: Iterable) -> None:
+        """Run one training epoch: a step per batch, an optimizer update per accumulation window."""
+        self.train_epoch_start()
+        self._train_loss_tracker.reset()
+        self._train_epoch_length = dataloader_length(train_dl)
+        self.callback_handler.call_event("on_train_epoch_start", self)
+        step = -1
+        for step, (batch, is_last_batch) in enumerate(with_last_flag(train_dl)):
+            self.callback_handler.call_event("on_train_step_start", self)
+            is_update_step = self._is_update_step(step, is_last_batch)
+            self._run_train_step(batch, step, is_update_step)
+            if is_update_step:
+                self._update_parameters(step)
+                if self._reached_max_steps():
+                    break  # the step limit falls inside this epoch
+        if step < 0:
+            raise ValueError(
+                "The training dataloader yielded no batch in this epoch, so the run could not progress: check "
+                "that train_dataset yields samples on every pass (a generator-based dataset must restart)."
+            )
+        self.train_epoch_end()
+        self._record_epoch_loss(self._train_loss_tracker, "train_loss_epoch")
+        self.callback_handler.call_event("on_train_epoch_end", self)
+
+    def _run_train_step(self, batch, step: int, is_update_step: bool) -> None:
+        """Forward and backward pass of one micro-batch; gradients sync across processes only on update steps."""
+        with self._gradient_sync_context(is_update_step):  # DDP reads the flag in forward and backward
+            batch_output = self.calculate_train_batch_loss(batch)
+            validate_batch_output(batch_output, "calculate_train_batch_loss")
+            self._train_loss_tracker.update(batch_output["loss"], batch_output["batch_size"])
+            self.callback_handler.call_event(
+                "on_train_step_end", self, batch=batch, batch_output=batch_output, step=step
+            )
+            self.backward_step(self._scale_loss_for_accumulation(batch_output["loss"], step))
+
+    def _update_parameters(self, step: int) -> None:
+        """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
+        self._complete_partial_window(step)
+        self._clip_gradients()
+        self.optimizer_step()
+        if not self._accelerator.optimizer_step_was_skipped:  # an fp16 overflow skips the update
+            self.scheduler_step()
+        self.optimizer_zero_grad()
+        self._num_update_steps_completed += 1
+
+    def _run_eval_epoch(self, valid_dl: Iterable, is_training: bool = True) -> None:
+        """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
+        self.eval_epoch_start()
+        self._eval_loss_tracker.reset()
+        self.callback_handler.call_event("on_eval_epoch_start", self)
+        for batch in valid_dl:
+            self.callback_handler.call_event("on_eval_step_start", self)
+            batch_output = self.calculate_eval_batch_loss(batch)
+            validate_batch_output(batch_output, "calculate_eval_batch_loss")
+            self._eval_loss_tracker.update(batch_output["loss"], batch_output["batch_size"])
+            self.callback_handler.call_event("on_eval_step_end", self, batch=batch, batch_output=batch_output)
+        self.eval_epoch_end()
+        self._record_epoch_loss(self._eval_loss_tracker, "eval_loss_epoch" if is_training else "evaluation_loss")
+        self.callback_handler.call_event("on_eval_epoch_end", self)
+
+    # ------------------------------------------------------------------------------------------------
+    # Named decisions of the loop
+    # ------------------------------------------------------------------------------------------------
+
+    def _epochs(self) -> Iterable[int]:
+        if self.run_config.num_epochs is None:
+            return itertools.count()  # only max_num_train_steps ends this run
+        return range(self.run_config.num_epochs)
+
+    def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
+        """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
+        return is_last_batch or (step + 1) % self.run_config.gradient_accumulation_steps == 0
+
+    def _micro_batches_in_window(self, step: int) -> int:
+        """The number of micro-batches in the accumulation window of ``step``, where it is known."""
+        accumulation = self.run_config.gradient_accumulation_steps
+        if self._train_epoch_length is None:
+            return accumulation  # corrected by _complete_partial_window if the stream ends early
+        window_start = step - step % accumulation
+        return min(accumulation, self._train_epoch_length - window_start)
+
+    def _scale_loss_for_accumulation(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        # Dividing by the window's real size makes the accumulated gradient that of one large batch.
+        micro_batches = self._micro_batches_in_window(step)
+        return loss if micro_batches == 1 else loss / micro_batches
+
+    def _complete_partial_window(self, step: int) -> None:
+        """Rescale the gradients of a partial last window of an epoch of unknown length (once per epoch)."""
+        accumulation = self.run_config.gradient_accumulation_steps
+        micro_batches = step % accumulation + 1
+        if self._train_epoch_length is not None or micro_batches == accumulation:
+            return
+        gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(gradients, accumulation / micro_batches)
+
+    def _gradient_sync_context(self, is_update_step: bool):
+        if is_update_step or self.run_config.gradient_accumulation_steps == 1:
+            return contextlib.nullcontext()
+        return self._accelerator.no_sync(self.model)
+
+    def _reached_max_steps(self) -> bool:
+        limit = self.run_config.max_num_train_steps
+        return limit is not None and self._num_update_steps_completed >= limit
+
+    def _clip_gradients(self) -> None:
+        """Clip the accumulated gradients by value and/or norm, as set in ``train()``; once per update."""
+        if self.run_config.gradient_clip_value is not None:
+            self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=self.run_config.gradient_clip_value)
+        if self.run_config.gradient_clip_norm is not None:
+            self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=self.run_config.gradient_clip_norm)
+
+    def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
+        average = tracker.reduce_average(lambda tensor: self._accelerator.reduce(tensor, "sum"), self.device)
+        if average is not None:
+            self.run_history.update_metric(metric_name, average)
+
+    def _stop_training(self, error: StopTrainingError) -> None:
+        self.print(error)
+        self.callback_handler.call_event("on_stop_training_error", self)
+
+    # ------------------------------------------------------------------------------------------------
+    # Utilities
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this process, as chosen by Accelerate."""
+        return self._accelerator.device
+
+    @property
+    def num_update_steps_completed(self) -> int:
+        """Optimizer updates made so far in the current training run."""
+        return self._num_update_steps_completed
+
+    def get_model(self) -> torch.nn.Module:
+        """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys)."""
+        return self._accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
+    def print(self, *args, **kwargs) -> None:
+        """Print once per node, like ``print``."""
+        self._accelerator.print(*args, **kwargs)
+
+    def gather(self, tensor: torch.Tensor, padding_value: Any = None) -> torch.Tensor:
+        """Concatenate ``tensor`` from every process along the first dimension.
+
+        Args:
+            tensor: the tensor of this process.
+            padding_value: if given, tensors of different lengths are padded with it before gathering, and
+                rows made only of it are removed afterwards; pick a value the data never holds.
+
+        Returns:
+            The gathered tensor, on every process.
+        """
+        if padding_value is not None:
+            tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
+        gathered = self._accelerator.gather(tensor)
+        return gathered if padding_value is None else remove_padding(gathered, padding_value)
+
+    def save_checkpoint(
+        self,
+        save_path,
+        checkpoint_kwargs: Optional[dict] = None,
+        save_optimizer: bool = True,
+        save_scheduler: bool = True,
+        save_per_node: bool = True,
+    ) -> None:
+        """Save the model (and optimizer, scheduler, extra values) as one file, atomically.
+
+        The file loads with ``torch.load(weights_only=True)``; ``checkpoint_kwargs`` values must be tensors
+        or plain Python values. Every process must call this.
+
+        Args:
+            save_path: the file to write, e.g. ``"model.pt"``.
+            checkpoint_kwargs: extra values to store, returned by :meth:`load_checkpoint`.
+            save_optimizer: include the optimizer state.
+            save_scheduler: include the scheduler state, if there is a scheduler.
+            save_per_node: write once per machine; ``False`` writes on the main process only.
+        """
+        scheduler = self.scheduler if save_scheduler else None
+        checkpoint = build_checkpoint(
+            model_state=self.get_model().state_dict(),
+            optimizer_state=self.optimizer.state_dict() if save_optimizer and self.optimizer is not None else None,
+            scheduler_state=scheduler.state_dict() if scheduler is not None else None,
+            checkpoint_kwargs=checkpoint_kwargs,
+        )
+        self._accelerator.wait_for_everyone()
+        writes = self._accelerator.is_local_main_process if save_per_node else self._accelerator.is_main_process
+        if writes:
+            save_checkpoint_file(checkpoint, save_path)
+        self._accelerator.wait_for_everyone()
+
+    def load_checkpoint(self, checkpoint_path, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
+        """Load a file written by :meth:`save_checkpoint` into the model, and the optimizer and scheduler.
+
+        Args:
+            checkpoint_path: the checkpoint file.
+            load_optimizer: load the optimizer state, if the file has one.
+            load_scheduler: load the scheduler state, if the file has one and the trainer has a scheduler.
+
+        Returns:
+            The extra values saved with ``checkpoint_kwargs``.
+        """
+        self._accelerator.wait_for_everyone()
+        checkpoint = load_checkpoint_file(checkpoint_path)
+        self.get_model().load_state_dict(checkpoint[MODEL_KEY])
+        if load_optimizer and OPTIMIZER_KEY in checkpoint:
+            if self.optimizer is None:
+                raise ValueError(
+                    f"{checkpoint_path!r} holds an optimizer state but the trainer has no optimizer: pass one to "
+                    "Trainer(...), or load_checkpoint(..., load_optimizer=False)."
+                )
+            self.optimizer.load_state_dict(checkpoint[OPTIMIZER_KEY])
+        if load_scheduler and SCHEDULER_KEY in checkpoint:
+            if self.scheduler is None:
+                warnings.warn(
+                    f"{checkpoint_path!r} holds a scheduler state, but the trainer has no scheduler yet (it is "
+                    "created by train()), so it was not loaded. Pass load_scheduler=False to silence this.",
+                    stacklevel=2,
+                )
+            else:
+                self.scheduler.load_state_dict(checkpoint[SCHEDULER_KEY])
+        return checkpoint_extras(checkpoint)
