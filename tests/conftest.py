@@ -1,0 +1,80 @@
+"""Tiny real fixtures: y = 2x + 3 data, small models, and a callback that records every event."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import EVENTS, TrainerCallback
+
+
+def linear_dataset(num_samples: int = 64, seed: int = 0) -> TensorDataset:
+    """Samples of y = 2x + 3 (exactly learnable by nn.Linear(1, 1))."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, 1, generator=generator)
+    return TensorDataset(x, 2 * x + 3)
+
+
+def regression_dataset(num_samples: int = 20, num_features: int = 4, seed: int = 0) -> TensorDataset:
+    """A small nonlinear regression problem for equivalence tests."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, num_features, generator=generator)
+    y = (x**2).sum(dim=1, keepdim=True) + torch.randn(num_samples, 1, generator=generator) * 0.1
+    return TensorDataset(x, y)
+
+
+def make_mlp(num_features: int = 4, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(num_features, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def make_linear(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(1, 1)
+
+
+class StreamDataset(IterableDataset):
+    """The samples of a TensorDataset, streamed in order, with no __len__."""
+
+    def __init__(self, dataset: TensorDataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        for index in range(len(self.dataset)):
+            yield self.dataset[index]
+
+
+class RecordingCallback(TrainerCallback):
+    """Records the name of every event it receives, in order."""
+
+    def __init__(self):
+        self.events: list[str] = []
+
+
+def _recorder(event):
+    def record(self, trainer, **kwargs):
+        self.events.append(event)
+
+    return record
+
+
+for _event in EVENTS:
+    setattr(RecordingCallback, _event, _recorder(_event))
+
+
+def make_trainer(model: nn.Module, lr: float = 0.1, callbacks=(), trainer_class=Trainer, **kwargs) -> Trainer:
+    return trainer_class(
+        model=model,
+        loss_func=nn.MSELoss(),
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def recorder() -> RecordingCallback:
+    return RecordingCallback()

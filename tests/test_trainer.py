@@ -1,0 +1,265 @@
+"""The Trainer's skeleton: hook and event order, run limits, evaluation and the public API."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import RecordingCallback, StreamDataset, linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
+from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
+from pytorch_accel_trainer.callbacks import StopTrainingError, TrainerCallback
+from pytorch_accel_trainer.run_config import TrainerRunConfig
+
+HOOKS = (
+    "create_train_dataloader",
+    "create_eval_dataloader",
+    "create_scheduler",
+    "training_run_start",
+    "train_epoch_start",
+    "calculate_train_batch_loss",
+    "backward_step",
+    "optimizer_step",
+    "scheduler_step",
+    "optimizer_zero_grad",
+    "train_epoch_end",
+    "eval_epoch_start",
+    "calculate_eval_batch_loss",
+    "eval_epoch_end",
+    "training_run_epoch_end",
+    "training_run_end",
+    "evaluation_run_start",
+    "evaluation_run_end",
+)
+
+
+def _recording_trainer_class(log: list) -> type:
+    def wrap(name):
+        def hook(self, *args, **kwargs):
+            log.append(name)
+            return getattr(Trainer, name)(self, *args, **kwargs)
+
+        return hook
+
+    return type("RecordingTrainer", (Trainer,), {name: wrap(name) for name in HOOKS})
+
+
+def _documented_training_run(num_epochs, train_batches, eval_batches, accumulation=1, with_scheduler=True):
+    """The sequence of the pseudocode in docs/inside_the_trainer.md ("What goes on inside the Trainer?")."""
+    sequence = ["create_train_dataloader", "create_eval_dataloader"]
+    sequence += ["create_scheduler"] if with_scheduler else []
+    sequence += ["training_run_start", "on_training_run_start"]
+    for _ in range(num_epochs):
+        sequence += ["train_epoch_start", "on_train_epoch_start"]
+        for step in range(train_batches):
+            sequence += ["on_train_step_start", "calculate_train_batch_loss", "on_train_step_end", "backward_step"]
+            if (step + 1) % accumulation == 0 or step + 1 == train_batches:
+                sequence += ["optimizer_step", "scheduler_step", "optimizer_zero_grad"]
+        sequence += ["train_epoch_end", "on_train_epoch_end", "eval_epoch_start", "on_eval_epoch_start"]
+        sequence += ["on_eval_step_start", "calculate_eval_batch_loss", "on_eval_step_end"] * eval_batches
+        sequence += ["eval_epoch_end", "on_eval_epoch_end", "training_run_epoch_end", "on_training_run_epoch_end"]
+    return sequence + ["training_run_end", "on_training_run_end"]
+
+
+def _shared_log_callback(log):
+    recorder = RecordingCallback()
+    recorder.events = log
+    return recorder
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_training_run_follows_documented_hook_and_event_order(accumulation):
+    log: list = []
+    trainer = make_trainer(make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log))
+    assert log == ["on_init_end"]
+    log.clear()
+
+    trainer.train(
+        linear_dataset(6), num_epochs=2, eval_dataset=linear_dataset(4), per_device_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1),
+    )  # fmt: skip
+
+    assert log == _documented_training_run(2, train_batches=3, eval_batches=2, accumulation=accumulation)
+
+
+def test_evaluation_run_follows_documented_order():
+    log: list = []
+    trainer = make_trainer(make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log))
+    log.clear()
+    trainer.evaluate(linear_dataset(5), per_device_batch_size=2)
+    expected = ["create_eval_dataloader", "evaluation_run_start", "on_evaluation_run_start", "eval_epoch_start"]
+    expected += ["on_eval_epoch_start"] + ["on_eval_step_start", "calculate_eval_batch_loss", "on_eval_step_end"] * 3
+    expected += ["eval_epoch_end", "on_eval_epoch_end", "evaluation_run_end", "on_evaluation_run_end"]
+    assert log == expected
+
+
+def test_fits_a_linear_function_and_records_losses():
+    model = make_linear()
+    trainer = make_trainer(model)
+    trainer.train(linear_dataset(64), num_epochs=6, eval_dataset=linear_dataset(32, seed=1), per_device_batch_size=8)
+    assert model.weight.item() == pytest.approx(2.0, abs=1e-3)
+    assert model.bias.item() == pytest.approx(3.0, abs=1e-3)
+    train_losses = trainer.run_history.get_metric_values("train_loss_epoch")
+    assert len(train_losses) == 6 and train_losses[-1] < train_losses[0] / 100
+    assert trainer.run_history.get_latest_metric("eval_loss_epoch") < 1e-5
+    assert trainer.run_history.current_epoch == 7
+
+
+def test_train_mode_and_eval_mode_are_set_by_epoch_start_hooks(recorder):
+    modes = []
+
+    class ModeSpy(TrainerCallback):
+        def on_train_step_start(self, trainer, **kwargs):
+            modes.append(("train", trainer.model.training))
+
+        def on_eval_step_start(self, trainer, **kwargs):
+            modes.append(("eval", trainer.model.training))
+
+    trainer = make_trainer(make_linear(), callbacks=[ModeSpy])
+    trainer.train(linear_dataset(4), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
+    assert modes == [("train", True), ("eval", False)]
+
+
+@pytest.mark.parametrize(
+    ("num_epochs", "max_steps", "expected_steps", "expected_epochs"),
+    [(10, 5, 5, 2), (1, 100, 3, 1), (None, 7, 7, 3), (2, None, 6, 2)],
+)
+def test_whichever_of_num_epochs_and_max_steps_comes_first_ends_the_run(num_epochs, max_steps, expected_steps, expected_epochs):
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(6), num_epochs=num_epochs, per_device_batch_size=2, max_num_train_steps=max_steps)
+    assert trainer.num_update_steps_completed == expected_steps
+    assert trainer.run_config.max_num_train_steps == expected_steps
+    assert trainer.run_config.num_epochs == expected_epochs
+    assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == expected_epochs
+
+
+def test_dataset_without_len_trains_with_max_steps():
+    trainer = make_trainer(make_linear())
+    trainer.train(StreamDataset(linear_dataset(10)), num_epochs=None, max_num_train_steps=12, per_device_batch_size=4)
+    assert trainer.num_update_steps_completed == 12  # 3 batches per pass, so 4 passes
+    assert trainer.run_config.num_update_steps_per_epoch is None
+    assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == 4
+
+
+def test_dataset_without_len_refuses_a_placeholder_that_needs_its_length():
+    trainer = make_trainer(make_linear())
+    factory = functools.partial(
+        torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, epochs=2,
+        steps_per_epoch=TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="NUM_UPDATE_STEPS_PER_EPOCH, whose value is unknown"):
+        trainer.train(StreamDataset(linear_dataset(10)), num_epochs=2, per_device_batch_size=4, create_scheduler_fn=factory)
+
+
+def test_stop_training_error_ends_the_run_cleanly():
+    class StopAfterFirstEpoch(RecordingCallback):
+        def on_train_epoch_end(self, trainer, **kwargs):
+            super().on_train_epoch_end(trainer)
+            raise StopTrainingError("enough")
+
+    callback = StopAfterFirstEpoch()
+    trainer = make_trainer(make_linear(), callbacks=[callback])
+    trainer.train(linear_dataset(4), num_epochs=5, eval_dataset=linear_dataset(4), per_device_batch_size=2)
+    assert callback.events.count("on_train_epoch_end") == 1
+    assert "on_eval_epoch_start" not in callback.events
+    assert callback.events[-2:] == ["on_stop_training_error", "on_training_run_end"]
+    assert trainer.run_history.current_epoch == 1
+
+
+def test_evaluate_records_evaluation_loss_and_keeps_the_training_history():
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4)
+    trainer.evaluate(linear_dataset(6, seed=3), per_device_batch_size=4)
+    names = trainer.run_history.get_metric_names()
+    assert {"train_loss_epoch", "evaluation_loss"} <= names
+    assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == 2
+    model = trainer.get_model()
+    x, y = linear_dataset(6, seed=3).tensors
+    expected = nn.functional.mse_loss(model(x), y).item()
+    assert trainer.run_history.get_latest_metric("evaluation_loss") == pytest.approx(expected, rel=1e-5)
+
+
+def test_evaluate_defaults_to_the_last_eval_dataset_and_refuses_none():
+    trainer = make_trainer(make_linear())
+    with pytest.raises(ValueError, match=r"evaluate\(\) received no dataset"):
+        trainer.evaluate()
+    trainer.train(linear_dataset(4), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
+    trainer.evaluate()
+    assert len(trainer.run_history.get_metric_values("evaluation_loss")) == 1
+
+
+def test_extra_batch_output_keys_reach_on_train_step_end():
+    seen = []
+
+    class WithExtras(Trainer):
+        def calculate_train_batch_loss(self, batch):
+            output = super().calculate_train_batch_loss(batch)
+            return {**output, "extra": "value"}
+
+    class Spy(TrainerCallback):
+        def on_train_step_end(self, trainer, batch, batch_output, step, **kwargs):
+            seen.append((step, batch_output["extra"], batch_output["loss"].requires_grad))
+
+    trainer = make_trainer(make_linear(), callbacks=[Spy], trainer_class=WithExtras)
+    trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)
+    assert seen == [(0, "value", True), (1, "value", True)]
+
+
+def test_same_seed_gives_the_same_run_and_another_seed_does_not():
+    def run(seed):
+        model = make_mlp()
+        make_trainer(model, seed=seed).train(regression_dataset(16), num_epochs=2, per_device_batch_size=4)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert torch.equal(run(1), run(1))
+    assert not torch.equal(run(1), run(2))
+
+
+def test_default_dataloaders_use_no_workers_and_workers_persist_when_asked():
+    trainer = make_trainer(make_linear())
+    assert trainer.get_default_train_dl_kwargs(4)["num_workers"] == 0
+    assert trainer.get_default_eval_dl_kwargs(4)["num_workers"] == 0
+    trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4, train_dataloader_kwargs={"num_workers": 1})
+    assert trainer.run_config.train_dl_kwargs["persistent_workers"] is True
+    assert trainer.run_config.train_per_device_batch_size == 4
+
+
+def test_run_config_is_frozen_and_has_pytorch_accelerated_fields():
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(10), num_epochs=2, per_device_batch_size=4, gradient_accumulation_steps=2)
+    config = trainer.run_config
+    assert isinstance(config, TrainerRunConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_epochs = 3
+    assert (config.num_update_steps_per_epoch, config.train_total_batch_size, config.num_processes) == (2, 8, 1)
+    assert config["num_epochs"] == 2
+    assert not config.is_distributed and config.is_world_process_zero and config.is_local_process_zero
+    assert config.mixed_precision == "no"
+
+
+def test_model_is_unwrapped_after_a_run_and_get_model_and_device_work():
+    model = make_linear()
+    trainer = make_trainer(model)
+    trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)
+    assert trainer.model is model and trainer.get_model() is model
+    assert trainer.device == torch.device("cpu")
+    trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)  # a second run prepares again
+    assert trainer.model is model
+
+
+def test_gather_and_print_on_one_process(capsys):
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)
+    assert torch.equal(trainer.gather(torch.tensor([1, 2])), torch.tensor([1, 2]))
+    assert torch.equal(trainer.gather(torch.tensor([1, -1]), padding_value=-1), torch.tensor([1]))
+    trainer.print("hello")
+    assert "hello" in capsys.readouterr().out
+
+
+def test_callbacks_may_be_classes_or_instances(recorder):
+    trainer = make_trainer(make_linear(), callbacks=[RecordingCallback, TrainerCallback()])
+    assert [type(cb).__name__ for cb in trainer.callback_handler] == ["RecordingCallback", "TrainerCallback"]
