@@ -1,0 +1,51 @@
+"""Two real processes (gloo on CPU) train exactly like one process with the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
+
+
+def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1):
+    output = tmp_path / f"{name}.json"
+    if num_processes == 1:
+        command = [sys.executable, str(SCRIPT)]
+    else:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+            str(SCRIPT),
+        ]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [*command, str(output), str(per_device_batch_size), str(accumulation)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(output.read_text()), completed
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
+    single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8)
+    accumulated, _ = _launch(tmp_path, "accumulated", 1, per_device_batch_size=4, accumulation=2)
+    double, completed = _launch(tmp_path, "double", 2, per_device_batch_size=4)
+
+    assert double["num_processes"] == 2 and double["ranks_agree"]
+    assert single["updates"] == accumulated["updates"] == double["updates"] == 12
+    for other in (accumulated, double):
+        torch.testing.assert_close(torch.tensor(other["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)
+        assert other["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+        assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+    assert completed.stdout.count("Starting training run") == 1  # printed once per node
+    assert completed.stdout.count("train_loss_epoch:") == 3
+    assert (tmp_path / "double.json.pt").exists()
