@@ -280,15 +280,15 @@ class Trainer:
         """Runs after the training and evaluation epochs of each training-run epoch. Default: nothing."""
 
     def training_run_end(self) -> None:
-        """Runs at the end of a training run. Default: unwraps ``self.model`` from its Accelerate wrappers."""
-        self.model = self.get_model()
+        """Runs at the end of a training run. Default: unwraps ``self.model`` from its distributed wrappers."""
+        self.model = self._unwrap_distributed_model()
 
     def evaluation_run_start(self) -> None:
         """Runs at the start of an evaluation run, before ``on_evaluation_run_start``. Default: nothing."""
 
     def evaluation_run_end(self) -> None:
-        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` from its Accelerate wrappers."""
-        self.model = self.get_model()
+        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` from its distributed wrappers."""
+        self.model = self._unwrap_distributed_model()
 
     # ------------------------------------------------------------------------------------------------
     # Entry points
@@ -404,7 +404,7 @@ class Trainer:
         the scheduler are built after this.
         """
         self._accelerator.free_memory()
-        self.model = self.get_model()  # a model left wrapped by an earlier run is wrapped only once
+        self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
         if isinstance(self.optimizer, AcceleratedOptimizer):
             self.optimizer = self.optimizer.optimizer
         components = [self.model, self.optimizer, self._train_dataloader, self._eval_dataloader]
@@ -636,6 +636,10 @@ class Trainer:
     def get_model(self) -> torch.nn.Module:
         """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys)."""
         return self._accelerator.unwrap_model(self.model, keep_torch_compile=False)
+
+    def _unwrap_distributed_model(self) -> torch.nn.Module:
+        # keeps a torch.compile wrapper, so that the next run is compiled too
+        return self._accelerator.unwrap_model(self.model, keep_torch_compile=True)
 
     def print(self, *args, **kwargs) -> None:
         """Print once per node, like ``print``."""

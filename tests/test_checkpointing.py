@@ -95,3 +95,14 @@ def test_overwriting_keeps_a_complete_file(tmp_path):
     trainer.save_checkpoint(path, checkpoint_kwargs={"version": 1})
     trainer.save_checkpoint(path, checkpoint_kwargs={"version": 2})
     assert trainer.load_checkpoint(path)["version"] == 2
+
+
+def test_a_compiled_model_trains_and_saves_without_orig_mod_keys(tmp_path):
+    model = make_mlp()
+    compiled = torch.compile(model, backend="eager")  # the OptimizedModule wrapper, without a C++ build
+    trainer = Trainer(compiled, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=())
+    trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=4)
+    assert trainer.get_model() is model and trainer.model is compiled  # the next run is compiled too
+    trainer.save_checkpoint(tmp_path / "model.pt")
+    keys = torch.load(tmp_path / "model.pt", weights_only=True)[MODEL_KEY]
+    assert set(keys) == set(model.state_dict())
