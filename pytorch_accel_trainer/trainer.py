@@ -227,8 +227,8 @@ class Trainer:
             batch: one batch from the training dataloader.
 
         Returns:
-            A dict with at least ``loss`` (a scalar tensor), ``model_outputs`` and ``batch_size``; any extra
-            keys reach ``on_train_step_end``. Return the plain loss: the trainer scales it for gradient
+            A dict with ``loss`` (a scalar tensor) and ``batch_size`` (both required), ``model_outputs`` by
+            convention, and any extra keys, which reach ``on_train_step_end``. Return the plain loss: the trainer scales it for gradient
             accumulation itself, and logs it unscaled.
         """
         xb, yb = batch[0], batch[1]
@@ -336,17 +336,17 @@ class Trainer:
             gradient_accumulation_steps, gradient_clip_value, gradient_clip_norm, create_scheduler_fn,
             train_dataloader_kwargs, eval_dataloader_kwargs,
         )  # fmt: skip
+        if self.optimizer is None:
+            raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
         if reset_run_history:
             self.run_history.reset()
-        if self.optimizer is None:
-            raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
         if self.seed is not None:
             set_seed(self.seed, device_specific=True)
 
         self._train_dataloader = self.create_train_dataloader(per_device_batch_size, train_dataloader_kwargs)
-        self._eval_dataloader = None
+        self._eval_dataloader, self._eval_dl_kwargs = None, None
         if eval_dataset is not None:
             self._eval_dataloader = self.create_eval_dataloader(per_device_batch_size, eval_dataloader_kwargs)
         self._prepare_model_optimizer_and_dataloaders()
@@ -373,15 +373,17 @@ class Trainer:
         Unlike pytorch-accelerated, the run history is kept: the metrics of an earlier ``train()`` stay.
 
         Args:
-            dataset: the data to evaluate; defaults to the ``eval_dataset`` of the last ``train()``.
+            dataset: the data to evaluate; defaults to the ``eval_dataset`` (and collate function) of the last
+                ``train()``.
             per_device_batch_size: the batch size on each process.
             dataloader_kwargs: extra arguments for the DataLoader.
             collate_fn: the collate function of the DataLoader.
         """
-        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:  # the last eval dataset, with its collate function unless another is given
+            dataset, collate_fn = self.eval_dataset, collate_fn or self.collate_fn
         validate_evaluate_arguments(dataset, per_device_batch_size, dataloader_kwargs)
         self.eval_dataset, self.collate_fn = dataset, collate_fn
-        self._train_dataloader = None
+        self._train_dataloader, self._train_dl_kwargs = None, None
         self._eval_dataloader = self.create_eval_dataloader(per_device_batch_size, dataloader_kwargs)
         self._prepare_model_optimizer_and_dataloaders()
         self.run_config = self._create_run_config(
@@ -470,6 +472,7 @@ class Trainer:
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""
         self._num_update_steps_completed = 0
+        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
         self.training_run_start()
         self.callback_handler.call_event("on_training_run_start", self)
         for _ in self._epochs():
@@ -604,11 +607,15 @@ class Trainer:
         return limit is not None and self._num_update_steps_completed >= limit
 
     def _clip_gradients(self) -> None:
-        """Clip the accumulated gradients by value and/or norm, as set in ``train()``; once per update."""
-        if self.run_config.gradient_clip_value is not None:
-            self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=self.run_config.gradient_clip_value)
-        if self.run_config.gradient_clip_norm is not None:
-            self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=self.run_config.gradient_clip_norm)
+        """Clip the accumulated gradients by norm and/or value, as set in ``train()``; once per update."""
+        clip_value, clip_norm = self.run_config.gradient_clip_value, self.run_config.gradient_clip_norm
+        if clip_norm is not None:
+            self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=clip_norm)  # unscales fp16 first
+        if clip_value is not None and clip_norm is None:
+            self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
+        elif clip_value is not None:
+            # already unscaled by clip_grad_norm_: unscaling twice in one update is an error for GradScaler
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
 
     def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
         average = tracker.reduce_average(lambda tensor: self._accelerator.reduce(tensor, "sum"), self.device)

@@ -49,7 +49,9 @@ def test_a_stream_without_len_accumulates_its_partial_last_window_correctly():
     assert streamed_losses == pytest.approx(reference_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("clip", [{"gradient_clip_norm": 0.05}, {"gradient_clip_value": 0.01}])
+@pytest.mark.parametrize(
+    "clip", [{"gradient_clip_norm": 0.05}, {"gradient_clip_value": 0.01}, {"gradient_clip_norm": 0.05, "gradient_clip_value": 0.002}]
+)
 def test_clipping_runs_once_per_update_on_the_accumulated_gradients(clip):
     dataset = regression_dataset(16)
     kwargs = {"train_dataloader_kwargs": {"shuffle": False}, **clip}

@@ -147,6 +147,8 @@ def test_terminate_on_nan_stops_at_the_next_check_and_the_run_ends_cleanly():
     assert callback.triggered
     assert recorder.events.count("on_train_step_start") == 5  # the NaN at step 4 is seen at the step-5 check
     assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]
+    make_trainer(make_linear(), callbacks=[callback]).train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)
+    assert not callback.triggered  # reset by the next run
 
 
 def test_terminate_on_nan_exits_by_default_like_pytorch_accelerated():

@@ -263,3 +263,44 @@ def test_gather_and_print_on_one_process(capsys):
 def test_callbacks_may_be_classes_or_instances(recorder):
     trainer = make_trainer(make_linear(), callbacks=[RecordingCallback, TrainerCallback()])
     assert [type(cb).__name__ for cb in trainer.callback_handler] == ["RecordingCallback", "TrainerCallback"]
+
+
+def test_a_run_starts_from_clean_gradients_and_fresh_dataloader_settings():
+    def run(leftover_gradients):
+        model = make_mlp()
+        trainer = make_trainer(model)
+        trainer.train(regression_dataset(8), num_epochs=1, eval_dataset=regression_dataset(4), per_device_batch_size=4)
+        for parameter in model.parameters():  # as if a run had stopped inside an accumulation window
+            parameter.grad = torch.ones_like(parameter) if leftover_gradients else None
+        trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=4)
+        return trainer, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    trainer, with_leftovers = run(leftover_gradients=True)
+    _, without = run(leftover_gradients=False)
+    assert torch.equal(with_leftovers, without)
+    assert trainer.run_config.eval_dl_kwargs is None  # not the previous run's
+    trainer.evaluate(regression_dataset(4))
+    assert trainer.run_config.train_dl_kwargs is None
+
+
+def test_evaluate_without_a_dataset_keeps_the_collate_function_of_train():
+    collated = []
+
+    def collate(samples):
+        collated.append(len(samples))
+        return torch.utils.data.default_collate(samples)
+
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(4), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4, collate_fn=collate)
+    collated.clear()
+    trainer.evaluate(per_device_batch_size=2)
+    assert collated == [2, 2]
+
+
+def test_a_missing_optimizer_does_not_reset_the_history_first():
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=4)
+    trainer.optimizer = None
+    with pytest.raises(ValueError, match="no optimizer"):
+        trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=4)
+    assert trainer.run_history.get_metric_values("train_loss_epoch")

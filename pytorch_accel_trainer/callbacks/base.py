@@ -29,10 +29,12 @@ EVENTS = (
 
 
 class StopTrainingError(Exception):
-    """Raise this from a hook or a callback to end the training run cleanly after the current step.
+    """Raise this from a hook or callback that runs within an epoch to end the run there, cleanly.
 
-    The trainer catches it, fires ``on_stop_training_error``, then ends the run as usual
-    (``training_run_end`` and ``on_training_run_end`` still run).
+    It is caught from ``train_epoch_start`` to ``on_training_run_epoch_end`` (and within the epoch of
+    ``evaluate()``): the rest of the epoch is skipped (raised from ``on_train_step_end``, so is that step's
+    backward pass), ``on_stop_training_error`` fires, then ``training_run_end`` and ``on_training_run_end``
+    run as usual. Raised outside an epoch, it propagates to the caller of ``train()``.
     """
 
 

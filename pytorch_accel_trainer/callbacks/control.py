@@ -47,6 +47,10 @@ class TerminateOnNaNCallback(TrainerCallback):
             self.triggered = True
             raise StopTrainingError(f"Stopping training due to NaN loss in {stage} step")
 
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        self.triggered = False
+        self._non_finite = None
+
     def on_train_step_end(self, trainer: "Trainer", batch_output: dict, step: int = 0, **kwargs):
         self._record(batch_output["loss"])
         if self.check_every_n_steps and (step + 1) % self.check_every_n_steps == 0:
