@@ -147,8 +147,13 @@ class LossTracker:
 
     def update(self, batch_loss: torch.Tensor, batch_size: Union[int, torch.Tensor]) -> None:
         """Add one batch's mean loss, weighted by its number of samples."""
-        weighted = batch_loss.detach().float() * batch_size
-        self.total_loss = weighted if self.total_loss is None else self.total_loss + weighted
+        loss = batch_loss.detach().float()
+        if self.total_loss is None:
+            self.total_loss = loss * batch_size
+        elif isinstance(batch_size, torch.Tensor):
+            self.total_loss += loss * batch_size
+        else:
+            self.total_loss.add_(loss, alpha=batch_size)  # one device op per step
         self.running_count = self.running_count + batch_size
 
     def reduce_average(self, reduce_sum, device: torch.device) -> Optional[float]:

@@ -42,6 +42,9 @@ from pytorch_accel_trainer.validation import (
     validate_train_arguments,
 )
 
+# Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
+_PLAIN_TORCH_STEP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
 DEFAULT_CALLBACKS = (
     MoveModulesToDeviceCallback,
     TerminateOnNaNCallback,
@@ -75,6 +78,10 @@ class Trainer:
         trainer.run_history.get_latest_metric("eval_loss_epoch")
     """
 
+    #: Always step through Accelerate's optimizer wrapper and ``Accelerator.backward``, even where they
+    #: would only call torch; set it on a subclass for an optimizer that relies on the wrapper.
+    always_use_accelerate_wrappers: bool = False
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -98,6 +105,7 @@ class Trainer:
         self._eval_loss_tracker = LossTracker()
         self._num_update_steps_completed = 0
         self._train_epoch_length: Optional[int] = None
+        self._use_plain_torch_step = False
         # set by train() / evaluate()
         self.create_scheduler_fn = None
         self.scheduler = None
@@ -239,11 +247,17 @@ class Trainer:
     def backward_step(self, loss: torch.Tensor) -> None:
         """Run the backward pass through Accelerate (which handles mixed-precision loss scaling).
 
+        Where ``Accelerator.backward`` would only divide the loss by 1 and call ``loss.backward()`` (no gradient
+        scaler, DeepSpeed or Megatron), the trainer calls ``loss.backward()`` itself: same gradients, less time.
+
         Args:
             loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
                 micro-batches in the current accumulation window.
         """
-        self._accelerator.backward(loss)
+        if self._use_plain_torch_step:
+            loss.backward()
+        else:
+            self._accelerator.backward(loss)
 
     def optimizer_step(self) -> None:
         """Update the parameters: ``self.optimizer.step()``. Runs once per accumulation window."""
@@ -416,6 +430,26 @@ class Trainer:
         for index, component in zip(present, prepared):
             components[index] = component
         self.model, self.optimizer, self._train_dataloader, self._eval_dataloader = components
+        self._use_plain_torch_step = self._accelerate_wrappers_only_call_torch()
+        if self._use_plain_torch_step and isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer = self.optimizer.optimizer
+
+    def _accelerate_wrappers_only_call_torch(self) -> bool:
+        """Whether Accelerate's optimizer wrapper and ``backward()`` would add nothing but time here.
+
+        Without a gradient scaler (fp16), DeepSpeed, FSDP, Megatron, XLA or a LOMO optimizer, the wrapper's
+        ``step()`` and ``zero_grad()`` and ``Accelerator.backward`` only call torch, after checks that cost about
+        100 us per step on a small model (two uncached package lookups, ``inspect.signature``, a division by 1;
+        ``benchmarks/``). The trainer then calls torch directly; ``tests/test_fast_path.py`` shows the result is
+        bitwise identical. The optimizer state was already placed on the device by ``prepare``.
+        """
+        accelerator = self._accelerator
+        return (
+            not self.always_use_accelerate_wrappers
+            and accelerator.scaler is None
+            and accelerator.distributed_type in _PLAIN_TORCH_STEP_TYPES
+            and not accelerator.has_lomo_optimizer
+        )
 
     def _create_run_config(
         self,
@@ -542,7 +576,7 @@ class Trainer:
         self._complete_partial_window(step)
         self._clip_gradients()
         self.optimizer_step()
-        if not self._accelerator.optimizer_step_was_skipped:  # an fp16 overflow skips the update
+        if not self._optimizer_step_was_skipped():  # an fp16 overflow skips the update
             self.scheduler_step()
         self.optimizer_zero_grad()
         self._num_update_steps_completed += 1
@@ -601,6 +635,9 @@ class Trainer:
         if is_update_step or self.run_config.gradient_accumulation_steps == 1:
             return contextlib.nullcontext()
         return self._accelerator.no_sync(self.model)
+
+    def _optimizer_step_was_skipped(self) -> bool:
+        return self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
 
     def _reached_max_steps(self) -> bool:
         limit = self.run_config.max_num_train_steps

@@ -32,24 +32,25 @@ class TerminateOnNaNCallback(TrainerCallback):
         self.check_every_n_steps = check_every_n_steps
         self.exit_on_nan = exit_on_nan
         self.triggered = False
-        self._non_finite: Optional[torch.Tensor] = None
+        self._loss_sum: Optional[torch.Tensor] = None
 
     def _record(self, loss: torch.Tensor) -> None:
-        non_finite = ~torch.isfinite(loss.detach()).all()
-        self._non_finite = non_finite if self._non_finite is None else self._non_finite | non_finite
+        # One device op per step: a sum is non-finite as soon as one of its terms is.
+        loss = loss.detach().float()  # the trainer checks that the loss is a scalar
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
 
     def _check(self, trainer: "Trainer", stage: str) -> None:
-        seen = torch.zeros((), dtype=torch.bool, device=trainer.device)
-        if self._non_finite is not None:
-            seen = self._non_finite.to(trainer.device)
-        self._non_finite = None
-        if trainer._accelerator.reduce(seen.int(), "sum").item() > 0:  # host-device sync, by design
+        seen = torch.zeros((), device=trainer.device)
+        if self._loss_sum is not None:
+            seen = (~torch.isfinite(self._loss_sum)).float().to(trainer.device)
+        self._loss_sum = None
+        if trainer._accelerator.reduce(seen, "sum").item() > 0:  # host-device sync, by design
             self.triggered = True
             raise StopTrainingError(f"Stopping training due to NaN loss in {stage} step")
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         self.triggered = False
-        self._non_finite = None
+        self._loss_sum = None
 
     def on_train_step_end(self, trainer: "Trainer", batch_output: dict, step: int = 0, **kwargs):
         self._record(batch_output["loss"])
