@@ -34,19 +34,20 @@ def build_checkpoint(
             raise ValueError(
                 f"checkpoint_kwargs uses the key {key!r}, which the checkpoint keeps for its own state; rename it."
             )
-        _validate_plain(value, f"checkpoint_kwargs[{key!r}]")
+        validate_plain(value, f"checkpoint_kwargs[{key!r}]")
         checkpoint[key] = value
     return checkpoint
 
 
-def _validate_plain(value: Any, where: str) -> None:
+def validate_plain(value: Any, where: str) -> None:
+    """Refuse a value that would need pickle to load back, naming where it is."""
     if isinstance(value, dict):
         for key, item in value.items():
-            _validate_plain(key, f"{where} key")
-            _validate_plain(item, f"{where}[{key!r}]")
+            validate_plain(key, f"{where} key")
+            validate_plain(item, f"{where}[{key!r}]")
     elif isinstance(value, (list, tuple, set)):
         for index, item in enumerate(value):
-            _validate_plain(item, f"{where}[{index}]")
+            validate_plain(item, f"{where}[{index}]")
     elif not isinstance(value, _PLAIN_TYPES):
         raise TypeError(
             f"{where} is a {type(value).__name__}, which cannot be loaded back without pickle (checkpoints load with "

@@ -47,6 +47,17 @@ class RunHistory(ABC):
     def reset(self) -> None:
         """Forget every metric and go back to epoch 1."""
 
+    def state_dict(self) -> dict:
+        """Return the history as tensors and plain values, for a training state; override in subclasses."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no state_dict(), so it cannot be saved with the training state: implement "
+            "state_dict() and load_state_dict(), or use InMemoryRunHistory."
+        )
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        raise NotImplementedError(f"{type(self).__name__} has no load_state_dict(); see state_dict().")
+
 
 class InMemoryRunHistory(RunHistory):
     """A :class:`RunHistory` kept in memory, with export to pandas and CSV.
@@ -103,6 +114,19 @@ class InMemoryRunHistory(RunHistory):
         self._metrics.clear()
         self._epochs.clear()
 
+    def state_dict(self) -> dict:
+        return {
+            "current_epoch": self._current_epoch,
+            "metrics": {name: [_plain(value) for value in values] for name, values in self._metrics.items()},
+            "epochs": {name: list(epochs) for name, epochs in self._epochs.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reset()
+        self._current_epoch = state["current_epoch"]
+        self._metrics.update({name: list(values) for name, values in state["metrics"].items()})
+        self._epochs.update({name: list(epochs) for name, epochs in state["epochs"].items()})
+
     def to_dataframe(self) -> "pandas.DataFrame":
         """Return every metric as a column of a DataFrame indexed by epoch.
 
@@ -131,6 +155,13 @@ class InMemoryRunHistory(RunHistory):
         return self._metrics[metric_name]
 
 
+def _plain(value: Any) -> Any:
+    """A metric value as something ``torch.load(weights_only=True)`` reads back (numpy scalars become floats)."""
+    if hasattr(value, "item") and not isinstance(value, torch.Tensor) and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
 class LossTracker:
     """Sums batch losses, weighted by batch size, without leaving the device.
 
@@ -155,6 +186,12 @@ class LossTracker:
         else:
             self.total_loss.add_(loss, alpha=batch_size)  # one device op per step
         self.running_count = self.running_count + batch_size
+
+    def state_dict(self) -> dict:
+        return {"total_loss": self.total_loss, "running_count": self.running_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total_loss, self.running_count = state["total_loss"], state["running_count"]
 
     def reduce_average(self, reduce_sum, device: torch.device) -> Optional[float]:
         """Return the per-sample average over every process, or ``None`` when no process tracked a loss.

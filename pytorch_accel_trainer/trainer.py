@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import warnings
+from pathlib import Path
 from numbers import Number
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from accelerate import Accelerator, DistributedType
+from accelerate import Accelerator, DistributedType, skip_first_batches
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader, IterableDataset
 
 from pytorch_accel_trainer.callbacks import (
@@ -32,10 +34,19 @@ from pytorch_accel_trainer.checkpointing import (
     load_checkpoint_file,
     save_checkpoint_file,
 )
+from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values
 from pytorch_accel_trainer.run_config import TrainerRunConfig, count_update_steps, plan_run_length
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory
-from pytorch_accel_trainer.utils import dataloader_length, remove_padding, seed_worker, with_last_flag
+from pytorch_accel_trainer.training_state import (
+    ResumePlan,
+    ResumePosition,
+    find_resumable_state,
+    read_training_state,
+    restore_rng_state,
+    write_training_state,
+)
+from pytorch_accel_trainer.utils import dataloader_length, dataset_length, remove_padding, seed_worker, with_last_flag
 from pytorch_accel_trainer.validation import (
     validate_batch_output,
     validate_evaluate_arguments,
@@ -106,6 +117,14 @@ class Trainer:
         self._num_update_steps_completed = 0
         self._train_epoch_length: Optional[int] = None
         self._use_plain_torch_step = False
+        # training state: saves asked for during a run wait for the next point between two optimizer updates
+        self._in_training_run = False
+        self._loop_epoch = 0
+        self._save_requests: dict[Path, dict] = {}
+        self._resume: Optional[ResumePlan] = None
+        self.preemption_save_dir: Optional[Path] = None
+        self._preemption_signal: Optional[int] = None
+        self._signal_catcher: Optional[SignalCatcher] = None
         # set by train() / evaluate()
         self.create_scheduler_fn = None
         self.scheduler = None
@@ -125,8 +144,14 @@ class Trainer:
         return CallbackHandler(self._callbacks)
 
     def _create_accelerator(self) -> Accelerator:
-        """Return the :class:`accelerate.Accelerator` that runs training; override to configure it."""
-        return Accelerator()
+        """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
+
+        The default shuffles with Accelerate's seedable sampler: the order of epoch ``e`` depends only on
+        ``seed + e`` (``seed`` 0 when ``Trainer(seed=None)``), identical on every process, so a resumed run
+        can skip to any batch by sampler offset.
+        """
+        data_seed = self.seed if self.seed is not None else 0
+        return Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed))
 
     # ------------------------------------------------------------------------------------------------
     # Setup hooks
@@ -323,6 +348,8 @@ class Trainer:
         reset_run_history: bool = True,
         collate_fn: Optional[Callable] = None,
         gradient_clip_norm: Optional[Number] = None,
+        resume_from=None,
+        allow_resume_changes: bool = False,
     ) -> None:
         """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
 
@@ -344,6 +371,16 @@ class Trainer:
             reset_run_history: start from an empty run history (``False`` continues the epoch count).
             collate_fn: the collate function of both dataloaders.
             gradient_clip_norm: clip the total gradient norm to this value before each update.
+            resume_from: a training state written by :meth:`save_training_state` (or a
+                ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one is used. The
+                run continues exactly where that state was taken: same epoch, next batch, same RNG states. A
+                folder with no state yet starts a new run (and says so); a path that does not exist is an error.
+            allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length
+                differ from the saved run's (the continuation is then not exact).
+
+        Example::
+
+            trainer.train(dataset, num_epochs=10, resume_from="checkpoints")  # the same line starts or resumes
         """
         validate_train_arguments(
             train_dataset, num_epochs, eval_dataset, per_device_batch_size, max_num_train_steps,
@@ -352,6 +389,7 @@ class Trainer:
         )  # fmt: skip
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
+        stored_state = find_resumable_state(Path(resume_from)) if resume_from is not None else None
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
         if reset_run_history:
@@ -373,6 +411,7 @@ class Trainer:
             gradient_clip_norm=gradient_clip_norm,
         )
         self.scheduler = self.create_scheduler() if create_scheduler_fn is not None else None
+        self._resume = self._load_resume_plan(stored_state, resume_from, allow_resume_changes)
         self._run_training()
 
     def evaluate(
@@ -505,23 +544,29 @@ class Trainer:
 
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""
-        self._num_update_steps_completed = 0
-        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
-        self.training_run_start()
-        self.callback_handler.call_event("on_training_run_start", self)
-        for _ in self._epochs():
-            try:
-                self._run_train_epoch(self._train_dataloader)
-                if self._eval_dataloader is not None:
-                    self._run_eval_epoch(self._eval_dataloader)
-                self.training_run_epoch_end()
-                self.callback_handler.call_event("on_training_run_epoch_end", self)
-            except StopTrainingError as error:
-                self._stop_training(error)
-                break
-            self.run_history._increment_epoch()
-            if self._reached_max_steps():
-                break  # the step limit came before the epoch limit
+        self._start_training_run_state()
+        try:
+            self.training_run_start()
+            self.callback_handler.call_event("on_training_run_start", self)
+            for epoch in self._epochs():
+                self._loop_epoch = epoch
+                try:
+                    self._run_train_epoch(self._train_dataloader)
+                    if self._eval_dataloader is not None:
+                        self._run_eval_epoch(self._eval_dataloader)
+                    self.training_run_epoch_end()
+                    self.callback_handler.call_event("on_training_run_epoch_end", self)
+                except StopTrainingError as error:
+                    self._stop_training(error)
+                    break
+                self.run_history._increment_epoch()
+                self._epochs_completed = epoch + 1
+                self._reach_safe_point()  # between epochs: saves asked for during the epoch are taken here
+                if self._reached_max_steps():
+                    break  # the step limit came before the epoch limit
+        finally:
+            self._in_training_run = False  # from here on, saves are taken at once
+            self._disable_preemption()
         self.training_run_end()
         self.callback_handler.call_event("on_training_run_end", self)
 
@@ -542,9 +587,12 @@ class Trainer:
         self._train_loss_tracker.reset()
         self._train_epoch_length = dataloader_length(train_dl)
         self.callback_handler.call_event("on_train_epoch_start", self)
-        step = -1
-        for step, (batch, is_last_batch) in enumerate(with_last_flag(train_dl)):
+        first_step, batches = self._epoch_batches(train_dl)
+        step = first_step - 1
+        for step, (batch, is_last_batch) in enumerate(batches, start=first_step):
             self.callback_handler.call_event("on_train_step_start", self)
+            if self._is_window_start(step):
+                self._reach_safe_point(step)  # between two optimizer updates
             is_update_step = self._is_update_step(step, is_last_batch)
             self._run_train_step(batch, step, is_update_step)
             if is_update_step:
@@ -602,8 +650,12 @@ class Trainer:
 
     def _epochs(self) -> Iterable[int]:
         if self.run_config.num_epochs is None:
-            return itertools.count()  # only max_num_train_steps ends this run
-        return range(self.run_config.num_epochs)
+            return itertools.count(self._epochs_completed)  # only max_num_train_steps ends this run
+        return range(self._epochs_completed, self.run_config.num_epochs)
+
+    def _is_window_start(self, step: int) -> bool:
+        """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
+        return step % self.run_config.gradient_accumulation_steps == 0
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
@@ -662,6 +714,170 @@ class Trainer:
     def _stop_training(self, error: StopTrainingError) -> None:
         self.print(error)
         self.callback_handler.call_event("on_stop_training_error", self)
+
+    # ------------------------------------------------------------------------------------------------
+    # Training state: saves between optimizer updates, resume, preemption
+    # ------------------------------------------------------------------------------------------------
+
+    def _start_training_run_state(self) -> None:
+        self._in_training_run = True
+        self._save_requests = {}
+        self._preemption_signal = None
+        if self._resume is None:
+            self._num_update_steps_completed, self._epochs_completed = 0, 0
+        else:
+            self._epochs_completed = self._resume.position.loop_epoch
+        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
+
+    def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
+        """Return this epoch's first step and batches: after a resume, only those not yet trained on.
+
+        Batches already seen are skipped by sampler offset (``accelerate.skip_first_batches``), so resuming at
+        step 10,000 costs about the same as at step 10.
+        """
+        if hasattr(train_dl, "set_epoch"):
+            train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
+        resume = self._resume
+        if resume is None or resume.position.loop_epoch != self._loop_epoch:
+            return 0, with_last_flag(train_dl)
+        first_step = resume.position.batches_seen
+        if resume.position.rng_restore_point == "after_iterator":
+            self._train_loss_tracker.load_state_dict(resume.train_loss_tracker)
+        if first_step:
+            train_dl = skip_first_batches(train_dl, first_step)
+        self._restore_rng_if_due("before_iterator")
+        return first_step, with_last_flag(train_dl)
+
+    def _restore_rng_if_due(self, point: str) -> None:
+        """Put back the saved RNG states where the saved run took them; this ends the resume."""
+        if self._resume is not None and self._resume.position.rng_restore_point == point:
+            restore_rng_state(self._resume.rng_state)
+            self._resume = None
+
+    def _reach_safe_point(self, step: Optional[int] = None) -> None:
+        """Between two optimizer updates: finish a resume, take the saves asked for, stop if preempted.
+
+        Args:
+            step: the micro-batch about to run in the current epoch; ``None`` between epochs.
+        """
+        self._restore_rng_if_due("after_iterator")
+        if self._save_requests:
+            requests, self._save_requests = self._save_requests, {}
+            for parent, request in requests.items():
+                self._write_training_state(parent, self._current_position(step), **request)
+        self._exit_if_preempted(step)
+
+    def _current_position(self, step: Optional[int]) -> ResumePosition:
+        if step is None:  # between epochs, or outside a run
+            return ResumePosition(self._epochs_completed, 0, "before_iterator")
+        return ResumePosition(self._loop_epoch, step, "after_iterator")
+
+    def _run_facts(self) -> dict:
+        """The settings a resumed run must share with the saved one to continue it exactly."""
+        config = self.run_config
+        return {
+            "world_size": self._accelerator.num_processes,
+            "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
+            "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
+            "train_dataset_length": None if self.train_dataset is None else dataset_length(self.train_dataset),
+        }
+
+    def _write_training_state(self, parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None) -> Path:  # fmt: skip
+        folder = write_training_state(self, parent, position, self._run_facts(), kinds, checkpoint_kwargs, max_rolling)
+        self.print(f"Saved training state {folder}")
+        return folder
+
+    def _load_resume_plan(self, stored_state, resume_from, allow_changes: bool) -> Optional[ResumePlan]:
+        if resume_from is None:
+            return None
+        if stored_state is None:
+            self.print(f"resume_from={str(resume_from)!r} holds no training state yet: starting a new run.")
+            return None
+        plan = read_training_state(self, stored_state, self._run_facts(), allow_changes)
+        self.print(f"Resuming from {stored_state.folder} (after {self._num_update_steps_completed} optimizer updates)")
+        return plan
+
+    def _exit_if_preempted(self, step: Optional[int]) -> None:
+        signal_number = self._agreed_preemption_signal()
+        if not signal_number:
+            return
+        if self.preemption_save_dir is not None:
+            self._write_training_state(self.preemption_save_dir, self._current_position(step))
+        self.print(f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}.")
+        sys.exit(128 + signal_number)
+
+    def _agreed_preemption_signal(self) -> Optional[int]:
+        """The preemption signal any process received; every process leaves at the same step."""
+        if self.preemption_save_dir is None or self._accelerator.num_processes == 1:
+            return self._preemption_signal
+        flag = torch.tensor([self._preemption_signal or 0], dtype=torch.int64, device=self.device)
+        return int(self._accelerator.reduce(flag, "max").item()) or None  # one small collective per update window
+
+    def enable_preemption(self, save_dir, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
+        """For the rest of this training run, on one of ``signals``: finish the current optimizer update, save
+        a training state under ``save_dir``, and exit with code ``128 + signal``; a second SIGINT exits at once.
+
+        With several processes, a signal received by any one of them stops all of them at the same step.
+        ``SaveTrainingStateCallback`` calls this in ``on_training_run_start``.
+        """
+        self._disable_preemption()
+        self.preemption_save_dir = Path(save_dir)
+        self._signal_catcher = SignalCatcher(signals, self.request_preemption)
+        self._signal_catcher.install()
+
+    def _disable_preemption(self) -> None:
+        if self._signal_catcher is not None:
+            self._signal_catcher.uninstall()
+        self._signal_catcher, self.preemption_save_dir = None, None
+
+    def request_preemption(self, signal_number: int) -> None:
+        """Ask the run to save and exit with code ``128 + signal_number`` at the next point between updates.
+
+        Safe to call from a signal handler; ``SaveTrainingStateCallback`` does it for SIGTERM, SIGINT and SIGUSR1.
+        """
+        self._preemption_signal = signal_number
+
+    def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None) -> Optional[Path]:  # fmt: skip
+        """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
+
+        The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
+        process, the position in the epoch, the step and epoch counters, the run history, each callback's
+        ``state_dict()`` and ``checkpoint_kwargs``. It is written crash-safely (see ``training_state.py``) and
+        never overwrites an existing state. Every process must call this.
+
+        During a training run the save waits for the next point between two optimizer updates (a save asked
+        for inside an accumulation window is taken when the window closes) and returns ``None``; outside a
+        run it is taken at once.
+
+        Args:
+            output_dir: the folder that holds the states (``output_dir/checkpoint-<updates>``).
+            checkpoint_kwargs: extra tensors or plain values to store.
+            kinds: ``"rolling"`` (pruned beyond ``max_checkpoints``), ``"permanent"`` (kept forever) and/or
+                ``"best"`` (only the newest is kept).
+            max_checkpoints: keep at most this many rolling states in ``output_dir``.
+
+        Returns:
+            The new state's folder, or ``None`` when it will be taken at the next point between updates.
+        """
+        parent = Path(output_dir)
+        if not self._in_training_run:
+            return self._write_training_state(parent, self._current_position(None), kinds, checkpoint_kwargs, max_checkpoints)
+        request = self._save_requests.setdefault(parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_checkpoints})
+        request["kinds"].update(kinds)
+        request["checkpoint_kwargs"].update(checkpoint_kwargs or {})
+        return None
+
+    def load_training_state(self, input_dir) -> dict:
+        """Load a training state (or the newest in a folder of them) into the model, optimizer, scheduler,
+        run history and callbacks, outside a training run; to continue a run, use ``train(resume_from=...)``.
+
+        Returns:
+            The ``checkpoint_kwargs`` saved with it.
+        """
+        stored = find_resumable_state(Path(input_dir))
+        if stored is None:
+            raise FileNotFoundError(f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state.")
+        return read_training_state(self, stored, None, allow_changes=True).checkpoint_kwargs
 
     # ------------------------------------------------------------------------------------------------
     # Utilities

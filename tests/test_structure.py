@@ -50,7 +50,7 @@ def test_imports_point_one_way(path):
     if relative not in ("__init__.py", "trainer.py"):
         assert "pytorch_accel_trainer.trainer" not in imports  # trainer is the top; callbacks get it at call time
     if relative.startswith("callbacks/"):
-        assert all(name.startswith(("pytorch_accel_trainer.callbacks", "pytorch_accel_trainer.utils", "pytorch_accel_trainer.tracking")) for name in imports)
+        assert all(name.startswith(("pytorch_accel_trainer.callbacks", "pytorch_accel_trainer.utils", "pytorch_accel_trainer.tracking", "pytorch_accel_trainer.preemption")) for name in imports)
     if relative == "utils.py":
         assert imports == set()
 

@@ -3,6 +3,7 @@
 from pytorch_accel_trainer.callbacks.base import EVENTS, CallbackHandler, StopTrainingError, TrainerCallback
 from pytorch_accel_trainer.callbacks.control import TerminateOnNaNCallback
 from pytorch_accel_trainer.callbacks.device import MoveModulesToDeviceCallback
+from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.callbacks.progress import (
     LogMetricsCallback,
     PrintMetricsCallback,
@@ -18,6 +19,7 @@ __all__ = [
     "PrintMetricsCallback",
     "PrintProgressCallback",
     "ProgressBarCallback",
+    "SaveTrainingStateCallback",
     "StopTrainingError",
     "TerminateOnNaNCallback",
     "TrainerCallback",

@@ -1,0 +1,135 @@
+"""Saving the training state during a run, so that it can be resumed exactly."""
+
+from __future__ import annotations
+
+import operator
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional, Union
+
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+
+def _validate_interval(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name}={value!r} is not valid: it must be a positive integer or None.")
+
+
+class SaveTrainingStateCallback(TrainerCallback):
+    """Saves the full training state under ``save_dir`` so that ``train(resume_from=save_dir)`` continues the run.
+
+    Saves are taken between optimizer updates (``Trainer.save_training_state``). States are named by the
+    number of optimizer updates, which continues across a resume, so a resumed run never overwrites an
+    earlier state. On SIGTERM, SIGINT or SIGUSR1 (``save_on_signals``) the run finishes its current update,
+    saves, and exits with code ``128 + signal``.
+
+    Args:
+        save_dir: the folder of training states, created if needed; pass the same folder to
+            ``train(resume_from=...)``: it starts a new run while the folder is empty.
+        save_every_n_epochs: save after every N training-run epochs (``None``: never by epoch).
+        save_every_n_steps: save after every N optimizer updates (``None``: never by step).
+        save_at_end: save when the training run ends.
+        max_checkpoints: keep only the newest N of these rolling states (``None``: keep all).
+        keep_every_n_steps: keep the state after every N updates forever, whatever ``max_checkpoints`` says.
+        watch_metric: keep, apart from the rolling states, the state of the epoch with the best value of this
+            run-history metric.
+        greater_is_better: whether a larger ``watch_metric`` is better.
+        save_on_signals: the signals that save and exit; ``()`` to leave signals alone.
+
+    Example::
+
+        trainer = Trainer(model, loss_func, optimizer, callbacks=[*DEFAULT_CALLBACKS,
+                          SaveTrainingStateCallback("checkpoints", save_every_n_steps=500, max_checkpoints=3)])
+        trainer.train(dataset, num_epochs=10, resume_from="checkpoints")  # starts, or resumes after a crash
+    """
+
+    def __init__(
+        self,
+        save_dir: Union[str, Path] = "checkpoints",
+        save_every_n_epochs: Optional[int] = 1,
+        save_every_n_steps: Optional[int] = None,
+        save_at_end: bool = True,
+        max_checkpoints: Optional[int] = None,
+        keep_every_n_steps: Optional[int] = None,
+        watch_metric: Optional[str] = None,
+        greater_is_better: bool = False,
+        save_on_signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS,
+    ):
+        for name, value in (
+            ("save_every_n_epochs", save_every_n_epochs),
+            ("save_every_n_steps", save_every_n_steps),
+            ("max_checkpoints", max_checkpoints),
+            ("keep_every_n_steps", keep_every_n_steps),
+        ):
+            _validate_interval(name, value)
+        self.save_dir = Path(save_dir)
+        self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run
+        self.save_every_n_epochs = save_every_n_epochs
+        self.save_every_n_steps = save_every_n_steps
+        self.save_at_end = save_at_end
+        self.max_checkpoints = max_checkpoints
+        self.keep_every_n_steps = keep_every_n_steps
+        self.watch_metric = watch_metric
+        self.is_better = operator.gt if greater_is_better else operator.lt
+        self.save_on_signals = tuple(save_on_signals)
+        self.best_metric = None
+        self._last_saved_step: Optional[int] = None
+
+    def state_dict(self) -> dict:
+        return {"best_metric": self.best_metric, "last_saved_step": self._last_saved_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_metric, self._last_saved_step = state["best_metric"], state["last_saved_step"]
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        if self.save_on_signals:
+            trainer.enable_preemption(self.save_dir, self.save_on_signals)
+
+    def on_train_step_start(self, trainer: "Trainer", **kwargs):
+        # the first step after an update: the save is taken right after this event, before the step runs
+        kinds = self._step_kinds(trainer.num_update_steps_completed)
+        if kinds:
+            self._save(trainer, kinds)
+
+    def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
+        kinds = self._step_kinds(trainer.num_update_steps_completed)
+        if self.save_every_n_epochs and trainer.run_history.current_epoch % self.save_every_n_epochs == 0:
+            kinds.add("rolling")
+        if self.watch_metric is not None and self._improved(trainer):
+            kinds.add("best")
+        if kinds:
+            self._save(trainer, kinds)
+
+    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+        if self.save_at_end and trainer.num_update_steps_completed != self._last_saved_step:
+            self._save(trainer, {"rolling"})
+
+    def _step_kinds(self, done: int) -> set:
+        kinds = set()
+        if done == 0 or done == self._last_saved_step:
+            return kinds
+        if self.save_every_n_steps and done % self.save_every_n_steps == 0:
+            kinds.add("rolling")
+        if self.keep_every_n_steps and done % self.keep_every_n_steps == 0:
+            kinds.add("permanent")
+        return kinds
+
+    def _improved(self, trainer: "Trainer") -> bool:
+        names = trainer.run_history.get_metric_names()
+        if self.watch_metric not in names:
+            raise ValueError(
+                f"SaveTrainingStateCallback(watch_metric={self.watch_metric!r}): no such metric in the run history; "
+                f"the metrics are {sorted(names)}."
+            )
+        current = trainer.run_history.get_latest_metric(self.watch_metric)
+        if self.best_metric is None or self.is_better(current, self.best_metric):
+            self.best_metric = float(current)
+            return True
+        return False
+
+    def _save(self, trainer: "Trainer", kinds: set) -> None:
+        trainer.save_training_state(self.save_dir, kinds=kinds, max_checkpoints=self.max_checkpoints)
+        self._last_saved_step = trainer.num_update_steps_completed

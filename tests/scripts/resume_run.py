@@ -1,0 +1,129 @@
+"""A small, fully random training run (shuffle, dropout, scheduler) that a test kills and resumes.
+
+Usage: python resume_run.py CONFIG_JSON. Writes the final model, optimizer, scheduler and history to
+CONFIG["out"] with torch.save, so the test can compare an interrupted-and-resumed run bit for bit with an
+uninterrupted one.
+"""
+
+import functools
+import json
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer import training_state
+
+
+class IndexedDataset(Dataset):
+    """y = f(x) with the sample index, so that the samples each step sees can be logged."""
+
+    def __init__(self, size):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, 6, generator=generator)
+        self.y = torch.sin(self.x).sum(dim=1, keepdim=True)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index], index
+
+
+class IndexedTrainer(Trainer):
+    def calculate_train_batch_loss(self, batch):
+        xb, yb, _ = batch
+        outputs = self.model(xb)
+        return {"loss": self.loss_func(outputs, yb), "model_outputs": outputs, "batch_size": yb.size(0)}
+
+    def calculate_eval_batch_loss(self, batch):
+        with torch.no_grad():
+            return self.calculate_train_batch_loss(batch)
+
+
+class Kill(TrainerCallback):
+    """Kills this process with SIGKILL (or sends it another signal) at a chosen point of the run."""
+
+    def __init__(self, point):
+        self.point = point  # {"event": ..., "epoch": ..., "step": ..., "signal": ...}
+        self.eval_steps = 0
+
+    def _maybe(self, trainer, event, step=None):
+        point = self.point
+        if point is None or point["event"] != event or trainer.run_history.current_epoch != point["epoch"]:
+            return
+        if step is not None and step != point["step"]:
+            return
+        os.kill(os.getpid(), getattr(signal, point.get("signal", "SIGKILL")))
+
+    def on_train_step_end(self, trainer, step, **kwargs):
+        self._maybe(trainer, "train_step", step)
+
+    def on_eval_step_end(self, trainer, **kwargs):
+        self._maybe(trainer, "eval_step", self.eval_steps)
+        self.eval_steps += 1
+
+    def on_eval_epoch_start(self, trainer, **kwargs):
+        self.eval_steps = 0
+
+
+class LogSamples(TrainerCallback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_step_end(self, trainer, batch, **kwargs):
+        with open(self.path, "a") as handle:
+            ids = " ".join(str(int(i)) for i in batch[2])
+            handle.write(f"{trainer.run_history.current_epoch} {trainer.num_update_steps_completed} {ids}\n")
+
+
+def main(config):
+    if config.get("crash_at"):
+        crash_at = config["crash_at"]
+
+        def crash(name):
+            if name == crash_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        training_state._crash_point = crash
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    callbacks = [
+        SaveTrainingStateCallback(config["save_dir"], save_every_n_steps=config.get("save_every", 1), max_checkpoints=3),
+        Kill(config.get("kill")),
+    ]
+    if config.get("sample_log"):
+        callbacks.append(LogSamples(config["sample_log"]))
+    trainer = IndexedTrainer(model, nn.MSELoss(), optimizer, callbacks=callbacks)
+    scheduler = None
+    if config.get("scheduler", True):
+        scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8)
+    trainer.train(
+        IndexedDataset(config.get("size", 22)),
+        num_epochs=config.get("epochs", 3),
+        eval_dataset=IndexedDataset(8),
+        per_device_batch_size=2,
+        gradient_accumulation_steps=config.get("accumulation", 1),
+        create_scheduler_fn=scheduler,
+        train_dataloader_kwargs={"shuffle": config.get("shuffle", True), "num_workers": config.get("num_workers", 0)},
+        resume_from=config["save_dir"],
+    )
+    result = {
+        "model": trainer.get_model().state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        "history": trainer.run_history.state_dict(),
+        "updates": trainer.num_update_steps_completed,
+    }
+    if trainer.run_config.is_world_process_zero:
+        torch.save(result, config["out"])
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
