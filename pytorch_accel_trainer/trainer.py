@@ -117,6 +117,7 @@ class Trainer:
         self._num_update_steps_completed = 0
         self._train_epoch_length: Optional[int] = None
         self._use_plain_torch_step = False
+        self._max_num_train_steps: Optional[int] = None
         # training state: saves asked for during a run wait for the next point between two optimizer updates
         self._in_training_run = False
         self._loop_epoch = 0
@@ -390,6 +391,7 @@ class Trainer:
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
         stored_state = find_resumable_state(Path(resume_from)) if resume_from is not None else None
+        self._max_num_train_steps = max_num_train_steps
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
         if reset_run_history:
@@ -692,7 +694,8 @@ class Trainer:
         return self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
 
     def _reached_max_steps(self) -> bool:
-        limit = self.run_config.max_num_train_steps
+        # the user's limit, not run_config's planned total: a resume with another batch size changes the plan
+        limit = self._max_num_train_steps
         return limit is not None and self._num_update_steps_completed >= limit
 
     def _clip_gradients(self) -> None:

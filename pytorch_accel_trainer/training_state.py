@@ -490,7 +490,12 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
     rank = trainer._accelerator.process_index
     if not (folder / rank_file(rank)).is_file():
         raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest.get('world_size')} processes).")
-    load_model(trainer.get_model(), str(folder / MODEL_FILE), strict=True)
+    try:
+        load_model(trainer.get_model(), str(folder / MODEL_FILE), strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(
+            f"{folder / MODEL_FILE} does not fit this model ({error}); resume with the model the state was saved from."
+        ) from error
     trainer.optimizer.load_state_dict(load_tensors_file(folder / OPTIMIZER_FILE))
     has_scheduler_file = (folder / SCHEDULER_FILE).is_file()
     if run_facts is None and trainer.scheduler is None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
 from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback
+from pytorch_accel_trainer.utils import dataloader_length
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -69,3 +72,113 @@ class TerminateOnNaNCallback(TrainerCallback):
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
         if self.triggered and self.exit_on_nan:
             sys.exit("Exiting due to NaN loss")
+
+
+#: Set this environment variable to a number of batches to add a :class:`LimitBatchesCallback` to every
+#: trainer created while it is set (a quick debugging run, as in pytorch-accelerated).
+LIMIT_BATCHES_ENV_VAR = "PT_ACC_LIMIT_BATCHES"
+
+
+class DataLoaderSlice:
+    """The first ``num_batches`` batches of a dataloader, while ``is_active()`` says so; all of them otherwise.
+
+    Every other attribute (``sampler``, ``batch_size``, ``set_epoch``, ...) is the wrapped dataloader's.
+
+    Args:
+        dataloader: the dataloader to slice.
+        num_batches: the most batches one pass yields.
+        is_active: called at the start of each pass (and by ``len()``); ``None`` means always active.
+    """
+
+    def __init__(self, dataloader: Iterable, num_batches: int, is_active: Optional[Callable[[], bool]] = None):
+        self.dataloader = dataloader
+        self.num_batches = num_batches
+        self.is_active = is_active or (lambda: True)
+
+    def __iter__(self):
+        if self.is_active():
+            return itertools.islice(self.dataloader, self.num_batches)
+        return iter(self.dataloader)
+
+    def __len__(self) -> int:
+        length = dataloader_length(self.dataloader)
+        if length is None:
+            raise TypeError("the sliced dataloader has no length")  # as for the dataloader itself
+        return min(length, self.num_batches) if self.is_active() else length
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataloader":  # not set yet (e.g. during unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+
+class LimitBatchesCallback(TrainerCallback):
+    """Limits every training and evaluation epoch to its first ``num_batches`` batches on each process.
+
+    For quick debugging runs. It is added to every trainer created while the environment variable
+    ``PT_ACC_LIMIT_BATCHES`` holds a number of batches (see :func:`with_limit_batches_from_env`). The run
+    config and the placeholders still describe the full dataloaders.
+
+    Args:
+        num_batches: the most batches per epoch and process.
+    """
+
+    def __init__(self, num_batches: int):
+        _validate_num_batches(num_batches, "num_batches")
+        self.num_batches = num_batches
+        self._originals: Optional[tuple] = None
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        self._limit_dataloaders(trainer)
+
+    def on_evaluation_run_start(self, trainer: "Trainer", **kwargs):
+        self._limit_dataloaders(trainer)
+
+    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+        self._restore_dataloaders(trainer)
+
+    def on_evaluation_run_end(self, trainer: "Trainer", **kwargs):
+        self._restore_dataloaders(trainer)
+
+    def _limit_dataloaders(self, trainer: "Trainer") -> None:
+        self._originals = (trainer._train_dataloader, trainer._eval_dataloader)
+        trainer._train_dataloader, trainer._eval_dataloader = (
+            None if dataloader is None else DataLoaderSlice(dataloader, self.num_batches)
+            for dataloader in self._originals
+        )
+
+    def _restore_dataloaders(self, trainer: "Trainer") -> None:
+        if self._originals is not None:
+            trainer._train_dataloader, trainer._eval_dataloader = self._originals
+            self._originals = None
+
+
+def with_limit_batches_from_env(callbacks: Iterable) -> list:
+    """Return ``callbacks`` plus a :class:`LimitBatchesCallback` when ``PT_ACC_LIMIT_BATCHES`` is set.
+
+    Nothing is added when the variable is unset or empty, or when ``callbacks`` already holds a
+    ``LimitBatchesCallback`` (class or instance).
+
+    Raises:
+        ValueError: the variable is set to something other than a positive whole number.
+    """
+    callbacks = list(callbacks)
+    value = os.environ.get(LIMIT_BATCHES_ENV_VAR, "").strip()
+    has_limit = any(
+        (isinstance(callback, type) and issubclass(callback, LimitBatchesCallback))
+        or isinstance(callback, LimitBatchesCallback)
+        for callback in callbacks
+    )
+    if not value or has_limit:
+        return callbacks
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"The environment variable {LIMIT_BATCHES_ENV_VAR} is {value!r}, not a positive whole number of batches; "
+            f"set it to e.g. {LIMIT_BATCHES_ENV_VAR}=2, or unset it for full epochs."
+        )
+    return [*callbacks, LimitBatchesCallback(int(value))]
+
+
+def _validate_num_batches(num_batches: Any, name: str) -> None:
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
+        raise ValueError(f"{name} is {num_batches!r}; pass a positive whole number of batches, e.g. {name}=2.")

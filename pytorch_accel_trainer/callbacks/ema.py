@@ -1,0 +1,207 @@
+"""An exponential moving average (EMA) of the model's weights, updated after every optimizer step."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import numbers
+import os
+from typing import TYPE_CHECKING, Iterable, Optional, Union
+
+import torch
+
+from pytorch_accel_trainer.callbacks.base import CallbackHandler
+from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
+from pytorch_accel_trainer.callbacks.evaluation import _validate_can_evaluate_during_training, is_intermediate_evaluation
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+#: The prefix of the metrics recorded while the EMA weights are evaluated, e.g. ``ema_model_eval_loss_epoch``.
+EMA_METRIC_PREFIX = "ema_model_"
+
+
+class ModelEmaCallback(SaveBestModelCallback):
+    """Keeps an exponential moving average of the model's weights, evaluates it, and saves the best one.
+
+    After every optimizer update, each floating-point parameter and buffer of the EMA copy becomes
+    ``decay * ema + (1 - decay) * weight`` (other buffers are copied). The update is noticed at the next
+    ``on_train_step_start`` (and at the end of each epoch) by comparing ``trainer.num_update_steps_completed``
+    with the last count seen, and made with ``torch._foreach`` operations: no host-device sync and no
+    Python loop over the parameters. pytorch-accelerated updates its EMA once per epoch instead.
+
+    With ``evaluate_during_training``, each evaluation epoch of ``train()`` is followed by one over the
+    same data with the EMA weights, whose metrics are recorded with the prefix ``ema_model_``
+    (``ema_model_eval_loss_epoch``, ...), and the EMA weights are saved to ``save_path`` whenever
+    ``watch_metric`` improves. Without it, the EMA weights are saved at the end of every epoch. The EMA
+    weights are never loaded into the model: read them from ``ema_model`` or from the file.
+
+    Order matters: place this callback after the callbacks that record evaluation metrics (their state
+    is reset by the EMA evaluation) and before those that read them (``LogMetricsCallback``).
+
+    Args:
+        decay: the weight of the running average at each update, in ``(0, 1)``.
+        evaluate_during_training: evaluate the EMA weights after each evaluation epoch (needs an
+            ``eval_dataset``) and save the best; ``False`` saves the EMA weights every epoch.
+        save_path: the checkpoint file of the EMA weights.
+        watch_metric: the metric that decides which EMA weights are best.
+        greater_is_better: whether a larger value of ``watch_metric`` is better.
+        callbacks: the callbacks called during the EMA evaluation epoch (e.g. a metrics callback); the
+            trainer's callbacks are not.
+
+    Example::
+
+        callbacks = (*DEFAULT_CALLBACKS[:-1], ModelEmaCallback(decay=0.999), DEFAULT_CALLBACKS[-1])
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.99,
+        evaluate_during_training: bool = True,
+        save_path: Union[str, os.PathLike] = "ema_model.pt",
+        watch_metric: str = "ema_model_eval_loss_epoch",
+        greater_is_better: bool = False,
+        callbacks: Iterable = (),
+    ):
+        if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay < 1:
+            raise ValueError(f"decay is {decay!r}; pass a number between 0 and 1, e.g. decay=0.999.")
+        super().__init__(
+            save_path=save_path,
+            watch_metric=watch_metric,
+            greater_is_better=greater_is_better,
+            reset_on_train=False,
+            save_optimizer=False,
+            save_scheduler=False,
+            load_saved_checkpoint=False,
+        )
+        self.decay = float(decay)
+        self.evaluate_during_training = evaluate_during_training
+        self.callback_handler = CallbackHandler(callbacks)
+        self.ema_model: Optional[torch.nn.Module] = None
+        self.num_updates = 0
+        self._ema_floats: list = []
+        self._model_floats: list = []
+        self._ema_others: list = []
+        self._model_others: list = []
+        self._last_update_seen = 0
+        self._in_training_run = False
+        self._restored_weights: Optional[dict] = None
+
+    # ------------------------------------------------------------------------------------------------
+    # Keeping the average
+    # ------------------------------------------------------------------------------------------------
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        restored = self._state_was_restored
+        super().on_training_run_start(trainer)
+        if self.evaluate_during_training:
+            _validate_can_evaluate_during_training(trainer, type(self).__name__)
+        model = trainer.get_model()
+        self.ema_model = copy.deepcopy(model).eval().requires_grad_(False)
+        for parameter in self.ema_model.parameters():
+            parameter.grad = None
+        self._pair_tensors(model)
+        if not restored:
+            self.num_updates = 0
+        if self._restored_weights is not None:
+            self.ema_model.load_state_dict(self._restored_weights)  # copies in place: the pairs stay valid
+            self._restored_weights = None
+        self._last_update_seen = trainer.num_update_steps_completed
+        self._in_training_run = True
+
+    def _pair_tensors(self, model: torch.nn.Module) -> None:
+        """Pair each EMA tensor with the model tensor it follows, once per run (not per step)."""
+        ema_tensors = [*self.ema_model.named_parameters(), *self.ema_model.named_buffers()]
+        model_tensors = [*model.named_parameters(), *model.named_buffers()]
+        self._ema_floats, self._model_floats, self._ema_others, self._model_others = [], [], [], []
+        for (_, ema_tensor), (_, model_tensor) in zip(ema_tensors, model_tensors):
+            floats = ema_tensor.is_floating_point()
+            (self._ema_floats if floats else self._ema_others).append(ema_tensor)
+            (self._model_floats if floats else self._model_others).append(model_tensor.detach())
+
+    def on_train_step_start(self, trainer: "Trainer", **kwargs):
+        self._update_if_stepped(trainer)
+
+    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+        self._update_if_stepped(trainer)  # the last update of the epoch has no next step
+
+    def _update_if_stepped(self, trainer: "Trainer") -> None:
+        updates = trainer.num_update_steps_completed
+        if updates != self._last_update_seen:
+            self._last_update_seen = updates
+            self.update()
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Move the EMA weights one step towards the model's current weights."""
+        torch._foreach_lerp_(self._ema_floats, self._model_floats, 1.0 - self.decay)
+        if self._ema_others:
+            torch._foreach_copy_(self._ema_others, self._model_others)
+        self.num_updates += 1
+
+    # ------------------------------------------------------------------------------------------------
+    # Evaluating and saving the average
+    # ------------------------------------------------------------------------------------------------
+
+    def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
+        if not (self.evaluate_during_training and self._in_training_run) or is_intermediate_evaluation(trainer):
+            return  # evaluate() runs, and the extra evaluations within an epoch, use the model itself
+        trainer.print("\nRunning evaluation on EMA model")
+        history = trainer.run_history
+        previous_handler, previous_prefix = trainer.callback_handler, getattr(history, "metric_name_prefix", "")
+        with self._ema_weights_in(trainer):
+            trainer.callback_handler = self.callback_handler
+            history.set_metric_name_prefix(EMA_METRIC_PREFIX)
+            try:
+                trainer._run_eval_epoch(trainer._eval_dataloader)
+            finally:
+                trainer.callback_handler = previous_handler
+                history.set_metric_name_prefix(previous_prefix)
+
+    def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
+        with self._ema_weights_in(trainer):
+            if self.evaluate_during_training:
+                super().on_training_run_epoch_end(trainer)  # saves the EMA weights when watch_metric improves
+            else:
+                trainer.save_checkpoint(
+                    self.save_path,
+                    checkpoint_kwargs={"epoch": trainer.run_history.current_epoch, "num_updates": self.num_updates},
+                    save_optimizer=False,
+                    save_scheduler=False,
+                )
+
+    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+        self._update_if_stepped(trainer)  # a run stopped mid-epoch still counts its last update
+        self._in_training_run = False
+        super().on_training_run_end(trainer)  # never loads: load_saved_checkpoint is False
+
+    @contextlib.contextmanager
+    def _ema_weights_in(self, trainer: "Trainer"):
+        model = trainer.model
+        trainer.model = self.ema_model
+        try:
+            yield
+        finally:
+            trainer.model = model
+
+    # ------------------------------------------------------------------------------------------------
+    # Training state
+    # ------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Return the EMA weights, the number of updates and the best metric, for the training-state checkpoint."""
+        state = {**super().state_dict(), "num_updates": self.num_updates}
+        weights = self.ema_model.state_dict() if self.ema_model is not None else self._restored_weights
+        if weights is not None:
+            state["ema_state_dict"] = dict(weights)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state returned by :meth:`state_dict`, before or during the training run it resumes."""
+        super().load_state_dict(state)
+        self.num_updates = int(state.get("num_updates", 0))
+        weights = state.get("ema_state_dict")
+        if weights is not None and self._in_training_run:
+            self.ema_model.load_state_dict(weights)
+        else:
+            self._restored_weights = weights  # loaded into the EMA copy made at the next on_training_run_start

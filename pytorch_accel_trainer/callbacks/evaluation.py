@@ -1,0 +1,143 @@
+"""Callbacks that change when and how much the trainer evaluates."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.callbacks.control import DataLoaderSlice
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+#: The prefix of the metrics recorded during an intermediate evaluation, e.g. ``intermediate_eval_loss_epoch``.
+INTERMEDIATE_METRIC_PREFIX = "intermediate_"
+
+
+class StepBasedEvaluationCallback(TrainerCallback):
+    """Runs an extra evaluation epoch every ``eval_every_n_steps`` optimizer updates within training epochs.
+
+    The evaluation starts right after the update that completes each interval (at the next
+    ``on_train_step_start``), so it never falls inside an accumulation window; an interval that ends with
+    the epoch is left to the epoch's own evaluation. It fires the usual evaluation events, and records its
+    metrics with the prefix ``intermediate_`` (``intermediate_eval_loss_epoch``, and those of metric
+    callbacks), so the epoch metrics (``eval_loss_epoch``, ...) are never overwritten. The training loss of
+    the epoch is tracked apart and is not affected. The model's training mode is restored afterwards,
+    module by module. Callbacks can tell an intermediate evaluation with :func:`is_intermediate_evaluation`.
+
+    Unlike pytorch-accelerated, which counts the batches of the epoch, the interval counts optimizer
+    updates over the whole run, so it does not depend on gradient accumulation or on the epoch length.
+
+    Args:
+        eval_every_n_steps: the optimizer updates between two intermediate evaluations.
+    """
+
+    def __init__(self, eval_every_n_steps: int):
+        if isinstance(eval_every_n_steps, bool) or not isinstance(eval_every_n_steps, int) or eval_every_n_steps < 1:
+            raise ValueError(
+                f"eval_every_n_steps is {eval_every_n_steps!r}; pass a positive whole number of optimizer updates, "
+                "e.g. eval_every_n_steps=500."
+            )
+        self.eval_every_n_steps = eval_every_n_steps
+        self.is_evaluating = False
+        self._last_update_seen = 0
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        _validate_can_evaluate_during_training(trainer, type(self).__name__)
+        self._last_update_seen = trainer.num_update_steps_completed
+
+    def on_train_step_start(self, trainer: "Trainer", **kwargs):
+        updates = trainer.num_update_steps_completed
+        if updates == self._last_update_seen:
+            return  # no optimizer update since the last batch: cheap, and the common case
+        self._last_update_seen = updates
+        if updates % self.eval_every_n_steps == 0:
+            self._evaluate(trainer, updates)
+
+    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+        self._last_update_seen = trainer.num_update_steps_completed  # the epoch's own evaluation comes next
+
+    def _evaluate(self, trainer: "Trainer", updates: int) -> None:
+        trainer.print(f"\nRunning evaluation after {updates} optimizer steps")
+        modes = [(module, module.training) for module in trainer.model.modules()]
+        history = trainer.run_history
+        previous_prefix = getattr(history, "metric_name_prefix", "")
+        history.set_metric_name_prefix(INTERMEDIATE_METRIC_PREFIX)
+        self.is_evaluating = True
+        try:
+            trainer._run_eval_epoch(trainer._eval_dataloader)
+        finally:
+            self.is_evaluating = False
+            history.set_metric_name_prefix(previous_prefix)
+            for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
+                module.training = training
+
+
+def is_intermediate_evaluation(trainer: "Trainer") -> bool:
+    """Whether the evaluation epoch running now is one of :class:`StepBasedEvaluationCallback`."""
+    callbacks = trainer.callback_handler.callbacks
+    return any(isinstance(callback, StepBasedEvaluationCallback) and callback.is_evaluating for callback in callbacks)
+
+
+class LimitEvalStepsCallback(TrainerCallback):
+    """Limits evaluation epochs to ``num_eval_steps`` batches in total over all processes.
+
+    Each process evaluates ``num_eval_steps // num_processes`` batches (at least one). Place it before
+    :class:`StepBasedEvaluationCallback` and :class:`ProgressBarCallback` in the list of callbacks.
+
+    Args:
+        num_eval_steps: the evaluation batches, summed over processes.
+        limit_intermediate_only: limit only the evaluations of :class:`StepBasedEvaluationCallback`, and
+            evaluate fully at the end of each epoch; ``False`` limits every evaluation epoch, those of
+            ``evaluate()`` included.
+    """
+
+    def __init__(self, num_eval_steps: int, limit_intermediate_only: bool = True):
+        if isinstance(num_eval_steps, bool) or not isinstance(num_eval_steps, int) or num_eval_steps < 1:
+            raise ValueError(
+                f"num_eval_steps is {num_eval_steps!r}; pass a positive whole number of evaluation batches, "
+                "e.g. num_eval_steps=20."
+            )
+        self.num_eval_steps = num_eval_steps
+        self.limit_intermediate_only = limit_intermediate_only
+        self._original_eval_dataloader: Optional[Any] = None
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        self._limit(trainer, is_active=lambda: not self.limit_intermediate_only or is_intermediate_evaluation(trainer))
+
+    def on_evaluation_run_start(self, trainer: "Trainer", **kwargs):
+        if not self.limit_intermediate_only:  # an evaluation run is never intermediate
+            self._limit(trainer, is_active=None)
+
+    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+        self._restore(trainer)
+
+    def on_evaluation_run_end(self, trainer: "Trainer", **kwargs):
+        self._restore(trainer)
+
+    def _limit(self, trainer: "Trainer", is_active) -> None:
+        if trainer._eval_dataloader is None:
+            return
+        steps_per_process = max(1, self.num_eval_steps // trainer.run_config.num_processes)
+        self._original_eval_dataloader = trainer._eval_dataloader
+        trainer._eval_dataloader = DataLoaderSlice(trainer._eval_dataloader, steps_per_process, is_active)
+
+    def _restore(self, trainer: "Trainer") -> None:
+        if self._original_eval_dataloader is not None:
+            trainer._eval_dataloader = self._original_eval_dataloader
+            self._original_eval_dataloader = None
+
+
+def _validate_can_evaluate_during_training(trainer: "Trainer", callback_name: str) -> None:
+    """Refuse, before the first step, a run in which an extra evaluation could not run or be recorded apart."""
+    if trainer._eval_dataloader is None:
+        raise ValueError(
+            f"{callback_name} evaluates during training, but train() was given no eval_dataset; pass one, or "
+            f"remove {callback_name}."
+        )
+    if not hasattr(trainer.run_history, "set_metric_name_prefix"):
+        raise TypeError(
+            f"{callback_name} records its metrics under a prefix, but the run history is a "
+            f"{type(trainer.run_history).__name__}, which has no set_metric_name_prefix(prefix) method; add one "
+            "(see InMemoryRunHistory) or use the default InMemoryRunHistory."
+        )

@@ -1,0 +1,76 @@
+"""Bring a few numbers from the device to the host without making the host wait for the device."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+class RunningSum:
+    """A sum of scalar tensors kept on their device: one in-place add per value, no host-device sync."""
+
+    def __init__(self):
+        self.total: Optional[torch.Tensor] = None
+        self.count = 0
+
+    def add(self, value: torch.Tensor) -> None:
+        """Add one scalar tensor (detached, so no autograd graph is kept alive)."""
+        value = value.detach()
+        if self.total is None:
+            self.total = value.float().clone()
+        else:
+            self.total.add_(value)
+        self.count += 1
+
+    def reset(self) -> None:
+        """Start a new sum, keeping the device tensor (no allocation)."""
+        if self.total is not None:
+            self.total.zero_()
+        self.count = 0
+
+
+class HostCopy:
+    """Copies a small float tensor to the host asynchronously, and tells when the copy has arrived.
+
+    On CUDA, the copy goes to pinned host memory without blocking, and a CUDA event marks its end, so
+    reading it never waits for the device: :meth:`get_values` returns ``None`` until the device has
+    caught up. On the CPU the copy is complete at once. Other devices copy synchronously (one wait per
+    call of :meth:`start`).
+
+    Args:
+        numel: the number of values copied each time.
+        device: the device the values come from.
+    """
+
+    def __init__(self, numel: int, device: torch.device):
+        self._is_cuda = device.type == "cuda"
+        self._host = torch.zeros(numel, dtype=torch.float32, pin_memory=self._is_cuda)
+        # A numpy view of the same memory, read with numpy: the values are already on the host then.
+        self._host_values = self._host.numpy()
+        self._ready: Optional[Any] = None
+        self._tag: Any = None
+        self._pending = False
+
+    def start(self, values: torch.Tensor, tag: Any = None) -> None:
+        """Start copying ``values`` (flattened to ``numel`` floats); ``tag`` comes back with them."""
+        self._host.copy_(values.detach().reshape(-1), non_blocking=self._is_cuda)
+        if self._is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._tag, self._pending = tag, True
+
+    def get_values(self, wait: bool = False) -> Optional[tuple[Any, list]]:
+        """Return ``(tag, values)`` of the last copy once it has arrived, once; else ``None``.
+
+        Args:
+            wait: wait for the copy to arrive (a host-device sync on CUDA), e.g. at the end of an epoch.
+        """
+        if not self._pending:
+            return None
+        if self._ready is not None and not self._ready.query():
+            if not wait:
+                return None  # the device has not reached the copy yet; try again later
+            self._ready.synchronize()
+        self._pending = False
+        return self._tag, self._host_values.tolist()

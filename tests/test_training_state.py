@@ -1,0 +1,293 @@
+"""Exact resume, crash-safe writes and verified loads of training states (in one process, fast)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import regression_dataset
+from pytorch_accel_trainer import Trainer, training_state
+from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.training_state import (
+    MANIFEST_NAME,
+    CheckpointError,
+    find_resumable_state,
+    list_complete_states,
+    verify_folder,
+)
+
+
+class Crash(Exception):
+    """Stands for the process dying at a chosen point."""
+
+
+class CrashAt(TrainerCallback):
+    def __init__(self, event, epoch, step=0):
+        self.event, self.epoch, self.step, self.eval_steps = event, epoch, step, 0
+
+    def on_train_step_end(self, trainer, step, **kwargs):
+        if self.event == "train_step" and (trainer.run_history.current_epoch, step) == (self.epoch, self.step):
+            raise Crash()
+
+    def on_eval_epoch_start(self, trainer, **kwargs):
+        self.eval_steps = 0
+
+    def on_eval_step_end(self, trainer, **kwargs):
+        if self.event == "eval_step" and (trainer.run_history.current_epoch, self.eval_steps) == (self.epoch, self.step):
+            raise Crash()
+        self.eval_steps += 1
+
+
+def _run(save_dir, crash=None, accumulation=1, shuffle=True, scheduler=True, num_epochs=3, size=22, batch_size=2, **callback_kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    callbacks = [SaveTrainingStateCallback(save_dir, **{"save_every_n_steps": 1, **callback_kwargs})]
+    if crash is not None:
+        callbacks.append(crash)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
+    trainer.train(
+        regression_dataset(size), num_epochs=num_epochs, eval_dataset=regression_dataset(6, seed=1),
+        per_device_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8) if scheduler else None,
+        train_dataloader_kwargs={"shuffle": shuffle}, resume_from=save_dir,
+    )  # fmt: skip
+    return trainer
+
+
+def _final_state(trainer):
+    return {
+        "model": trainer.get_model().state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        "history": trainer.run_history.state_dict(),
+    }
+
+
+def _assert_bitwise_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_bitwise_equal(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_bitwise_equal(x, y)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def reference(**config):
+        key = json.dumps(config, sort_keys=True)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp("reference")
+            cache[key] = _final_state(_run(folder, **config))
+        return cache[key]
+
+    return reference
+
+
+CRASHES = [
+    ({"accumulation": 1}, CrashAt("train_step", epoch=2, step=4)),
+    ({"accumulation": 3}, CrashAt("train_step", epoch=2, step=4)),  # inside an accumulation window
+    ({"accumulation": 3, "shuffle": False}, CrashAt("train_step", epoch=1, step=1)),
+    ({"accumulation": 1, "scheduler": False}, CrashAt("eval_step", epoch=2, step=1)),  # during evaluation
+    ({"accumulation": 3}, CrashAt("train_step", epoch=3, step=10)),  # the last, partial window
+]
+
+
+@pytest.mark.parametrize(("config", "crash"), CRASHES, ids=lambda value: getattr(value, "event", str(value)))
+def test_crash_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, references, config, crash):
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=crash, **config)
+    resumed = _run(tmp_path, **config)
+    _assert_bitwise_equal(_final_state(resumed), references(**config))
+
+
+def test_resume_continues_the_epoch_and_adds_no_epoch(tmp_path):
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=6))
+    resumed = _run(tmp_path)
+    assert resumed.run_history.current_epoch == 4  # three epochs in all
+    assert len(resumed.run_history.get_metric_values("train_loss_epoch")) == 3
+    assert resumed.num_update_steps_completed == 33
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "write:rank_00000.pt", "write:model.safetensors", "write:optimizer.pt", "write:scheduler.pt",
+        "write:trainer_state.pt", "hash:model.safetensors", "manifest", "rename", "latest", "prune:checkpoint-00000005",
+    ],
+)  # fmt: skip
+def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exactly(tmp_path, references, monkeypatch, point):
+    crashed = []
+
+    def crash(name):  # once, when earlier states exist that the crash must not damage
+        if name == point and not crashed and len(list_complete_states(tmp_path)) >= 4:
+            crashed.append(name)
+            raise Crash(name)
+
+    monkeypatch.setattr(training_state, "_crash_point", crash)
+    with pytest.raises(Crash):
+        _run(tmp_path, max_checkpoints=4)
+    assert crashed == [point]
+    newest = find_resumable_state(tmp_path)
+    assert newest is not None and verify_folder(newest.folder)
+    assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
+    monkeypatch.setattr(training_state, "_crash_point", lambda name: None)
+    resumed = _run(tmp_path, max_checkpoints=4)
+    _assert_bitwise_equal(_final_state(resumed), references())
+
+
+def _saved_state(tmp_path, **config):
+    _run(tmp_path, num_epochs=1, **config)
+    return find_resumable_state(tmp_path).folder
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, name, damage):
+    folder = _saved_state(tmp_path, max_checkpoints=1)
+    path = folder / name
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{name}: .*(SHA-256 does not match|truncated)"):
+        verify_folder(folder)
+    with pytest.raises(CheckpointError, match=rf"none can be trusted, so the run was not restarted from scratch:\n.*{name}"):
+        _run(tmp_path, num_epochs=2)
+
+
+def test_a_hostile_pickle_is_never_executed_even_with_a_forged_manifest(tmp_path):
+    folder = _saved_state(tmp_path, max_checkpoints=1)
+    marker = tmp_path / "pwned"
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (folder / "optimizer.pt").write_bytes(pickle.dumps(Hostile()))
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["files"]["optimizer.pt"] = {
+        "size": (folder / "optimizer.pt").stat().st_size,
+        "sha256": training_state._sha256(folder / "optimizer.pt"),
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="only pickle can rebuild; refused"):
+        _run(tmp_path, num_epochs=2)
+    assert not marker.exists()
+
+
+def test_empty_missing_and_damaged_folders(tmp_path, capsys):
+    model = nn.Linear(4, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        trainer.train(regression_dataset(4), num_epochs=1, resume_from=tmp_path / "absent")
+    empty = tmp_path / "empty"
+    _run(empty, num_epochs=1)
+    assert "holds no training state yet: starting a new run" in capsys.readouterr().out
+    for folder in list(empty.iterdir()):
+        if folder.is_dir():
+            (folder / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(CheckpointError, match="damaged manifest"):
+        _run(empty, num_epochs=2)
+
+
+def test_a_changed_setup_is_refused_with_each_difference_unless_allowed(tmp_path):
+    _run(tmp_path, num_epochs=1)
+    with pytest.raises(CheckpointError, match=r"(?s)gradient_accumulation_steps: saved 1, now 2.*per_device_batch_size: saved 2, now 4.*train_dataset_length: saved 22, now 20.*allow_resume_changes=True"):
+        _run(tmp_path, num_epochs=2, accumulation=2, batch_size=4, size=20)
+    model = nn.Linear(4, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
+    with pytest.raises(CheckpointError, match="model.safetensors does not fit this model"):
+        trainer.train(regression_dataset(22), num_epochs=2, per_device_batch_size=2, resume_from=tmp_path, allow_resume_changes=True)
+
+
+def test_allowing_changes_resumes_with_another_batch_size(tmp_path):
+    _run(tmp_path, num_epochs=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=())
+    trainer.train(
+        regression_dataset(22), num_epochs=2, per_device_batch_size=4, resume_from=tmp_path, allow_resume_changes=True,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
+    )  # fmt: skip
+    assert trainer.num_update_steps_completed == 11 + 6
+    assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == 2
+
+
+def test_rolling_permanent_and_best_states_are_kept_as_asked(tmp_path):
+    _run(tmp_path, num_epochs=3, save_every_n_steps=2, max_checkpoints=2, keep_every_n_steps=10, watch_metric="eval_loss_epoch")
+    states = list_complete_states(tmp_path)
+    kinds = {state.folder.name: state.kinds for state in states}
+    rolling = [name for name, k in kinds.items() if "rolling" in k and "permanent" not in k and "best" not in k]
+    assert len(rolling) <= 2
+    assert {"checkpoint-00000010", "checkpoint-00000020", "checkpoint-00000030"} <= set(kinds)
+    assert sum("best" in k for k in kinds.values()) == 1
+    assert (tmp_path / "latest").read_text().strip() == states[-1].folder.name
+
+
+def test_names_continue_across_a_resume_and_nothing_is_overwritten(tmp_path):
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=2))
+    names_before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_dir()}
+    _run(tmp_path)
+    after = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_dir()}
+    for name, mtime in names_before.items():
+        assert name not in after or after[name] == mtime
+
+
+def test_a_save_asked_inside_an_accumulation_window_is_taken_when_it_closes(tmp_path):
+    class SaveMidWindow(TrainerCallback):
+        def on_train_step_end(self, trainer, step, **kwargs):
+            if trainer.run_history.current_epoch == 1 and step == 4:  # window of steps 3, 4, 5
+                assert trainer.save_training_state(tmp_path / "manual") is None
+
+    (tmp_path / "manual").mkdir()
+    _run(tmp_path / "auto", crash=SaveMidWindow(), accumulation=3, num_epochs=1)
+    (state,) = list_complete_states(tmp_path / "manual")
+    assert state.manifest["num_update_steps_completed"] == 2
+    assert state.manifest["position"] == {"loop_epoch": 0, "batches_seen": 6, "rng_restore_point": "after_iterator"}
+
+
+def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_path):
+    loaded = []
+
+    class CountingDataset(torch.utils.data.Dataset):
+        def __init__(self):
+            self.inner = regression_dataset(200)
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __getitem__(self, index):
+            loaded.append(index)
+            return self.inner[index]
+
+    def run(crash=None):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        callbacks = [SaveTrainingStateCallback(tmp_path, save_every_n_steps=1, max_checkpoints=1)] + ([crash] if crash else [])
+        trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=callbacks)
+        trainer.train(CountingDataset(), num_epochs=1, per_device_batch_size=2, resume_from=tmp_path)
+
+    with pytest.raises(Crash):
+        run(CrashAt("train_step", epoch=1, step=90))
+    loaded.clear()
+    run()
+    assert len(loaded) == 200 - 2 * 90  # only the batches not trained on yet are loaded
