@@ -219,6 +219,10 @@ class Trainer:
         if kwargs.get("num_workers", 0) > 0:
             kwargs.setdefault("persistent_workers", True)  # workers start once, not every epoch
             kwargs.setdefault("worker_init_fn", seed_worker)
+        # Data loading draws its seeds from a generator of its own, never from the global RNG, so the
+        # model's randomness (dropout) does not depend on when dataloader iterators are created: with
+        # persistent workers, or after a resume.
+        kwargs.setdefault("generator", torch.Generator())
         return kwargs
 
     def create_scheduler(self) -> Any:

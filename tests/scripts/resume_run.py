@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -59,7 +60,10 @@ class Kill(TrainerCallback):
             return
         if step is not None and step != point["step"]:
             return
-        os.kill(os.getpid(), getattr(signal, point.get("signal", "SIGKILL")))
+        if point.get("rank") is not None and point["rank"] != trainer._accelerator.process_index:
+            return
+        for _ in range(point.get("times", 1)):
+            os.kill(os.getpid(), getattr(signal, point.get("signal", "SIGKILL")))
 
     def on_train_step_end(self, trainer, step, **kwargs):
         self._maybe(trainer, "train_step", step)
@@ -86,8 +90,8 @@ def main(config):
     if config.get("crash_at"):
         crash_at = config["crash_at"]
 
-        def crash(name):
-            if name == crash_at:
+        def crash(name):  # die in the middle of a save, once earlier states exist
+            if name == crash_at and len(training_state.list_complete_states(Path(config["save_dir"]))) >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         training_state._crash_point = crash

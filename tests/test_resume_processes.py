@@ -1,0 +1,156 @@
+"""Real processes killed with SIGKILL, stopped with SIGTERM or SIGINT, then resumed: bitwise equal results."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytorch_accel_trainer.training_state import find_resumable_state, list_complete_states, verify_folder
+
+SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _command(config, num_processes):
+    if num_processes == 1:
+        return [sys.executable, str(SCRIPT), json.dumps(config)]
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+        str(SCRIPT), json.dumps(config),
+    ]  # fmt: skip
+
+
+def _launch(config, num_processes=1, timeout=240):
+    return subprocess.run(_command(config, num_processes), env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _result(path):
+    return torch.load(path, weights_only=True)
+
+
+def _assert_bitwise_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_bitwise_equal(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_bitwise_equal(x, y)
+    else:
+        assert a == b
+
+
+def _reference(tmp_path, config, num_processes=1):
+    folder = tmp_path / "reference"
+    folder.mkdir()
+    completed = _launch({**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}, num_processes)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return _result(folder / "out.pt")
+
+
+def _interrupted_then_resumed(tmp_path, config, interruption, num_processes=1, expected_codes=(-signal.SIGKILL,)):
+    folder = tmp_path / "interrupted"
+    folder.mkdir()
+    config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
+    stopped = _launch({**config, **interruption}, num_processes)
+    assert stopped.returncode in expected_codes, (stopped.returncode, stopped.stderr[-3000:])
+    assert not (folder / "out.pt").exists()
+    resumed = _launch(config, num_processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout
+    return _result(folder / "out.pt"), folder / "states", stopped
+
+
+CASES = [
+    ({"accumulation": 3, "shuffle": True, "num_workers": 2}, {"kill": {"event": "train_step", "epoch": 2, "step": 5}}),
+    ({"accumulation": 1, "shuffle": False}, {"kill": {"event": "eval_step", "epoch": 1, "step": 2}}),
+    ({"accumulation": 3, "shuffle": True}, {"crash_at": "rename"}),
+    ({"accumulation": 1, "shuffle": True}, {"crash_at": "write:optimizer.pt"}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "interruption"), CASES, ids=["sigkill-window-workers", "sigkill-eval", "sigkill-in-rename", "sigkill-in-write"])
+def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
+    reference = _reference(tmp_path, config)
+    resumed, states, _ = _interrupted_then_resumed(tmp_path, config, interruption)
+    _assert_bitwise_equal(resumed, reference)
+    assert all(verify_folder(state.folder) for state in list_complete_states(states))
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
+    config = {"accumulation": 3, "shuffle": True, "epochs": 6, "size": 40}
+    reference = _reference(tmp_path, config)
+    folder = tmp_path / "random"
+    folder.mkdir()
+    config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
+    process = subprocess.Popen(_command(config, 1), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    while not list_complete_states(folder / "states") if (folder / "states").exists() else True:
+        time.sleep(0.01)
+        assert time.monotonic() - started < 120 and process.poll() is None, "the run never saved a state"
+    time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))
+    process.kill()
+    process.communicate()
+    resumed = _launch(config)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_bitwise_equal(_result(folder / "out.pt"), reference)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_every_sample_is_seen_exactly_once(tmp_path):
+    config = {"accumulation": 3, "shuffle": True, "save_every": 1000}  # only the preemption save
+    reference = _reference(tmp_path, config)
+    log = tmp_path / "samples.log"
+    interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 4, "signal": "SIGTERM"}, "sample_log": str(log)}
+    resumed, states, stopped = _interrupted_then_resumed(
+        tmp_path, {**config, "sample_log": str(log)}, interruption, expected_codes=(128 + signal.SIGTERM,)
+    )
+    _assert_bitwise_equal(resumed, reference)
+    (state,) = [s for s in list_complete_states(states) if s.manifest["position"]["batches_seen"] == 6]
+    assert state.manifest["num_update_steps_completed"] == 4 + 2  # 4 updates in epoch 1, then steps 0-5 of epoch 2
+    seen: dict = {}
+    for line in log.read_text().splitlines():
+        epoch, _, *ids = line.split()
+        seen.setdefault(epoch, []).extend(int(i) for i in ids)
+    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {str(e): list(range(22)) for e in (1, 2, 3)}
+
+
+@pytest.mark.slow
+def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
+    config = {"accumulation": 1, "shuffle": True}
+    reference = _reference(tmp_path, config)
+    interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}}
+    resumed, states, stopped = _interrupted_then_resumed(tmp_path, config, interruption, expected_codes=(1, -signal.SIGINT, 130))
+    assert "KeyboardInterrupt" in stopped.stderr
+    _assert_bitwise_equal(resumed, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_path):
+    config = {"accumulation": 1, "shuffle": True, "save_every": 2}
+    reference = _reference(tmp_path, config, num_processes=2)
+    kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
+    resumed, states, _ = _interrupted_then_resumed(tmp_path / "kill" if (tmp_path / "kill").mkdir() is None else None, config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,))
+    _assert_bitwise_equal(resumed, reference)
+    term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}
+    (tmp_path / "term").mkdir()
+    resumed, states, stopped = _interrupted_then_resumed(tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)))
+    _assert_bitwise_equal(resumed, reference)
+    newest = find_resumable_state(states)
+    assert newest.manifest["world_size"] == 2 and newest.manifest["position"]["batches_seen"] == 4
