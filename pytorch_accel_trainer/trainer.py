@@ -768,11 +768,13 @@ class Trainer:
             step: the micro-batch about to run in the current epoch; ``None`` between epochs.
         """
         self._restore_rng_if_due("after_iterator")
+        saved_to = set()
         if self._save_requests:
             requests, self._save_requests = self._save_requests, {}
             for parent, request in requests.items():
                 self._write_training_state(parent, self._current_position(step), **request)
-        self._exit_if_preempted(step)
+                saved_to.add(parent)
+        self._exit_if_preempted(step, saved_to)
 
     def _current_position(self, step: Optional[int]) -> ResumePosition:
         if step is None:  # between epochs, or outside a run
@@ -804,11 +806,11 @@ class Trainer:
         self.print(f"Resuming from {stored_state.folder} (after {self._num_update_steps_completed} optimizer updates)")
         return plan
 
-    def _exit_if_preempted(self, step: Optional[int]) -> None:
+    def _exit_if_preempted(self, step: Optional[int], saved_to: set) -> None:
         signal_number = self._agreed_preemption_signal()
         if not signal_number:
             return
-        if self.preemption_save_dir is not None:
+        if self.preemption_save_dir is not None and self.preemption_save_dir not in saved_to:
             self._write_training_state(self.preemption_save_dir, self._current_position(step))
         self.print(f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}.")
         sys.exit(128 + signal_number)

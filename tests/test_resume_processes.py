@@ -146,11 +146,13 @@ def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_p
     config = {"accumulation": 1, "shuffle": True, "save_every": 2}
     reference = _reference(tmp_path, config, num_processes=2)
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
-    resumed, states, _ = _interrupted_then_resumed(tmp_path / "kill" if (tmp_path / "kill").mkdir() is None else None, config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,))
+    (tmp_path / "kill").mkdir()
+    resumed, _, _ = _interrupted_then_resumed(tmp_path / "kill", config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,))
     _assert_bitwise_equal(resumed, reference)
-    term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}
+    term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}  # one rank only
     (tmp_path / "term").mkdir()
-    resumed, states, stopped = _interrupted_then_resumed(tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)))
+    resumed, _, stopped = _interrupted_then_resumed(tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)))
     _assert_bitwise_equal(resumed, reference)
-    newest = find_resumable_state(states)
-    assert newest.manifest["world_size"] == 2 and newest.manifest["position"]["batches_seen"] == 4
+    # both processes stopped at the next update boundary (step 4 of epoch 1: 4 updates), with one saved state
+    assert "Stopped by signal 15" in stopped.stdout
+    assert "checkpoint-00000004\n" in stopped.stdout and "checkpoint-00000004-2" not in stopped.stdout
