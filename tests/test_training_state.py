@@ -173,6 +173,7 @@ def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, na
         _run(tmp_path, num_epochs=2)
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_hostile_pickle_is_never_executed_even_with_a_forged_manifest(tmp_path):
     folder = _saved_state(tmp_path, max_checkpoints=1)
     marker = tmp_path / "pwned"
@@ -291,3 +292,19 @@ def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_pa
     loaded.clear()
     run()
     assert len(loaded) == 200 - 2 * 90  # only the batches not trained on yet are loaded
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
+@pytest.mark.parametrize("scheduler", [True, False])
+@pytest.mark.parametrize(
+    "crash",
+    [("train_step", 1, 0), ("train_step", 1, 5), ("train_step", 2, 1), ("train_step", 2, 10), ("eval_step", 1, 0),
+     ("eval_step", 3, 2), ("train_step", 3, 7)],
+)  # fmt: skip
+def test_exhaustive_resume_matrix(tmp_path, references, shuffle, accumulation, scheduler, crash):
+    config = {"shuffle": shuffle, "accumulation": accumulation, "scheduler": scheduler}
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=CrashAt(*crash), **config)
+    _assert_bitwise_equal(_final_state(_run(tmp_path, **config)), references(**config))
