@@ -963,6 +963,22 @@ class Trainer:
             save_checkpoint_file(checkpoint, save_path)
         self._accelerator.wait_for_everyone()
 
+    def save_weights(self, save_path) -> None:
+        """Save the model's weights alone as a safetensors file, atomically; every process must call this.
+
+        The file holds no code and no pickle: load it with ``safetensors.torch.load_model(model, save_path)``.
+        """
+        from safetensors.torch import save_model
+
+        self._accelerator.wait_for_everyone()
+        if self._accelerator.is_main_process:
+            path = Path(save_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(f".{path.name}.tmp")
+            save_model(self.get_model(), str(temporary))
+            temporary.replace(path)
+        self._accelerator.wait_for_everyone()
+
     def load_checkpoint(self, checkpoint_path, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
         """Load a file written by :meth:`save_checkpoint` into the model, and the optimizer and scheduler.
 

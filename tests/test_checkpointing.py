@@ -106,3 +106,14 @@ def test_a_compiled_model_trains_and_saves_without_orig_mod_keys(tmp_path):
     trainer.save_checkpoint(tmp_path / "model.pt")
     keys = torch.load(tmp_path / "model.pt", weights_only=True)[MODEL_KEY]
     assert set(keys) == set(model.state_dict())
+
+
+def test_weights_export_as_safetensors(tmp_path):
+    from safetensors.torch import load_model
+
+    trainer = _trained_trainer()
+    trainer.save_weights(tmp_path / "weights" / "model.safetensors")
+    fresh = make_mlp(seed=7)
+    load_model(fresh, str(tmp_path / "weights" / "model.safetensors"))
+    for a, b in zip(fresh.parameters(), trainer.get_model().parameters()):
+        assert torch.equal(a, b)
