@@ -1,0 +1,408 @@
+"""Benchmark pytorch_accel_trainer against hand-written loops: ``python benchmarks/run.py``.
+
+Each measurement runs in a fresh process (``run.py --worker ROW WORKLOAD``, which prints one JSON line);
+this parent process never imports torch. Rows and repeats are interleaved, so that a slow spell of the
+machine spreads over every row instead of landing on one. See benchmarks/README.md.
+"""
+
+import time
+
+T0 = time.perf_counter()  # the worker's start: its start-up cost is measured from here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(1, str(REPO_ROOT))  # benchmark this checkout, installed or not
+
+from workloads import BASELINE_ROW, WORKLOADS, available_rows, workload_spec  # noqa: E402
+
+#: Modules whose import time is compared in fresh processes: the ratio is the second over the first.
+IMPORT_MODULES = ("accelerate", "pytorch_accel_trainer")
+WORKER_TIMEOUT_S = 300
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker side
+# ----------------------------------------------------------------------------------------------------
+
+
+def worker_main(row: str, workload: str, quick: bool) -> None:
+    from worker import measure
+
+    print(json.dumps(measure(row, workload, quick, T0)), flush=True)
+
+
+def import_worker_main(module: str) -> None:
+    import importlib
+    import resource
+
+    start = time.perf_counter()
+    importlib.import_module(module)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    print(json.dumps({"module": module, "import_ms": seconds * 1e3, "peak_rss_mb": peak_mb}), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parent side
+# ----------------------------------------------------------------------------------------------------
+
+
+def _run_child(args: list, timeout: float) -> dict:
+    """Run ``run.py ARGS`` in a fresh interpreter and return its JSON line (or an ``error``)."""
+    command = [sys.executable, str(Path(__file__).resolve()), *args]
+    start = time.perf_counter()
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    wall_ms = (time.perf_counter() - start) * 1e3
+    lines = completed.stdout.strip().splitlines()
+    if completed.returncode != 0 or not lines:
+        return {"error": f"exit code {completed.returncode}: {completed.stderr.strip()[-2000:]}"}
+    try:
+        result = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return {"error": f"no JSON result line: {completed.stdout[-500:]}"}
+    result["process_wall_ms"] = wall_ms
+    return result
+
+
+def _rotated(items: list, shift: int) -> list:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def _spread(values: list) -> dict:
+    values = sorted(values)
+    summary = {"median": statistics.median(values), "min": values[0], "max": values[-1], "n": len(values)}
+    if len(values) >= 4:
+        quartiles = statistics.quantiles(values, n=4, method="inclusive")
+        summary["q1"], summary["q3"] = quartiles[0], quartiles[2]
+    return summary
+
+
+def summarize_workload(runs_by_row: dict) -> dict:
+    """Median and spread of each metric of each row, and the paired ratio to the baseline row."""
+    summaries = {}
+    baseline = runs_by_row.get(BASELINE_ROW, [])
+    for row, runs in runs_by_row.items():
+        ok = [run for run in runs if "error" not in run]
+        errors = [run["error"] for run in runs if "error" in run]
+        summary: dict = {"runs": len(runs), "errors": errors}
+        if ok:
+            for key in ("us_per_step", "cpu_us_per_step", "first_epoch_us_per_step", "startup_ms", "import_ms",
+                        "setup_ms", "peak_rss_mb", "rss_increase_mb", "rss_after_imports_mb"):  # fmt: skip
+                summary[key] = _spread([run[key] for run in ok])
+            summary["trained_runs"] = sum(run["trained"] for run in ok)
+            summary["first_loss"] = statistics.median(run["train_losses"][0] for run in ok)
+            summary["last_loss"] = statistics.median(run["train_losses"][-1] for run in ok)
+        summary["trained"] = bool(ok) and not errors and summary["trained_runs"] == len(runs)
+        # the ratio of each repeat to the baseline of the same repeat, then the median of those ratios
+        pairs = [(run, base) for run, base in zip(runs, baseline) if "error" not in run and "error" not in base]
+        ratios = [run["us_per_step"] / base["us_per_step"] for run, base in pairs]
+        summary["ratio_to_baseline"] = _spread(ratios) if ratios else None
+        cpu_ratios = [run["cpu_us_per_step"] / base["cpu_us_per_step"] for run, base in pairs]
+        summary["cpu_ratio_to_baseline"] = _spread(cpu_ratios) if cpu_ratios else None
+        summaries[row] = summary
+    return summaries
+
+
+def _fmt(value: float, digits: int = 0) -> str:
+    return f"{value:,.{digits}f}"
+
+
+def _step_digits(median: float) -> int:
+    return 1 if median < 100 else 0
+
+
+def workload_table(name: str, summaries: dict) -> str:
+    header = (
+        "| row | µs/step (median) | spread (min–max) | × torch_loop (min–max) | start-up ms (import + setup) "
+        "| peak RSS MB | RSS increase MB | loss first→last | trained |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|\n"
+    )
+    lines = []
+    for row, summary in summaries.items():
+        if "us_per_step" not in summary:
+            lines.append(f"| {row} | ERROR | | | | | | | FAIL |")
+            continue
+        step = summary["us_per_step"]
+        digits = _step_digits(step["median"])
+        ratio = summary["ratio_to_baseline"]
+        ratio_text = "n/a" if ratio is None else f"{ratio['median']:.2f} ({ratio['min']:.2f}–{ratio['max']:.2f})"
+        startup = summary["startup_ms"]["median"]
+        imports, setup = summary["import_ms"]["median"], summary["setup_ms"]["median"]
+        trained = "yes" if summary["trained"] else f"FAIL ({summary.get('trained_runs', 0)}/{summary['runs']})"
+        lines.append(
+            f"| {row} | {_fmt(step['median'], digits)} | {_fmt(step['min'], digits)}–{_fmt(step['max'], digits)} "
+            f"| {ratio_text} | {_fmt(startup)} ({_fmt(imports)} + {_fmt(setup)}) "
+            f"| {_fmt(summary['peak_rss_mb']['median'])} | {_fmt(summary['rss_increase_mb']['median'], 1)} "
+            f"| {summary['first_loss']:.3f}→{summary['last_loss']:.3f} | {trained} |"
+        )
+    notes = [
+        f"- {row}: {len(summary['errors'])} failed run(s); first error: {summary['errors'][0][-300:]!r}"
+        for row, summary in summaries.items()
+        if summary["errors"]
+    ]
+    return header + "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def import_table(imports: dict) -> str:
+    lines = [
+        "| import (fresh process) | median ms | spread (min–max) | peak RSS MB |",
+        "|---|---:|---:|---:|",
+    ]
+    for module, summary in imports["modules"].items():
+        if summary is None:
+            lines.append(f"| `import {module}` | ERROR | | |")
+            continue
+        ms = summary["import_ms"]
+        lines.append(
+            f"| `import {module}` | {_fmt(ms['median'])} | {_fmt(ms['min'])}–{_fmt(ms['max'])} "
+            f"| {_fmt(summary['peak_rss_mb']['median'])} |"
+        )
+    ratio = imports.get("ratio")
+    text = "\n".join(lines) + "\n"
+    if ratio:
+        text += (
+            f"\n`import pytorch_accel_trainer` / `import accelerate` (median of paired ratios): "
+            f"**{ratio['median']:.2f}×** (min–max {ratio['min']:.2f}–{ratio['max']:.2f}); median difference "
+            f"{imports['added_ms']['median']:+,.0f} ms. The package imports accelerate (and torch) itself, so what it "
+            f"adds is the difference; a difference inside the spread is noise.\n"
+        )
+    torch_only = imports.get("torch_from_workers")
+    if torch_only:
+        text += (
+            f"\nFor scale, `import torch` alone (the import time of the torch_loop workers, measured from their "
+            f"first line) takes a median {torch_only['median']:,.0f} ms (min–max {torch_only['min']:,.0f}–"
+            f"{torch_only['max']:,.0f}).\n"
+        )
+    return text
+
+
+def render_markdown(results: dict) -> str:
+    meta = results["meta"]
+    parts = [
+        "# Benchmark results\n",
+        f"`{meta['command']}` — {meta['date']}, {meta['machine']}, Python {meta['python']}, torch {meta['torch']}, "
+        f"accelerate {meta['accelerate']}; {meta['repeats']} repeat(s), each measurement in a fresh process, "
+        f"`torch.set_num_threads(1)`; total {meta['total_runtime_s']:.0f} s; load average "
+        f"{meta['loadavg_start']} at start, {meta['loadavg_end']} at end.\n",
+        "µs/step: wall time of the timed epochs (all but the first, warm-up one) divided by their training steps "
+        "(micro-batches). × torch_loop: the median over repeats of each repeat's ratio to the torch_loop run of the "
+        "same repeat, with its min–max. Start-up: from the worker's first line to the first training "
+        "step, with the medians of its two parts (the imports the row needs + the setup after them). Peak RSS: "
+        "`ru_maxrss` of the worker; RSS increase: peak minus the RSS right after the imports. "
+        "Trained: the last epoch's train loss is below the first epoch's, in every repeat.\n",
+    ]
+    for name, workload in results["workloads"].items():
+        spec = workload["spec"]
+        eval_text = f", {spec['eval_samples']} eval samples" if spec["eval_samples"] else ""
+        parts.append(
+            f"## {name}\n\n{workload['about']} Batch {spec['batch_size']}, {spec['train_samples']} train samples"
+            f"{eval_text}; {spec['epochs']} epochs × {spec['steps_per_epoch']} steps ({spec['timed_steps']} timed "
+            "steps).\n"
+        )
+        parts.append(workload_table(name, workload["rows"]))
+    parts.append("## Import time\n")
+    parts.append(import_table(results["imports"]))
+    if meta["dont_write_bytecode"]:
+        parts.append(
+            "PYTHONDONTWRITEBYTECODE is set, so the modules of this checkout (pytorch_accel_trainer, and the "
+            "benchmark's own) are compiled from source at every import, while torch and accelerate load the bytecode "
+            "written when they were installed: on the reference machine that compilation is about 60 ms of "
+            "`import pytorch_accel_trainer`, almost all of what it adds to `import accelerate`.\n"
+        )
+    return "\n".join(parts)
+
+
+def _versions() -> dict:
+    """Library versions, read from package metadata (nothing is imported)."""
+    from importlib import metadata
+
+    versions = {}
+    for package in ("torch", "accelerate"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def _loadavg() -> str:
+    try:
+        return "/".join(f"{value:.2f}" for value in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="measurements per row and workload (default 5; 1 with --quick)"
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
+    parser.add_argument("--rows", default=None, help="comma-separated rows (default: every available row)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: smaller workloads, one repeat")
+    parser.add_argument("--output-dir", default=str(BENCH_DIR / "results"), help="where results.md/json go")
+    parser.add_argument("--worker", nargs=2, metavar=("ROW", "WORKLOAD"), help=argparse.SUPPRESS)
+    parser.add_argument("--import-worker", metavar="MODULE", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker or args.import_worker:
+        return args  # a worker: nothing else to check, and its start-up is being timed
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 5
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    args.workloads = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    unknown = [name for name in args.workloads if name not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; the workloads are {list(WORKLOADS)}")
+    rows = available_rows()
+    if args.rows is None:
+        args.rows = rows
+    else:
+        args.rows = [name.strip() for name in args.rows.split(",") if name.strip()]
+        unknown = [name for name in args.rows if name not in rows]
+        if unknown:
+            parser.error(f"unknown or unavailable row(s) {unknown}; the available rows are {rows}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker or args.import_worker:
+        if args.worker:
+            worker_main(*args.worker, quick=args.quick)
+        else:
+            import_worker_main(args.import_worker)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the result is out: skip the interpreter's teardown of torch (about 0.5 s a process)
+
+    started, loadavg_start = time.perf_counter(), _loadavg()
+    quick_flag = ["--quick"] if args.quick else []
+    runs = {workload: {row: [] for row in args.rows} for workload in args.workloads}
+    import_runs = {module: [] for module in IMPORT_MODULES}
+    total = args.repeats * (len(args.workloads) * len(args.rows) + len(IMPORT_MODULES))
+    done = 0
+
+    def progress(label: str, result: dict, value: str) -> None:
+        nonlocal done
+        done += 1
+        status = f"ERROR {result['error'][:300]}" if "error" in result else value
+        print(f"[{done}/{total}] {label}: {status}", file=sys.stderr, flush=True)
+
+    for repeat in range(args.repeats):
+        # interleaved: each repeat visits every workload and row, in an order rotated by the repeat
+        for module in _rotated(list(IMPORT_MODULES), repeat):
+            result = _run_child(["--import-worker", module], timeout=120)
+            import_runs[module].append(result)
+            progress(f"repeat {repeat + 1} import {module}", result, f"{result.get('import_ms', 0):.0f} ms")
+        for workload in args.workloads:
+            for row in _rotated(list(args.rows), repeat):
+                result = _run_child(["--worker", row, workload, *quick_flag], timeout=WORKER_TIMEOUT_S)
+                runs[workload][row].append(result)
+                value = f"{result.get('us_per_step', 0):.1f} µs/step, trained={result.get('trained')}"
+                progress(f"repeat {repeat + 1} {workload} {row}", result, value)
+
+    imports: dict = {"modules": {}}
+    for module, module_runs in import_runs.items():
+        ok = [run for run in module_runs if "error" not in run]
+        if not ok:
+            imports["modules"][module] = None
+            continue
+        summary = {key: _spread([run[key] for run in ok]) for key in ("import_ms", "peak_rss_mb", "process_wall_ms")}
+        summary["errors"] = [run["error"] for run in module_runs if "error" in run]
+        imports["modules"][module] = summary
+    pairs = [
+        (ours, base)
+        for ours, base in zip(import_runs["pytorch_accel_trainer"], import_runs["accelerate"])
+        if "error" not in ours and "error" not in base
+    ]
+    if pairs:
+        imports["ratio"] = _spread([ours["import_ms"] / base["import_ms"] for ours, base in pairs])
+        imports["added_ms"] = _spread([ours["import_ms"] - base["import_ms"] for ours, base in pairs])
+    torch_only = [
+        run["import_ms"]
+        for workload in args.workloads
+        if not WORKLOADS[workload]["progress"]  # whose torch_loop imports torch only
+        for run in runs[workload].get(BASELINE_ROW, [])
+        if "error" not in run
+    ]
+    imports["torch_from_workers"] = _spread(torch_only) if torch_only else None
+    imports["runs"] = import_runs
+
+    versions = _versions()
+    results = {
+        "meta": {
+            "command": " ".join(["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "machine": _machine(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            **versions,
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "rows": args.rows,
+            "workloads": args.workloads,
+            "total_runtime_s": time.perf_counter() - started,
+            "loadavg_start": loadavg_start,
+            "loadavg_end": _loadavg(),
+            "dont_write_bytecode": bool(os.environ.get("PYTHONDONTWRITEBYTECODE")),
+        },
+        "rows": args.rows,
+        "workloads": {
+            workload: {
+                "spec": workload_spec(workload, args.quick),
+                "about": WORKLOADS[workload]["about"],
+                "rows": summarize_workload(runs[workload]),
+                "runs": runs[workload],
+            }
+            for workload in args.workloads
+        },
+        "imports": imports,
+    }
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    markdown = render_markdown(results)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (output_dir / "results.md").write_text(markdown)
+    print(markdown)
+    print(f"Wrote {output_dir / 'results.md'} and {output_dir / 'results.json'}", file=sys.stderr)
+
+    failed = [
+        f"{workload}/{row}"
+        for workload, data in results["workloads"].items()
+        for row, summary in data["rows"].items()
+        if not summary["trained"]
+    ]
+    if failed:
+        print(f"FAILED (error or did not train): {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""One measurement: one row on one workload, in a fresh process. ``run.py --worker ROW WORKLOAD`` calls this.
+
+Every row trains the same model on the same data with the same seeds, for ``epochs`` epochs. The first epoch
+is warm-up; the timed region runs from the start of epoch 2 to the end of the run (the last evaluation
+included). Each row reports the marks below, and :func:`measure` turns them into the JSON line the parent
+reads.
+
+Marks, each a ``(time.perf_counter(), time.process_time())`` pair: ``first_epoch_start`` (the start of epoch 1:
+everything before it is start-up), ``timed_start`` (the start of epoch 2), ``timed_end`` (the end of the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import sys
+import time
+
+from workloads import TRAIN_SEED, make_datasets, make_model, updates_per_epoch, workload_spec
+
+#: The libraries each row imports; the worker times these imports (torch always comes first).
+ROW_IMPORTS = {
+    "torch_loop": [],
+    "accelerate_loop": ["accelerate"],
+    "trainer_default": ["pytorch_accel_trainer", "pytorch_accel_trainer.callbacks"],
+    "trainer_no_callbacks": ["pytorch_accel_trainer", "pytorch_accel_trainer.callbacks"],
+    "pytorch_accelerated": ["pytorch_accelerated", "pytorch_accelerated.callbacks"],
+    "lightning": ["lightning"],
+}
+HAND_ROWS = ("torch_loop", "accelerate_loop")
+
+
+def _now() -> tuple:
+    """A mark: (wall clock, CPU time of this process); the CPU time leaves out time spent waiting for a CPU."""
+    return time.perf_counter(), time.process_time()
+
+
+def _rss_mb() -> float:
+    """The current resident set size of this process, in MB."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):  # not Linux: the peak so far is the best we have
+        return _peak_rss_mb()
+
+
+def _peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KB on Linux
+
+
+def _import_row_libraries(row: str, spec: dict) -> None:
+    import importlib
+
+    import torch  # noqa: F401
+
+    for module in ROW_IMPORTS[row]:
+        importlib.import_module(module)
+    if spec["progress"] and row in HAND_ROWS:
+        import tqdm  # noqa: F401
+
+
+def measure(row: str, workload: str, quick: bool, t0: float) -> dict:
+    """Run ``row`` on ``workload`` in this process and return its measurements.
+
+    Args:
+        t0: ``time.perf_counter()`` at the very start of the worker, before any import but the standard
+            library's.
+    """
+    spec = workload_spec(workload, quick)
+    _import_row_libraries(row, spec)
+    t_imports = time.perf_counter()
+    rss_after_imports = _rss_mb()
+
+    import torch
+
+    torch.set_num_threads(1)
+    datasets = make_datasets(spec)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+        marks, train_losses = ROW_FUNCTIONS[row](spec, *datasets)  # progress output goes nowhere, but is made
+
+    (start, start_cpu), (end, end_cpu) = marks["timed_start"], marks["timed_end"]
+    timed_s, timed_cpu_s = end - start, end_cpu - start_cpu
+    first_epoch_s = start - marks["first_epoch_start"][0]
+    peak = _peak_rss_mb()
+    losses_finite = all(math.isfinite(loss) for loss in train_losses)
+    return {
+        "row": row,
+        "workload": workload,
+        "quick": quick,
+        "us_per_step": timed_s / spec["timed_steps"] * 1e6,
+        "cpu_us_per_step": timed_cpu_s / spec["timed_steps"] * 1e6,
+        "timed_s": timed_s,
+        "timed_steps": spec["timed_steps"],
+        "first_epoch_us_per_step": first_epoch_s / spec["steps_per_epoch"] * 1e6,
+        "import_ms": (t_imports - t0) * 1e3,
+        "startup_ms": (marks["first_epoch_start"][0] - t0) * 1e3,
+        "setup_ms": (marks["first_epoch_start"][0] - t_imports) * 1e3,
+        "rss_after_imports_mb": rss_after_imports,
+        "peak_rss_mb": peak,
+        "rss_increase_mb": peak - rss_after_imports,
+        "train_losses": train_losses,
+        "trained": len(train_losses) == spec["epochs"] and losses_finite and train_losses[-1] < train_losses[0],
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rows. Each returns (marks, train loss of each epoch).
+# ----------------------------------------------------------------------------------------------------
+
+
+def _one_cycle(optimizer, spec: dict, total_epochs: int, steps_per_epoch: int):
+    import torch
+
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=spec["max_lr"], epochs=total_epochs, steps_per_epoch=steps_per_epoch, cycle_momentum=False
+    )
+
+
+def _hand_loop(spec: dict, train_dataset, eval_dataset, use_accelerate: bool):
+    """The loop people write by hand: plain PyTorch, or the same with an ``accelerate.Accelerator``.
+
+    Like the trainer, it sums the loss on the device and reads it once per epoch, divides the loss by the
+    accumulation steps before the backward pass, and steps the scheduler once per optimizer update.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    model = make_model(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    loss_func = torch.nn.MSELoss()
+    torch.manual_seed(TRAIN_SEED)
+    train_dl = DataLoader(train_dataset, batch_size=spec["batch_size"], shuffle=True)
+    eval_dl = DataLoader(eval_dataset, batch_size=spec["batch_size"]) if eval_dataset is not None else None
+    backward = torch.Tensor.backward
+    if use_accelerate:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+        if eval_dl is not None:
+            eval_dl = accelerator.prepare(eval_dl)
+        backward = accelerator.backward
+    accumulation, steps_per_epoch = spec["accumulation"], len(train_dl)
+    scheduler = _one_cycle(optimizer, spec, spec["epochs"], updates_per_epoch(spec)) if spec["scheduler"] else None
+    if spec["progress"]:
+        # tqdm.auto would pick tqdm.asyncio here, whose __init__ calls iter() on the DataLoader: an extra
+        # iterator per epoch, which draws a seed from torch's RNG and so changes the shuffling.
+        from tqdm import tqdm
+
+    marks, train_losses, eval_losses = {}, [], []
+    for epoch in range(1, spec["epochs"] + 1):
+        if epoch == 1:
+            marks["first_epoch_start"] = _now()
+        elif epoch == 2:
+            marks["timed_start"] = _now()
+        model.train()
+        loss_sum, count = torch.zeros(()), 0
+        batches = train_dl
+        if spec["progress"]:
+            batches = tqdm(train_dl, desc=f"epoch {epoch} train", unit="batch", dynamic_ncols=True)
+        for step, (xb, yb) in enumerate(batches):
+            loss = loss_func(model(xb), yb)
+            loss_sum += loss.detach() * yb.size(0)
+            count += yb.size(0)
+            backward(loss / accumulation if accumulation > 1 else loss)
+            if (step + 1) % accumulation == 0 or step + 1 == steps_per_epoch:
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                optimizer.zero_grad()
+        train_losses.append(loss_sum.item() / count)
+        if eval_dl is not None:
+            model.eval()
+            eval_sum, eval_count = torch.zeros(()), 0
+            with torch.no_grad():
+                for xb, yb in eval_dl:
+                    eval_sum += loss_func(model(xb), yb) * yb.size(0)
+                    eval_count += yb.size(0)
+            eval_losses.append(eval_sum.item() / eval_count)
+    marks["timed_end"] = _now()
+    return marks, train_losses
+
+
+def torch_loop(spec, train_dataset, eval_dataset):
+    return _hand_loop(spec, train_dataset, eval_dataset, use_accelerate=False)
+
+
+def accelerate_loop(spec, train_dataset, eval_dataset):
+    return _hand_loop(spec, train_dataset, eval_dataset, use_accelerate=True)
+
+
+def _timing_callback(base_class):
+    """A callback on epoch-level events only, so that it adds no per-step cost (pytorch-accelerated API)."""
+
+    class TimingCallback(base_class):
+        def __init__(self):
+            self.marks = {}
+
+        def on_train_epoch_start(self, trainer, **kwargs):
+            epoch = trainer.run_history.current_epoch
+            if epoch == 1:
+                self.marks["first_epoch_start"] = _now()
+            elif epoch == 2:
+                self.marks["timed_start"] = _now()
+
+        def on_training_run_end(self, trainer, **kwargs):
+            self.marks["timed_end"] = _now()
+
+    return TimingCallback()
+
+
+def _accel_trainer_row(spec, train_dataset, eval_dataset, trainer_module, callbacks_module, default_callbacks):
+    """A pytorch-accelerated style ``Trainer`` (ours or the original), with its default dataloader settings."""
+    import functools
+
+    import torch
+
+    placeholders = trainer_module.TrainerPlaceholderValues
+    timing = _timing_callback(callbacks_module.TrainerCallback)
+    model = make_model(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    callbacks = [timing, *trainer_module.DEFAULT_CALLBACKS] if default_callbacks else [timing]
+    trainer = trainer_module.Trainer(model, loss_func=torch.nn.MSELoss(), optimizer=optimizer, callbacks=callbacks)
+    create_scheduler_fn = None
+    if spec["scheduler"]:
+        create_scheduler_fn = functools.partial(
+            torch.optim.lr_scheduler.OneCycleLR,
+            max_lr=spec["max_lr"],
+            epochs=placeholders.NUM_EPOCHS,
+            steps_per_epoch=placeholders.NUM_UPDATE_STEPS_PER_EPOCH,
+            cycle_momentum=False,
+        )
+    torch.manual_seed(TRAIN_SEED)  # the trainers seed themselves too; this covers one that would not
+    trainer.train(
+        train_dataset=train_dataset,
+        num_epochs=spec["epochs"],
+        eval_dataset=eval_dataset,
+        per_device_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["accumulation"],
+        create_scheduler_fn=create_scheduler_fn,
+    )
+    losses = [float(loss) for loss in trainer.run_history.get_metric_values("train_loss_epoch")]
+    if trainer_module.__name__.startswith("pytorch_accelerated") and spec["accumulation"] > 1:
+        losses = [loss * spec["accumulation"] for loss in losses]  # it logs the loss divided by the accumulation
+    return timing.marks, losses
+
+
+def trainer_default(spec, train_dataset, eval_dataset):
+    import pytorch_accel_trainer
+    import pytorch_accel_trainer.callbacks
+
+    trainer_module, callbacks_module = pytorch_accel_trainer, pytorch_accel_trainer.callbacks
+    return _accel_trainer_row(spec, train_dataset, eval_dataset, trainer_module, callbacks_module, True)
+
+
+def trainer_no_callbacks(spec, train_dataset, eval_dataset):
+    import pytorch_accel_trainer
+    import pytorch_accel_trainer.callbacks
+
+    trainer_module, callbacks_module = pytorch_accel_trainer, pytorch_accel_trainer.callbacks
+    return _accel_trainer_row(spec, train_dataset, eval_dataset, trainer_module, callbacks_module, False)
+
+
+def pytorch_accelerated(spec, train_dataset, eval_dataset):
+    import pytorch_accelerated as trainer_module
+    import pytorch_accelerated.callbacks as callbacks_module
+
+    if not hasattr(trainer_module, "DEFAULT_CALLBACKS"):
+        import pytorch_accelerated.trainer
+
+        trainer_module.DEFAULT_CALLBACKS = pytorch_accelerated.trainer.DEFAULT_CALLBACKS
+    return _accel_trainer_row(spec, train_dataset, eval_dataset, trainer_module, callbacks_module, True)
+
+
+def lightning(spec, train_dataset, eval_dataset):
+    """Lightning with its defaults (progress bar included), except those that write files (logger, checkpoints)
+    and the one-off model summary and sanity validation."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = make_model(spec)
+            self.loss_func = torch.nn.MSELoss()
+            self.epoch_losses: list = []
+            self._loss_sum, self._count = torch.zeros(()), 0
+
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            loss = self.loss_func(self.model(xb), yb)
+            self._loss_sum += loss.detach() * yb.size(0)
+            self._count += yb.size(0)
+            return loss
+
+        def on_train_epoch_end(self):
+            self.epoch_losses.append(self._loss_sum.item() / self._count)
+            self._loss_sum, self._count = torch.zeros(()), 0
+
+        def validation_step(self, batch, batch_idx):
+            xb, yb = batch
+            return self.loss_func(self.model(xb), yb)
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=spec["lr"])
+            if not spec["scheduler"]:
+                return optimizer
+            scheduler = _one_cycle(optimizer, spec, spec["epochs"], updates_per_epoch(spec))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    class Timing(L.Callback):
+        def __init__(self):
+            self.marks = {}
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                self.marks["first_epoch_start"] = _now()
+            elif trainer.current_epoch == 1:
+                self.marks["timed_start"] = _now()
+
+        def on_train_end(self, trainer, pl_module):
+            self.marks["timed_end"] = _now()
+
+    module, timing = Module(), Timing()
+    torch.manual_seed(TRAIN_SEED)
+    train_dl = DataLoader(train_dataset, batch_size=spec["batch_size"], shuffle=True)
+    eval_dl = DataLoader(eval_dataset, batch_size=spec["batch_size"]) if eval_dataset is not None else None
+    trainer = L.Trainer(
+        max_epochs=spec["epochs"],
+        accelerator="cpu",
+        devices=1,
+        callbacks=[timing],
+        accumulate_grad_batches=spec["accumulation"],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        logger=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_dataloaders=train_dl, val_dataloaders=eval_dl)
+    return timing.marks, module.epoch_losses
+
+
+ROW_FUNCTIONS = {
+    "torch_loop": torch_loop,
+    "accelerate_loop": accelerate_loop,
+    "trainer_default": trainer_default,
+    "trainer_no_callbacks": trainer_no_callbacks,
+    "pytorch_accelerated": pytorch_accelerated,
+    "lightning": lightning,
+}

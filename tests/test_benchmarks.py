@@ -1,0 +1,45 @@
+"""The benchmark suite runs end to end and every row trains; timings are never asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CORE_ROWS = ["torch_loop", "accelerate_loop", "trainer_default", "trainer_no_callbacks"]
+OPTIONAL_ROWS = {"pytorch_accelerated": "pytorch_accelerated", "lightning": "lightning"}
+WORKLOADS = ["overhead", "compute", "eval_heavy", "sched_accum_progress"]
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_every_row_and_workload_and_each_trains(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"), "--quick", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=280,
+    )
+    assert (tmp_path / "results.json").exists(), completed.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    expected_rows = CORE_ROWS + [row for row, module in OPTIONAL_ROWS.items() if importlib.util.find_spec(module)]
+
+    assert sorted(results["workloads"]) == sorted(WORKLOADS)
+    assert results["rows"] == expected_rows
+    for workload in WORKLOADS:
+        rows = results["workloads"][workload]["rows"]
+        assert list(rows) == expected_rows, workload
+        for row, summary in rows.items():
+            assert summary["errors"] == [], (workload, row, summary["errors"])
+            assert summary["trained"], (workload, row, summary.get("first_loss"), summary.get("last_loss"))
+    for module in ("accelerate", "pytorch_accel_trainer"):
+        assert results["imports"]["modules"][module] is not None, module
+    markdown = (tmp_path / "results.md").read_text()
+    assert all(f"## {workload}" in markdown for workload in WORKLOADS)
+    assert "FAIL" not in markdown
+    assert completed.returncode == 0, completed.stderr[-4000:]
