@@ -34,6 +34,7 @@ from pytorch_accel_trainer.checkpointing import (
     load_checkpoint_file,
     save_checkpoint_file,
 )
+from pytorch_accel_trainer.non_finite import NonFinitePolicy, gradients_are_finite
 from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values
 from pytorch_accel_trainer.run_config import TrainerRunConfig, count_update_steps, plan_run_length
@@ -126,6 +127,7 @@ class Trainer:
         self.preemption_save_dir: Optional[Path] = None
         self._preemption_signal: Optional[int] = None
         self._signal_catcher: Optional[SignalCatcher] = None
+        self.non_finite_policy: Optional[NonFinitePolicy] = None
         # set by train() / evaluate()
         self.create_scheduler_fn = None
         self.scheduler = None
@@ -573,6 +575,7 @@ class Trainer:
         finally:
             self._in_training_run = False  # from here on, saves are taken at once
             self._disable_preemption()
+            self.non_finite_policy = None
         self.training_run_end()
         self.callback_handler.call_event("on_training_run_end", self)
 
@@ -601,7 +604,7 @@ class Trainer:
                 self._reach_safe_point(step)  # between two optimizer updates
             is_update_step = self._is_update_step(step, is_last_batch)
             self._run_train_step(batch, step, is_update_step)
-            if is_update_step:
+            if is_update_step and not self._skip_non_finite_update(batch, step):
                 self._update_parameters(step)
                 if self._reached_max_steps():
                     break  # the step limit falls inside this epoch
@@ -694,6 +697,29 @@ class Trainer:
             return contextlib.nullcontext()
         return self._accelerator.no_sync(self.model)
 
+    def _skip_non_finite_update(self, batch, step: int) -> bool:
+        """Under a non-finite policy, whether this window's update is skipped (weights, optimizer and scheduler
+        untouched, its loss left out of the epoch's), after any retries."""
+        policy = self.non_finite_policy
+        if policy is None:
+            return False
+        retries = 0
+        while not gradients_are_finite(self.model.parameters()):
+            self._train_loss_tracker.load_state_dict(policy.loss_snapshot)
+            self.optimizer.zero_grad(set_to_none=True)
+            if retries < policy.max_retries and self.run_config.gradient_accumulation_steps == 1:
+                retries += 1
+                self._run_train_step(batch, step, is_update_step=True)
+                continue
+            policy.record_skip()
+            if policy.must_stop:
+                raise StopTrainingError(
+                    f"Stopping training after {policy.consecutive_skips} consecutive updates with non-finite gradients"
+                )
+            return True
+        policy.record_update()
+        return False
+
     def _optimizer_step_was_skipped(self) -> bool:
         return self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
 
@@ -768,6 +794,11 @@ class Trainer:
             step: the micro-batch about to run in the current epoch; ``None`` between epochs.
         """
         self._restore_rng_if_due("after_iterator")
+        if self.non_finite_policy is not None:  # what the epoch's loss goes back to if this window is skipped
+            tracker = self._train_loss_tracker.state_dict()
+            self.non_finite_policy.loss_snapshot = {
+                key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker.items()
+            }
         saved_to = set()
         if self._save_requests:
             requests, self._save_requests = self._save_requests, {}
@@ -821,6 +852,21 @@ class Trainer:
             return self._preemption_signal
         flag = torch.tensor([self._preemption_signal or 0], dtype=torch.int64, device=self.device)
         return int(self._accelerator.reduce(flag, "max").item()) or None  # one small collective per update window
+
+    def skip_non_finite_steps(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0) -> NonFinitePolicy:
+        """For the rest of this training run, skip each optimizer update whose gradients are not finite.
+
+        A skipped update leaves the weights, the optimizer and the scheduler untouched, and its loss out of
+        ``train_loss_epoch``. Checking reads one flag back from the device per optimizer update (never per
+        micro-batch); the default run, without a policy, reads nothing. ``SkipNonFiniteStepsCallback`` calls
+        this in ``on_training_run_start`` and records the skips in the run history.
+
+        Args:
+            max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
+            max_retries: first re-run the step this many times (without gradient accumulation only).
+        """
+        self.non_finite_policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
+        return self.non_finite_policy
 
     def enable_preemption(self, save_dir, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
         """For the rest of this training run, on one of ``signals``: finish the current optimizer update, save

@@ -43,6 +43,9 @@ class TerminateOnNaNCallback(TrainerCallback):
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
 
     def _check(self, trainer: "Trainer", stage: str) -> None:
+        if getattr(trainer, "non_finite_policy", None) is not None:
+            self._loss_sum = None
+            return  # SkipNonFiniteStepsCallback handles non-finite steps instead
         seen = torch.zeros((), device=trainer.device)
         if self._loss_sum is not None:
             seen = (~torch.isfinite(self._loss_sum)).float().to(trainer.device)

@@ -1,0 +1,43 @@
+"""Skipping optimizer updates whose gradients are not finite, and counting them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+
+class SkipNonFiniteStepsCallback(TrainerCallback):
+    """Skips each optimizer update whose gradients hold a NaN or an infinity, instead of applying it.
+
+    The weights, optimizer and scheduler are left untouched by a skipped update, and its loss is left out
+    of ``train_loss_epoch``. The number of skipped updates of each epoch is recorded in the run history as
+    ``non_finite_steps_skipped``. Gradients are identical on every process after their all-reduce, so every
+    process skips the same updates. While this callback is active, ``TerminateOnNaNCallback`` stands down.
+
+    Args:
+        max_consecutive_skips: stop the run (``StopTrainingError``) after this many skipped updates in a row.
+        max_retries: before skipping, re-run the step's forward and backward this many times (only without
+            gradient accumulation).
+    """
+
+    def __init__(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0):
+        if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips <= 0):
+            raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r} is not valid: pass a positive integer or None.")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries={max_retries!r} is not valid: pass an integer >= 0.")
+        self.max_consecutive_skips = max_consecutive_skips
+        self.max_retries = max_retries
+        self.policy = None
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        self.policy = trainer.skip_non_finite_steps(self.max_consecutive_skips, self.max_retries)
+
+    def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
+        self.policy.skipped_in_epoch = 0
+
+    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+        trainer.run_history.update_metric("non_finite_steps_skipped", self.policy.skipped_in_epoch)

@@ -1,0 +1,84 @@
+"""Skipping or retrying updates whose gradients are not finite."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from conftest import RecordingCallback, make_mlp, regression_dataset
+from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
+from pytorch_accel_trainer.callbacks import TrainerCallback
+from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
+
+
+class NaNOnCalls(Trainer):
+    """Returns a NaN loss on the given calls of calculate_train_batch_loss (counted from 0)."""
+
+    nan_calls: set = set()
+
+    def calculate_train_batch_loss(self, batch):
+        output = super().calculate_train_batch_loss(batch)
+        self.calls = getattr(self, "calls", -1) + 1
+        if self.calls in self.nan_calls:
+            output["loss"] = output["loss"] * float("nan")
+        return output
+
+
+class Snapshots(TrainerCallback):
+    def __init__(self):
+        self.states = []
+
+    def on_train_step_start(self, trainer, **kwargs):
+        self.states.append(
+            (
+                [p.detach().clone() for p in trainer.model.parameters()],
+                str(trainer.optimizer.state_dict()),
+                trainer.scheduler.state_dict()["last_epoch"],
+            )
+        )
+
+
+def _train(nan_calls, callbacks, **kwargs):
+    model = make_mlp()
+    trainer_class = type("T", (NaNOnCalls,), {"nan_calls": set(nan_calls)})
+    trainer = trainer_class(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
+    trainer.train(
+        regression_dataset(16), num_epochs=2, per_device_batch_size=2,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.9), **kwargs,
+    )  # fmt: skip
+    return trainer
+
+
+def test_a_non_finite_update_is_skipped_leaving_weights_optimizer_and_scheduler_untouched():
+    snapshots = Snapshots()
+    trainer = _train({3}, [SkipNonFiniteStepsCallback(), snapshots, *DEFAULT_CALLBACKS])
+    before, after = snapshots.states[3], snapshots.states[4]
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert before[1] == after[1] and before[2] == after[2]
+    assert trainer.num_update_steps_completed == 15
+    assert trainer.run_history.get_metric_values("non_finite_steps_skipped") == [1, 0]
+    assert all(math.isfinite(loss) for loss in trainer.run_history.get_metric_values("train_loss_epoch"))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_too_many_consecutive_skips_stop_the_run():
+    recorder = RecordingCallback()
+    trainer = _train(set(range(2, 100)), [SkipNonFiniteStepsCallback(max_consecutive_skips=3), recorder])
+    assert trainer.num_update_steps_completed == 2
+    assert recorder.events.count("on_train_step_start") == 5
+    assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]
+
+
+def test_a_retry_that_succeeds_makes_the_update():
+    trainer = _train({3}, [SkipNonFiniteStepsCallback(max_retries=1)])
+    assert trainer.num_update_steps_completed == 16
+    assert trainer.run_history.get_metric_values("non_finite_steps_skipped") == [0, 0]
+    assert trainer.calls == 16  # one batch ran twice
+
+
+def test_without_the_callback_the_nan_spreads_and_terminate_on_nan_stops_the_run():
+    trainer = _train({3}, [*DEFAULT_CALLBACKS[:1], *DEFAULT_CALLBACKS[2:]])  # no TerminateOnNaN
+    assert not all(torch.isfinite(p).all() for p in trainer.model.parameters())
