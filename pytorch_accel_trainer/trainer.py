@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pytorch_accel_trainer.callbacks import (
     CallbackHandler,
+    with_limit_batches_from_env,
     LogMetricsCallback,
     MoveModulesToDeviceCallback,
     PrintProgressCallback,
@@ -128,6 +129,7 @@ class Trainer:
         self._preemption_signal: Optional[int] = None
         self._signal_catcher: Optional[SignalCatcher] = None
         self.non_finite_policy: Optional[NonFinitePolicy] = None
+        self.last_gradient_norm: Optional[torch.Tensor] = None  # set by clipping by norm, before each update
         # set by train() / evaluate()
         self.create_scheduler_fn = None
         self.scheduler = None
@@ -143,8 +145,9 @@ class Trainer:
         self.callback_handler.call_event("on_init_end", self)
 
     def _create_callback_handler(self) -> CallbackHandler:
-        """Return the :class:`CallbackHandler` that calls the trainer's callbacks."""
-        return CallbackHandler(self._callbacks)
+        """Return the :class:`CallbackHandler` that calls the trainer's callbacks (with a
+        ``LimitBatchesCallback`` first while the environment variable ``PT_ACC_LIMIT_BATCHES`` is set)."""
+        return CallbackHandler(with_limit_batches_from_env(self._callbacks))
 
     def _create_accelerator(self) -> Accelerator:
         """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
@@ -731,8 +734,8 @@ class Trainer:
     def _clip_gradients(self) -> None:
         """Clip the accumulated gradients by norm and/or value, as set in ``train()``; once per update."""
         clip_value, clip_norm = self.run_config.gradient_clip_value, self.run_config.gradient_clip_norm
-        if clip_norm is not None:
-            self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=clip_norm)  # unscales fp16 first
+        if clip_norm is not None:  # unscales fp16 gradients first; the norm stays on the device (no sync)
+            self.last_gradient_norm = self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=clip_norm)
         if clip_value is not None and clip_norm is None:
             self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
         elif clip_value is not None:

@@ -1,26 +1,65 @@
 """Callbacks: the base protocol and the ready-made callbacks, one family per module."""
 
 from pytorch_accel_trainer.callbacks.base import EVENTS, CallbackHandler, StopTrainingError, TrainerCallback
-from pytorch_accel_trainer.callbacks.control import TerminateOnNaNCallback
-from pytorch_accel_trainer.callbacks.device import MoveModulesToDeviceCallback
-from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
+from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
+from pytorch_accel_trainer.callbacks.control import (
+    LIMIT_BATCHES_ENV_VAR,
+    DataLoaderSlice,
+    LimitBatchesCallback,
+    TerminateOnNaNCallback,
+    with_limit_batches_from_env,
+)
+from pytorch_accel_trainer.callbacks.device import ConvertSyncBatchNormCallback, MoveModulesToDeviceCallback
+from pytorch_accel_trainer.callbacks.early_stopping import EarlyStoppingCallback
+from pytorch_accel_trainer.callbacks.ema import ModelEmaCallback
+from pytorch_accel_trainer.callbacks.evaluation import (
+    LimitEvalStepsCallback,
+    StepBasedEvaluationCallback,
+    is_intermediate_evaluation,
+)
+from pytorch_accel_trainer.callbacks.fine_tuning import GradualUnfreezingCallback
+from pytorch_accel_trainer.callbacks.memory import PeakMemoryCallback
+from pytorch_accel_trainer.callbacks.metrics import MetricCollectionCallback
+from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.progress import (
     LogMetricsCallback,
     PrintMetricsCallback,
     PrintProgressCallback,
     ProgressBarCallback,
 )
+from pytorch_accel_trainer.callbacks.trackers import CSVTracker, ExperimentTrackingCallback, JSONLinesTracker
+from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
+from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 
 __all__ = [
     "EVENTS",
+    "LIMIT_BATCHES_ENV_VAR",
+    "CSVTracker",
     "CallbackHandler",
+    "ConvertSyncBatchNormCallback",
+    "DataLoaderSlice",
+    "EarlyStoppingCallback",
+    "ExperimentTrackingCallback",
+    "GradualUnfreezingCallback",
+    "JSONLinesTracker",
+    "LimitBatchesCallback",
+    "LimitEvalStepsCallback",
     "LogMetricsCallback",
+    "MetricCollectionCallback",
+    "ModelEmaCallback",
+    "MonitorCallback",
     "MoveModulesToDeviceCallback",
+    "PeakMemoryCallback",
     "PrintMetricsCallback",
     "PrintProgressCallback",
     "ProgressBarCallback",
+    "SaveBestModelCallback",
     "SaveTrainingStateCallback",
+    "SkipNonFiniteStepsCallback",
+    "StepBasedEvaluationCallback",
     "StopTrainingError",
     "TerminateOnNaNCallback",
     "TrainerCallback",
+    "is_intermediate_evaluation",
+    "with_limit_batches_from_env",
 ]

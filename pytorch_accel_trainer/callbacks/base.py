@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Iterable, Union
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -196,3 +196,9 @@ def _validate_event_methods(callback) -> None:
             f"{type(callback).__name__} defines {unknown[0]!r}{_suggest(unknown[0])}, which is not a "
             f"callback event, so it would never be called. Rename it to one of: {list(EVENTS)}."
         )
+
+
+def validate_positive_int(name: str, value: Any, unit: str, example: int) -> None:
+    """Refuse ``value`` for the argument ``name`` unless it is a positive whole number (``True`` is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} is {value!r}; pass a positive whole number of {unit}, e.g. {name}={example}.")

@@ -34,7 +34,8 @@ class SaveBestModelCallback(MonitorCallback):
 
     Example::
 
-        callbacks = (*DEFAULT_CALLBACKS, SaveBestModelCallback("best.pt", watch_metric="accuracy", greater_is_better=True))
+        best = SaveBestModelCallback("best.pt", watch_metric="accuracy", greater_is_better=True)
+        trainer = Trainer(model, loss_func, optimizer, callbacks=(*DEFAULT_CALLBACKS, best))
     """
 
     def __init__(

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
-from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback
+from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.utils import dataloader_length
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class DataLoaderSlice:
     def __len__(self) -> int:
         length = dataloader_length(self.dataloader)
         if length is None:
-            raise TypeError("the sliced dataloader has no length")  # as for the dataloader itself
+            raise TypeError("the wrapped dataloader has no __len__ (an iterable dataset), so its slice has none either")
         return min(length, self.num_batches) if self.is_active() else length
 
     def __getattr__(self, name: str) -> Any:
@@ -127,7 +127,7 @@ class LimitBatchesCallback(TrainerCallback):
     """
 
     def __init__(self, num_batches: int):
-        _validate_num_batches(num_batches, "num_batches")
+        validate_positive_int("num_batches", num_batches, "batches", 2)
         self.num_batches = num_batches
         self._originals: Optional[tuple] = None
 
@@ -180,8 +180,3 @@ def with_limit_batches_from_env(callbacks: Iterable) -> list:
             f"set it to e.g. {LIMIT_BATCHES_ENV_VAR}=2, or unset it for full epochs."
         )
     return [*callbacks, LimitBatchesCallback(int(value))]
-
-
-def _validate_num_batches(num_batches: Any, name: str) -> None:
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
-        raise ValueError(f"{name} is {num_batches!r}; pass a positive whole number of batches, e.g. {name}=2.")

@@ -1,4 +1,4 @@
-"""Callbacks that place the trainer's extra modules on the run's device."""
+"""Callbacks that fit the trainer's modules to the run's devices and processes."""
 
 from __future__ import annotations
 

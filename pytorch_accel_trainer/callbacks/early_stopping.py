@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any, Optional
 
-from pytorch_accel_trainer.callbacks.base import StopTrainingError
+from pytorch_accel_trainer.callbacks.base import StopTrainingError, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 
 if TYPE_CHECKING:
@@ -59,7 +59,9 @@ class EarlyStoppingCallback(MonitorCallback):
         if self.best_metric is None:
             self.best_metric = value  # the first epoch sets the reference
         elif self.is_improvement(value, min_delta=self.early_stopping_threshold):
-            trainer.print(f"\nImprovement of {abs(value - self.best_metric)} in {self.watch_metric}, resetting counter.")
+            trainer.print(
+                f"\nImprovement of {abs(value - self.best_metric)} in {self.watch_metric}, resetting counter."
+            )
             self.best_metric = value
             self.early_stopping_patience_counter = 0
         else:
@@ -84,11 +86,7 @@ class EarlyStoppingCallback(MonitorCallback):
 
 
 def _validate_early_stopping_arguments(patience: Any, threshold: Any) -> None:
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        raise ValueError(
-            f"early_stopping_patience is {patience!r}; pass a positive whole number of epochs without improvement, "
-            "e.g. early_stopping_patience=3."
-        )
+    validate_positive_int("early_stopping_patience", patience, "epochs without improvement", 3)
     if threshold is not None and (not isinstance(threshold, numbers.Real) or threshold < 0):
         raise ValueError(
             f"early_stopping_threshold is {threshold!r}; pass a non-negative number (the smallest change that counts "

@@ -12,7 +12,10 @@ import torch
 
 from pytorch_accel_trainer.callbacks.base import CallbackHandler
 from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
-from pytorch_accel_trainer.callbacks.evaluation import _validate_can_evaluate_during_training, is_intermediate_evaluation
+from pytorch_accel_trainer.callbacks.evaluation import (
+    _validate_can_evaluate_during_training,
+    is_intermediate_evaluation,
+)
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.control import DataLoaderSlice
 
 if TYPE_CHECKING:
@@ -33,11 +33,7 @@ class StepBasedEvaluationCallback(TrainerCallback):
     """
 
     def __init__(self, eval_every_n_steps: int):
-        if isinstance(eval_every_n_steps, bool) or not isinstance(eval_every_n_steps, int) or eval_every_n_steps < 1:
-            raise ValueError(
-                f"eval_every_n_steps is {eval_every_n_steps!r}; pass a positive whole number of optimizer updates, "
-                "e.g. eval_every_n_steps=500."
-            )
+        validate_positive_int("eval_every_n_steps", eval_every_n_steps, "optimizer updates", 500)
         self.eval_every_n_steps = eval_every_n_steps
         self.is_evaluating = False
         self._last_update_seen = 0
@@ -93,11 +89,7 @@ class LimitEvalStepsCallback(TrainerCallback):
     """
 
     def __init__(self, num_eval_steps: int, limit_intermediate_only: bool = True):
-        if isinstance(num_eval_steps, bool) or not isinstance(num_eval_steps, int) or num_eval_steps < 1:
-            raise ValueError(
-                f"num_eval_steps is {num_eval_steps!r}; pass a positive whole number of evaluation batches, "
-                "e.g. num_eval_steps=20."
-            )
+        validate_positive_int("num_eval_steps", num_eval_steps, "evaluation batches", 20)
         self.num_eval_steps = num_eval_steps
         self.limit_intermediate_only = limit_intermediate_only
         self._original_eval_dataloader: Optional[Any] = None

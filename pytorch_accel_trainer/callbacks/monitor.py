@@ -56,7 +56,8 @@ class MonitorCallback(TrainerCallback):
         if self.watch_metric not in names:
             raise ValueError(
                 f"{type(self).__name__} watches {self.watch_metric!r}, which is not in the run history; the metrics "
-                f"recorded are {sorted(names)}. Pass one of them as watch_metric (an eval metric needs an eval_dataset)."
+                f"recorded are {sorted(names)}. Pass one of them as watch_metric (an eval metric needs an "
+                "eval_dataset)."
             )
         return _as_float(trainer.run_history.get_latest_metric(self.watch_metric), self.watch_metric)
 

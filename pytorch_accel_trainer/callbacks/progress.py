@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
+import time
 from typing import TYPE_CHECKING, Optional
 
 from tqdm.auto import tqdm
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.utils import dataloader_length
 
 if TYPE_CHECKING:
@@ -38,14 +41,35 @@ class PrintProgressCallback(TrainerCallback):
 class ProgressBarCallback(TrainerCallback):
     """Shows a tqdm bar for each training and evaluation epoch, on the main process of each node.
 
-    The bar counts batches only: it never reads the loss, so it never forces a host-device sync.
+    The training bar shows the epoch, batches done out of the total, the time left, and, refreshed every
+    ``refresh_every_n_steps`` batches: the mean loss over the last interval, the learning rate of each
+    parameter group, and the throughput in samples per second (over all processes, counted from the
+    ``batch_size`` of each batch output when it is an ``int``). At the end of the epoch, the loss shown
+    is the epoch's ``train_loss_epoch``.
+
+    The loss is summed on the device between refreshes and copied to the host without waiting for the
+    device (on CUDA, into pinned memory, shown once the copy has arrived, at most one interval late),
+    so the bar never adds a host-device sync. The loss shown is that of this process's batches. Other
+    processes show nothing and do no work.
+
+    Args:
+        refresh_every_n_steps: the batches between two refreshes of the loss, learning rate and throughput.
     """
 
-    def __init__(self):
+    def __init__(self, refresh_every_n_steps: int = 50):
+        validate_positive_int("refresh_every_n_steps", refresh_every_n_steps, "batches", 50)
+        self.refresh_every_n_steps = refresh_every_n_steps
         self.pbar: Optional[tqdm] = None
+        self.eval_pbar: Optional[tqdm] = None
+        self._is_shown = False
+        self._loss = RunningSum()
+        self._host_copy: Optional[HostCopy] = None
+        self._postfix: dict = {}
+        self._samples = 0
+        self._epoch_start_time = 0.0
 
-    def _open(self, trainer: "Trainer", dataloader, description: str) -> None:
-        self.pbar = tqdm(
+    def _create_bar(self, trainer: "Trainer", dataloader, description: str) -> tqdm:
+        return tqdm(
             total=dataloader_length(dataloader),
             desc=description,
             unit="batch",
@@ -53,31 +77,79 @@ class ProgressBarCallback(TrainerCallback):
             dynamic_ncols=True,
         )
 
-    def _close(self) -> None:
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        self._is_shown = trainer.run_config.is_local_process_zero
+        # made once per run: its host buffer is allocated here, never during a step
+        self._host_copy = HostCopy(1, trainer.device) if self._is_shown else None
+
+    def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
+        self.pbar = self._create_bar(
+            trainer, trainer._train_dataloader, f"epoch {trainer.run_history.current_epoch} train"
+        )
+        self._loss.reset()
+        self._postfix, self._samples = {}, 0
+        self._epoch_start_time = time.perf_counter()
+
+    def on_train_step_end(self, trainer: "Trainer", batch_output: dict, step: int = 0, **kwargs):
+        self.pbar.update(1)
+        if not self._is_shown:
+            return
+        self._loss.add(batch_output["loss"])
+        batch_size = batch_output.get("batch_size")
+        if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
+            self._samples += batch_size
+        if (step + 1) % self.refresh_every_n_steps == 0:
+            self._refresh(trainer)
+
+    def _refresh(self, trainer: "Trainer") -> None:
+        epoch = trainer.run_history.current_epoch
+        self._show_arrived_loss(epoch)  # the previous interval's copy, before the buffer is reused
+        self._host_copy.start(self._loss.total, tag=(epoch, self._loss.count))
+        self._loss.reset()
+        self._show_arrived_loss(epoch)  # complete at once on the CPU; on CUDA, usually at the next refresh
+        learning_rates = [group["lr"] for group in trainer.optimizer.param_groups]
+        if all(isinstance(lr, numbers.Real) for lr in learning_rates):  # a tensor lr would need a sync
+            self._postfix["lr"] = ",".join(f"{lr:.3g}" for lr in learning_rates)
+        elapsed = time.perf_counter() - self._epoch_start_time
+        if self._samples and elapsed > 0:
+            self._postfix["samples/s"] = f"{self._samples * trainer.run_config.num_processes / elapsed:.1f}"
+        self.pbar.set_postfix(self._postfix, refresh=False)
+
+    def _show_arrived_loss(self, epoch: int) -> None:
+        arrived = self._host_copy.get_values()
+        if arrived is not None:
+            (copy_epoch, count), (total,) = arrived
+            if copy_epoch == epoch and count:  # a copy left from the previous epoch is stale
+                self._postfix["loss"] = f"{total / count:.4g}"
+
+    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+        if self._is_shown and "train_loss_epoch" in trainer.run_history.get_metric_names():
+            self._postfix["loss"] = f"{trainer.run_history.get_latest_metric('train_loss_epoch'):.4g}"
+            self.pbar.set_postfix(self._postfix, refresh=False)
+        self._close_train_bar()
+
+    def on_eval_epoch_start(self, trainer: "Trainer", **kwargs):
+        self.eval_pbar = self._create_bar(trainer, trainer._eval_dataloader, "eval")
+
+    def on_eval_step_end(self, trainer: "Trainer", **kwargs):
+        self.eval_pbar.update(1)
+
+    def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
+        self._close_eval_bar()
+
+    def on_stop_training_error(self, trainer: "Trainer", **kwargs):
+        self._close_eval_bar()
+        self._close_train_bar()
+
+    def _close_train_bar(self) -> None:
         if self.pbar is not None:
             self.pbar.close()
             self.pbar = None
 
-    def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
-        self._open(trainer, trainer._train_dataloader, f"epoch {trainer.run_history.current_epoch} train")
-
-    def on_train_step_end(self, trainer: "Trainer", **kwargs):
-        self.pbar.update(1)
-
-    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._close()
-
-    def on_eval_epoch_start(self, trainer: "Trainer", **kwargs):
-        self._open(trainer, trainer._eval_dataloader, "eval")
-
-    def on_eval_step_end(self, trainer: "Trainer", **kwargs):
-        self.pbar.update(1)
-
-    def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._close()
-
-    def on_stop_training_error(self, trainer: "Trainer", **kwargs):
-        self._close()
+    def _close_eval_bar(self) -> None:
+        if self.eval_pbar is not None:
+            self.eval_pbar.close()
+            self.eval_pbar = None
 
 
 class LogMetricsCallback(TrainerCallback):

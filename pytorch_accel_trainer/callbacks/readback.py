@@ -44,6 +44,7 @@ class HostCopy:
     """
 
     def __init__(self, numel: int, device: torch.device):
+        self._device = device
         self._is_cuda = device.type == "cuda"
         self._host = torch.zeros(numel, dtype=torch.float32, pin_memory=self._is_cuda)
         # A numpy view of the same memory, read with numpy: the values are already on the host then.
@@ -57,7 +58,7 @@ class HostCopy:
         self._host.copy_(values.detach().reshape(-1), non_blocking=self._is_cuda)
         if self._is_cuda:
             self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(self._device))
         self._tag, self._pending = tag, True
 
     def get_values(self, wait: bool = False) -> Optional[tuple[Any, list]]:

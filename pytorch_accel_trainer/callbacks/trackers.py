@@ -1,0 +1,317 @@
+"""Experiment tracking through Accelerate's tracker API: TensorBoard, CSV, JSON lines, and any Accelerate tracker."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import numbers
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional, Union
+
+import torch
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
+
+from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+
+class _FileTracker(GeneralTracker):
+    """A tracker that appends one text record per ``log`` call to ``logging_dir/run_name/<file_name>``."""
+
+    requires_logging_directory = True
+    main_process_only = True
+    file_name = ""
+
+    def __init__(self, run_name: str, logging_dir: Union[str, os.PathLike] = "."):
+        super().__init__()
+        self.run_name = run_name
+        self.run_dir = Path(logging_dir) / run_name
+        self.path = self.run_dir / self.file_name
+        self._file = None
+
+    @property
+    def tracker(self):
+        """The open file (``None`` before :meth:`start` and after :meth:`finish`)."""
+        return self._file
+
+    @on_main_process
+    def start(self):
+        """Create the run folder and open the file for appending."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        is_new = not self.path.exists() or self.path.stat().st_size == 0
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        if is_new:
+            self._write_header()
+
+    def _write_header(self) -> None:
+        """Write the first lines of a new file; nothing by default."""
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        """Write the run's configuration to ``config.json`` in the run folder."""
+        (self.run_dir / "config.json").write_text(json.dumps(values, indent=2, default=str), encoding="utf-8")
+
+    @on_main_process
+    def finish(self):
+        """Close the file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class CSVTracker(_FileTracker):
+    """Appends every logged value to ``logging_dir/run_name/metrics.csv``, one ``step,name,value`` row each.
+
+    The long format takes any set of names at any step; ``pandas.read_csv(path).pivot(index="step",
+    columns="name", values="value")`` gives one column per metric.
+
+    Args:
+        run_name: the folder of this run inside ``logging_dir``.
+        logging_dir: where run folders are created.
+    """
+
+    name = "csv"
+    file_name = "metrics.csv"
+
+    def _write_header(self) -> None:
+        csv.writer(self._file).writerow(["step", "name", "value"])
+
+    @on_main_process
+    def log(self, values: dict, step: Optional[int] = None, **kwargs):
+        """Append one row per value, flushed at once."""
+        writer = csv.writer(self._file)
+        for name, value in values.items():
+            writer.writerow(["" if step is None else step, name, value])
+        self._file.flush()
+
+
+class JSONLinesTracker(_FileTracker):
+    """Appends each ``log`` call to ``logging_dir/run_name/metrics.jsonl``, as one object ``{"step": ..., **values}``.
+
+    Args:
+        run_name: the folder of this run inside ``logging_dir``.
+        logging_dir: where run folders are created.
+    """
+
+    name = "jsonl"
+    file_name = "metrics.jsonl"
+
+    @on_main_process
+    def log(self, values: dict, step: Optional[int] = None, **kwargs):
+        """Append one line, flushed at once."""
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+
+
+#: The trackers of this package, by name; every name of ``accelerate.tracking.LOGGER_TYPE_TO_CLASS`` works too.
+BUILTIN_TRACKERS = {"csv": CSVTracker, "jsonl": JSONLinesTracker}
+
+
+class ExperimentTrackingCallback(TrainerCallback):
+    """Logs a run to experiment trackers: step values every ``log_every_n_steps`` updates, metrics every epoch.
+
+    Every ``log_every_n_steps`` optimizer updates it logs, at that step: ``train_loss_step``, the mean loss of
+    the batches since the last log over every process; ``lr_group_<i>``, the learning rate of each
+    parameter group; ``gradient_norm``, the total norm of the last update's gradients when clipping by norm
+    (``train(gradient_clip_norm=...)``) computes it; and ``samples_per_second`` over all processes (counted from the ``batch_size`` of each
+    batch output when it is an ``int``). After each evaluation epoch, at the end of each epoch and at the
+    end of a run, it logs every run-history metric that has a new value (``train_loss_epoch``,
+    ``eval_loss_epoch``, your metrics, ...), with ``epoch``, at the current update step. Every value is
+    logged with ``step=trainer.num_update_steps_completed``, one increasing step, as W&B requires.
+
+    The loss is summed on the device and copied to the host without waiting for it (values arrive
+    one interval late on CUDA, and are flushed at the end of each epoch). Summing it over processes is
+    one collective every ``log_every_n_steps`` updates, on every process; only the main process creates
+    the trackers and writes.
+
+    Args:
+        trackers: names of trackers (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any other name Accelerate
+            knows: ``"wandb"``, ``"mlflow"``, ...) or :class:`accelerate.tracking.GeneralTracker` instances.
+        logging_dir: where trackers that write files put ``<run_name>/``.
+        run_name: the name of the run (Accelerate's ``project_name``); the start time by default.
+        log_every_n_steps: the optimizer updates between two step logs.
+        config: hyperparameters to store with ``store_init_configuration`` at the start of each run.
+        tracker_kwargs: extra constructor arguments per tracker name, e.g. ``{"wandb": {"entity": "me"}}``.
+
+    Example::
+
+        callbacks = (*DEFAULT_CALLBACKS, ExperimentTrackingCallback(["tensorboard", "csv"], logging_dir="runs"))
+    """
+
+    def __init__(
+        self,
+        trackers: Iterable[Union[str, GeneralTracker]] = ("csv",),
+        logging_dir: Union[str, os.PathLike] = "runs",
+        run_name: Optional[str] = None,
+        log_every_n_steps: int = 50,
+        config: Optional[dict] = None,
+        tracker_kwargs: Optional[dict] = None,
+    ):
+        self.tracker_specs = [trackers] if isinstance(trackers, (str, GeneralTracker)) else list(trackers)
+        _validate_trackers(self.tracker_specs)
+        validate_positive_int("log_every_n_steps", log_every_n_steps, "optimizer updates", 50)
+        self.logging_dir = logging_dir
+        self.run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
+        self.log_every_n_steps = log_every_n_steps
+        self.config = config
+        self.tracker_kwargs = tracker_kwargs or {}
+        self.trackers: list[GeneralTracker] = []
+        self._is_writer = False
+        self._loss = RunningSum()
+        self._host_copy: Optional[HostCopy] = None
+        self._samples = 0
+        self._interval_start = 0.0
+        self._last_update_seen = 0
+        self._logged_counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------------------
+    # Trackers
+    # ------------------------------------------------------------------------------------------------
+
+    def _start_trackers(self, trainer: "Trainer") -> None:
+        self._is_writer = trainer.run_config.is_world_process_zero
+        history = trainer.run_history
+        self._logged_counts = {name: len(history.get_metric_values(name)) for name in history.get_metric_names()}
+        if not self._is_writer or self.trackers:
+            return
+        self.trackers = [self._create_tracker(spec) for spec in self.tracker_specs]
+        for tracker in self.trackers:
+            tracker.start()
+            if self.config is not None:
+                tracker.store_init_configuration(self.config)
+
+    def _create_tracker(self, spec: Union[str, GeneralTracker]) -> GeneralTracker:
+        if isinstance(spec, GeneralTracker):
+            return spec
+        kwargs = self.tracker_kwargs.get(spec, {})
+        tracker_class = BUILTIN_TRACKERS.get(spec) or LOGGER_TYPE_TO_CLASS[spec]
+        if tracker_class.requires_logging_directory:  # as Accelerator.init_trackers builds them
+            return tracker_class(self.run_name, self.logging_dir, **kwargs)
+        return tracker_class(self.run_name, **kwargs)
+
+    def _log(self, values: dict, step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
+
+    def _finish_trackers(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+
+    # ------------------------------------------------------------------------------------------------
+    # Events
+    # ------------------------------------------------------------------------------------------------
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        self._start_trackers(trainer)
+        self._host_copy = HostCopy(3, trainer.device) if self._is_writer else None  # loss sum, count, grad norm
+        self._loss.reset()
+        self._last_update_seen = trainer.num_update_steps_completed
+
+    def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
+        self._samples, self._interval_start = 0, time.perf_counter()  # evaluation time is not training time
+
+    def on_train_step_start(self, trainer: "Trainer", **kwargs):
+        self._log_step_if_due(trainer)
+
+    def on_train_step_end(self, trainer: "Trainer", batch_output: dict, **kwargs):
+        self._loss.add(batch_output["loss"])
+        batch_size = batch_output.get("batch_size")
+        if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
+            self._samples += batch_size
+
+    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+        self._log_step_if_due(trainer)  # the epoch's last update has no next step
+
+    def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
+        self._log_new_metrics(trainer)
+
+    def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
+        self._log_new_metrics(trainer)
+
+    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+        self._log_new_metrics(trainer)
+        self._finish_trackers()
+
+    def on_evaluation_run_start(self, trainer: "Trainer", **kwargs):
+        self._start_trackers(trainer)
+
+    def on_evaluation_run_end(self, trainer: "Trainer", **kwargs):
+        self._log_new_metrics(trainer)
+        self._finish_trackers()
+
+    # ------------------------------------------------------------------------------------------------
+    # What is logged
+    # ------------------------------------------------------------------------------------------------
+
+    def _log_step_if_due(self, trainer: "Trainer") -> None:
+        updates = trainer.num_update_steps_completed
+        if updates == self._last_update_seen:
+            return  # no optimizer update since the last batch: the common case
+        self._last_update_seen = updates
+        if updates % self.log_every_n_steps == 0 and self._loss.count:
+            self._start_step_log(trainer, updates)
+
+    def _start_step_log(self, trainer: "Trainer", step: int) -> None:
+        self._log_arrived_step_values()  # the previous copy, before its buffer is reused
+        norm = trainer.last_gradient_norm  # computed by clipping by norm; the same on every process
+        norm = self._loss.total.new_tensor(float("nan")) if norm is None else norm.detach().float().reshape(())
+        totals = torch.stack([self._loss.total, self._loss.total.new_tensor(float(self._loss.count)), norm.to(self._loss.total.device)])
+        if trainer.run_config.num_processes > 1:
+            totals = trainer._accelerator.reduce(totals, "sum")  # a collective, not a host sync
+        if self._is_writer:
+            values = {f"lr_group_{index}": group["lr"] for index, group in enumerate(trainer.optimizer.param_groups)}
+            values = {name: value for name, value in values.items() if isinstance(value, numbers.Real)}
+            elapsed = time.perf_counter() - self._interval_start
+            if self._samples and elapsed > 0:
+                values["samples_per_second"] = self._samples * trainer.run_config.num_processes / elapsed
+            values["_num_processes"] = trainer.run_config.num_processes
+            self._host_copy.start(totals, tag=(step, values))
+        self._loss.reset()
+        self._samples, self._interval_start = 0, time.perf_counter()
+        self._log_arrived_step_values()  # complete at once on the CPU
+
+    def _log_arrived_step_values(self, wait: bool = False) -> None:
+        arrived = self._host_copy.get_values(wait=wait) if self._host_copy is not None else None
+        if arrived is not None:
+            (step, values), (loss_sum, count, gradient_norm) = arrived
+            values = dict(values)
+            num_processes = values.pop("_num_processes")
+            if not math.isnan(gradient_norm):
+                values["gradient_norm"] = gradient_norm / num_processes  # summed over identical processes
+            self._log({"train_loss_step": loss_sum / count, **values}, step=step)
+
+    def _log_new_metrics(self, trainer: "Trainer") -> None:
+        """Log the latest value of every run-history metric recorded since the last call."""
+        self._log_arrived_step_values(wait=True)  # steps come first, so that logged steps only increase
+        history, new_values = trainer.run_history, {}
+        for name in sorted(history.get_metric_names()):
+            values = history.get_metric_values(name)
+            if len(values) > self._logged_counts.get(name, 0):
+                self._logged_counts[name] = len(values)
+                if isinstance(values[-1], numbers.Real):  # lists (per-class values) and tensors are left out
+                    new_values[name] = float(values[-1])
+        if new_values and self._is_writer:
+            self._log({**new_values, "epoch": history.current_epoch}, step=trainer.num_update_steps_completed)
+
+
+def _validate_trackers(specs: list) -> None:
+    choices = [*BUILTIN_TRACKERS, *LOGGER_TYPE_TO_CLASS]
+    available = {str(logger_type) for logger_type in get_available_trackers()}
+    for spec in specs:
+        if isinstance(spec, GeneralTracker) or spec in BUILTIN_TRACKERS:
+            continue
+        if spec not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(
+                f"Unknown tracker {spec!r}: choose from {choices}, or pass an accelerate.tracking.GeneralTracker "
+                "instance."
+            )
+        if spec not in available:
+            package = '"pytorch-accel-trainer[tensorboard]"' if spec == "tensorboard" else spec
+            raise ImportError(f"The tracker {spec!r} needs its package, which is not installed: pip install {package}.")

@@ -1,0 +1,49 @@
+"""Callbacks that decide or gather, on two real processes (gloo on CPU): every rank agrees, nobody hangs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_callbacks.py"
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]  # fmt: skip
+
+
+def _run(tmp_path, name, command, per_device_batch_size):
+    output, tracking = tmp_path / f"{name}.json", tmp_path / f"{name}_runs"
+    completed = subprocess.run(
+        [*command, str(SCRIPT), str(output), str(per_device_batch_size), str(tracking)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip; a rank waiting forever on the other would hit the timeout
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    with open(tracking / "run" / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    return json.loads(output.read_text()), rows
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_stop_together_and_compute_the_single_process_metrics(tmp_path):
+    single, single_rows = _run(tmp_path, "single", [sys.executable], per_device_batch_size=8)
+    double, double_rows = _run(tmp_path, "double", LAUNCH, per_device_batch_size=4)
+
+    assert double["num_processes"] == 2
+    first, second = double["epochs_by_rank"]
+    assert first == second < 30  # early stopping stopped both ranks at the same epoch
+    common = min(len(single["mse"]), len(double["mse"]))
+    assert double["mse"][:common] == pytest.approx(single["mse"][:common], rel=1e-5)  # gathered over both ranks
+    assert double["mse"] == pytest.approx(double["eval_loss"], rel=1e-5)
+
+    epoch_rows = [row for row in double_rows if row["name"] == "train_loss_epoch"]
+    assert len(epoch_rows) == first  # written once, by the main process only
+    assert len(single_rows) > 0
+
+    assert single["sync_batch_norm_error"] is None and single["batch_norm_types"] == ["BatchNorm1d"]
+    assert "torch's SyncBatchNorm only runs on accelerators" in double["sync_batch_norm_error"]
