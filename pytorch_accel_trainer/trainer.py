@@ -129,7 +129,10 @@ class Trainer:
         self._preemption_signal: Optional[int] = None
         self._signal_catcher: Optional[SignalCatcher] = None
         self.non_finite_policy: Optional[NonFinitePolicy] = None
-        self.last_gradient_norm: Optional[torch.Tensor] = None  # set by clipping by norm, before each update
+        #: Keep the total norm of each update's gradients in ``last_gradient_norm`` (a device tensor, no sync),
+        #: even without clipping by norm; ``ExperimentTrackingCallback`` turns it on to log it.
+        self.track_gradient_norm = False
+        self.last_gradient_norm: Optional[torch.Tensor] = None
         # set by train() / evaluate()
         self.create_scheduler_fn = None
         self.scheduler = None
@@ -732,15 +735,25 @@ class Trainer:
         return limit is not None and self._num_update_steps_completed >= limit
 
     def _clip_gradients(self) -> None:
-        """Clip the accumulated gradients by norm and/or value, as set in ``train()``; once per update."""
+        """Clip the accumulated gradients by norm and/or value, as set in ``train()``; once per update.
+
+        Under fp16 the gradients are unscaled once, first (a second unscale in one update is an error for
+        GradScaler). The total norm stays on the device, in ``last_gradient_norm``: no host-device sync.
+        """
         clip_value, clip_norm = self.run_config.gradient_clip_value, self.run_config.gradient_clip_norm
-        if clip_norm is not None:  # unscales fp16 gradients first; the norm stays on the device (no sync)
+        unscaled = False
+        if clip_norm is not None:
             self.last_gradient_norm = self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=clip_norm)
-        if clip_value is not None and clip_norm is None:
-            self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
-        elif clip_value is not None:
-            # already unscaled by clip_grad_norm_: unscaling twice in one update is an error for GradScaler
+            unscaled = True
+        elif self.track_gradient_norm:
+            self._accelerator.unscale_gradients()  # a no-op without an fp16 gradient scaler
+            gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self.last_gradient_norm = torch.nn.utils.get_total_norm(gradients) if gradients else None
+            unscaled = True
+        if clip_value is not None and unscaled:
             torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
+        elif clip_value is not None:
+            self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
 
     def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
         average = tracker.reduce_average(lambda tensor: self._accelerator.reduce(tensor, "sum"), self.device)

@@ -109,7 +109,8 @@ def test_unknown_and_missing_trackers_are_errors():
         ExperimentTrackingCallback(log_every_n_steps=0)
 
 
-def test_gradient_norm_is_logged_when_clipping_by_norm_computes_it(tmp_path):
+@pytest.mark.parametrize("clip", [{"gradient_clip_norm": 100.0}, {}])
+def test_gradient_norm_is_logged_with_or_without_clipping(tmp_path, clip):
     norms = []
 
     class NormRecorder(TrainerCallback):
@@ -119,7 +120,7 @@ def test_gradient_norm_is_logged_when_clipping_by_norm_computes_it(tmp_path):
 
     tracking = ExperimentTrackingCallback(["jsonl"], logging_dir=tmp_path, run_name="run", log_every_n_steps=2)
     trainer = make_trainer(make_linear(), lr=0.05, callbacks=[NormRecorder(), tracking])
-    trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4, gradient_clip_norm=100.0)
+    trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4, **clip)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = {r["step"]: r["gradient_norm"] for r in records if "gradient_norm" in r}
     assert logged[2] == pytest.approx(dict(norms)[2], rel=1e-6)  # the norm of the update that made step 2

@@ -118,8 +118,8 @@ class ExperimentTrackingCallback(TrainerCallback):
 
     Every ``log_every_n_steps`` optimizer updates it logs, at that step: ``train_loss_step``, the mean loss of
     the batches since the last log over every process; ``lr_group_<i>``, the learning rate of each
-    parameter group; ``gradient_norm``, the total norm of the last update's gradients when clipping by norm
-    (``train(gradient_clip_norm=...)``) computes it; and ``samples_per_second`` over all processes (counted from the ``batch_size`` of each
+    parameter group; ``gradient_norm``, the total norm of the last update's (unscaled, before clipping)
+    gradients; and ``samples_per_second`` over all processes (counted from the ``batch_size`` of each
     batch output when it is an ``int``). After each evaluation epoch, at the end of each epoch and at the
     end of a run, it logs every run-history metric that has a new value (``train_loss_epoch``,
     ``eval_loss_epoch``, your metrics, ...), with ``epoch``, at the current update step. Every value is
@@ -210,6 +210,7 @@ class ExperimentTrackingCallback(TrainerCallback):
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         self._start_trackers(trainer)
+        trainer.track_gradient_norm = True  # the trainer keeps the norm of each update's gradients, on the device
         self._host_copy = HostCopy(3, trainer.device) if self._is_writer else None  # loss sum, count, grad norm
         self._loss.reset()
         self._last_update_seen = trainer.num_update_steps_completed
