@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
+from pytorch_accel_trainer.utils import DeferredSum
+
 if TYPE_CHECKING:  # pandas is imported only when a table is asked for
     import pandas
 
@@ -165,33 +167,36 @@ def _plain(value: Any) -> Any:
 class LossTracker:
     """Sums batch losses, weighted by batch size, without leaving the device.
 
-    Each update is a device-side multiply-add: reading the loss back to the host (a synchronisation)
-    happens once, in :meth:`reduce_average`, at the end of an epoch.
+    An update only keeps a reference to the loss (a :class:`~pytorch_accel_trainer.utils.DeferredSum`):
+    the device adds them up in batches, and reading the sum back to the host (a synchronisation) happens
+    once, in :meth:`reduce_average`, at the end of an epoch.
     """
 
     def __init__(self):
-        self.reset()
+        self._sum = DeferredSum()
 
     def reset(self) -> None:
-        self.total_loss: Optional[torch.Tensor] = None
-        self.running_count: Union[int, torch.Tensor] = 0
+        self._sum.reset()
 
     def update(self, batch_loss: torch.Tensor, batch_size: Union[int, torch.Tensor]) -> None:
         """Add one batch's mean loss, weighted by its number of samples."""
-        loss = batch_loss.detach().float()
-        if self.total_loss is None:
-            self.total_loss = loss * batch_size
-        elif isinstance(batch_size, torch.Tensor):
-            self.total_loss += loss * batch_size
-        else:
-            self.total_loss.add_(loss, alpha=batch_size)  # one device op per step
-        self.running_count = self.running_count + batch_size
+        self._sum.add(batch_loss, batch_size)
+
+    @property
+    def total_loss(self) -> Optional[torch.Tensor]:
+        """The batch-size-weighted sum of the losses so far, on the device."""
+        return self._sum.total
+
+    @property
+    def running_count(self) -> Union[int, torch.Tensor]:
+        """The number of samples so far."""
+        return self._sum.weight_total
 
     def state_dict(self) -> dict:
-        return {"total_loss": self.total_loss, "running_count": self.running_count}
+        return self._sum.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.total_loss, self.running_count = state["total_loss"], state["running_count"]
+        self._sum.load_state_dict(state)
 
     def reduce_average(self, reduce_sum, device: torch.device) -> Optional[float]:
         """Return the per-sample average over every process, or ``None`` when no process tracked a loss.

@@ -58,3 +58,60 @@ def remove_padding(gathered: torch.Tensor, padding_value: Any) -> torch.Tensor:
     if gathered.dim() > 1:
         is_padding = is_padding.flatten(1).all(dim=1)
     return gathered[~is_padding]
+
+
+class DeferredSum:
+    """A weighted sum of scalar tensors kept on their device, added up in batches.
+
+    :meth:`add` only keeps a reference: the device work (one stack and one sum for up to ``fold_every``
+    values) happens in :meth:`fold`, so a training step pays no device op for it, and nothing is ever read
+    back to the host here. Values of one weight are summed together, then multiplied by it, so that no list
+    of weights is ever copied to the device.
+    """
+
+    def __init__(self, fold_every: int = 256):
+        self.fold_every = fold_every
+        self.reset()
+
+    def reset(self) -> None:
+        self._total: Optional[torch.Tensor] = None
+        self._pending: list = []
+        self._pending_weight: Any = None
+        self.weight_total: Any = 0
+
+    def add(self, value: torch.Tensor, weight: Any = 1) -> None:
+        """Add ``value * weight`` (``weight`` a number or a scalar tensor)."""
+        if self._pending and (isinstance(weight, torch.Tensor) or weight != self._pending_weight):
+            self.fold()
+        self._pending.append(value.detach())
+        self._pending_weight = weight
+        self.weight_total = self.weight_total + weight
+        if isinstance(weight, torch.Tensor) or len(self._pending) >= self.fold_every:
+            self.fold()
+
+    def fold(self) -> None:
+        """Add the pending values into the total, on the device."""
+        if not self._pending:
+            return
+        folded = torch.stack(self._pending).float().sum() * self._pending_weight
+        self._total = folded if self._total is None else self._total + folded
+        self._pending = []
+
+    @property
+    def total(self) -> Optional[torch.Tensor]:
+        """The sum so far, as a device tensor (``None`` before the first value)."""
+        self.fold()
+        return self._total
+
+    def state_dict(self) -> dict:
+        """The exact state, pending values included, so that a restored sum adds up in the same order."""
+        return {
+            "total": self._total,
+            "pending": torch.stack(self._pending) if self._pending else None,
+            "pending_weight": self._pending_weight,
+            "weight_total": self.weight_total,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._total, self._pending_weight, self.weight_total = state["total"], state["pending_weight"], state["weight_total"]
+        self._pending = [] if state["pending"] is None else list(state["pending"].unbind())

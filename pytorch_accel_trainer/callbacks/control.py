@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 import torch
 
 from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback, validate_positive_int
-from pytorch_accel_trainer.utils import dataloader_length
+from pytorch_accel_trainer.utils import DeferredSum, dataloader_length
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 class TerminateOnNaNCallback(TrainerCallback):
     """Stops the run when a training or evaluation loss is NaN or infinite.
 
-    Whether a loss is finite is recorded on the device at every step, and read back (a host-device
-    sync) only every ``check_every_n_steps`` training steps and at the end of each epoch, so ordinary
-    steps never wait for the device. The flag is combined over processes before it is read, so every
+    The losses are summed on the device (in batches, so a step pays no device op), and whether the sum is
+    finite is read back (a host-device sync) only every ``check_every_n_steps`` training steps and at the
+    end of each epoch, so ordinary steps never wait for the device. The flag is combined over processes before it is read, so every
     process takes the same decision at the same step.
 
     Args:
@@ -35,28 +35,26 @@ class TerminateOnNaNCallback(TrainerCallback):
         self.check_every_n_steps = check_every_n_steps
         self.exit_on_nan = exit_on_nan
         self.triggered = False
-        self._loss_sum: Optional[torch.Tensor] = None
+        self._losses = DeferredSum()  # a sum is non-finite as soon as one of its terms is
 
     def _record(self, loss: torch.Tensor) -> None:
-        # One device op per step: a sum is non-finite as soon as one of its terms is.
-        loss = loss.detach().float()  # the trainer checks that the loss is a scalar
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._losses.add(loss)  # no device op per step: the losses are added up in batches
 
     def _check(self, trainer: "Trainer", stage: str) -> None:
+        total = self._losses.total
+        self._losses.reset()
         if getattr(trainer, "non_finite_policy", None) is not None:
-            self._loss_sum = None
             return  # SkipNonFiniteStepsCallback handles non-finite steps instead
         seen = torch.zeros((), device=trainer.device)
-        if self._loss_sum is not None:
-            seen = (~torch.isfinite(self._loss_sum)).float().to(trainer.device)
-        self._loss_sum = None
+        if total is not None:
+            seen = (~torch.isfinite(total)).float().to(trainer.device)
         if trainer._accelerator.reduce(seen, "sum").item() > 0:  # host-device sync, by design
             self.triggered = True
             raise StopTrainingError(f"Stopping training due to NaN loss in {stage} step")
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         self.triggered = False
-        self._loss_sum = None
+        self._losses.reset()
 
     def on_train_step_end(self, trainer: "Trainer", batch_output: dict, step: int = 0, **kwargs):
         self._record(batch_output["loss"])

@@ -6,28 +6,17 @@ from typing import Any, Optional
 
 import torch
 
+from pytorch_accel_trainer.utils import DeferredSum
 
-class RunningSum:
-    """A sum of scalar tensors kept on their device: one in-place add per value, no host-device sync."""
 
-    def __init__(self):
-        self.total: Optional[torch.Tensor] = None
-        self.count = 0
+class RunningSum(DeferredSum):
+    """A sum of scalar tensors kept on their device and added up in batches: no device op per value, and
+    no host-device sync (see :class:`~pytorch_accel_trainer.utils.DeferredSum`)."""
 
-    def add(self, value: torch.Tensor) -> None:
-        """Add one scalar tensor (detached, so no autograd graph is kept alive)."""
-        value = value.detach()
-        if self.total is None:
-            self.total = value.float().clone()
-        else:
-            self.total.add_(value)
-        self.count += 1
-
-    def reset(self) -> None:
-        """Start a new sum, keeping the device tensor (no allocation)."""
-        if self.total is not None:
-            self.total.zero_()
-        self.count = 0
+    @property
+    def count(self) -> int:
+        """The number of values added since the last reset."""
+        return self.weight_total
 
 
 class HostCopy:
