@@ -103,6 +103,9 @@ class Trainer(PersistenceMixin):
         self._train_epoch_length: Optional[int] = None
         self._use_plain_torch_step = False
         self._max_num_train_steps: Optional[int] = None
+        #: The first micro-batch of the current training epoch: 0, or the batches already trained on when a
+        #: resumed run continues an epoch (a progress bar starts there).
+        self.epoch_first_step = 0
         # training state: saves asked for during a run wait for the next point between two optimizer updates
         self._in_training_run = False
         self._loop_epoch = 0
@@ -584,8 +587,9 @@ class Trainer(PersistenceMixin):
         self.train_epoch_start()
         self._train_loss_tracker.reset()
         self._train_epoch_length = dataloader_length(train_dl)
+        self.epoch_first_step, batches = self._epoch_batches(train_dl)  # not 0 when resuming inside an epoch
         self.callback_handler.call_event("on_train_epoch_start", self)
-        first_step, batches = self._epoch_batches(train_dl)
+        first_step = self.epoch_first_step
         step = first_step - 1
         for step, (batch, is_last_batch) in enumerate(batches, start=first_step):
             self.callback_handler.call_event("on_train_step_start", self)

@@ -308,3 +308,27 @@ def test_exhaustive_resume_matrix(tmp_path, references, shuffle, accumulation, s
     with pytest.raises(Crash):
         _run(tmp_path, crash=CrashAt(*crash), **config)
     _assert_bitwise_equal(_final_state(_run(tmp_path, **config)), references(**config))
+
+
+def test_a_resumed_epoch_starts_its_progress_bar_at_the_saved_step(tmp_path):
+    from pytorch_accel_trainer.callbacks import ProgressBarCallback
+
+    class BarStart(TrainerCallback):
+        def __init__(self, bar):
+            self.bar, self.starts = bar, []
+
+        def on_train_epoch_start(self, trainer, **kwargs):
+            self.starts.append((trainer.run_history.current_epoch, trainer.epoch_first_step, self.bar.pbar.n))
+
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=6))
+    bar = ProgressBarCallback()
+    spy = BarStart(bar)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=[bar, spy])
+    trainer.train(
+        regression_dataset(22), num_epochs=3, eval_dataset=regression_dataset(6, seed=1), per_device_batch_size=2,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8), resume_from=tmp_path,
+    )  # fmt: skip
+    assert spy.starts == [(2, 6, 6), (3, 0, 0)]

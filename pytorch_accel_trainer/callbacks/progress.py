@@ -68,9 +68,10 @@ class ProgressBarCallback(TrainerCallback):
         self._samples = 0
         self._epoch_start_time = 0.0
 
-    def _create_bar(self, trainer: "Trainer", dataloader, description: str) -> tqdm:
+    def _create_bar(self, trainer: "Trainer", dataloader, description: str, initial: int = 0) -> tqdm:
         return tqdm(
             total=dataloader_length(dataloader),
+            initial=initial,
             desc=description,
             unit="batch",
             disable=not trainer.run_config.is_local_process_zero,
@@ -84,8 +85,9 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
         self.pbar = self._create_bar(
-            trainer, trainer._train_dataloader, f"epoch {trainer.run_history.current_epoch} train"
-        )
+            trainer, trainer._train_dataloader, f"epoch {trainer.run_history.current_epoch} train",
+            initial=trainer.epoch_first_step,  # a resumed epoch continues where it stopped
+        )  # fmt: skip
         self._loss.reset()
         self._postfix, self._samples = {}, 0
         self._epoch_start_time = time.perf_counter()
