@@ -65,6 +65,22 @@ for _event in EVENTS:
     setattr(RecordingCallback, _event, _recorder(_event))
 
 
+def assert_bitwise_equal(a, b) -> None:
+    """Tensors (and nested dicts/lists of them) equal bit for bit, dtypes included."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_bitwise_equal(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise_equal(x, y)
+    else:
+        assert a == b
+
+
 def make_trainer(model: nn.Module, lr: float = 0.1, callbacks=(), trainer_class=Trainer, **kwargs) -> Trainer:
     return trainer_class(
         model=model,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytorch_accel_trainer.training_state import find_resumable_state, list_complete_states, verify_folder
+from conftest import assert_bitwise_equal
+from pytorch_accel_trainer.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
@@ -36,21 +37,6 @@ def _launch(config, num_processes=1, timeout=240):
 
 def _result(path):
     return torch.load(path, weights_only=True)
-
-
-def _assert_bitwise_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b) and a.dtype == b.dtype
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_bitwise_equal(x, y)
-    else:
-        assert a == b
 
 
 def _reference(tmp_path, config, num_processes=1):
@@ -87,7 +73,7 @@ CASES = [
 def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
     reference = _reference(tmp_path, config)
     resumed, states, _ = _interrupted_then_resumed(tmp_path, config, interruption)
-    _assert_bitwise_equal(resumed, reference)
+    assert_bitwise_equal(resumed, reference)
     assert all(verify_folder(state.folder) for state in list_complete_states(states))
 
 
@@ -108,7 +94,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
     process.communicate()
     resumed = _launch(config)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_bitwise_equal(_result(folder / "out.pt"), reference)
+    assert_bitwise_equal(_result(folder / "out.pt"), reference)
 
 
 @pytest.mark.slow
@@ -120,7 +106,7 @@ def test_sigterm_saves_exits_143_and_every_sample_is_seen_exactly_once(tmp_path)
     resumed, states, stopped = _interrupted_then_resumed(
         tmp_path, {**config, "sample_log": str(log)}, interruption, expected_codes=(128 + signal.SIGTERM,)
     )
-    _assert_bitwise_equal(resumed, reference)
+    assert_bitwise_equal(resumed, reference)
     (state,) = [s for s in list_complete_states(states) if s.manifest["position"]["batches_seen"] == 6]
     assert state.manifest["num_update_steps_completed"] == 4 + 2  # 4 updates in epoch 1, then steps 0-5 of epoch 2
     seen: dict = {}
@@ -137,7 +123,7 @@ def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
     interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}}
     resumed, states, stopped = _interrupted_then_resumed(tmp_path, config, interruption, expected_codes=(1, -signal.SIGINT, 130))
     assert "KeyboardInterrupt" in stopped.stderr
-    _assert_bitwise_equal(resumed, reference)
+    assert_bitwise_equal(resumed, reference)
 
 
 @pytest.mark.slow
@@ -148,11 +134,11 @@ def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_p
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
     (tmp_path / "kill").mkdir()
     resumed, _, _ = _interrupted_then_resumed(tmp_path / "kill", config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,))
-    _assert_bitwise_equal(resumed, reference)
+    assert_bitwise_equal(resumed, reference)
     term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}  # one rank only
     (tmp_path / "term").mkdir()
     resumed, _, stopped = _interrupted_then_resumed(tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)))
-    _assert_bitwise_equal(resumed, reference)
+    assert_bitwise_equal(resumed, reference)
     # both processes stopped at the next update boundary (step 4 of epoch 1: 4 updates), with one saved state
     assert "Stopped by signal 15" in stopped.stdout
     assert "checkpoint-00000004\n" in stopped.stdout and "checkpoint-00000004-2" not in stopped.stdout

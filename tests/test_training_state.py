@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import regression_dataset
+from conftest import assert_bitwise_equal, regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.training_state import (
@@ -69,21 +69,6 @@ def _final_state(trainer):
     }
 
 
-def _assert_bitwise_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_bitwise_equal(x, y)
-    else:
-        assert a == b
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     cache = {}
@@ -112,7 +97,7 @@ def test_crash_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, re
     with pytest.raises(Crash):
         _run(tmp_path, crash=crash, **config)
     resumed = _run(tmp_path, **config)
-    _assert_bitwise_equal(_final_state(resumed), references(**config))
+    assert_bitwise_equal(_final_state(resumed), references(**config))
 
 
 def test_resume_continues_the_epoch_and_adds_no_epoch(tmp_path):
@@ -148,7 +133,7 @@ def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exac
     assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
     monkeypatch.setattr(training_state, "_crash_point", lambda name: None)
     resumed = _run(tmp_path, max_checkpoints=4)
-    _assert_bitwise_equal(_final_state(resumed), references())
+    assert_bitwise_equal(_final_state(resumed), references())
 
 
 def _saved_state(tmp_path, **config):
@@ -307,7 +292,7 @@ def test_exhaustive_resume_matrix(tmp_path, references, shuffle, accumulation, s
     config = {"shuffle": shuffle, "accumulation": accumulation, "scheduler": scheduler}
     with pytest.raises(Crash):
         _run(tmp_path, crash=CrashAt(*crash), **config)
-    _assert_bitwise_equal(_final_state(_run(tmp_path, **config)), references(**config))
+    assert_bitwise_equal(_final_state(_run(tmp_path, **config)), references(**config))
 
 
 def test_a_resumed_epoch_starts_its_progress_bar_at_the_saved_step(tmp_path):
