@@ -82,3 +82,12 @@ def test_a_retry_that_succeeds_makes_the_update():
 def test_without_the_callback_the_nan_spreads_and_terminate_on_nan_stops_the_run():
     trainer = _train({3}, [*DEFAULT_CALLBACKS[:1], *DEFAULT_CALLBACKS[2:]])  # no TerminateOnNaN
     assert not all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_bad_policy_arguments_are_refused_with_the_fix():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"max_consecutive_skips is 0; pass a positive whole number of skipped updates"):
+        SkipNonFiniteStepsCallback(max_consecutive_skips=0)
+    with pytest.raises(ValueError, match=r"max_retries=-1 is not valid"):
+        SkipNonFiniteStepsCallback(max_retries=-1)

@@ -317,3 +317,10 @@ def test_a_resumed_epoch_starts_its_progress_bar_at_the_saved_step(tmp_path):
         create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8), resume_from=tmp_path,
     )  # fmt: skip
     assert spy.starts == [(2, 6, 6), (3, 0, 0)]
+
+
+def test_bad_save_intervals_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"save_every_n_steps is 0; pass a positive whole number of updates, e.g. save_every_n_steps=100"):
+        SaveTrainingStateCallback(tmp_path, save_every_n_steps=0)
+    with pytest.raises(ValueError, match=r"max_checkpoints is -1; pass a positive whole number of states, e.g. max_checkpoints=3"):
+        SaveTrainingStateCallback(tmp_path, max_checkpoints=-1)

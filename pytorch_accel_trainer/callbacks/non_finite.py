@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -25,8 +25,8 @@ class SkipNonFiniteStepsCallback(TrainerCallback):
     """
 
     def __init__(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0):
-        if max_consecutive_skips is not None and (not isinstance(max_consecutive_skips, int) or max_consecutive_skips <= 0):
-            raise ValueError(f"max_consecutive_skips={max_consecutive_skips!r} is not valid: pass a positive integer or None.")
+        if max_consecutive_skips is not None:
+            validate_positive_int("max_consecutive_skips", max_consecutive_skips, "skipped updates", 10)
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r} is not valid: pass an integer >= 0.")
         self.max_consecutive_skips = max_consecutive_skips

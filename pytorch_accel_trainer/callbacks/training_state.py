@@ -6,16 +6,11 @@ import operator
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
-
-
-def _validate_interval(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise ValueError(f"{name}={value!r} is not valid: it must be a positive integer or None.")
 
 
 class SaveTrainingStateCallback(TrainerCallback):
@@ -64,7 +59,9 @@ class SaveTrainingStateCallback(TrainerCallback):
             ("max_checkpoints", max_checkpoints),
             ("keep_every_n_steps", keep_every_n_steps),
         ):
-            _validate_interval(name, value)
+            if value is not None:
+                unit = "epochs" if "epochs" in name else "states" if name == "max_checkpoints" else "updates"
+                validate_positive_int(name, value, unit, 3 if name == "max_checkpoints" else 100)
         self.save_dir = Path(save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run
         self.save_every_n_epochs = save_every_n_epochs
