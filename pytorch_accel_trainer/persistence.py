@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 import torch
 from accelerate import skip_first_batches
 
+
 from pytorch_accel_trainer.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -139,10 +140,10 @@ class PersistenceMixin:
 
     def _agreed_preemption_signal(self) -> Optional[int]:
         """The preemption signal any process received; every process leaves at the same step."""
-        if self.preemption_save_dir is None or self._accelerator.num_processes == 1:
+        if self.preemption_save_dir is None:
             return self._preemption_signal
-        flag = torch.tensor([self._preemption_signal or 0], dtype=torch.int64, device=self.device)
-        return int(self._accelerator.reduce(flag, "max").item()) or None  # one small collective per update window
+        (signal_number,) = self._agreement.any_process(self._accelerator, self._preemption_signal or 0)
+        return signal_number or None  # one small host-side collective per update window, no device sync
 
     def skip_non_finite_steps(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0) -> NonFinitePolicy:
         """For the rest of this training run, skip each optimizer update whose gradients are not finite.

@@ -6,12 +6,12 @@ import contextlib
 import itertools
 from pathlib import Path
 from numbers import Number
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from accelerate import Accelerator, DistributedType
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, find_batch_size, set_seed, slice_tensors
 from torch.utils.data import DataLoader, IterableDataset
 
 from pytorch_accel_trainer.callbacks import (
@@ -24,6 +24,7 @@ from pytorch_accel_trainer.callbacks import (
     StopTrainingError,
     TerminateOnNaNCallback,
 )
+from pytorch_accel_trainer.distributed import ProcessAgreement, create_accelerator
 from pytorch_accel_trainer.persistence import PersistenceMixin
 from pytorch_accel_trainer.non_finite import NonFinitePolicy, gradients_are_finite
 from pytorch_accel_trainer.preemption import SignalCatcher
@@ -31,9 +32,10 @@ from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace
 from pytorch_accel_trainer.run_config import TrainerRunConfig, count_update_steps, plan_run_length
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory
 from pytorch_accel_trainer.training_state import ResumePlan, find_resumable_state
-from pytorch_accel_trainer.utils import dataloader_length, remove_padding, seed_worker
+from pytorch_accel_trainer.utils import batch_size_of, dataloader_length, model_output_loss, remove_padding, seed_worker
 from pytorch_accel_trainer.validation import (
     validate_batch_output,
+    validate_constructor_options,
     validate_evaluate_arguments,
     validate_train_arguments,
 )
@@ -66,6 +68,11 @@ class Trainer(PersistenceMixin):
         seed: seeds torch, numpy and ``random`` (offset by the process index) at the start of each
             ``train()``, so runs are repeatable; ``None`` leaves the random state alone. Importing the
             package never seeds anything.
+        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (CUDA only); ``None`` (the default) takes it from the
+            Accelerate config or ``accelerate launch --mixed_precision``. Losses are logged in float32.
+        torch_compile: compile the model with ``torch.compile`` for training and evaluation: ``True``, or a dict
+            of ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``). Off by default. ``get_model()``
+            and checkpoints hold the uncompiled model (no ``_orig_mod.`` keys).
 
     Example::
 
@@ -86,10 +93,15 @@ class Trainer(PersistenceMixin):
         callbacks: Iterable = DEFAULT_CALLBACKS,
         run_history: Optional[RunHistory] = None,
         seed: Optional[int] = 42,
+        mixed_precision: Optional[str] = None,
+        torch_compile: Union[bool, dict] = False,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model is a {type(model).__name__}; pass a torch.nn.Module.")
+        validate_constructor_options(mixed_precision, torch_compile)
         self.model = model
+        self.mixed_precision = mixed_precision
+        self.torch_compile = torch_compile
         self.loss_func = loss_func
         self.optimizer = optimizer
         self.seed = seed
@@ -103,6 +115,14 @@ class Trainer(PersistenceMixin):
         self._train_epoch_length: Optional[int] = None
         self._use_plain_torch_step = False
         self._max_num_train_steps: Optional[int] = None
+        self._items_in_window: Any = 0  # num_items_in_batch summed over the accumulation window, if given
+        #: In an evaluation epoch, the rows of this process's batch that are real samples when the rest only repeat
+        #: samples so that every process runs the same steps (the last batch of a multi-process run); else None.
+        self.eval_batch_real_rows: Optional[int] = None
+        # a StopTrainingError raised by a callback: it takes effect at the next update boundary (or the end of
+        # the epoch), on every process together
+        self._stop_request: Optional[StopTrainingError] = None
+        self._agreement = ProcessAgreement()
         #: The first micro-batch of the current training epoch: 0, or the batches already trained on when a
         #: resumed run continues an epoch (a progress bar starts there).
         self.epoch_first_step = 0
@@ -141,12 +161,19 @@ class Trainer(PersistenceMixin):
     def _create_accelerator(self) -> Accelerator:
         """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
 
+        Launched on several processes on a machine without GPUs (``accelerate launch --multi_gpu`` or
+        ``torchrun``), it runs one multi-process job on the CPU (gloo), where Accelerate alone would run
+        independent copies of the training.
+
         The default shuffles with Accelerate's seedable sampler: the order of epoch ``e`` depends only on
         ``seed + e`` (``seed`` 0 when ``Trainer(seed=None)``), identical on every process, so a resumed run
         can skip to any batch by sampler offset.
         """
         data_seed = self.seed if self.seed is not None else 0
-        return Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed))
+        return create_accelerator(
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed),
+            mixed_precision=self.mixed_precision,
+        )
 
     # ------------------------------------------------------------------------------------------------
     # Setup hooks
@@ -253,20 +280,25 @@ class Trainer(PersistenceMixin):
     def calculate_train_batch_loss(self, batch) -> dict:
         """Return the loss of one training batch, with the model outputs and the batch size.
 
-        The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``.
+        The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``. A batch that is a dict
+        (Hugging Face style) is passed as keyword arguments, ``self.model(**batch)``, and its targets are
+        ``batch["labels"]``; without a ``loss_func``, the ``loss`` of the model output is used (transformers models
+        return one when the batch has ``labels``).
 
         Args:
             batch: one batch from the training dataloader.
 
         Returns:
             A dict with ``loss`` (a scalar tensor) and ``batch_size`` (both required), ``model_outputs`` by
-            convention, and any extra keys, which reach ``on_train_step_end``. Return the plain loss: the trainer scales it for gradient
-            accumulation itself, and logs it unscaled.
+            convention, and any extra keys, which reach ``on_train_step_end``. Return the plain loss: the trainer
+            scales it for gradient accumulation itself, and logs it unscaled. For a loss averaged over items
+            other than samples (tokens), add ``num_items_in_batch``, the number of items it averages over: the
+            trainer then weights each micro-batch by it, so the update is that of the item-mean over the whole
+            global batch, however it is split over accumulation steps and processes.
         """
-        xb, yb = batch[0], batch[1]
-        model_outputs = self.model(xb)
-        loss = self.loss_func(model_outputs, yb)
-        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+        model_outputs = self._forward(batch)
+        loss = self._loss_of(model_outputs, batch)
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size_of(batch)}
 
     def backward_step(self, loss: torch.Tensor) -> None:
         """Run the backward pass through Accelerate (which handles mixed-precision loss scaling).
@@ -304,12 +336,34 @@ class Trainer(PersistenceMixin):
         self.model.eval()
 
     def calculate_eval_batch_loss(self, batch) -> dict:
-        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`."""
+        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`.
+
+        In the last batch of a multi-process evaluation, Accelerate repeats a few samples so that every process
+        runs the same steps; the default computes the loss over the real rows only (``eval_batch_real_rows``),
+        so ``eval_loss_epoch`` equals the single-process value. ``model_outputs`` keep every row, as
+        ``gather_for_metrics`` expects.
+        """
         with torch.no_grad():
-            xb, yb = batch[0], batch[1]
-            model_outputs = self.model(xb)
-            loss = self.loss_func(model_outputs, yb)
-        return {"loss": loss, "model_outputs": model_outputs, "batch_size": yb.size(0)}
+            model_outputs = self._forward(batch)
+            loss, batch_size = self._loss_of(model_outputs, batch), batch_size_of(batch)
+            real_rows = self.eval_batch_real_rows
+            if real_rows is not None:  # a second forward pass over the real rows, once per evaluation
+                real_batch = slice_tensors(batch, slice(0, real_rows))
+                loss = self._loss_of(self._forward(real_batch), real_batch) if real_rows else torch.zeros_like(loss)
+                batch_size = real_rows
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size}
+
+    def _forward(self, batch) -> Any:
+        """The model's output for a batch of the default hooks: ``(inputs, targets, ...)`` or a dict of keyword arguments."""
+        if isinstance(batch, Mapping):
+            return self.model(**batch)
+        return self.model(batch[0])
+
+    def _loss_of(self, model_outputs, batch) -> torch.Tensor:
+        """``loss_func(outputs, targets)``, or without a ``loss_func`` the loss the model returned."""
+        if self.loss_func is not None:
+            return self.loss_func(model_outputs, batch["labels"] if isinstance(batch, Mapping) else batch[1])
+        return model_output_loss(model_outputs)
 
     def eval_epoch_end(self) -> None:
         """Runs at the end of each evaluation epoch, before its loss is recorded. Default: nothing."""
@@ -472,6 +526,9 @@ class Trainer(PersistenceMixin):
         self._use_plain_torch_step = self._accelerate_wrappers_only_call_torch()
         if self._use_plain_torch_step and isinstance(self.optimizer, AcceleratedOptimizer):
             self.optimizer = self.optimizer.optimizer
+        if self.torch_compile:  # compiled after the distributed wrapper, as torch recommends for DDP
+            options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
+            self.model = torch.compile(self.model, **options)
 
     def _accelerate_wrappers_only_call_torch(self) -> bool:
         """Whether Accelerate's optimizer wrapper and ``backward()`` would add nothing but time here.
@@ -552,10 +609,12 @@ class Trainer(PersistenceMixin):
                 self._loop_epoch = epoch
                 try:
                     self._run_train_epoch(self._train_dataloader)
+                    self._raise_agreed_stop()  # a callback's stop, asked for on any process in the epoch
                     if self._eval_dataloader is not None:
                         self._run_eval_epoch(self._eval_dataloader)
                     self.training_run_epoch_end()
-                    self.callback_handler.call_event("on_training_run_epoch_end", self)
+                    self._call_event("on_training_run_epoch_end")
+                    self._raise_agreed_stop()
                 except StopTrainingError as error:
                     self._stop_training(error)
                     break
@@ -577,6 +636,7 @@ class Trainer(PersistenceMixin):
         self.callback_handler.call_event("on_evaluation_run_start", self)
         try:
             self._run_eval_epoch(self._eval_dataloader, is_training=False)
+            self._raise_agreed_stop()
         except StopTrainingError as error:
             self._stop_training(error)
         self.evaluation_run_end()
@@ -592,7 +652,7 @@ class Trainer(PersistenceMixin):
         first_step = self.epoch_first_step
         step = first_step - 1
         for step, (batch, is_last_batch) in enumerate(batches, start=first_step):
-            self.callback_handler.call_event("on_train_step_start", self)
+            self._call_event("on_train_step_start")
             if self._is_window_start(step):
                 self._reach_safe_point(step)  # between two optimizer updates
             is_update_step = self._is_update_step(step, is_last_batch)
@@ -601,6 +661,8 @@ class Trainer(PersistenceMixin):
                 self._update_parameters(step)
                 if self._reached_max_steps():
                     break  # the step limit falls inside this epoch
+            if is_update_step:
+                self._raise_agreed_stop()  # a callback's stop, asked for on any process in this window
         if step < 0:
             raise ValueError(
                 "The training dataloader yielded no batch in this epoch, so the run could not progress: check "
@@ -608,22 +670,21 @@ class Trainer(PersistenceMixin):
             )
         self.train_epoch_end()
         self._record_epoch_loss(self._train_loss_tracker, "train_loss_epoch")
-        self.callback_handler.call_event("on_train_epoch_end", self)
+        self._call_event("on_train_epoch_end")
 
     def _run_train_step(self, batch, step: int, is_update_step: bool) -> None:
         """Forward and backward pass of one micro-batch; gradients sync across processes only on update steps."""
         with self._gradient_sync_context(is_update_step):  # DDP reads the flag in forward and backward
             batch_output = self.calculate_train_batch_loss(batch)
             validate_batch_output(batch_output, "calculate_train_batch_loss")
-            self._train_loss_tracker.update(batch_output["loss"], batch_output["batch_size"])
-            self.callback_handler.call_event(
-                "on_train_step_end", self, batch=batch, batch_output=batch_output, step=step
-            )
-            self.backward_step(self._scale_loss_for_accumulation(batch_output["loss"], step))
+            self._train_loss_tracker.update(batch_output["loss"], self._loss_weight(batch_output))
+            self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
+            self.backward_step(self._scale_loss_for_accumulation(batch_output, step))
 
     def _update_parameters(self, step: int) -> None:
         """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
         self._complete_partial_window(step)
+        self._normalise_by_items_in_window()
         self._clip_gradients()
         self.optimizer_step()
         if not self._optimizer_step_was_skipped():  # an fp16 overflow skips the update
@@ -635,16 +696,18 @@ class Trainer(PersistenceMixin):
         """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
         self.eval_epoch_start()
         self._eval_loss_tracker.reset()
-        self.callback_handler.call_event("on_eval_epoch_start", self)
+        self._call_event("on_eval_epoch_start")
         for batch in valid_dl:
-            self.callback_handler.call_event("on_eval_step_start", self)
+            self.eval_batch_real_rows = self._real_rows_in_batch(valid_dl, batch)  # None unless samples repeat
+            self._call_event("on_eval_step_start")
             batch_output = self.calculate_eval_batch_loss(batch)
             validate_batch_output(batch_output, "calculate_eval_batch_loss")
-            self._eval_loss_tracker.update(batch_output["loss"], batch_output["batch_size"])
-            self.callback_handler.call_event("on_eval_step_end", self, batch=batch, batch_output=batch_output)
+            self._eval_loss_tracker.update(batch_output["loss"], self._loss_weight(batch_output))
+            self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output)
+        self.eval_batch_real_rows = None
         self.eval_epoch_end()
         self._record_epoch_loss(self._eval_loss_tracker, "eval_loss_epoch" if is_training else "evaluation_loss")
-        self.callback_handler.call_event("on_eval_epoch_end", self)
+        self._call_event("on_eval_epoch_end")
 
     # ------------------------------------------------------------------------------------------------
     # Named decisions of the loop
@@ -671,10 +734,51 @@ class Trainer(PersistenceMixin):
         window_start = step - step % accumulation
         return min(accumulation, self._train_epoch_length - window_start)
 
-    def _scale_loss_for_accumulation(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        # Dividing by the window's real size makes the accumulated gradient that of one large batch.
-        micro_batches = self._micro_batches_in_window(step)
+    def _scale_loss_for_accumulation(self, batch_output: dict, step: int) -> torch.Tensor:
+        """The loss to back-propagate: its gradients, added over the window, are those of one large batch."""
+        loss = batch_output["loss"]
+        if "num_items_in_batch" in batch_output:  # summed over items here, divided by the window's total at the update
+            items = batch_output["num_items_in_batch"]
+            self._items_in_window = items if self._is_window_start(step) else self._items_in_window + items
+            return loss * items
+        micro_batches = self._micro_batches_in_window(step)  # the window's real size, also for a partial window
         return loss if micro_batches == 1 else loss / micro_batches
+
+    def _normalise_by_items_in_window(self) -> None:
+        """Divide the gradients of a window of item-weighted losses by its items, summed over every process.
+
+        One small all-reduce per update in a multi-process run, kept on the device: no synchronisation. DDP has
+        averaged the gradients over processes, hence the factor ``num_processes``.
+        """
+        items, self._items_in_window = self._items_in_window, 0
+        if isinstance(items, int) and items == 0:
+            return  # the losses of this window carry no num_items_in_batch
+        items = torch.as_tensor(items, device=self.device, dtype=torch.float32)
+        if self._accelerator.num_processes > 1:
+            items = self._accelerator.reduce(items, "sum") / self._accelerator.num_processes
+        gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_div_(gradients, items)
+
+    @staticmethod
+    def _loss_weight(batch_output: dict) -> Any:
+        """What a batch's loss counts for in the epoch's mean: its items if given, else its samples."""
+        return batch_output.get("num_items_in_batch", batch_output["batch_size"])
+
+    def _real_rows_in_batch(self, dataloader: Iterable, batch) -> Optional[int]:
+        """Rows of this process's batch that are real samples, or ``None`` when all are.
+
+        To give every process the same steps, Accelerate fills the last batch of each process with samples from
+        the start of the data; the real ones are the first ``remainder`` rows of all processes' batches in
+        process order (what ``gather_for_metrics`` keeps). Reading it costs no collective.
+        """
+        if self._accelerator.num_processes == 1 or not getattr(dataloader, "end_of_dataloader", False):
+            return None
+        remainder = getattr(dataloader, "remainder", -1)
+        if remainder <= 0:
+            return None  # a whole number of global batches, or a dataloader that does not say
+        rows = find_batch_size(batch)
+        real_rows = min(max(remainder - self._accelerator.process_index * rows, 0), rows)
+        return None if real_rows == rows else real_rows
 
     def _complete_partial_window(self, step: int) -> None:
         """Rescale the gradients of a partial last window of an epoch of unknown length (once per epoch)."""
@@ -748,8 +852,25 @@ class Trainer(PersistenceMixin):
             self.run_history.update_metric(metric_name, average)
 
     def _stop_training(self, error: StopTrainingError) -> None:
+        self._stop_request = None
         self.print(error)
         self.callback_handler.call_event("on_stop_training_error", self)
+
+    def _call_event(self, event: str, **kwargs) -> None:
+        """Call a callback event of the loop. A ``StopTrainingError`` it raises is taken at the next update
+        boundary or the end of the epoch, on every process at the same point, so that no process is left waiting
+        in a collective for one that stopped."""
+        try:
+            self.callback_handler.call_event(event, self, **kwargs)
+        except StopTrainingError as error:
+            self._stop_request = self._stop_request or error
+
+    def _raise_agreed_stop(self) -> None:
+        """Raise the ``StopTrainingError`` a callback of any process asked for (one collective per call when
+        distributed); every process must call this at the same point."""
+        (stop,) = self._agreement.any_process(self._accelerator, int(self._stop_request is not None))
+        if stop:
+            raise self._stop_request or StopTrainingError("Stopping training: another process asked to stop")
 
     # ------------------------------------------------------------------------------------------------
     # Utilities
@@ -770,8 +891,8 @@ class Trainer(PersistenceMixin):
         return self._accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     def _unwrap_distributed_model(self) -> torch.nn.Module:
-        # keeps a torch.compile wrapper, so that the next run is compiled too
-        return self._accelerator.unwrap_model(self.model, keep_torch_compile=True)
+        # keeps the wrapper of a model the user compiled; the trainer's own (torch_compile=...) is made again by prepare
+        return self._accelerator.unwrap_model(self.model, keep_torch_compile=not self.torch_compile)
 
     def print(self, *args, **kwargs) -> None:
         """Print once per node, like ``print``."""
@@ -783,12 +904,22 @@ class Trainer(PersistenceMixin):
         Args:
             tensor: the tensor of this process.
             padding_value: if given, tensors of different lengths are padded with it before gathering, and
-                rows made only of it are removed afterwards; pick a value the data never holds.
+                rows made only of it are removed afterwards; pick a value the data never holds. Without it, the
+                rows Accelerate repeats in the last batch of the data are dropped, as in :meth:`gather_for_metrics`.
 
         Returns:
             The gathered tensor, on every process.
         """
-        if padding_value is not None:
-            tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
-        gathered = self._accelerator.gather(tensor)
-        return gathered if padding_value is None else remove_padding(gathered, padding_value)
+        if padding_value is None:
+            return self._accelerator.gather_for_metrics(tensor)
+        tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
+        return remove_padding(self._accelerator.gather(tensor), padding_value)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Gather ``data`` (tensors, or any picklable objects) from every process for computing metrics.
+
+        In the last batch of the data, the rows Accelerate repeated to give every process a full batch are dropped:
+        over an evaluation epoch, the gathered rows are exactly the dataset's, in the dataset's order. Every process
+        must call it at the same step.
+        """
+        return self._accelerator.gather_for_metrics(data)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -115,3 +115,32 @@ class DeferredSum:
     def load_state_dict(self, state: dict) -> None:
         self._total, self._pending_weight, self.weight_total = state["total"], state["pending_weight"], state["weight_total"]
         self._pending = [] if state["pending"] is None else list(state["pending"].unbind())
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch of the default hooks: ``len(batch[1])``, or for a dict the first
+    dimension of ``labels`` (else of its first tensor)."""
+    if isinstance(batch, Mapping):
+        tensor = batch.get("labels")
+        if not isinstance(tensor, torch.Tensor):
+            tensor = next((value for value in batch.values() if isinstance(value, torch.Tensor)), None)
+        if tensor is None:
+            raise TypeError(
+                f"The batch is a dict with the keys {sorted(batch)} but no tensor, so its size is unknown; override "
+                "calculate_train_batch_loss / calculate_eval_batch_loss to return 'batch_size' yourself."
+            )
+        return tensor.size(0)
+    targets = batch[1]
+    return targets.size(0) if isinstance(targets, torch.Tensor) else len(targets)
+
+
+def model_output_loss(model_outputs: Any) -> torch.Tensor:
+    """The ``loss`` a model returned with its output (a transformers ``ModelOutput``, a dict or an object)."""
+    loss = model_outputs.get("loss") if isinstance(model_outputs, Mapping) else getattr(model_outputs, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"loss_func is None and the model output (a {type(model_outputs).__name__}) has no 'loss'. Pass "
+            "Trainer(loss_func=...), or return a loss from the model (transformers models do when the batch has "
+            "'labels')."
+        )
+    return loss

@@ -56,6 +56,23 @@ def _validate_scheduler_factory(create_scheduler_fn: Any) -> None:
         )
 
 
+MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16", "fp8")
+
+
+def validate_constructor_options(mixed_precision: Any, torch_compile: Any) -> None:
+    """Check the ``Trainer`` options that are not the model, loss, optimizer or callbacks."""
+    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION_CHOICES:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not valid: choose one of {MIXED_PRECISION_CHOICES}, or None to "
+            "take it from the Accelerate config."
+        )
+    if not isinstance(torch_compile, (bool, Mapping)):
+        raise TypeError(
+            f"torch_compile={torch_compile!r} is not valid: pass True, False, or a dict of torch.compile arguments "
+            "such as {'mode': 'reduce-overhead'}."
+        )
+
+
 def validate_train_arguments(
     train_dataset: Any,
     num_epochs: Optional[int],

@@ -1,0 +1,89 @@
+"""How the processes of a run start together and agree: the Accelerator for the launch, and per-window agreement."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
+
+# Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher started, from its environment variables (1 without a launcher)."""
+    for name in _WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return 1
+
+
+def needs_cpu_backend() -> bool:
+    """Whether this is a multi-process launch on a machine with no accelerator (GPU, XPU, ...).
+
+    Accelerate then runs each process as an independent single-process training unless told to use the
+    CPU (``ACCELERATE_USE_CPU=1`` or ``--cpu``); the trainer tells it.
+    """
+    return launched_world_size() > 1 and not torch.accelerator.is_available()
+
+
+def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
+    """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
+
+    Raises:
+        RuntimeError: Accelerate was already set up in this process for a single process while the launcher
+            started several (it can then no longer be changed), naming what to set.
+        ValueError: another ``mixed_precision`` was already set up in this process.
+    """
+    cpu = needs_cpu_backend()
+    already_set_up = PartialState._shared_state != {}
+    try:
+        accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
+    except ValueError as error:
+        if "already been initialized" not in str(error):
+            raise
+        raise ValueError(
+            f"Trainer(mixed_precision={mixed_precision!r}) differs from the mixed precision Accelerate was already "
+            f"set up with in this process ({AcceleratorState._shared_state.get('_mixed_precision')!r}); Accelerate "
+            "cannot change it once set. Use one mixed precision per process, or set it for the whole run with "
+            "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
+        ) from error
+    if accelerator.num_processes == 1 and launched_world_size() > 1:
+        how = "before the trainer was created" if already_set_up else "by Accelerate"
+        raise RuntimeError(
+            f"The launcher started {launched_world_size()} processes, but Accelerate was set up {how} for "
+            f"{accelerator.num_processes}, so each process would train on its own. Set ACCELERATE_USE_CPU=1 "
+            "(no GPU) or pass --cpu to accelerate launch, and create the Trainer before any other Accelerator."
+        )
+    return accelerator
+
+
+class ProcessAgreement:
+    """One small collective per agreement point, so that a decision taken on any process is taken on all.
+
+    The flags travel on the host over gloo (the default group of a CPU run, else a gloo group made once),
+    so agreeing never waits on a GPU stream: no host-device synchronisation.
+    """
+
+    def __init__(self):
+        self._group = None
+
+    def any_process(self, accelerator: Accelerator, *flags: int) -> list[int]:
+        """The maximum of each flag over every process; every process must call it at the same point."""
+        if accelerator.num_processes == 1:
+            return list(flags)
+        values = torch.tensor(flags, dtype=torch.int64)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._host_group())
+        return values.tolist()
+
+    def _host_group(self):
+        if self._group is None:
+            if torch.distributed.get_backend() == "gloo":
+                self._group = torch.distributed.group.WORLD
+            else:  # a collective itself: the first agreement point is the same on every process
+                self._group = torch.distributed.new_group(backend="gloo")
+        return self._group
