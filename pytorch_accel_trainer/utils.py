@@ -144,3 +144,17 @@ def model_output_loss(model_outputs: Any) -> torch.Tensor:
             "'labels')."
         )
     return loss
+
+
+def require_batches(batches: Iterable, error_message: str) -> Iterator:
+    """Yield from ``batches``; raise ``ValueError(error_message)`` if there is none."""
+    empty = True
+    try:
+        for item in batches:
+            empty = False
+            yield item
+    except ValueError as error:  # Accelerate's dispatcher (iterable datasets) says it in its own words
+        if not empty or "does not contain any data" not in str(error):
+            raise
+    if empty:
+        raise ValueError(error_message)

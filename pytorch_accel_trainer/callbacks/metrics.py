@@ -27,8 +27,8 @@ class MetricCollectionCallback(TrainerCallback):
     end of the epoch they are computed and each is recorded in the run history under its name in the
     collection (a scalar as a float, any other tensor as a list). torchmetrics combines the states of
     every process when it computes, so the value is that of the whole evaluation set, the same on every
-    process. (As for ``eval_loss_epoch``, the few samples Accelerate repeats to give every process full
-    batches are counted.) In an intermediate or EMA evaluation, the run history's prefix applies:
+    process, and exact: the few samples Accelerate repeats to give every process a full last batch are left
+    out (``trainer.eval_batch_real_rows``). In an intermediate or EMA evaluation, the run history's prefix applies:
     ``intermediate_accuracy``, ``ema_model_accuracy``.
 
     Place it before the callbacks that read the metrics at the end of an evaluation epoch
@@ -68,6 +68,9 @@ class MetricCollectionCallback(TrainerCallback):
 
     def on_eval_step_end(self, trainer: "Trainer", batch, batch_output: dict, **kwargs):
         predictions, targets = self.get_predictions_and_targets(batch, batch_output)
+        real_rows = trainer.eval_batch_real_rows
+        if real_rows is not None:  # the rest repeat samples only to give every process a full last batch
+            predictions, targets = predictions[:real_rows], targets[:real_rows]
         self.metrics.update(predictions, targets)
 
     def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):

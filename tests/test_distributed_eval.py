@@ -1,0 +1,62 @@
+"""Distributed evaluation sees every sample exactly once: sizes 1-17 x batch 1-4 x map/iterable, 1 and 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import IterableDataset, TensorDataset
+
+from conftest import make_trainer
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_eval.py"
+
+
+def _launch(tmp_path, num_processes):
+    output = tmp_path / f"eval{num_processes}"
+    if num_processes == 1:
+        command = [sys.executable, str(SCRIPT)]
+    else:
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+            str(SCRIPT),
+        ]  # fmt: skip
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run([*command, str(output)], env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]  # a hung case is killed by the script's watchdog
+    return [json.loads(pathlib.Path(f"{output}.rank{rank}").read_text()) for rank in range(num_processes)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("num_processes", [1, 2])
+def test_every_sample_is_evaluated_exactly_once_in_dataset_order(tmp_path, num_processes):
+    for result in _launch(tmp_path, num_processes):
+        assert result["num_processes"] == num_processes
+        assert len(result["cases"]) == 17 * 4 * 2
+        for name, case in result["cases"].items():
+            size = int(name.split("size=")[1].split()[0])
+            assert case["gathered"] == [float(i) for i in range(size)], name  # trainer.gather: ids, in order
+            assert case["gathered_for_metrics"] == case["expected_rows"], name
+            assert case["evaluation_loss"] == pytest.approx(case["expected_loss"], rel=1e-5), name
+            assert case["mae"] == pytest.approx(case["expected_mae"], rel=1e-5), name  # torchmetrics, exact too
+
+
+class _NoRows(IterableDataset):
+    def __iter__(self):
+        return iter(())
+
+
+def test_an_empty_evaluation_set_is_a_clear_error():
+    trainer = make_trainer(nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"dataset is empty \(len\(dataset\) == 0\)"):
+        trainer.evaluate(TensorDataset(torch.zeros(0, 2), torch.zeros(0, 1)))
+    with pytest.raises(ValueError, match="The evaluation dataloader yielded no batch: the evaluation dataset is empty"):
+        trainer.evaluate(_NoRows())
