@@ -9,6 +9,8 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState
 
+from pytorch_accel_trainer.callbacks.base import StopTrainingError
+
 # Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -80,6 +82,20 @@ class ProcessAgreement:
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._host_group())
         return values.tolist()
 
+    def agreed_exception(self, accelerator: Accelerator, exception: Optional[BaseException]) -> Optional[BaseException]:
+        """The ``StopTrainingError`` any process holds (the one of the highest rank that holds one), on every process.
+
+        One collective of one integer; the exception itself is sent only when some process holds one.
+        """
+        if accelerator.num_processes == 1:
+            return exception
+        (holder,) = self.any_process(accelerator, accelerator.process_index + 1 if exception is not None else 0)
+        if not holder:
+            return None
+        message = [str(exception) if exception is not None else None]
+        torch.distributed.broadcast_object_list(message, src=holder - 1, group=self._host_group())
+        return exception if exception is not None else StopTrainingError(f"{message[0]} (on process {holder - 1})")
+
     def _host_group(self):
         if self._group is None:
             if torch.distributed.get_backend() == "gloo":
@@ -87,3 +103,4 @@ class ProcessAgreement:
             else:  # a collective itself: the first agreement point is the same on every process
                 self._group = torch.distributed.new_group(backend="gloo")
         return self._group
+

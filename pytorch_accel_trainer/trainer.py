@@ -892,9 +892,9 @@ class Trainer(PersistenceMixin):
     def _raise_agreed_stop(self) -> None:
         """Raise the ``StopTrainingError`` a callback of any process asked for (one collective per call when
         distributed); every process must call this at the same point."""
-        (stop,) = self._agreement.any_process(self._accelerator, int(self._stop_request is not None))
-        if stop:
-            raise self._stop_request or StopTrainingError("Stopping training: another process asked to stop")
+        stop_request = self._agreement.agreed_exception(self._accelerator, self._stop_request)
+        if stop_request is not None:
+            raise stop_request
 
     # ------------------------------------------------------------------------------------------------
     # Utilities

@@ -1,0 +1,58 @@
+"""A decision taken on one process only ends every process the same way, within seconds: no hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_decisions.py"
+LAUNCH = [
+    sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", str(SCRIPT),
+]  # fmt: skip
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _launch(tmp_path, modes):
+    output = tmp_path / "decisions"
+    started = time.monotonic()
+    completed = subprocess.run([*LAUNCH, modes, str(output)], env=ENV, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - started
+    ranks = [json.loads(pathlib.Path(f"{output}.rank{r}").read_text()) for r in range(2) if pathlib.Path(f"{output}.rank{r}").exists()]
+    return completed, ranks, elapsed
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_decision_on_one_process_ends_every_process_at_the_same_step(tmp_path):
+    completed, ranks, _ = _launch(tmp_path, "stop_step,stop_epoch,max_steps,tiny,nan")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    first, second = ranks
+    for mode in first:
+        assert first[mode]["num_processes"] == 2
+        for key in ("updates", "epochs", "eval_losses"):
+            assert first[mode][key] == second[mode][key], (mode, key)
+        assert json.dumps(first[mode]["parameters"]) == json.dumps(second[mode]["parameters"]), mode  # nan-safe
+    # StopTrainingError raised by a callback on rank 1 during the 6th update window: that update is made, then both stop
+    assert first["stop_step"]["updates"] == 6 and first["stop_step"]["epochs"] == 2
+    # raised on rank 0 only, at the end of the second training epoch: both skip its evaluation and stop
+    assert first["stop_epoch"]["updates"] == 8 and len(first["stop_epoch"]["eval_losses"]) == 1
+    assert first["max_steps"]["updates"] == 7
+    assert first["tiny"]["updates"] == 3  # one sample, two processes: no empty shard, no hang
+    assert first["nan"]["updates"] == 6  # a NaN loss on rank 1 only stops both at the next check
+    assert completed.stdout.count("stop asked on rank 1") == 1  # printed once, by the main process
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_exception_on_one_process_ends_the_whole_job_quickly(tmp_path):
+    completed, ranks, elapsed = _launch(tmp_path, "error")
+    assert completed.returncode != 0 and ranks == []
+    assert "RuntimeError: boom on rank 1" in completed.stderr
+    assert elapsed < 90  # the launcher stops rank 0 as soon as rank 1 fails; gloo's own timeout is 30 minutes
