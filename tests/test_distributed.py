@@ -14,7 +14,7 @@ import torch
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
 
-def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1):
+def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1, loss_kind="samples", env=None):
     output = tmp_path / f"{name}.json"
     if num_processes == 1:
         command = [sys.executable, str(SCRIPT)]
@@ -24,9 +24,9 @@ def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
             str(SCRIPT),
         ]  # fmt: skip
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = env or {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
-        [*command, str(output), str(per_device_batch_size), str(accumulation)],
+        [*command, str(output), str(per_device_batch_size), str(accumulation), loss_kind],
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -50,3 +50,41 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     assert completed.stdout.count("train_loss_epoch:") == 3
     checkpoint = torch.load(tmp_path / "double.json.pt", weights_only=True)  # written once, by the main process
     assert not any(key.startswith("module.") for key in checkpoint["model_state_dict"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_token_level_losses_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
+    """num_items_in_batch: each micro-batch's mean over its tokens is weighted by its tokens, over accumulation
+    steps and processes, so 1 x 8, 1 x 4 x 2 and 2 x 4 make the same updates and log the same token means."""
+    single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8, loss_kind="tokens")
+    accumulated, _ = _launch(tmp_path, "accumulated", 1, per_device_batch_size=4, accumulation=2, loss_kind="tokens")
+    double, _ = _launch(tmp_path, "double", 2, per_device_batch_size=4, loss_kind="tokens")
+    assert double["num_processes"] == 2 and double["ranks_agree"]
+    for other in (accumulated, double):
+        torch.testing.assert_close(torch.tensor(other["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)
+        assert other["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+        assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+    # without num_items_in_batch the micro-batch means are averaged as equals: the split changes the training
+    unweighted, _ = _launch(tmp_path, "unweighted", 1, per_device_batch_size=4, accumulation=2, loss_kind="tokens_unweighted")
+    assert not torch.allclose(torch.tensor(unweighted["parameters"]), torch.tensor(single["parameters"]), rtol=1e-4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
+def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp_path, launcher):
+    """Accelerate alone would run two independent trainings here: the trainer runs one 2-process job on gloo."""
+    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
+    env["OMP_NUM_THREADS"] = "1"
+    if launcher == "accelerate":
+        double, _ = _launch(tmp_path, "double", 2, per_device_batch_size=4, env=env)
+    else:
+        output = tmp_path / "torchrun.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
+        completed = subprocess.run([*command, str(output), "4", "1"], env=env, capture_output=True, text=True, timeout=240)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        double = json.loads(output.read_text())
+    single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8)
+    assert double["num_processes"] == 2 and double["ranks_agree"]
+    torch.testing.assert_close(torch.tensor(double["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)

@@ -11,15 +11,47 @@ from torch.utils.data import TensorDataset
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 
 
-def main(output_path: str, per_device_batch_size: int, accumulation: int) -> None:
+class TokenTrainer(Trainer):
+    """A token-level loss: squared error summed over each sequence's real tokens, averaged over the tokens of the
+    micro-batch. With ``num_items_in_batch`` the update is the mean over every token of the global batch."""
+
+    with_items = True
+
+    def calculate_train_batch_loss(self, batch):
+        x, y, mask = batch
+        errors = ((self.model(x) - y) ** 2).squeeze(-1) * mask
+        tokens = mask.sum()
+        output = {"loss": errors.sum() / tokens, "model_outputs": None, "batch_size": x.size(0)}
+        if self.with_items:
+            output["num_items_in_batch"] = tokens
+        return output
+
+    def calculate_eval_batch_loss(self, batch):
+        with torch.no_grad():
+            return self.calculate_train_batch_loss(batch)
+
+
+def token_dataset():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 6, 4, generator=generator)
+    y = (x**2).sum(dim=2, keepdim=True)
+    lengths = torch.randint(1, 7, (32,), generator=generator)  # 1 to 6 real tokens per sequence
+    mask = (torch.arange(6) < lengths.unsqueeze(1)).float()
+    return TensorDataset(x, y, mask)
+
+
+def main(output_path: str, per_device_batch_size: int, accumulation: int, loss_kind: str = "samples") -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=generator)
     y = (x**2).sum(dim=1, keepdim=True)
+    dataset = TensorDataset(x, y) if loss_kind == "samples" else token_dataset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=DEFAULT_CALLBACKS)
+    trainer_class = Trainer if loss_kind == "samples" else TokenTrainer
+    TokenTrainer.with_items = loss_kind == "tokens"  # "tokens_unweighted": the same loss without the key
+    trainer = trainer_class(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=DEFAULT_CALLBACKS)
     trainer.train(
-        TensorDataset(x, y), num_epochs=3, eval_dataset=TensorDataset(x, y), per_device_batch_size=per_device_batch_size,
+        dataset, num_epochs=3, eval_dataset=dataset, per_device_batch_size=per_device_batch_size,
         gradient_accumulation_steps=accumulation, train_dataloader_kwargs={"shuffle": False},
     )  # fmt: skip
     trainer.save_checkpoint(output_path + ".pt")
@@ -39,5 +71,5 @@ def main(output_path: str, per_device_batch_size: int, accumulation: int) -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])
     PartialState().destroy_process_group()  # a clean gloo shutdown: no abort at interpreter exit
