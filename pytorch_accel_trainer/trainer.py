@@ -783,10 +783,14 @@ class Trainer(PersistenceMixin):
         gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
         torch._foreach_div_(gradients, items)
 
-    @staticmethod
-    def _loss_weight(batch_output: dict) -> Any:
-        """What a batch's loss counts for in the epoch's mean: its items if given, else its samples."""
-        return batch_output.get("num_items_in_batch", batch_output["batch_size"])
+    def _loss_weight(self, batch_output: dict) -> Any:
+        """What a batch's loss counts for in the epoch's mean: its items if given, else its samples, of which at
+        most the real ones in a last evaluation batch with repeated samples."""
+        if "num_items_in_batch" in batch_output:
+            return batch_output["num_items_in_batch"]
+        if self.eval_batch_real_rows is not None:  # a hook that returned the whole batch's size
+            return min(batch_output["batch_size"], self.eval_batch_real_rows)
+        return batch_output["batch_size"]
 
     def _real_rows_in_batch(self, dataloader: Iterable, batch) -> Optional[int]:
         """Rows of this process's batch that are real samples, or ``None`` when all are.

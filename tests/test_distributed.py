@@ -48,6 +48,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
         assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
     assert completed.stdout.count("Starting training run") == 1  # printed once per node
     assert completed.stdout.count("train_loss_epoch:") == 3
+    assert completed.stderr.count("eval:   0%") == 3 and completed.stderr.count("train:   0%") == 3  # one bar per epoch
     checkpoint = torch.load(tmp_path / "double.json.pt", weights_only=True)  # written once, by the main process
     assert not any(key.startswith("module.") for key in checkpoint["model_state_dict"])
 
