@@ -896,6 +896,8 @@ class Trainer(PersistenceMixin):
     def _raise_agreed_stop(self) -> None:
         """Raise the ``StopTrainingError`` a callback of any process asked for (one collective per call when
         distributed); every process must call this at the same point."""
+        if self._stop_request is None and self._accelerator.num_processes == 1:
+            return  # nothing to agree on
         stop_request = self._agreement.agreed_exception(self._accelerator, self._stop_request)
         if stop_request is not None:
             raise stop_request
