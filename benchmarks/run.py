@@ -41,6 +41,12 @@ def worker_main(row: str, workload: str, quick: bool) -> None:
     print(json.dumps(measure(row, workload, quick, T0)), flush=True)
 
 
+def paired_worker_main(row: str, workload: str, quick: bool, pairs: int) -> None:
+    from worker import measure_paired
+
+    print(json.dumps(measure_paired(row, workload, quick, pairs)), flush=True)
+
+
 def import_worker_main(module: str) -> None:
     import importlib
     import resource
@@ -191,6 +197,41 @@ def import_table(imports: dict) -> str:
     return text
 
 
+def summarize_paired(paired_runs: dict) -> dict:
+    """The median and spread of the same-process ratios of each row."""
+    summaries = {}
+    for row, result in paired_runs.items():
+        if "error" in result:
+            summaries[row] = {"error": result["error"], "trained": False}
+            continue
+        summaries[row] = {
+            "ratio": _spread(result["ratios"]),
+            "row_us_per_step": _spread(result["row_us_per_step"]),
+            "baseline_us_per_step": _spread(result["baseline_us_per_step"]),
+            "pairs": result["pairs"],
+            "trained": result["trained"],
+        }
+    return summaries
+
+
+def paired_table(summaries: dict) -> str:
+    lines = [
+        "| row (same process as torch_loop) | × torch_loop, median of pairs | min–max | row µs/step | torch_loop µs/step | trained |",
+        "|---|---:|---:|---:|---:|:---:|",
+    ]
+    for row, summary in summaries.items():
+        if "error" in summary:
+            lines.append(f"| {row} | ERROR | | | | no |")
+            continue
+        ratio, ours, base = summary["ratio"], summary["row_us_per_step"], summary["baseline_us_per_step"]
+        digits = _step_digits(base["median"])
+        lines.append(
+            f"| {row} | **{ratio['median']:.3f}** | {ratio['min']:.2f}–{ratio['max']:.2f} | {_fmt(ours['median'], digits)} "
+            f"| {_fmt(base['median'], digits)} | {'yes' if summary['trained'] else 'FAIL'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(results: dict) -> str:
     meta = results["meta"]
     parts = [
@@ -215,6 +256,14 @@ def render_markdown(results: dict) -> str:
             "steps).\n"
         )
         parts.append(workload_table(name, workload["rows"]))
+        if workload.get("paired"):
+            pairs = next(iter(workload["paired"].values())).get("pairs", "?")
+            parts.append(
+                f"Same process, alternating: {pairs} pairs of runs (row, then torch_loop, order swapped each pair), "
+                "each run timed as above; the ratio of each pair, then the median. Host drift cancels out here, so "
+                "these are the ratios to read for per-step overhead.\n"
+            )
+            parts.append(paired_table(workload["paired"]))
     parts.append("## Import time\n")
     parts.append(import_table(results["imports"]))
     if meta["dont_write_bytecode"]:
@@ -268,8 +317,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default=str(BENCH_DIR / "results"), help="where results.md/json go")
     parser.add_argument("--worker", nargs=2, metavar=("ROW", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument("--import-worker", metavar="MODULE", help=argparse.SUPPRESS)
+    parser.add_argument("--paired-worker", nargs=2, metavar=("ROW", "WORKLOAD"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--pairs", type=int, default=None,
+        help="same-process alternating runs of each row against the torch loop (default 10; 2 with --quick; 0: none)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.worker or args.import_worker:
+    if args.pairs is None:
+        args.pairs = 2 if args.quick else 10
+    if args.worker or args.import_worker or args.paired_worker:
         return args  # a worker: nothing else to check, and its start-up is being timed
     if args.repeats is None:
         args.repeats = 1 if args.quick else 5
@@ -292,9 +348,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.worker or args.import_worker:
+    if args.worker or args.import_worker or args.paired_worker:
         if args.worker:
             worker_main(*args.worker, quick=args.quick)
+        elif args.paired_worker:
+            paired_worker_main(*args.paired_worker, quick=args.quick, pairs=args.pairs)
         else:
             import_worker_main(args.import_worker)
         sys.stdout.flush()
@@ -305,7 +363,9 @@ def main(argv=None) -> int:
     quick_flag = ["--quick"] if args.quick else []
     runs = {workload: {row: [] for row in args.rows} for workload in args.workloads}
     import_runs = {module: [] for module in IMPORT_MODULES}
+    paired_rows = [row for row in args.rows if row != BASELINE_ROW] if args.pairs else []
     total = args.repeats * (len(args.workloads) * len(args.rows) + len(IMPORT_MODULES))
+    total += len(args.workloads) * len(paired_rows)
     done = 0
 
     def progress(label: str, result: dict, value: str) -> None:
@@ -326,6 +386,15 @@ def main(argv=None) -> int:
                 runs[workload][row].append(result)
                 value = f"{result.get('us_per_step', 0):.1f} µs/step, trained={result.get('trained')}"
                 progress(f"repeat {repeat + 1} {workload} {row}", result, value)
+
+    paired_runs = {workload: {} for workload in args.workloads}
+    for workload in args.workloads:
+        for row in paired_rows:
+            pairs_flags = ["--paired-worker", row, workload, "--pairs", str(args.pairs), *quick_flag]
+            result = _run_child(pairs_flags, timeout=WORKER_TIMEOUT_S * 2)
+            paired_runs[workload][row] = result
+            value = "" if "error" in result else f"median ratio {statistics.median(result['ratios']):.3f}"
+            progress(f"paired {workload} {row}", result, value)
 
     imports: dict = {"modules": {}}
     for module, module_runs in import_runs.items():
@@ -378,6 +447,7 @@ def main(argv=None) -> int:
                 "spec": workload_spec(workload, args.quick),
                 "about": WORKLOADS[workload]["about"],
                 "rows": summarize_workload(runs[workload]),
+                "paired": summarize_paired(paired_runs[workload]),
                 "runs": runs[workload],
             }
             for workload in args.workloads
@@ -396,6 +466,12 @@ def main(argv=None) -> int:
         f"{workload}/{row}"
         for workload, data in results["workloads"].items()
         for row, summary in data["rows"].items()
+        if not summary["trained"]
+    ]
+    failed += [
+        f"{workload}/{row} (paired)"
+        for workload, data in results["workloads"].items()
+        for row, summary in data["paired"].items()
         if not summary["trained"]
     ]
     if failed:

@@ -353,3 +353,49 @@ ROW_FUNCTIONS = {
     "pytorch_accelerated": pytorch_accelerated,
     "lightning": lightning,
 }
+
+
+def measure_paired(row: str, workload: str, quick: bool, pairs: int) -> dict:
+    """Alternate ``row`` and the torch loop in this one process, ``pairs`` runs of each, and return their ratios.
+
+    The fresh-process rows of :func:`measure` are fair for start-up and memory, but each ratio compares two
+    processes that ran seconds apart, on a host whose speed drifts (other tenants, frequency): on the
+    reference machine the same row varies by up to 1.7x between processes. Here the two runs of a pair follow
+    each other within a second, in the same process, with their order swapped from one pair to the next, so
+    drift cancels out. Both rows get one untimed warm-up run first.
+    """
+    from workloads import BASELINE_ROW
+
+    spec = workload_spec(workload, quick)
+    _import_row_libraries(BASELINE_ROW, spec)
+    _import_row_libraries(row, spec)
+
+    import torch
+
+    torch.set_num_threads(1)
+    datasets = make_datasets(spec)
+
+    def timed_run(name: str) -> tuple:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
+            marks, train_losses = ROW_FUNCTIONS[name](spec, *datasets)
+        seconds = marks["timed_end"][0] - marks["timed_start"][0]
+        return seconds / spec["timed_steps"] * 1e6, train_losses
+
+    timed_run(BASELINE_ROW), timed_run(row)  # warm-up: lazy initialisation, caches, first-call costs
+    baseline_us, row_us, trained = [], [], True
+    for index in range(pairs):
+        order = (BASELINE_ROW, row) if index % 2 == 0 else (row, BASELINE_ROW)
+        results = {name: timed_run(name) for name in order}
+        baseline_us.append(results[BASELINE_ROW][0])
+        row_us.append(results[row][0])
+        losses = results[row][1]
+        trained = trained and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    return {
+        "row": row,
+        "workload": workload,
+        "pairs": pairs,
+        "ratios": [ours / base for ours, base in zip(row_us, baseline_us)],
+        "row_us_per_step": row_us,
+        "baseline_us_per_step": baseline_us,
+        "trained": trained,
+    }
