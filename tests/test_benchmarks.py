@@ -37,6 +37,11 @@ def test_quick_benchmark_runs_every_row_and_workload_and_each_trains(tmp_path):
         for row, summary in rows.items():
             assert summary["errors"] == [], (workload, row, summary["errors"])
             assert summary["trained"], (workload, row, summary.get("first_loss"), summary.get("last_loss"))
+        paired = results["workloads"][workload]["paired"]
+        assert list(paired) == expected_rows[1:], workload  # every row but the torch loop, against it
+        for row, summary in paired.items():
+            assert "error" not in summary and summary["trained"], (workload, row, summary)
+            assert summary["pairs"] == 2 and summary["ratio"]["n"] == 2
     for module in ("accelerate", "pytorch_accel_trainer"):
         assert results["imports"]["modules"][module] is not None, module
     markdown = (tmp_path / "results.md").read_text()
