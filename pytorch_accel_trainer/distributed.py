@@ -39,13 +39,18 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
     Raises:
         RuntimeError: Accelerate was already set up in this process for a single process while the launcher
             started several (it can then no longer be changed), naming what to set.
-        ValueError: another ``mixed_precision`` was already set up in this process.
+        ValueError: another ``mixed_precision`` was already set up in this process, or ``"fp16"`` was asked for
+            on the CPU (where Accelerate would silently train in float32).
     """
     cpu = needs_cpu_backend()
     already_set_up = PartialState._shared_state != {}
+    precision_set_up = AcceleratorState._shared_state != {}
     try:
         accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
+        _validate_mixed_precision_device(accelerator, mixed_precision)
     except ValueError as error:
+        if not precision_set_up:  # a failed set-up must not fix the precision of this process (Accelerate would)
+            AcceleratorState._reset_state()
         if "already been initialized" not in str(error):
             raise
         raise ValueError(
@@ -62,6 +67,17 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             "(no GPU) or pass --cpu to accelerate launch, and create the Trainer before any other Accelerator."
         )
     return accelerator
+
+
+def _validate_mixed_precision_device(accelerator: Accelerator, mixed_precision: Optional[str]) -> None:
+    """Refuse fp16 on the CPU: Accelerate accepts it there but neither autocasts nor scales, so the run is float32."""
+    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu":
+        return
+    source = "" if mixed_precision else " (from ACCELERATE_MIXED_PRECISION: accelerate launch or the environment)"
+    raise ValueError(
+        f"mixed_precision='fp16'{source} needs a GPU (or another accelerator), but this process runs on the CPU, where "
+        "Accelerate would silently train in float32. Use mixed_precision='bf16' on the CPU, or 'no'."
+    )
 
 
 class ProcessAgreement:

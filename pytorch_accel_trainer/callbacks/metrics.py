@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -15,8 +16,11 @@ if TYPE_CHECKING:  # torchmetrics takes seconds to import: only when the callbac
 
 
 def get_model_outputs_and_targets(batch: Any, batch_output: dict) -> tuple:
-    """Return ``(batch_output["model_outputs"], batch[1])``: the predictions and targets of the default hooks."""
-    return batch_output["model_outputs"], batch[1]
+    """Return ``(batch_output["model_outputs"], batch[1])``, or ``batch["labels"]`` for a dict batch: the predictions
+    and targets of the default hooks. A model output with ``logits`` (Hugging Face) gives its logits."""
+    outputs = batch_output["model_outputs"]
+    outputs = outputs.logits if hasattr(outputs, "logits") else outputs
+    return outputs, batch["labels"] if isinstance(batch, Mapping) else batch[1]
 
 
 class MetricCollectionCallback(TrainerCallback):
@@ -37,7 +41,8 @@ class MetricCollectionCallback(TrainerCallback):
     Args:
         metrics: a ``MetricCollection``, a ``Metric``, or a dict or list of them (made into a collection).
         get_predictions_and_targets: ``fn(batch, batch_output) -> (predictions, targets)``; by default the
-            ``model_outputs`` of the batch output and ``batch[1]``.
+            ``model_outputs`` of the batch output (their ``logits`` for a Hugging Face output) and ``batch[1]``
+            (``batch["labels"]`` for a dict batch).
 
     Example::
 
