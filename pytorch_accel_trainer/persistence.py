@@ -26,6 +26,15 @@ from pytorch_accel_trainer.checkpointing import (
 )
 from pytorch_accel_trainer.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
+from pytorch_accel_trainer.sharded import (
+    gathers_model_state,
+    get_full_model_state_dict,
+    get_full_optimizer_state_dict,
+    holds_sharded_parameters,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+    writes_on_this_process,
+)
 from pytorch_accel_trainer.training_state import (
     ResumePlan,
     ResumePosition,
@@ -241,25 +250,30 @@ class PersistenceMixin:
         """Save the model (and optimizer, scheduler, extra values) as one file, atomically.
 
         The file loads with ``torch.load(weights_only=True)``; ``checkpoint_kwargs`` values must be tensors
-        or plain Python values. Every process must call this.
+        or plain Python values. Every process must call this. Under FSDP the weights and the optimizer state are
+        gathered whole (the names and shapes of the plain model; torch's plain optimizer format) and the main
+        process alone writes; under DeepSpeed pass ``save_optimizer=False`` (its state is in DeepSpeed's format).
 
         Args:
             save_path: the file to write, e.g. ``"model.pt"``.
             checkpoint_kwargs: extra values to store, returned by :meth:`load_checkpoint`.
             save_optimizer: include the optimizer state.
             save_scheduler: include the scheduler state, if there is a scheduler.
-            save_per_node: write once per machine; ``False`` writes on the main process only.
+            save_per_node: write once per machine; ``False`` writes on the main process only (as does a run
+                under FSDP or DeepSpeed ZeRO-3, where only the main process receives the gathered weights).
         """
         scheduler = self.scheduler if save_scheduler else None
+        optimizer_state = None
+        if save_optimizer and self.optimizer is not None:  # gathered under FSDP: every process takes part
+            optimizer_state = get_full_optimizer_state_dict(self._accelerator, self.model, self.optimizer)
         checkpoint = build_checkpoint(
-            model_state=self.get_model().state_dict(),
-            optimizer_state=self.optimizer.state_dict() if save_optimizer and self.optimizer is not None else None,
+            model_state=self._full_model_state_dict(),  # a collective under FSDP: every process gathers
+            optimizer_state=optimizer_state,
             scheduler_state=scheduler.state_dict() if scheduler is not None else None,
             checkpoint_kwargs=checkpoint_kwargs,
         )
         self._accelerator.wait_for_everyone()
-        writes = self._accelerator.is_local_main_process if save_per_node else self._accelerator.is_main_process
-        if writes:
+        if writes_on_this_process(self._accelerator, save_per_node):
             save_checkpoint_file(checkpoint, save_path)
         self._accelerator.wait_for_everyone()
 
@@ -267,17 +281,35 @@ class PersistenceMixin:
         """Save the model's weights alone as a safetensors file, atomically; every process must call this.
 
         The file holds no code and no pickle: load it with ``safetensors.torch.load_model(model, save_path)``.
+        Under FSDP the full weights are gathered to the main process first.
         """
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
 
+        gathered = self._gathered_model_state_dict()  # None unless sharded; a collective then
         self._accelerator.wait_for_everyone()
         if self._accelerator.is_main_process:
             path = Path(save_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(f".{path.name}.tmp")
-            save_model(self.get_model(), str(temporary))
+            if gathered is None:
+                save_model(self.get_model(), str(temporary))
+            else:
+                save_file(gathered, str(temporary))
             temporary.replace(path)
         self._accelerator.wait_for_everyone()
+
+    def _full_model_state_dict(self) -> dict:
+        """The plain model's state dict; under FSDP / ZeRO-3 gathered to the main process (``{}`` elsewhere)."""
+        if gathers_model_state(self._accelerator):
+            return get_full_model_state_dict(self._accelerator, self.model)
+        return self.get_model().state_dict()
+
+    def _gathered_model_state_dict(self) -> Optional[dict]:
+        """Under FSDP / DeepSpeed, the full weights for safetensors (own storage each; ``{}`` where the gathered
+        weights do not reach); else ``None``: the unwrapped model is saved directly, tied weights once."""
+        if not gathers_model_state(self._accelerator):
+            return None
+        return {name: tensor.contiguous().clone() for name, tensor in self._full_model_state_dict().items()}
 
     def load_checkpoint(self, checkpoint_path, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
         """Load a file written by :meth:`save_checkpoint` into the model, and the optimizer and scheduler.
@@ -292,14 +324,17 @@ class PersistenceMixin:
         """
         self._accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
-        self.get_model().load_state_dict(checkpoint[MODEL_KEY])
+        if holds_sharded_parameters(self._accelerator):  # every process loads the full weights into its shard
+            load_full_model_state_dict(self._accelerator, self.model, checkpoint[MODEL_KEY])
+        else:
+            self.get_model().load_state_dict(checkpoint[MODEL_KEY])
         if load_optimizer and OPTIMIZER_KEY in checkpoint:
             if self.optimizer is None:
                 raise ValueError(
                     f"{checkpoint_path!r} holds an optimizer state but the trainer has no optimizer: pass one to "
                     "Trainer(...), or load_checkpoint(..., load_optimizer=False)."
                 )
-            self.optimizer.load_state_dict(checkpoint[OPTIMIZER_KEY])
+            load_full_optimizer_state_dict(self._accelerator, self.model, self.optimizer, checkpoint[OPTIMIZER_KEY])
         if load_scheduler and SCHEDULER_KEY in checkpoint:
             if self.scheduler is None:
                 warnings.warn(

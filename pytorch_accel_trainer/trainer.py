@@ -30,6 +30,16 @@ from pytorch_accel_trainer.non_finite import NonFinitePolicy, gradients_are_fini
 from pytorch_accel_trainer.preemption import SignalCatcher
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values
 from pytorch_accel_trainer.run_config import TrainerRunConfig, count_update_steps, plan_run_length
+from pytorch_accel_trainer.sharded import (
+    as_plain_tensor,
+    clip_gradients_by_value,
+    prepare_components,
+    set_deepspeed_gradient_sync,
+    unwrap_distributed_model,
+    validate_gradients_visible,
+    validate_sharded_run,
+    warn_if_sharding_was_ignored,
+)
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory
 from pytorch_accel_trainer.training_state import ResumePlan, find_resumable_state
 from pytorch_accel_trainer.utils import (
@@ -125,6 +135,7 @@ class Trainer(PersistenceMixin):
         self.callback_handler = self._create_callback_handler()
         self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
         self._accelerator = self._create_accelerator()
+        warn_if_sharding_was_ignored(self._accelerator)
         self._train_loss_tracker = LossTracker()
         self._eval_loss_tracker = LossTracker()
         self._num_update_steps_completed = 0
@@ -480,6 +491,7 @@ class Trainer(PersistenceMixin):
             gradient_clip_value=gradient_clip_value,
             gradient_clip_norm=gradient_clip_norm,
         )
+        validate_sharded_run(self._accelerator, self.run_config)
         self.scheduler = self.create_scheduler() if create_scheduler_fn is not None else None
         self._resume = self._load_resume_plan(stored_state, resume_from, allow_resume_changes)
         self._run_training()
@@ -533,14 +545,8 @@ class Trainer(PersistenceMixin):
         if isinstance(self.optimizer, AcceleratedOptimizer):
             self.optimizer = self.optimizer.optimizer
         components = [self.model, self.optimizer, self._train_dataloader, self._eval_dataloader]
-        present = [index for index, component in enumerate(components) if component is not None]
         placement = [None, None, *(self._batches_need_placing(dl) for dl in components[2:])]
-        prepared = self._accelerator.prepare(
-            *(components[index] for index in present), device_placement=[placement[index] for index in present]
-        )
-        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
-        for index, component in zip(present, prepared):
-            components[index] = component
+        components = prepare_components(self._accelerator, components, device_placement=placement)  # FSDP2-aware
         self.model, self.optimizer, self._train_dataloader, self._eval_dataloader = components
         self._use_plain_torch_step = self._accelerate_wrappers_only_call_torch()
         if self._use_plain_torch_step and isinstance(self.optimizer, AcceleratedOptimizer):
@@ -714,6 +720,8 @@ class Trainer(PersistenceMixin):
             validate_batch_output(batch_output, "calculate_train_batch_loss")
             self._train_loss_tracker.update(batch_output["loss"], self._loss_weight(batch_output))
             self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
+            if not self._use_plain_torch_step:  # DeepSpeed must step only at the end of a window
+                set_deepspeed_gradient_sync(self._accelerator, is_update_step)
             self.backward_step(self._scale_loss_for_accumulation(batch_output, step))
 
     def _update_parameters(self, step: int) -> None:
@@ -788,6 +796,7 @@ class Trainer(PersistenceMixin):
         items, self._items_in_window = self._items_in_window, 0
         if isinstance(items, int) and items == 0:
             return  # the losses of this window carry no num_items_in_batch
+        validate_gradients_visible(self._accelerator, "num_items_in_batch")
         items = torch.as_tensor(items, device=self.device, dtype=torch.float32)
         if self._accelerator.num_processes > 1:
             items = self._accelerator.reduce(items, "sum") / self._accelerator.num_processes
@@ -873,17 +882,18 @@ class Trainer(PersistenceMixin):
         clip_value, clip_norm = self.run_config.gradient_clip_value, self.run_config.gradient_clip_norm
         unscaled = False
         if clip_norm is not None:
-            self.last_gradient_norm = self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=clip_norm)
+            norm = self._accelerator.clip_grad_norm_(self.model.parameters(), max_norm=clip_norm)
+            self.last_gradient_norm = as_plain_tensor(norm)  # FSDP2 returns a DTensor, DeepSpeed a float
             unscaled = True
         elif self.track_gradient_norm:
             self._accelerator.unscale_gradients()  # a no-op without an fp16 gradient scaler
             gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
-            self.last_gradient_norm = torch.nn.utils.get_total_norm(gradients) if gradients else None
+            self.last_gradient_norm = as_plain_tensor(torch.nn.utils.get_total_norm(gradients)) if gradients else None
             unscaled = True
         if clip_value is not None and unscaled:
             torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
         elif clip_value is not None:
-            self._accelerator.clip_grad_value_(self.model.parameters(), clip_value=clip_value)
+            clip_gradients_by_value(self._accelerator, self.model.parameters(), clip_value)
 
     def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
         average = tracker.reduce_average(lambda tensor: self._accelerator.reduce(tensor, "sum"), self.device)
@@ -928,12 +938,16 @@ class Trainer(PersistenceMixin):
         return self._num_update_steps_completed
 
     def get_model(self) -> torch.nn.Module:
-        """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys)."""
+        """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys).
+
+        Under FSDP its parameters are this process's shards: for full weights use ``save_checkpoint``,
+        ``save_weights`` or ``sharded.get_full_model_state_dict`` (on every process).
+        """
         return self._accelerator.unwrap_model(self.model, keep_torch_compile=False)
 
     def _unwrap_distributed_model(self) -> torch.nn.Module:
         # keeps the wrapper of a model the user compiled; the trainer's own (torch_compile=...) is made again by prepare
-        return self._accelerator.unwrap_model(self.model, keep_torch_compile=self.torch_compile is False)
+        return unwrap_distributed_model(self._accelerator, self.model, keep_torch_compile=self.torch_compile is False)
 
     def print(self, *args, **kwargs) -> None:
         """Print once per node, like ``print``."""

@@ -402,14 +402,28 @@ def write_training_state(
 ) -> Path:  # fmt: skip
     """Write the trainer's full training state under ``parent``; every process must call this.
 
+    Under FSDP the weights and optimizer state are gathered whole to the main process first, so the state loads
+    into any world size; under DeepSpeed it is refused (see ``sharded.validate_training_state_supported``).
+
     Returns:
         The folder of the new state.
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
 
     from pytorch_accel_trainer.checkpointing import validate_plain
+    from pytorch_accel_trainer.sharded import (
+        get_full_model_state_dict,
+        get_full_optimizer_state_dict,
+        is_fsdp,
+        validate_training_state_supported,
+    )
 
     accelerator = trainer._accelerator
+    validate_training_state_supported(accelerator)
+    gathered_model = gathered_optimizer = None
+    if is_fsdp(accelerator):  # collectives: every process takes part, the main process receives
+        gathered_model = get_full_model_state_dict(accelerator, trainer.model)
+        gathered_optimizer = get_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer)
     parent = Path(parent)
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
     validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
@@ -430,10 +444,15 @@ def write_training_state(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _crash_point(f"write:{MODEL_FILE}")
-        save_model(trainer.get_model(), str(temporary / MODEL_FILE))
+        if gathered_model is None:
+            save_model(trainer.get_model(), str(temporary / MODEL_FILE))
+        else:
+            own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
+            save_file(own_storage, str(temporary / MODEL_FILE))
         _fsync_file(temporary / MODEL_FILE)
         _crash_point(f"write:{OPTIMIZER_FILE}")
-        save_tensors_file(trainer.optimizer.state_dict(), temporary / OPTIMIZER_FILE)
+        optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
+        save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
         if trainer.scheduler is not None:
             _crash_point(f"write:{SCHEDULER_FILE}")
             scheduler_state = trainer.scheduler.state_dict()
@@ -475,8 +494,17 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         run_facts: the current run's settings, compared with the saved ones; ``None`` skips the comparison.
         allow_changes: resume even when a setting differs.
     """
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file, load_model
 
+    from pytorch_accel_trainer.sharded import (
+        is_fsdp,
+        load_full_model_state_dict,
+        load_full_optimizer_state_dict,
+        validate_training_state_supported,
+    )
+
+    accelerator = trainer._accelerator
+    validate_training_state_supported(accelerator)
     folder = stored.folder
     shared = load_tensors_file(folder / TRAINER_FILE)
     if run_facts is not None and not allow_changes:
@@ -491,12 +519,16 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
     if not (folder / rank_file(rank)).is_file():
         raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest.get('world_size')} processes).")
     try:
-        load_model(trainer.get_model(), str(folder / MODEL_FILE), strict=True)
+        if is_fsdp(accelerator):  # every process reads the full state; each keeps its shard
+            load_full_model_state_dict(accelerator, trainer.model, load_file(str(folder / MODEL_FILE)))
+        else:
+            load_model(trainer.get_model(), str(folder / MODEL_FILE), strict=True)
     except RuntimeError as error:
         raise CheckpointError(
             f"{folder / MODEL_FILE} does not fit this model ({error}); resume with the model the state was saved from."
         ) from error
-    trainer.optimizer.load_state_dict(load_tensors_file(folder / OPTIMIZER_FILE))
+    optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
+    load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
     has_scheduler_file = (folder / SCHEDULER_FILE).is_file()
     if run_facts is None and trainer.scheduler is None:
         has_scheduler_file = False  # a manual load before train(): the scheduler does not exist yet

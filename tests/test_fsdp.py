@@ -1,0 +1,155 @@
+"""FSDP2 (2 gloo processes on the CPU) and DeepSpeed (1 process) train like DDP / a plain run, and export plain weights.
+
+Accelerate 1.15 never selects FSDP on a CPU, so ``tests/scripts/fsdp_train.py`` switches its state to FSDP after
+creating it; everything after that (sharding, clipping, state dicts) is Accelerate's and torch's real FSDP2 code.
+``docs/fsdp_deepspeed.md`` says what this covers and what needs a GPU (``benchmarks/gpu_checks/fsdp_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
+TIMEOUT_S = 240
+# A 2-process FSDP2 run over gloo aborts now and then in C++ (std::terminate in a worker: about 3 runs in 80 here,
+# none of 45 under faulthandler, so its place is unknown); such a run, and only such a run, is launched once more.
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def _launch(output: pathlib.Path, mode: str, launcher: list) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if mode in ("fsdp2", "ddp", "plugin_on_cpu"):
+        env["ACCELERATE_USE_CPU"] = "1"
+    for _ in range(2):
+        shutil.rmtree(output, ignore_errors=True)  # a retried run starts from nothing
+        output.mkdir(parents=True)
+        completed = subprocess.run(
+            [*launcher, str(SCRIPT), str(output), mode], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+        if completed.returncode == 0 or GLOO_ABORT not in completed.stderr:
+            break
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads((output / "result.json").read_text())
+
+
+def _two_processes() -> list:
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+        "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+    ]  # fmt: skip
+
+
+def _plain_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+@pytest.fixture(scope="module")
+def fsdp_and_ddp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    fsdp = _launch(root / "fsdp2", "fsdp2", _two_processes())
+    ddp = _launch(root / "ddp", "ddp", _two_processes())
+    return root, fsdp, ddp
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_trains_like_ddp_with_gradient_clipping(fsdp_and_ddp_runs):
+    _, fsdp, ddp = fsdp_and_ddp_runs
+
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["parameter_types"] == ["DTensor"]  # really sharded
+    assert ddp["distributed_type"] == "MULTI_CPU"
+    assert fsdp["train_loss"][-1] < fsdp["train_loss"][0] / 1.5
+    assert fsdp["train_loss"] == pytest.approx(ddp["train_loss"], rel=1e-5)
+    torch.testing.assert_close(torch.tensor(fsdp["parameters"]), torch.tensor(ddp["parameters"]), rtol=1e-5, atol=1e-6)
+    assert fsdp["gradient_norm_type"] == "Tensor"  # not a DTensor: loggable like any norm
+    # a second train() re-prepares the sharded model; gradient_clip_value alone; then evaluate()
+    torch.testing.assert_close(
+        torch.tensor(fsdp["second_run_parameters"]), torch.tensor(ddp["second_run_parameters"]), rtol=1e-5, atol=1e-6
+    )
+    assert fsdp["evaluation_loss"] == pytest.approx(ddp["evaluation_loss"], rel=1e-5)
+    # a Trainer without optimizer evaluates the exported checkpoint (FSDP2 cannot shard a model without one)
+    assert fsdp["evaluator_loss"] == pytest.approx(ddp["evaluator_loss"], rel=1e-5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_checkpoint_loads_into_a_plain_model_with_full_shapes(fsdp_and_ddp_runs):
+    root, fsdp, _ = fsdp_and_ddp_runs
+    checkpoint = torch.load(root / "fsdp2" / "model.pt", weights_only=True)
+    plain = _plain_mlp()
+
+    state = checkpoint["model_state_dict"]
+    assert {name: tuple(tensor.shape) for name, tensor in state.items()} == {
+        name: tuple(tensor.shape) for name, tensor in plain.state_dict().items()
+    }
+    assert all(type(tensor) is torch.Tensor for tensor in state.values())
+    plain.load_state_dict(state)  # strict: no module. / _fsdp_wrapped_module. prefixes
+    flat = torch.cat([state[name].flatten() for name in sorted(state)])
+    torch.testing.assert_close(flat, torch.tensor(fsdp["parameters"]), rtol=0, atol=0)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+    optimizer.load_state_dict(checkpoint["optimizer_state_dict"])  # torch's plain format, full momentum buffers
+    assert [tuple(optimizer.state[p]["momentum_buffer"].shape) for p in plain.parameters()] == [
+        tuple(p.shape) for p in plain.parameters()
+    ]
+    from safetensors.torch import load_model
+
+    load_model(_plain_mlp(), str(root / "fsdp2" / "weights.safetensors"))  # strict
+    # loading the exported checkpoint back into the shards changes nothing
+    assert fsdp["parameters_after_load"] == fsdp["parameters"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_training_state_resume_equals_the_uninterrupted_run(fsdp_and_ddp_runs):
+    root, fsdp, ddp = fsdp_and_ddp_runs
+    assert fsdp["resumed_parameters"] == fsdp["parameters"]  # bit for bit, from mid-epoch 2
+    assert ddp["resumed_parameters"] == ddp["parameters"]
+    (state,) = [path for path in (root / "fsdp2" / "states").iterdir() if path.name.startswith("checkpoint-")]
+    from safetensors.torch import load_model
+
+    load_model(_plain_mlp(), str(state / "model.safetensors"))  # full weights: loads at any world size
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_plugin_on_cpu_falls_back_to_ddp_and_says_so(tmp_path):
+    result = _launch(tmp_path / "plugin", "plugin_on_cpu", _two_processes())
+    assert result["distributed_type"] == "MULTI_CPU"
+    assert len(result["warnings"]) == 1 and "Accelerate runs FSDP only on GPUs" in result["warnings"][0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeed_steps_once_per_update_and_refuses_what_it_would_ignore(tmp_path):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
+    launcher = [
+        sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes",
+        "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+    ]  # fmt: skip
+    deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
+    plain = _launch(tmp_path / "plain", "plain", [sys.executable])
+
+    for ds_run, plain_run in zip(deepspeed["runs"], plain["runs"], strict=True):  # accumulation 1, then 2 (8 = 4 x 2)
+        assert ds_run["distributed_type"] == "DEEPSPEED"
+        assert ds_run["deepspeed_steps"] == ds_run["updates"] == plain_run["updates"] == 8
+        assert ds_run["train_loss"] == pytest.approx(plain_run["train_loss"], rel=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(ds_run["parameters"]), torch.tensor(plain_run["parameters"]), rtol=1e-5, atol=1e-6
+        )
+    errors = deepspeed["errors"]
+    assert (
+        "gradient_clipping=1.0" in errors["clip_norm_unset"] and "gradient_clip_norm=None" in errors["clip_norm_unset"]
+    )
+    assert "gradient_clip_value=0.5 cannot be applied under DeepSpeed" in errors["clip_value"]
+    assert "not supported under DeepSpeed" in errors["training_state"]
+    assert "save_optimizer=False" in errors["checkpoint_with_optimizer"]
+    assert "prepares its model and optimizer once" in errors["second_train"]
