@@ -6,7 +6,8 @@ import contextlib
 import itertools
 from pathlib import Path
 from numbers import Number
-from typing import Any, Callable, Iterable, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from accelerate import Accelerator, DistributedType
@@ -45,6 +46,7 @@ from pytorch_accel_trainer.training_state import ResumePlan, find_resumable_stat
 from pytorch_accel_trainer.utils import (
     batch_size_of,
     dataloader_length,
+    is_mapping,
     model_output_loss,
     remove_padding,
     require_batches,
@@ -382,14 +384,14 @@ class Trainer(PersistenceMixin):
 
     def _forward(self, batch) -> Any:
         """The model's output for a batch of the default hooks: ``(inputs, targets, ...)`` or a dict of keyword arguments."""
-        if isinstance(batch, Mapping):
+        if is_mapping(batch):
             return self.model(**batch)
         return self.model(batch[0])
 
     def _loss_of(self, model_outputs, batch) -> torch.Tensor:
         """``loss_func(outputs, targets)``, or without a ``loss_func`` the loss the model returned."""
         if self.loss_func is not None:
-            return self.loss_func(model_outputs, batch["labels"] if isinstance(batch, Mapping) else batch[1])
+            return self.loss_func(model_outputs, batch["labels"] if is_mapping(batch) else batch[1])
         return model_output_loss(model_outputs)
 
     def eval_epoch_end(self) -> None:

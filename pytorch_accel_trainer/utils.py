@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -117,10 +118,18 @@ class DeferredSum:
         self._pending = [] if state["pending"] is None else list(state["pending"].unbind())
 
 
+def is_mapping(value: Any) -> bool:
+    """``isinstance(value, Mapping)``, with the common cases first: the abstract-class check costs about 1 us, on
+    every step."""
+    if isinstance(value, dict):
+        return True
+    return not isinstance(value, (tuple, list, torch.Tensor)) and isinstance(value, Mapping)
+
+
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch of the default hooks: ``len(batch[1])``, or for a dict the first
     dimension of ``labels`` (else of its first tensor)."""
-    if isinstance(batch, Mapping):
+    if is_mapping(batch):
         tensor = batch.get("labels")
         if not isinstance(tensor, torch.Tensor):
             tensor = next((value for value in batch.values() if isinstance(value, torch.Tensor)), None)

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from pytorch_accel_trainer.utils import dataset_length
+from pytorch_accel_trainer.utils import dataset_length, is_mapping
 
 
 def _validate_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -120,7 +120,7 @@ def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, datalo
 
 def validate_batch_output(batch_output: Any, hook_name: str) -> None:
     """Check what ``calculate_train_batch_loss`` / ``calculate_eval_batch_loss`` returned (no host sync)."""
-    if not isinstance(batch_output, Mapping):
+    if not is_mapping(batch_output):
         raise TypeError(
             f"{hook_name} returned {type(batch_output).__name__}; it must return a dict with the keys 'loss', "
             "'model_outputs' and 'batch_size', e.g. {'loss': loss, 'model_outputs': outputs, 'batch_size': len(y)}."
