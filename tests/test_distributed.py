@@ -89,3 +89,20 @@ def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp
     single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8)
     assert double["num_processes"] == 2 and double["ranks_agree"]
     torch.testing.assert_close(torch.tensor(double["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)
+
+
+def test_accelerate_set_up_for_one_process_under_a_multi_process_launch_is_a_clear_error():
+    """Accelerate was set up (here by a PartialState) before the launcher's variables were seen: it cannot change."""
+    code = (
+        "import os, torch\n"
+        "from accelerate import PartialState\n"
+        "PartialState()\n"  # set up for one process
+        "os.environ['WORLD_SIZE'] = '2'\n"
+        "from pytorch_accel_trainer import Trainer\n"
+        "Trainer(torch.nn.Linear(1, 1), torch.nn.MSELoss(), None)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("ACCELERATE_USE_CPU", "WORLD_SIZE")}
+    completed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode != 0
+    assert "RuntimeError: The launcher started 2 processes, but Accelerate was set up before the trainer was created" in completed.stderr
+    assert "Set ACCELERATE_USE_CPU=1" in completed.stderr
