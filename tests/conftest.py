@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +12,21 @@ from torch.utils.data import IterableDataset, TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import EVENTS, TrainerCallback
+
+
+#: The environment of a multi-process test: gloo on the CPU, one thread per process (the machine has 2 cores).
+CPU_PROCESSES_ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def launcher(num_processes: int) -> list:
+    """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` processes:
+    ``accelerate launch`` for several, plain ``python`` for one."""
+    if num_processes == 1:
+        return [sys.executable]
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+    ]  # fmt: skip
 
 
 def linear_dataset(num_samples: int = 64, seed: int = 0) -> TensorDataset:

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from conftest import StreamDataset, make_mlp, make_trainer, regression_dataset
+from conftest import StreamDataset, make_mlp, regression_dataset
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 
 

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
+from conftest import CPU_PROCESSES_ENV, launcher
+
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_callbacks.py"
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]  # fmt: skip
 
 
 def _run(tmp_path, name, command, per_device_batch_size):
     output, tracking = tmp_path / f"{name}.json", tmp_path / f"{name}_runs"
     completed = subprocess.run(
         [*command, str(SCRIPT), str(output), str(per_device_batch_size), str(tracking)],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240,
+        env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240,
     )  # fmt: skip; a rank waiting forever on the other would hit the timeout
     assert completed.returncode == 0, completed.stderr[-3000:]
     with open(tracking / "run" / "metrics.csv") as handle:
@@ -31,8 +29,8 @@ def _run(tmp_path, name, command, per_device_batch_size):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_processes_stop_together_and_compute_the_single_process_metrics(tmp_path):
-    single, single_rows = _run(tmp_path, "single", [sys.executable], per_device_batch_size=8)
-    double, double_rows = _run(tmp_path, "double", LAUNCH, per_device_batch_size=4)
+    single, single_rows = _run(tmp_path, "single", launcher(1), per_device_batch_size=8)
+    double, double_rows = _run(tmp_path, "double", launcher(2), per_device_batch_size=4)
 
     assert double["num_processes"] == 2
     first, second = double["epochs_by_rank"]

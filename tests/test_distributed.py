@@ -11,23 +11,17 @@ import sys
 import pytest
 import torch
 
+from conftest import CPU_PROCESSES_ENV, launcher
+
+
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
 
 def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1, loss_kind="samples", env=None):
     output = tmp_path / f"{name}.json"
-    if num_processes == 1:
-        command = [sys.executable, str(SCRIPT)]
-    else:
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-            str(SCRIPT),
-        ]  # fmt: skip
-    env = env or {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
-        [*command, str(output), str(per_device_batch_size), str(accumulation), loss_kind],
-        env=env, capture_output=True, text=True, timeout=240,
+        [*launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), str(accumulation), loss_kind],
+        env=env or CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(output.read_text()), completed

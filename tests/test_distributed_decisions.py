@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 import time
 
 import pytest
 
+from conftest import CPU_PROCESSES_ENV, launcher
+
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_decisions.py"
-LAUNCH = [
-    sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-    "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", str(SCRIPT),
-]  # fmt: skip
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _launch(tmp_path, modes):
     output = tmp_path / "decisions"
     started = time.monotonic()
-    completed = subprocess.run([*LAUNCH, modes, str(output)], env=ENV, capture_output=True, text=True, timeout=240)
+    completed = subprocess.run([*launcher(2), str(SCRIPT), modes, str(output)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
     elapsed = time.monotonic() - started
     ranks = [json.loads(pathlib.Path(f"{output}.rank{r}").read_text()) for r in range(2) if pathlib.Path(f"{output}.rank{r}").exists()]
     return completed, ranks, elapsed

@@ -3,33 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
-from conftest import make_trainer
+from conftest import CPU_PROCESSES_ENV, launcher, make_trainer
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_eval.py"
 
 
 def _launch(tmp_path, num_processes):
     output = tmp_path / f"eval{num_processes}"
-    if num_processes == 1:
-        command = [sys.executable, str(SCRIPT)]
-    else:
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-            str(SCRIPT),
-        ]  # fmt: skip
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run([*command, str(output)], env=env, capture_output=True, text=True, timeout=300)
+    command = [*launcher(num_processes), str(SCRIPT), str(output)]
+    completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-3000:]  # a hung case is killed by the script's watchdog
     return [json.loads(pathlib.Path(f"{output}.rank{rank}").read_text()) for rank in range(num_processes)]
 

@@ -18,6 +18,9 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import launcher
+
+
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
 TIMEOUT_S = 240
 # A 2-process FSDP2 run over gloo aborts now and then in C++ (std::terminate in a worker: about 3 runs in 80 here,
@@ -41,13 +44,6 @@ def _launch(output: pathlib.Path, mode: str, launcher: list) -> dict:
     return json.loads((output / "result.json").read_text())
 
 
-def _two_processes() -> list:
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-        "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-    ]  # fmt: skip
-
-
 def _plain_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
@@ -55,8 +51,8 @@ def _plain_mlp() -> nn.Module:
 @pytest.fixture(scope="module")
 def fsdp_and_ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
-    fsdp = _launch(root / "fsdp2", "fsdp2", _two_processes())
-    ddp = _launch(root / "ddp", "ddp", _two_processes())
+    fsdp = _launch(root / "fsdp2", "fsdp2", launcher(2))
+    ddp = _launch(root / "ddp", "ddp", launcher(2))
     return root, fsdp, ddp
 
 
@@ -122,7 +118,7 @@ def test_fsdp2_training_state_resume_equals_the_uninterrupted_run(fsdp_and_ddp_r
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_plugin_on_cpu_falls_back_to_ddp_and_says_so(tmp_path):
-    result = _launch(tmp_path / "plugin", "plugin_on_cpu", _two_processes())
+    result = _launch(tmp_path / "plugin", "plugin_on_cpu", launcher(2))
     assert result["distributed_type"] == "MULTI_CPU"
     assert len(result["warnings"]) == 1 and "Accelerate runs FSDP only on GPUs" in result["warnings"][0]
 

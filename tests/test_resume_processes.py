@@ -7,32 +7,24 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_bitwise_equal
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher
 from pytorch_accel_trainer.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _command(config, num_processes):
-    if num_processes == 1:
-        return [sys.executable, str(SCRIPT), json.dumps(config)]
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-        str(SCRIPT), json.dumps(config),
-    ]  # fmt: skip
+    return [*launcher(num_processes), str(SCRIPT), json.dumps(config)]
 
 
 def _launch(config, num_processes=1, timeout=240):
-    return subprocess.run(_command(config, num_processes), env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(_command(config, num_processes), env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def _result(path):
@@ -84,7 +76,7 @@ def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
     folder = tmp_path / "random"
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
-    process = subprocess.Popen(_command(config, 1), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(_command(config, 1), env=CPU_PROCESSES_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = time.monotonic()
     while not list_complete_states(folder / "states") if (folder / "states").exists() else True:
         time.sleep(0.01)
