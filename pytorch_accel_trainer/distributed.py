@@ -60,9 +60,9 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
         ) from error
     if accelerator.num_processes == 1 and launched_world_size() > 1:
-        how = "before the trainer was created" if already_set_up else "by Accelerate"
+        how = " before the trainer was created" if already_set_up else ""
         raise RuntimeError(
-            f"The launcher started {launched_world_size()} processes, but Accelerate was set up {how} for "
+            f"The launcher started {launched_world_size()} processes, but Accelerate was set up{how} for "
             f"{accelerator.num_processes}, so each process would train on its own. Set ACCELERATE_USE_CPU=1 "
             "(no GPU) or pass --cpu to accelerate launch, and create the Trainer before any other Accelerator."
         )

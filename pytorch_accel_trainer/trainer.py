@@ -96,8 +96,9 @@ class Trainer(PersistenceMixin):
         seed: seeds torch, numpy and ``random`` (offset by the process index) at the start of each
             ``train()``, so runs are repeatable; ``None`` leaves the random state alone. Importing the
             package never seeds anything.
-        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (CUDA only); ``None`` (the default) takes it from the
-            Accelerate config or ``accelerate launch --mixed_precision``. Losses are logged in float32.
+        mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` (needs a GPU: a ``ValueError`` on the CPU) or ``"fp8"``;
+            ``None`` (the default) takes it from the Accelerate config or ``accelerate launch --mixed_precision``.
+            Losses are logged in float32.
         torch_compile: compile the model with ``torch.compile`` for training and evaluation: ``True``, or a dict
             of ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``). Off by default. ``get_model()``
             and checkpoints hold the uncompiled model (no ``_orig_mod.`` keys).
