@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
+
+from pytorch_accel_trainer.errors import StopTrainingError
 
 
 @dataclass
@@ -47,3 +49,37 @@ def gradients_are_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
         return True
     norms = torch._foreach_norm(gradients)
     return bool(torch.isfinite(torch.stack(norms)).all().item())  # the host read, once per optimizer update
+
+
+def retry_or_skip_non_finite_update(
+    state: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, retry_step: Callable[[], None], can_retry: bool
+) -> bool:
+    """Check the window's gradients under ``state.non_finite_policy``; while they are not finite, re-run the step
+    (up to ``max_retries`` times, when ``can_retry``) or give up. Return whether the update must be skipped.
+
+    Each failed check discards the window: the gradients are zeroed, and the epoch's loss goes back to its value
+    before the window (``policy.loss_snapshot``, taken at the safe point that opened it). A retry fires no event.
+    One read back from the device per check.
+
+    Args:
+        state: the :class:`~pytorch_accel_trainer.run_state.RunState` of the run.
+
+    Raises:
+        StopTrainingError: ``policy.max_consecutive_skips`` updates in a row were skipped.
+    """
+    policy, retries = state.non_finite_policy, 0
+    while not gradients_are_finite(model.parameters()):
+        state.train_loss_tracker.load_state_dict(policy.loss_snapshot)
+        optimizer.zero_grad(set_to_none=True)
+        if can_retry and retries < policy.max_retries:
+            retries += 1
+            retry_step()
+            continue
+        policy.record_skip()
+        if policy.must_stop:
+            raise StopTrainingError(
+                f"Stopping training after {policy.consecutive_skips} consecutive updates with non-finite gradients"
+            )
+        return True
+    policy.record_update()
+    return False

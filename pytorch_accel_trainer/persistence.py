@@ -1,7 +1,9 @@
 """The Trainer's persistence: export checkpoints, training states, resume and preemption.
 
-A mixin of :class:`~pytorch_accel_trainer.trainer.Trainer`, kept apart so that ``trainer.py`` holds the
-skeleton of a run; its methods are thin wrappers around ``checkpointing.py`` and ``training_state.py``.
+Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.run_state.RunState`,
+which the loop calls at its safe points (between two optimizer updates) and when a run resumes. And
+:class:`PersistenceMixin`, the public saving and loading methods of the Trainer, thin wrappers around
+``checkpointing.py`` and ``training_state.py``; it holds no state of its own.
 """
 
 from __future__ import annotations
@@ -9,11 +11,10 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 from accelerate import skip_first_batches
-
 
 from pytorch_accel_trainer.checkpointing import (
     MODEL_KEY,
@@ -26,6 +27,7 @@ from pytorch_accel_trainer.checkpointing import (
 )
 from pytorch_accel_trainer.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
+from pytorch_accel_trainer.run_state import RunState
 from pytorch_accel_trainer.sharded import (
     gathers_model_state,
     get_full_model_state_dict,
@@ -38,12 +40,136 @@ from pytorch_accel_trainer.sharded import (
 from pytorch_accel_trainer.training_state import (
     ResumePlan,
     ResumePosition,
+    StoredState,
     find_resumable_state,
     read_training_state,
     restore_rng_state,
     write_training_state,
 )
-from pytorch_accel_trainer.utils import dataset_length, with_last_flag
+from pytorch_accel_trainer.utils import dataset_length
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume: where the run starts again, and when the saved RNG states go back
+# ------------------------------------------------------------------------------------------------
+
+
+def load_resume_plan(trainer: "Trainer", stored: Optional[StoredState], resume_from, allow_changes: bool) -> Optional[ResumePlan]:  # fmt: skip
+    """Load ``stored`` into the trainer (weights, optimizer, scheduler, history, callbacks) and return what the
+    run still has to restore as it reaches the saved position; ``None`` when there is nothing to resume."""
+    if resume_from is None:
+        return None
+    if stored is None:
+        trainer.print(f"resume_from={str(resume_from)!r} holds no training state yet: starting a new run.")
+        return None
+    plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
+    trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates)")
+    return plan
+
+
+def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
+    """Return this epoch's first step and dataloader: after a resume, only the batches not yet trained on.
+
+    Batches already seen are skipped by sampler offset (``accelerate.skip_first_batches``), so resuming at
+    step 10,000 costs about the same as at step 10.
+    """
+    resume = state.resume
+    if resume is None or resume.position.loop_epoch != state.epoch:
+        return 0, train_dl
+    first_step = resume.position.batches_seen
+    if resume.position.rng_restore_point == "after_iterator":
+        state.train_loss_tracker.load_state_dict(resume.train_loss_tracker)
+    if first_step:
+        train_dl = skip_first_batches(train_dl, first_step)
+    _restore_rng_if_due(state, "before_iterator")
+    return first_step, train_dl
+
+
+def _restore_rng_if_due(state: RunState, point: str) -> None:
+    """Put back the saved RNG states where the saved run took them; this ends the resume."""
+    if state.resume is not None and state.resume.position.rng_restore_point == point:
+        restore_rng_state(state.resume.rng_state)
+        state.resume = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Safe points: between two optimizer updates
+# ------------------------------------------------------------------------------------------------
+
+
+def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
+    """Between two optimizer updates: finish a resume, take the saves asked for, stop if preempted.
+
+    Args:
+        step: the micro-batch about to run in the current epoch; ``None`` between epochs.
+    """
+    state = trainer.run_state
+    _restore_rng_if_due(state, "after_iterator")
+    if state.non_finite_policy is not None:  # what the epoch's loss goes back to if this window is skipped
+        tracker = state.train_loss_tracker.state_dict()
+        state.non_finite_policy.loss_snapshot = {
+            key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker.items()
+        }
+    saved_to = take_requested_saves(trainer, step)
+    _exit_if_preempted(trainer, step, saved_to)
+
+
+def take_requested_saves(trainer: "Trainer", step: Optional[int] = None) -> set:
+    """Write the training states asked for since the last safe point, at the position of ``step``; return their
+    folders' parents. Also called as a run ends, so that a save asked for after its last update is not lost."""
+    saved_to = set()
+    for parent, request in trainer.run_state.take_save_requests().items():
+        write_state(trainer, parent, trainer.run_state.position(step), **request)
+        saved_to.add(parent)
+    return saved_to
+
+
+def run_facts(trainer: "Trainer") -> dict:
+    """The settings a resumed run must share with the saved one to continue it exactly."""
+    config = trainer.run_config
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
+        "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
+        "train_dataset_length": None if trainer.train_dataset is None else dataset_length(trainer.train_dataset),
+    }
+
+
+def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None) -> Path:  # fmt: skip
+    """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this."""
+    folder = write_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling)
+    trainer.print(f"Saved training state {folder}")
+    return folder
+
+
+def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: set) -> None:
+    signal_number = _agreed_preemption_signal(trainer)
+    if not signal_number:
+        return
+    state = trainer.run_state
+    if state.preemption_save_dir is not None and state.preemption_save_dir not in saved_to:
+        write_state(trainer, state.preemption_save_dir, state.position(step))
+    trainer.print(f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}.")
+    sys.exit(128 + signal_number)
+
+
+def _agreed_preemption_signal(trainer: "Trainer") -> Optional[int]:
+    """The preemption signal any process received; every process leaves at the same step."""
+    state = trainer.run_state
+    if state.preemption_save_dir is None:
+        return state.preemption_signal
+    (signal_number,) = trainer.process_agreement.any_process(trainer.accelerator, state.preemption_signal or 0)
+    return signal_number or None  # one small host-side collective per update window, no device sync
+
+
+def disable_preemption(state: RunState) -> None:
+    """Put back the signal handlers that ``enable_preemption`` replaced."""
+    if state.signal_catcher is not None:
+        state.signal_catcher.uninstall()
+    state.signal_catcher, state.preemption_save_dir = None, None
 
 
 class PersistenceMixin:
@@ -52,107 +178,6 @@ class PersistenceMixin:
     # ------------------------------------------------------------------------------------------------
     # Training state: saves between optimizer updates, resume, preemption
     # ------------------------------------------------------------------------------------------------
-
-    def _start_training_run_state(self) -> None:
-        self._in_training_run = True
-        self._save_requests = {}
-        self._preemption_signal = None
-        if self._resume is None:
-            self._num_update_steps_completed, self._epochs_completed = 0, 0
-        else:
-            self._epochs_completed = self._resume.position.loop_epoch
-        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
-
-    def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
-        """Return this epoch's first step and batches: after a resume, only those not yet trained on.
-
-        Batches already seen are skipped by sampler offset (``accelerate.skip_first_batches``), so resuming at
-        step 10,000 costs about the same as at step 10.
-        """
-        if hasattr(train_dl, "set_epoch"):
-            train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
-        resume = self._resume
-        if resume is None or resume.position.loop_epoch != self._loop_epoch:
-            return 0, with_last_flag(train_dl)
-        first_step = resume.position.batches_seen
-        if resume.position.rng_restore_point == "after_iterator":
-            self._train_loss_tracker.load_state_dict(resume.train_loss_tracker)
-        if first_step:
-            train_dl = skip_first_batches(train_dl, first_step)
-        self._restore_rng_if_due("before_iterator")
-        return first_step, with_last_flag(train_dl)
-
-    def _restore_rng_if_due(self, point: str) -> None:
-        """Put back the saved RNG states where the saved run took them; this ends the resume."""
-        if self._resume is not None and self._resume.position.rng_restore_point == point:
-            restore_rng_state(self._resume.rng_state)
-            self._resume = None
-
-    def _reach_safe_point(self, step: Optional[int] = None) -> None:
-        """Between two optimizer updates: finish a resume, take the saves asked for, stop if preempted.
-
-        Args:
-            step: the micro-batch about to run in the current epoch; ``None`` between epochs.
-        """
-        self._restore_rng_if_due("after_iterator")
-        if self.non_finite_policy is not None:  # what the epoch's loss goes back to if this window is skipped
-            tracker = self._train_loss_tracker.state_dict()
-            self.non_finite_policy.loss_snapshot = {
-                key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker.items()
-            }
-        saved_to = set()
-        if self._save_requests:
-            requests, self._save_requests = self._save_requests, {}
-            for parent, request in requests.items():
-                self._write_training_state(parent, self._current_position(step), **request)
-                saved_to.add(parent)
-        self._exit_if_preempted(step, saved_to)
-
-    def _current_position(self, step: Optional[int]) -> ResumePosition:
-        if step is None:  # between epochs, or outside a run
-            return ResumePosition(self._epochs_completed, 0, "before_iterator")
-        return ResumePosition(self._loop_epoch, step, "after_iterator")
-
-    def _run_facts(self) -> dict:
-        """The settings a resumed run must share with the saved one to continue it exactly."""
-        config = self.run_config
-        return {
-            "world_size": self._accelerator.num_processes,
-            "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
-            "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
-            "train_dataset_length": None if self.train_dataset is None else dataset_length(self.train_dataset),
-        }
-
-    def _write_training_state(self, parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None) -> Path:  # fmt: skip
-        folder = write_training_state(self, parent, position, self._run_facts(), kinds, checkpoint_kwargs, max_rolling)
-        self.print(f"Saved training state {folder}")
-        return folder
-
-    def _load_resume_plan(self, stored_state, resume_from, allow_changes: bool) -> Optional[ResumePlan]:
-        if resume_from is None:
-            return None
-        if stored_state is None:
-            self.print(f"resume_from={str(resume_from)!r} holds no training state yet: starting a new run.")
-            return None
-        plan = read_training_state(self, stored_state, self._run_facts(), allow_changes)
-        self.print(f"Resuming from {stored_state.folder} (after {self._num_update_steps_completed} optimizer updates)")
-        return plan
-
-    def _exit_if_preempted(self, step: Optional[int], saved_to: set) -> None:
-        signal_number = self._agreed_preemption_signal()
-        if not signal_number:
-            return
-        if self.preemption_save_dir is not None and self.preemption_save_dir not in saved_to:
-            self._write_training_state(self.preemption_save_dir, self._current_position(step))
-        self.print(f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}.")
-        sys.exit(128 + signal_number)
-
-    def _agreed_preemption_signal(self) -> Optional[int]:
-        """The preemption signal any process received; every process leaves at the same step."""
-        if self.preemption_save_dir is None:
-            return self._preemption_signal
-        (signal_number,) = self._agreement.any_process(self._accelerator, self._preemption_signal or 0)
-        return signal_number or None  # one small host-side collective per update window, no device sync
 
     def skip_non_finite_steps(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0) -> NonFinitePolicy:
         """For the rest of this training run, skip each optimizer update whose gradients are not finite.
@@ -164,10 +189,11 @@ class PersistenceMixin:
 
         Args:
             max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
-            max_retries: first re-run the step this many times (without gradient accumulation only).
+            max_retries: first re-run the step this many times (without gradient accumulation only); a retry
+                fires no event (``on_train_step_end`` fired once, for the first try).
         """
-        self.non_finite_policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
-        return self.non_finite_policy
+        self.run_state.non_finite_policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
+        return self.run_state.non_finite_policy
 
     def enable_preemption(self, save_dir, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
         """For the rest of this training run, on one of ``signals``: finish the current optimizer update, save
@@ -176,22 +202,18 @@ class PersistenceMixin:
         With several processes, a signal received by any one of them stops all of them at the same step.
         ``SaveTrainingStateCallback`` calls this in ``on_training_run_start``.
         """
-        self._disable_preemption()
-        self.preemption_save_dir = Path(save_dir)
-        self._signal_catcher = SignalCatcher(signals, self.request_preemption)
-        self._signal_catcher.install()
-
-    def _disable_preemption(self) -> None:
-        if self._signal_catcher is not None:
-            self._signal_catcher.uninstall()
-        self._signal_catcher, self.preemption_save_dir = None, None
+        state = self.run_state
+        disable_preemption(state)
+        state.preemption_save_dir = Path(save_dir)
+        state.signal_catcher = SignalCatcher(signals, self.request_preemption)
+        state.signal_catcher.install()
 
     def request_preemption(self, signal_number: int) -> None:
         """Ask the run to save and exit with code ``128 + signal_number`` at the next point between updates.
 
         Safe to call from a signal handler; ``SaveTrainingStateCallback`` does it for SIGTERM, SIGINT and SIGUSR1.
         """
-        self._preemption_signal = signal_number
+        self.run_state.preemption_signal = signal_number
 
     def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None) -> Optional[Path]:  # fmt: skip
         """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
@@ -216,11 +238,9 @@ class PersistenceMixin:
             The new state's folder, or ``None`` when it will be taken at the next point between updates.
         """
         parent = Path(output_dir)
-        if not self._in_training_run:
-            return self._write_training_state(parent, self._current_position(None), kinds, checkpoint_kwargs, max_checkpoints)
-        request = self._save_requests.setdefault(parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_checkpoints})
-        request["kinds"].update(kinds)
-        request["checkpoint_kwargs"].update(checkpoint_kwargs or {})
+        if not self.run_state.in_training_run:
+            return write_state(self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints)
+        self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints)
         return None
 
     def load_training_state(self, input_dir) -> dict:
@@ -233,7 +253,9 @@ class PersistenceMixin:
         stored = find_resumable_state(Path(input_dir))
         if stored is None:
             raise FileNotFoundError(f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state.")
-        return read_training_state(self, stored, None, allow_changes=True).checkpoint_kwargs
+        plan = read_training_state(self, stored, None, allow_changes=True)
+        self.run_state.num_update_steps_completed = plan.num_update_steps_completed
+        return plan.checkpoint_kwargs
 
     # ------------------------------------------------------------------------------------------------
     # Export checkpoints
@@ -265,17 +287,17 @@ class PersistenceMixin:
         scheduler = self.scheduler if save_scheduler else None
         optimizer_state = None
         if save_optimizer and self.optimizer is not None:  # gathered under FSDP: every process takes part
-            optimizer_state = get_full_optimizer_state_dict(self._accelerator, self.model, self.optimizer)
+            optimizer_state = get_full_optimizer_state_dict(self.accelerator, self.model, self.optimizer)
         checkpoint = build_checkpoint(
             model_state=self._full_model_state_dict(),  # a collective under FSDP: every process gathers
             optimizer_state=optimizer_state,
             scheduler_state=scheduler.state_dict() if scheduler is not None else None,
             checkpoint_kwargs=checkpoint_kwargs,
         )
-        self._accelerator.wait_for_everyone()
-        if writes_on_this_process(self._accelerator, save_per_node):
+        self.accelerator.wait_for_everyone()
+        if writes_on_this_process(self.accelerator, save_per_node):
             save_checkpoint_file(checkpoint, save_path)
-        self._accelerator.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
 
     def save_weights(self, save_path) -> None:
         """Save the model's weights alone as a safetensors file, atomically; every process must call this.
@@ -286,8 +308,8 @@ class PersistenceMixin:
         from safetensors.torch import save_file, save_model
 
         gathered = self._gathered_model_state_dict()  # None unless sharded; a collective then
-        self._accelerator.wait_for_everyone()
-        if self._accelerator.is_main_process:
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
             path = Path(save_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(f".{path.name}.tmp")
@@ -296,18 +318,18 @@ class PersistenceMixin:
             else:
                 save_file(gathered, str(temporary))
             temporary.replace(path)
-        self._accelerator.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
 
     def _full_model_state_dict(self) -> dict:
         """The plain model's state dict; under FSDP / ZeRO-3 gathered to the main process (``{}`` elsewhere)."""
-        if gathers_model_state(self._accelerator):
-            return get_full_model_state_dict(self._accelerator, self.model)
+        if gathers_model_state(self.accelerator):
+            return get_full_model_state_dict(self.accelerator, self.model)
         return self.get_model().state_dict()
 
     def _gathered_model_state_dict(self) -> Optional[dict]:
         """Under FSDP / DeepSpeed, the full weights for safetensors (own storage each; ``{}`` where the gathered
         weights do not reach); else ``None``: the unwrapped model is saved directly, tied weights once."""
-        if not gathers_model_state(self._accelerator):
+        if not gathers_model_state(self.accelerator):
             return None
         return {name: tensor.contiguous().clone() for name, tensor in self._full_model_state_dict().items()}
 
@@ -322,10 +344,10 @@ class PersistenceMixin:
         Returns:
             The extra values saved with ``checkpoint_kwargs``.
         """
-        self._accelerator.wait_for_everyone()
+        self.accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
-        if holds_sharded_parameters(self._accelerator):  # every process loads the full weights into its shard
-            load_full_model_state_dict(self._accelerator, self.model, checkpoint[MODEL_KEY])
+        if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
+            load_full_model_state_dict(self.accelerator, self.model, checkpoint[MODEL_KEY])
         else:
             self.get_model().load_state_dict(checkpoint[MODEL_KEY])
         if load_optimizer and OPTIMIZER_KEY in checkpoint:
@@ -334,7 +356,7 @@ class PersistenceMixin:
                     f"{checkpoint_path!r} holds an optimizer state but the trainer has no optimizer: pass one to "
                     "Trainer(...), or load_checkpoint(..., load_optimizer=False)."
                 )
-            load_full_optimizer_state_dict(self._accelerator, self.model, self.optimizer, checkpoint[OPTIMIZER_KEY])
+            load_full_optimizer_state_dict(self.accelerator, self.model, self.optimizer, checkpoint[OPTIMIZER_KEY])
         if load_scheduler and SCHEDULER_KEY in checkpoint:
             if self.scheduler is None:
                 warnings.warn(

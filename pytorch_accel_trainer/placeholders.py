@@ -13,6 +13,8 @@ import functools
 import operator
 from typing import Any, Callable, Mapping, Optional
 
+from pytorch_accel_trainer.utils import dataloader_length
+
 _OPERATORS: dict[str, Callable[[Any, Any], Any]] = {
     "+": operator.add,
     "-": operator.sub,
@@ -151,3 +153,14 @@ def replace_trainer_placeholder_values(
     args = [_resolve_value(arg, values) for arg in factory.args]
     keywords = {name: _resolve_value(arg, values) for name, arg in factory.keywords.items()}
     return functools.partial(replace_trainer_placeholder_values(factory.func, values), *args, **keywords)
+
+
+def placeholder_values(run_config: Any, train_dataloader: Any, eval_dataloader: Any) -> dict:
+    """The value of each placeholder in a run with ``run_config`` and these prepared dataloaders."""
+    return {
+        TrainerPlaceholderValues.NUM_EPOCHS: run_config.num_epochs,
+        TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH: run_config.num_update_steps_per_epoch,
+        TrainerPlaceholderValues.PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH: run_config.num_local_update_steps_per_epoch,
+        TrainerPlaceholderValues.TRAIN_DATALOADER_LEN: dataloader_length(train_dataloader),
+        TrainerPlaceholderValues.EVAL_DATALOADER_LEN: dataloader_length(eval_dataloader),
+    }

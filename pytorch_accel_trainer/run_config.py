@@ -1,11 +1,47 @@
-"""The frozen description of the current run, and the pure arithmetic that builds it."""
+"""The frozen description of the current run: the validated ``train()`` options, and the run config built from them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from numbers import Number
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
+
+from accelerate import Accelerator, DistributedType
+
+from pytorch_accel_trainer.utils import dataloader_length
+from pytorch_accel_trainer.validation import validate_train_options
+
+#: An optional positive number; ``Union[int, float]`` rather than ``numbers.Number``, which parsers cannot build.
+OptionalNumber = Optional[Union[int, float]]
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """The arguments of ``Trainer.train()`` other than the datasets, checked once when created.
+
+    ``train()`` builds one and passes it on, so that adding an option touches this class, ``train()``'s
+    signature and the place that uses it; ``trainer.run_state.options`` holds the current run's.
+
+    Raises:
+        ValueError, TypeError: an option is not valid; the message names it, its value and the fix.
+    """
+
+    num_epochs: Optional[int]
+    per_device_batch_size: int = 8
+    max_num_train_steps: Optional[int] = None
+    gradient_accumulation_steps: int = 1
+    gradient_clip_value: OptionalNumber = None
+    create_scheduler_fn: Optional[Callable] = None
+    train_dataloader_kwargs: Optional[dict] = None
+    eval_dataloader_kwargs: Optional[dict] = None
+    reset_run_history: bool = True
+    collate_fn: Optional[Callable] = None
+    gradient_clip_norm: OptionalNumber = None
+    resume_from: Any = None
+    allow_resume_changes: bool = False
+
+    def __post_init__(self):
+        validate_train_options(self)
 
 
 @dataclass(frozen=True)
@@ -33,8 +69,8 @@ class TrainerRunConfig:
     is_distributed: bool
     mixed_precision: str
     num_processes: int
-    gradient_clip_value: Optional[Number] = None
-    gradient_clip_norm: Optional[Number] = None
+    gradient_clip_value: OptionalNumber = None
+    gradient_clip_norm: OptionalNumber = None
     seed: Optional[int] = None
 
     def __getitem__(self, name: str) -> Any:
@@ -68,3 +104,54 @@ def plan_run_length(
         return num_epochs, steps_in_epochs
     total_steps = max_num_train_steps if steps_in_epochs is None else min(max_num_train_steps, steps_in_epochs)
     return math.ceil(total_steps / max(updates_per_epoch, 1)), total_steps
+
+
+def build_run_config(
+    options: TrainOptions, accelerator: Accelerator, dataloaders: tuple, dataloader_kwargs: tuple, train_dataset: Any,
+    seed: Optional[int],
+) -> TrainerRunConfig:  # fmt: skip
+    """Return the :class:`TrainerRunConfig` of a run with ``options`` on the prepared ``(train, eval)`` dataloaders.
+
+    Built after Accelerate prepares the dataloaders, which shards them across processes and changes their length.
+
+    Raises:
+        ValueError: the training dataloader has no batch on this process.
+    """
+    train_dataloader, _ = dataloaders
+    train_dl_kwargs, eval_dl_kwargs = dataloader_kwargs
+    per_device_batch_size, accumulation = options.per_device_batch_size, options.gradient_accumulation_steps
+    train_batch_size = (train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+    eval_batch_size = (eval_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+    num_processes = accelerator.num_processes
+    if train_dataloader is None:
+        train_batch_size, updates_per_epoch = None, 0
+    else:
+        updates_per_epoch = count_update_steps(dataloader_length(train_dataloader), accumulation)
+        if updates_per_epoch == 0:
+            raise ValueError(
+                f"The training dataloader has no batches on this process (dataset of {len(train_dataset)} "
+                f"samples, batch size {train_batch_size}, {num_processes} processes, "
+                f"dataloader arguments {train_dl_kwargs}). Lower the batch size or drop drop_last=True."
+            )
+    num_epochs, max_num_train_steps = plan_run_length(options.num_epochs, options.max_num_train_steps, updates_per_epoch)
+    return TrainerRunConfig(
+        num_epochs=num_epochs,
+        train_per_device_batch_size=train_batch_size,
+        train_dl_kwargs=train_dl_kwargs,
+        eval_per_device_batch_size=eval_batch_size,
+        eval_dl_kwargs=eval_dl_kwargs,
+        gradient_accumulation_steps=accumulation,
+        train_total_batch_size=None if train_batch_size is None else train_batch_size * num_processes * accumulation,
+        eval_total_batch_size=None if eval_batch_size is None else eval_batch_size * num_processes,
+        num_update_steps_per_epoch=updates_per_epoch,
+        num_local_update_steps_per_epoch=updates_per_epoch,
+        max_num_train_steps=max_num_train_steps,
+        is_local_process_zero=accelerator.is_local_main_process,
+        is_world_process_zero=accelerator.is_main_process,
+        is_distributed=accelerator.distributed_type != DistributedType.NO,
+        mixed_precision=accelerator.mixed_precision,
+        num_processes=num_processes,
+        gradient_clip_value=options.gradient_clip_value,
+        gradient_clip_norm=options.gradient_clip_norm,
+        seed=seed,
+    )

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
+from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
@@ -41,8 +43,6 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-class CheckpointError(RuntimeError):
-    """A training state that cannot be trusted, or that cannot be resumed as asked."""
 
 
 def _crash_point(name: str) -> None:
@@ -377,6 +377,7 @@ class ResumePlan:
     train_loss_tracker: dict
     checkpoint_kwargs: dict
     folder: Path
+    num_update_steps_completed: int = 0
 
 
 def _fsync_file(path: Path) -> None:
@@ -418,7 +419,7 @@ def write_training_state(
         validate_training_state_supported,
     )
 
-    accelerator = trainer._accelerator
+    accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
     gathered_model = gathered_optimizer = None
     if is_fsdp(accelerator):  # collectives: every process takes part, the main process receives
@@ -429,7 +430,7 @@ def write_training_state(
     validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
     rank_state = {
         "rng": capture_rng_state(),
-        "train_loss_tracker": trainer._train_loss_tracker.state_dict(),
+        "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
         "callbacks": _callback_states(trainer.callback_handler),
     }
     final = unused_folder_name(parent, f"{STATE_PREFIX}{trainer.num_update_steps_completed:08d}")
@@ -488,7 +489,8 @@ def write_training_state(
 
 
 def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict], allow_changes: bool) -> ResumePlan:
-    """Load a verified training state into ``trainer`` (weights, optimizer, scheduler, history, callbacks).
+    """Load a verified training state into ``trainer`` (weights, optimizer, scheduler, history, callbacks); the
+    rest (position, counters, RNG states) is returned as a :class:`ResumePlan` for the run state.
 
     Args:
         run_facts: the current run's settings, compared with the saved ones; ``None`` skips the comparison.
@@ -503,7 +505,7 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         validate_training_state_supported,
     )
 
-    accelerator = trainer._accelerator
+    accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
     folder = stored.folder
     shared = load_tensors_file(folder / TRAINER_FILE)
@@ -515,7 +517,7 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
                 f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:\n  {listed}\n"
                 "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway."
             )
-    rank = trainer._accelerator.process_index
+    rank = trainer.accelerator.process_index
     if not (folder / rank_file(rank)).is_file():
         raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest.get('world_size')} processes).")
     try:
@@ -539,19 +541,19 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         )
     if has_scheduler_file:
         trainer.scheduler.load_state_dict(load_tensors_file(folder / SCHEDULER_FILE))
-    if (folder / SCALER_FILE).is_file() and trainer._accelerator.scaler is not None:
-        trainer._accelerator.scaler.load_state_dict(load_tensors_file(folder / SCALER_FILE))
+    if (folder / SCALER_FILE).is_file() and trainer.accelerator.scaler is not None:
+        trainer.accelerator.scaler.load_state_dict(load_tensors_file(folder / SCALER_FILE))
     trainer.run_history.load_state_dict(shared["run_history"])
     rank_state = load_tensors_file(folder / rank_file(rank))
     for callback in trainer.callback_handler:
         state = rank_state["callbacks"].get(type(callback).__name__)
         if state is not None and callable(getattr(callback, "load_state_dict", None)):
             callback.load_state_dict(state)
-    trainer._num_update_steps_completed = shared["num_update_steps_completed"]
     return ResumePlan(
         position=ResumePosition(**shared["position"]),
         rng_state=rank_state["rng"],
         train_loss_tracker=rank_state["train_loss_tracker"],
         checkpoint_kwargs=shared["checkpoint_kwargs"],
         folder=folder,
+        num_update_steps_completed=shared["num_update_steps_completed"],
     )

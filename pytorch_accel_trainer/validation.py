@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from numbers import Number
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -73,23 +73,16 @@ def validate_constructor_options(mixed_precision: Any, torch_compile: Any) -> No
         )
 
 
-def validate_train_arguments(
-    train_dataset: Any,
-    num_epochs: Optional[int],
-    eval_dataset: Any,
-    per_device_batch_size: int,
-    max_num_train_steps: Optional[int],
-    gradient_accumulation_steps: int,
-    gradient_clip_value: Optional[Number],
-    gradient_clip_norm: Optional[Number],
-    create_scheduler_fn: Any,
-    train_dataloader_kwargs: Any,
-    eval_dataloader_kwargs: Any,
-) -> None:
-    """Check every argument of ``Trainer.train`` before any work starts."""
+def validate_datasets(train_dataset: Any, eval_dataset: Any) -> None:
+    """Check the datasets of ``Trainer.train`` before any work starts."""
     _validate_dataset("train_dataset", train_dataset)
     if eval_dataset is not None:
         _validate_dataset("eval_dataset", eval_dataset)
+
+
+def validate_train_options(options: Any) -> None:
+    """Check every option of ``Trainer.train`` (a ``TrainOptions``) before any work starts."""
+    num_epochs, max_num_train_steps = options.num_epochs, options.max_num_train_steps
     _validate_positive_int("num_epochs", num_epochs, allow_none=True)
     _validate_positive_int("max_num_train_steps", max_num_train_steps, allow_none=True)
     if num_epochs is None and max_num_train_steps is None:
@@ -97,13 +90,13 @@ def validate_train_arguments(
             "num_epochs and max_num_train_steps are both None, so the run would never end: pass num_epochs, "
             "max_num_train_steps, or both (whichever comes first ends the run)."
         )
-    _validate_positive_int("per_device_batch_size", per_device_batch_size)
-    _validate_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
-    _validate_positive_number("gradient_clip_value", gradient_clip_value)
-    _validate_positive_number("gradient_clip_norm", gradient_clip_norm)
-    _validate_scheduler_factory(create_scheduler_fn)
-    _validate_dataloader_kwargs("train_dataloader_kwargs", train_dataloader_kwargs)
-    _validate_dataloader_kwargs("eval_dataloader_kwargs", eval_dataloader_kwargs)
+    _validate_positive_int("per_device_batch_size", options.per_device_batch_size)
+    _validate_positive_int("gradient_accumulation_steps", options.gradient_accumulation_steps)
+    _validate_positive_number("gradient_clip_value", options.gradient_clip_value)
+    _validate_positive_number("gradient_clip_norm", options.gradient_clip_norm)
+    _validate_scheduler_factory(options.create_scheduler_fn)
+    _validate_dataloader_kwargs("train_dataloader_kwargs", options.train_dataloader_kwargs)
+    _validate_dataloader_kwargs("eval_dataloader_kwargs", options.eval_dataloader_kwargs)
 
 
 def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, dataloader_kwargs: Any) -> None:

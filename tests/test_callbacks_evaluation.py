@@ -64,7 +64,7 @@ def test_an_intermediate_evaluation_fires_the_evaluation_events_between_two_step
     step_ends = [i for i, event in enumerate(recorder.events) if event == "on_train_step_end"]
     step_starts = [i for i, event in enumerate(recorder.events) if event == "on_train_step_start"]
     between = recorder.events[step_ends[14] + 1 : step_starts[15]]  # after the 15th batch, before the 16th
-    assert between == ["on_eval_epoch_start", *["on_eval_step_start", "on_eval_step_end"] * 8, "on_eval_epoch_end"]
+    assert between == ["on_optimizer_step_end", "on_eval_epoch_start", *["on_eval_step_start", "on_eval_step_end"] * 8, "on_eval_epoch_end"]
 
 
 def test_needs_an_eval_dataset_and_a_positive_interval():

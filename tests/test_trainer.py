@@ -57,7 +57,7 @@ def _documented_training_run(num_epochs, train_batches, eval_batches, accumulati
         for step in range(train_batches):
             sequence += ["on_train_step_start", "calculate_train_batch_loss", "on_train_step_end", "backward_step"]
             if (step + 1) % accumulation == 0 or step + 1 == train_batches:
-                sequence += ["optimizer_step", "scheduler_step", "optimizer_zero_grad"]
+                sequence += ["optimizer_step", "scheduler_step", "optimizer_zero_grad", "on_optimizer_step_end"]
         sequence += ["train_epoch_end", "on_train_epoch_end", "eval_epoch_start", "on_eval_epoch_start"]
         sequence += ["on_eval_step_start", "calculate_eval_batch_loss", "on_eval_step_end"] * eval_batches
         sequence += ["eval_epoch_end", "on_eval_epoch_end", "training_run_epoch_end", "on_training_run_epoch_end"]

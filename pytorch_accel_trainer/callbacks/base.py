@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from typing import TYPE_CHECKING, Iterable, Union
+
+from pytorch_accel_trainer.errors import StopTrainingError, validate_positive_int  # noqa: F401  (users import them here)
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -15,6 +17,7 @@ EVENTS = (
     "on_train_epoch_start",
     "on_train_step_start",
     "on_train_step_end",
+    "on_optimizer_step_end",
     "on_train_epoch_end",
     "on_eval_epoch_start",
     "on_eval_step_start",
@@ -26,16 +29,6 @@ EVENTS = (
     "on_evaluation_run_end",
     "on_stop_training_error",
 )
-
-
-class StopTrainingError(Exception):
-    """Raise this from a hook or callback that runs within an epoch to end the run there, cleanly.
-
-    It is caught from ``train_epoch_start`` to ``on_training_run_epoch_end`` (and within the epoch of
-    ``evaluate()``): the rest of the epoch is skipped (raised from ``on_train_step_end``, so is that step's
-    backward pass), ``on_stop_training_error`` fires, then ``training_run_end`` and ``on_training_run_end``
-    run as usual. Raised outside an epoch, it propagates to the caller of ``train()``.
-    """
 
 
 class TrainerCallback:
@@ -75,6 +68,21 @@ class TrainerCallback:
             batch_output: the dictionary ``calculate_train_batch_loss`` returned, extra keys included;
                 its ``loss`` is the unscaled loss, whatever the gradient accumulation.
             step: (keyword) the index of the batch in the epoch, from 0.
+        """
+
+    def on_optimizer_step_end(self, trainer: "Trainer", **kwargs):
+        """Called after each optimizer update, once the scheduler has stepped and the gradients are zeroed.
+
+        An update skipped for non-finite gradients (``SkipNonFiniteStepsCallback``) fires nothing; under fp16, an
+        update the gradient scaler skipped for an overflow counts, as it does in ``num_update_steps_completed``.
+        Do here what must follow every update (an EMA of the weights, a step-based log, evaluation or save); it
+        fires once per accumulation window, not per batch. A training state asked for here is written at the next
+        point between two updates: before the next batch of the epoch, or between epochs after its last update.
+
+        Args:
+            step: (keyword) the index in the epoch of the batch that closed the window, from 0.
+            num_update_steps_completed: (keyword) the optimizer updates made so far in this run, this one included
+                (``trainer.num_update_steps_completed``).
         """
 
     def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
@@ -196,9 +204,3 @@ def _validate_event_methods(callback) -> None:
             f"{type(callback).__name__} defines {unknown[0]!r}{_suggest(unknown[0])}, which is not a "
             f"callback event, so it would never be called. Rename it to one of: {list(EVENTS)}."
         )
-
-
-def validate_positive_int(name: str, value: Any, unit: str, example: int) -> None:
-    """Refuse ``value`` for the argument ``name`` unless it is a positive whole number (``True`` is not one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} is {value!r}; pass a positive whole number of {unit}, e.g. {name}={example}.")

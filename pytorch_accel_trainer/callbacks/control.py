@@ -43,12 +43,12 @@ class TerminateOnNaNCallback(TrainerCallback):
     def _check(self, trainer: "Trainer", stage: str) -> None:
         total = self._losses.total
         self._losses.reset()
-        if getattr(trainer, "non_finite_policy", None) is not None:
+        if trainer.run_state.non_finite_policy is not None:
             return  # SkipNonFiniteStepsCallback handles non-finite steps instead
         seen = torch.zeros((), device=trainer.device)
         if total is not None:
             seen = (~torch.isfinite(total)).float().to(trainer.device)
-        if trainer._accelerator.reduce(seen, "sum").item() > 0:  # host-device sync, by design
+        if trainer.accelerator.reduce(seen, "sum").item() > 0:  # host-device sync, by design
             self.triggered = True
             raise StopTrainingError(f"Stopping training due to NaN loss in {stage} step")
 
@@ -142,15 +142,15 @@ class LimitBatchesCallback(TrainerCallback):
         self._restore_dataloaders(trainer)
 
     def _limit_dataloaders(self, trainer: "Trainer") -> None:
-        self._originals = (trainer._train_dataloader, trainer._eval_dataloader)
-        trainer._train_dataloader, trainer._eval_dataloader = (
+        self._originals = (trainer.train_dataloader, trainer.eval_dataloader)
+        trainer.train_dataloader, trainer.eval_dataloader = (
             None if dataloader is None else DataLoaderSlice(dataloader, self.num_batches)
             for dataloader in self._originals
         )
 
     def _restore_dataloaders(self, trainer: "Trainer") -> None:
         if self._originals is not None:
-            trainer._train_dataloader, trainer._eval_dataloader = self._originals
+            trainer.train_dataloader, trainer.eval_dataloader = self._originals
             self._originals = None
 
 

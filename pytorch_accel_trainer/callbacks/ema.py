@@ -12,10 +12,7 @@ import torch
 
 from pytorch_accel_trainer.callbacks.base import CallbackHandler
 from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
-from pytorch_accel_trainer.callbacks.evaluation import (
-    _validate_can_evaluate_during_training,
-    is_intermediate_evaluation,
-)
+from pytorch_accel_trainer.callbacks.evaluation import is_intermediate_evaluation, validate_can_evaluate_during_training
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -28,10 +25,8 @@ class ModelEmaCallback(SaveBestModelCallback):
     """Keeps an exponential moving average of the model's weights, evaluates it, and saves the best one.
 
     After every optimizer update, each floating-point parameter and buffer of the EMA copy becomes
-    ``decay * ema + (1 - decay) * weight`` (other buffers are copied). The update is noticed at the next
-    ``on_train_step_start`` (and at the end of each epoch) by comparing ``trainer.num_update_steps_completed``
-    with the last count seen, and made with ``torch._foreach`` operations: no host-device sync and no
-    Python loop over the parameters. pytorch-accelerated updates its EMA once per epoch instead.
+    ``decay * ema + (1 - decay) * weight`` (other buffers are copied), in ``on_optimizer_step_end``, with
+    ``torch._foreach`` operations: no host-device sync and no Python loop over the parameters. pytorch-accelerated updates its EMA once per epoch instead.
 
     With ``evaluate_during_training``, each evaluation epoch of ``train()`` is followed by one over the
     same data with the EMA weights, whose metrics are recorded with the prefix ``ema_model_``
@@ -86,7 +81,6 @@ class ModelEmaCallback(SaveBestModelCallback):
         self._model_floats: list = []
         self._ema_others: list = []
         self._model_others: list = []
-        self._last_update_seen = 0
         self._in_training_run = False
         self._restored_weights: Optional[dict] = None
 
@@ -98,7 +92,7 @@ class ModelEmaCallback(SaveBestModelCallback):
         restored = self._state_was_restored
         super().on_training_run_start(trainer)
         if self.evaluate_during_training:
-            _validate_can_evaluate_during_training(trainer, type(self).__name__)
+            validate_can_evaluate_during_training(trainer, type(self).__name__)
         model = trainer.get_model()
         self.ema_model = copy.deepcopy(model).eval().requires_grad_(False)
         for parameter in self.ema_model.parameters():
@@ -109,7 +103,6 @@ class ModelEmaCallback(SaveBestModelCallback):
         if self._restored_weights is not None:
             self.ema_model.load_state_dict(self._restored_weights)  # copies in place: the pairs stay valid
             self._restored_weights = None
-        self._last_update_seen = trainer.num_update_steps_completed
         self._in_training_run = True
 
     def _pair_tensors(self, model: torch.nn.Module) -> None:
@@ -122,17 +115,8 @@ class ModelEmaCallback(SaveBestModelCallback):
             (self._ema_floats if floats else self._ema_others).append(ema_tensor)
             (self._model_floats if floats else self._model_others).append(model_tensor.detach())
 
-    def on_train_step_start(self, trainer: "Trainer", **kwargs):
-        self._update_if_stepped(trainer)
-
-    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._update_if_stepped(trainer)  # the last update of the epoch has no next step
-
-    def _update_if_stepped(self, trainer: "Trainer") -> None:
-        updates = trainer.num_update_steps_completed
-        if updates != self._last_update_seen:
-            self._last_update_seen = updates
-            self.update()
+    def on_optimizer_step_end(self, trainer: "Trainer", **kwargs):
+        self.update()
 
     @torch.no_grad()
     def update(self) -> None:
@@ -150,16 +134,7 @@ class ModelEmaCallback(SaveBestModelCallback):
         if not (self.evaluate_during_training and self._in_training_run) or is_intermediate_evaluation(trainer):
             return  # evaluate() runs, and the extra evaluations within an epoch, use the model itself
         trainer.print("\nRunning evaluation on EMA model")
-        history = trainer.run_history
-        previous_handler, previous_prefix = trainer.callback_handler, getattr(history, "metric_name_prefix", "")
-        with self._ema_weights_in(trainer):
-            trainer.callback_handler = self.callback_handler
-            history.set_metric_name_prefix(EMA_METRIC_PREFIX)
-            try:
-                trainer._run_eval_epoch(trainer._eval_dataloader)
-            finally:
-                trainer.callback_handler = previous_handler
-                history.set_metric_name_prefix(previous_prefix)
+        trainer.run_extra_eval_epoch(self.ema_model, callbacks=self.callback_handler, metric_name_prefix=EMA_METRIC_PREFIX)
 
     def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
         with self._ema_weights_in(trainer):
@@ -174,7 +149,6 @@ class ModelEmaCallback(SaveBestModelCallback):
                 )
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        self._update_if_stepped(trainer)  # a run stopped mid-epoch still counts its last update
         self._in_training_run = False
         super().on_training_run_end(trainer)  # never loads: load_saved_checkpoint is False
 

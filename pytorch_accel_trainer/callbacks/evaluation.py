@@ -17,9 +17,9 @@ INTERMEDIATE_METRIC_PREFIX = "intermediate_"
 class StepBasedEvaluationCallback(TrainerCallback):
     """Runs an extra evaluation epoch every ``eval_every_n_steps`` optimizer updates within training epochs.
 
-    The evaluation starts right after the update that completes each interval (at the next
-    ``on_train_step_start``), so it never falls inside an accumulation window; an interval that ends with
-    the epoch is left to the epoch's own evaluation. It fires the usual evaluation events, and records its
+    The evaluation runs after the update that completes each interval (noticed in ``on_optimizer_step_end``,
+    run at the next ``on_train_step_start``), so it never falls inside an accumulation window; an interval that
+    ends with the epoch is left to the epoch's own evaluation. It fires the usual evaluation events, and records its
     metrics with the prefix ``intermediate_`` (``intermediate_eval_loss_epoch``, and those of metric
     callbacks), so the epoch metrics (``eval_loss_epoch``, ...) are never overwritten. The training loss of
     the epoch is tracked apart and is not affected. The model's training mode is restored afterwards,
@@ -36,37 +36,31 @@ class StepBasedEvaluationCallback(TrainerCallback):
         validate_positive_int("eval_every_n_steps", eval_every_n_steps, "optimizer updates", 500)
         self.eval_every_n_steps = eval_every_n_steps
         self.is_evaluating = False
-        self._last_update_seen = 0
+        self._due_after: Optional[int] = None  # the update count an evaluation is due after, until the next step
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
-        _validate_can_evaluate_during_training(trainer, type(self).__name__)
-        self._last_update_seen = trainer.num_update_steps_completed
+        validate_can_evaluate_during_training(trainer, type(self).__name__)
+        self._due_after = None
+
+    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: int, **kwargs):
+        if num_update_steps_completed % self.eval_every_n_steps == 0:
+            self._due_after = num_update_steps_completed  # run at the next step: the epoch's last update has none
 
     def on_train_step_start(self, trainer: "Trainer", **kwargs):
-        updates = trainer.num_update_steps_completed
-        if updates == self._last_update_seen:
-            return  # no optimizer update since the last batch: cheap, and the common case
-        self._last_update_seen = updates
-        if updates % self.eval_every_n_steps == 0:
+        if self._due_after is not None:
+            updates, self._due_after = self._due_after, None
             self._evaluate(trainer, updates)
 
     def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._last_update_seen = trainer.num_update_steps_completed  # the epoch's own evaluation comes next
+        self._due_after = None  # the epoch's own evaluation comes next
 
     def _evaluate(self, trainer: "Trainer", updates: int) -> None:
         trainer.print(f"\nRunning evaluation after {updates} optimizer steps")
-        modes = [(module, module.training) for module in trainer.model.modules()]
-        history = trainer.run_history
-        previous_prefix = getattr(history, "metric_name_prefix", "")
-        history.set_metric_name_prefix(INTERMEDIATE_METRIC_PREFIX)
         self.is_evaluating = True
         try:
-            trainer._run_eval_epoch(trainer._eval_dataloader)
+            trainer.run_extra_eval_epoch(metric_name_prefix=INTERMEDIATE_METRIC_PREFIX)
         finally:
             self.is_evaluating = False
-            history.set_metric_name_prefix(previous_prefix)
-            for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
-                module.training = training
 
 
 def is_intermediate_evaluation(trainer: "Trainer") -> bool:
@@ -108,21 +102,21 @@ class LimitEvalStepsCallback(TrainerCallback):
         self._restore(trainer)
 
     def _limit(self, trainer: "Trainer", is_active) -> None:
-        if trainer._eval_dataloader is None:
+        if trainer.eval_dataloader is None:
             return
         steps_per_process = max(1, self.num_eval_steps // trainer.run_config.num_processes)
-        self._original_eval_dataloader = trainer._eval_dataloader
-        trainer._eval_dataloader = DataLoaderSlice(trainer._eval_dataloader, steps_per_process, is_active)
+        self._original_eval_dataloader = trainer.eval_dataloader
+        trainer.eval_dataloader = DataLoaderSlice(trainer.eval_dataloader, steps_per_process, is_active)
 
     def _restore(self, trainer: "Trainer") -> None:
         if self._original_eval_dataloader is not None:
-            trainer._eval_dataloader = self._original_eval_dataloader
+            trainer.eval_dataloader = self._original_eval_dataloader
             self._original_eval_dataloader = None
 
 
-def _validate_can_evaluate_during_training(trainer: "Trainer", callback_name: str) -> None:
+def validate_can_evaluate_during_training(trainer: "Trainer", callback_name: str) -> None:
     """Refuse, before the first step, a run in which an extra evaluation could not run or be recorded apart."""
-    if trainer._eval_dataloader is None:
+    if trainer.eval_dataloader is None:
         raise ValueError(
             f"{callback_name} evaluates during training, but train() was given no eval_dataset; pass one, or "
             f"remove {callback_name}."

@@ -38,7 +38,7 @@ class PeakMemoryCallback(TrainerCallback):
             name, mebibytes = HOST_MEMORY_METRIC, get_peak_host_memory_mib()
         peak = torch.tensor(mebibytes, dtype=torch.float32, device=trainer.device)
         if trainer.run_config.num_processes > 1:
-            peak = trainer._accelerator.reduce(peak, "max")
+            peak = trainer.accelerator.reduce(peak, "max")
         trainer.run_history.update_metric(name, peak.item())  # once per epoch, by design
 
 

@@ -85,7 +85,7 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
         self.pbar = self._create_bar(
-            trainer, trainer._train_dataloader, f"epoch {trainer.run_history.current_epoch} train",
+            trainer, trainer.train_dataloader, f"epoch {trainer.run_history.current_epoch} train",
             initial=trainer.epoch_first_step,  # a resumed epoch continues where it stopped
         )  # fmt: skip
         self._loss.reset()
@@ -131,7 +131,7 @@ class ProgressBarCallback(TrainerCallback):
         self._close_train_bar()
 
     def on_eval_epoch_start(self, trainer: "Trainer", **kwargs):
-        self.eval_pbar = self._create_bar(trainer, trainer._eval_dataloader, "eval")
+        self.eval_pbar = self._create_bar(trainer, trainer.eval_dataloader, "eval")
 
     def on_eval_step_end(self, trainer: "Trainer", **kwargs):
         self.eval_pbar.update(1)

@@ -167,7 +167,6 @@ class ExperimentTrackingCallback(TrainerCallback):
         self._host_copy: Optional[HostCopy] = None
         self._samples = 0
         self._interval_start = 0.0
-        self._last_update_seen = 0
         self._logged_counts: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------------
@@ -213,13 +212,9 @@ class ExperimentTrackingCallback(TrainerCallback):
         trainer.track_gradient_norm = True  # the trainer keeps the norm of each update's gradients, on the device
         self._host_copy = HostCopy(3, trainer.device) if self._is_writer else None  # loss sum, count, grad norm
         self._loss.reset()
-        self._last_update_seen = trainer.num_update_steps_completed
 
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
         self._samples, self._interval_start = 0, time.perf_counter()  # evaluation time is not training time
-
-    def on_train_step_start(self, trainer: "Trainer", **kwargs):
-        self._log_step_if_due(trainer)
 
     def on_train_step_end(self, trainer: "Trainer", batch_output: dict, **kwargs):
         self._loss.add(batch_output["loss"])
@@ -227,8 +222,9 @@ class ExperimentTrackingCallback(TrainerCallback):
         if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
             self._samples += batch_size
 
-    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._log_step_if_due(trainer)  # the epoch's last update has no next step
+    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: int, **kwargs):
+        if num_update_steps_completed % self.log_every_n_steps == 0 and self._loss.count:
+            self._start_step_log(trainer, num_update_steps_completed)
 
     def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
         self._log_new_metrics(trainer)
@@ -251,21 +247,13 @@ class ExperimentTrackingCallback(TrainerCallback):
     # What is logged
     # ------------------------------------------------------------------------------------------------
 
-    def _log_step_if_due(self, trainer: "Trainer") -> None:
-        updates = trainer.num_update_steps_completed
-        if updates == self._last_update_seen:
-            return  # no optimizer update since the last batch: the common case
-        self._last_update_seen = updates
-        if updates % self.log_every_n_steps == 0 and self._loss.count:
-            self._start_step_log(trainer, updates)
-
     def _start_step_log(self, trainer: "Trainer", step: int) -> None:
         self._log_arrived_step_values()  # the previous copy, before its buffer is reused
         norm = trainer.last_gradient_norm  # computed by clipping by norm; the same on every process
         norm = self._loss.total.new_tensor(float("nan")) if norm is None else norm.detach().float().reshape(())
         totals = torch.stack([self._loss.total, self._loss.total.new_tensor(float(self._loss.count)), norm.to(self._loss.total.device)])
         if trainer.run_config.num_processes > 1:
-            totals = trainer._accelerator.reduce(totals, "sum")  # a collective, not a host sync
+            totals = trainer.accelerator.reduce(totals, "sum")  # a collective, not a host sync
         if self._is_writer:
             values = {f"lr_group_{index}": group["lr"] for index, group in enumerate(trainer.optimizer.param_groups)}
             values = {name: value for name, value in values.items() if isinstance(value, numbers.Real)}

@@ -85,9 +85,9 @@ class SaveTrainingStateCallback(TrainerCallback):
         if self.save_on_signals:
             trainer.enable_preemption(self.save_dir, self.save_on_signals)
 
-    def on_train_step_start(self, trainer: "Trainer", **kwargs):
-        # the first step after an update: the save is taken right after this event, before the step runs
-        kinds = self._step_kinds(trainer.num_update_steps_completed)
+    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: int, **kwargs):
+        # taken at the next point between updates: before the next batch, or between epochs after the last one
+        kinds = self._step_kinds(num_update_steps_completed)
         if kinds:
             self._save(trainer, kinds)
 

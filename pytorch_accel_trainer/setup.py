@@ -1,0 +1,127 @@
+"""What ``train()`` and ``evaluate()`` do before the first batch: the factory hooks and Accelerate's preparation.
+
+A mixin of :class:`~pytorch_accel_trainer.trainer.Trainer`, kept apart so that ``trainer.py`` holds the run's
+skeleton. The ``create_*`` and ``get_default_*`` methods are documented hooks: override them on a Trainer
+subclass as any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DataLoaderConfiguration
+
+from pytorch_accel_trainer import persistence
+from pytorch_accel_trainer.batches import batches_need_placing
+from pytorch_accel_trainer.callbacks import CallbackHandler, with_limit_batches_from_env
+from pytorch_accel_trainer.distributed import create_accelerator, release_prepared, wrappers_only_call_torch
+from pytorch_accel_trainer.placeholders import placeholder_values, replace_trainer_placeholder_values
+from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions, build_run_config
+from pytorch_accel_trainer.sharded import prepare_components
+
+
+class SetupMixin:
+    """The setup of a :class:`~pytorch_accel_trainer.trainer.Trainer` run: dataloaders, Accelerator, scheduler."""
+
+    def _create_callback_handler(self) -> CallbackHandler:
+        """Return the :class:`CallbackHandler` that calls the trainer's callbacks (with a
+        ``LimitBatchesCallback`` first while the environment variable ``PT_ACC_LIMIT_BATCHES`` is set)."""
+        return CallbackHandler(with_limit_batches_from_env(self._callbacks))
+
+    def _create_accelerator(self) -> Accelerator:
+        """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
+
+        Launched on several processes on a machine without GPUs (``accelerate launch --multi_gpu`` or
+        ``torchrun``), it runs one multi-process job on the CPU (gloo), where Accelerate alone would run
+        independent copies of the training.
+
+        The default shuffles with Accelerate's seedable sampler: the order of epoch ``e`` depends only on
+        ``seed + e`` (``seed`` 0 when ``Trainer(seed=None)``), identical on every process, so a resumed run
+        can skip to any batch by sampler offset.
+        """
+        data_seed = self.seed if self.seed is not None else 0
+        return create_accelerator(
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed),
+            mixed_precision=self.mixed_precision,
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # Setup hooks
+    # ------------------------------------------------------------------------------------------------
+
+    def get_default_train_dl_kwargs(self, batch_size: int) -> dict:
+        """Return the default training DataLoader arguments.
+
+        ``num_workers`` is 0: on small in-memory data, worker processes make each step several times
+        slower. Pass ``train_dataloader_kwargs={"num_workers": 4}`` for data that is costly to load;
+        workers then persist across epochs and seed numpy per worker.
+        """
+        return {
+            "shuffle": True,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": 0,
+        }
+
+    def get_default_eval_dl_kwargs(self, batch_size: int) -> dict:
+        """Return the default evaluation DataLoader arguments: as for training, without shuffling."""
+        return {
+            "shuffle": False,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": 0,
+        }
+
+    def create_scheduler(self) -> Any:
+        """Return the learning-rate scheduler built by ``self.create_scheduler_fn(self.optimizer)``.
+
+        Runs once in ``train()``, after the dataloaders are prepared, so that
+        :class:`TrainerPlaceholderValues` in a ``functools.partial`` factory resolve to this run's values.
+        The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`.
+        """
+        values = placeholder_values(self.run_config, self.train_dataloader, self.eval_dataloader)
+        return replace_trainer_placeholder_values(self.create_scheduler_fn, values)(self.optimizer)
+
+    # ------------------------------------------------------------------------------------------------
+    # Internal setup
+    # ------------------------------------------------------------------------------------------------
+
+    def _prepare_model_optimizer_and_dataloaders(self) -> None:
+        """Wrap the model, optimizer and dataloaders for the current devices and processes, via Accelerate.
+
+        Preparing shards each DataLoader across processes, which changes its length: the run config and
+        the scheduler are built after this.
+        """
+        release_prepared(self.accelerator)  # nothing of an earlier run is kept or prepared twice
+        self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
+        if isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer = self.optimizer.optimizer
+        components = [self.model, self.optimizer, self.train_dataloader, self.eval_dataloader]
+        placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
+        components = prepare_components(self.accelerator, components, device_placement=placement)  # FSDP2-aware
+        self.model, self.optimizer, self.train_dataloader, self.eval_dataloader = components
+        # where Accelerate's optimizer wrapper and backward() would only call torch, call torch (100 us a step)
+        self.calls_torch_directly = not self.always_use_accelerate_wrappers and wrappers_only_call_torch(self.accelerator)
+        if self.calls_torch_directly and isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer = self.optimizer.optimizer
+        if self.torch_compile is not False:  # True or a dict, even {}; compiled after the DDP wrapper, as torch advises
+            options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
+            self.model = torch.compile(self.model, **options)
+
+    def _create_run_config(self, options: TrainOptions) -> TrainerRunConfig:
+        """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders."""
+        dataloaders, kwargs = (self.train_dataloader, self.eval_dataloader), (self._train_dl_kwargs, self._eval_dl_kwargs)
+        return build_run_config(options, self._accelerator, dataloaders, kwargs, self.train_dataset, self.seed)
+
+    def _load_resume_plan(self, stored_state) -> None:
+        """Load the training state to resume from, if any, and start the run state at its position."""
+        state = self.run_state
+        options = state.options
+        state.resume = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
+        if state.resume is not None:
+            state.num_update_steps_completed = state.resume.num_update_steps_completed
+            state.epoch = state.resume.position.loop_epoch
