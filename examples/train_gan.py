@@ -6,7 +6,7 @@ The pattern, for any run with more than one model or optimizer:
   (``backward_step``, ``optimizer_step``, ``optimizer_zero_grad``, clipping, ``get_model()``,
   ``save_checkpoint``) then applies to the generator, unchanged.
 - The discriminator and its optimizer are extra attributes. ``training_run_start`` prepares them with the
-  trainer's Accelerator (``self._accelerator.prepare``): the trainer has prepared its own model, optimizer and
+  trainer's Accelerator (``self.accelerator.prepare``): the trainer has prepared its own model, optimizer and
   dataloaders just before this hook, so both models end up on the same device, wrapped for the same processes.
   ``training_run_end`` unwraps them again, as the trainer does with its own model.
 - ``calculate_train_batch_loss`` first makes one discriminator update on the batch (``discriminator_step``),
@@ -111,7 +111,7 @@ class GANTrainer(Trainer):
     def training_run_start(self) -> None:
         # the trainer prepared the generator and its optimizer just before this hook; the same Accelerator puts the
         # discriminator on the same device (and in DistributedDataParallel when there are several processes)
-        self.discriminator, self.discriminator_optimizer = self._accelerator.prepare(
+        self.discriminator, self.discriminator_optimizer = self.accelerator.prepare(
             self.discriminator, self.discriminator_optimizer
         )
         self.monitor_noise = self.monitor_noise.to(self.device)
@@ -140,14 +140,14 @@ class GANTrainer(Trainer):
         targets = torch.cat([torch.ones(real.size(0), 1), torch.zeros(fake.size(0), 1)]).to(self.device)
         self.discriminator_optimizer.zero_grad()
         loss = self.loss_func(self.discriminator(points), targets)
-        self._accelerator.backward(loss)
+        self.accelerator.backward(loss)
         self.discriminator_optimizer.step()
         self._discriminator_losses.update(loss, real.size(0))  # kept on the device: no sync per step
 
     def train_epoch_end(self) -> None:
         # the mean over every process's batches: one all-reduce and one host read per epoch
         average = self._discriminator_losses.reduce_average(
-            lambda sums: self._accelerator.reduce(sums, "sum"), self.device
+            lambda sums: self.accelerator.reduce(sums, "sum"), self.device
         )
         self.run_history.update_metric("discriminator_loss_epoch", average)
         with torch.no_grad():
@@ -157,7 +157,7 @@ class GANTrainer(Trainer):
 
     def training_run_end(self) -> None:
         super().training_run_end()  # unwraps the generator
-        self.discriminator = self._accelerator.unwrap_model(self.discriminator)
+        self.discriminator = self.accelerator.unwrap_model(self.discriminator)
         self.discriminator_optimizer = self.discriminator_optimizer.optimizer  # out of Accelerate's wrapper
 
 

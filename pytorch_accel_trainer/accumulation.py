@@ -26,11 +26,6 @@ def is_window_start(step: int, accumulation: int) -> bool:
     return step % accumulation == 0
 
 
-def is_update_step(step: int, is_last_batch: bool, accumulation: int) -> bool:
-    """Whether micro-batch ``step`` closes an accumulation window (or the epoch)."""
-    return is_last_batch or (step + 1) % accumulation == 0
-
-
 def micro_batches_in_window(step: int, accumulation: int, epoch_length: Optional[int]) -> int:
     """The number of micro-batches in the accumulation window of ``step``, where it is known."""
     if epoch_length is None:

@@ -71,9 +71,10 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
     """Trains and evaluates a model through a fixed skeleton of overridable hooks and callback events.
 
     The skeleton is the pseudocode of ``docs/inside_the_trainer.md``; each hook runs, then its ``on_*``
-    event. The factory hooks (``create_*``) are in ``setup.py``, saving and loading in ``persistence.py``,
-    and the utilities hooks and callbacks use (``gather``, ``get_model``, ...) in ``accessors.py``. Accelerate places the model, optimizer and data on the right devices and processes, so the
-    same script runs with ``python train.py`` or ``accelerate launch train.py``.
+    event. Accelerate places the model, optimizer and data on the right devices and processes, so the
+    same script runs with ``python train.py`` or ``accelerate launch train.py``. The other factory hooks are
+    in ``setup.py``, saving and loading in ``persistence.py``, and the utilities that hooks and callbacks use
+    (``gather``, ``get_model``, ``run_extra_eval_epoch``, ...) in ``accessors.py``.
 
     Args:
         model: the ``torch.nn.Module`` to train.
@@ -344,9 +345,11 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         """
         validate_datasets(train_dataset, eval_dataset)
         options = TrainOptions(
-            num_epochs, per_device_batch_size, max_num_train_steps, gradient_accumulation_steps, gradient_clip_value,
-            create_scheduler_fn, train_dataloader_kwargs, eval_dataloader_kwargs, reset_run_history, collate_fn,
-            gradient_clip_norm, resume_from, allow_resume_changes,
+            num_epochs=num_epochs, per_device_batch_size=per_device_batch_size, max_num_train_steps=max_num_train_steps,
+            gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_value=gradient_clip_value,
+            gradient_clip_norm=gradient_clip_norm, create_scheduler_fn=create_scheduler_fn, collate_fn=collate_fn,
+            train_dataloader_kwargs=train_dataloader_kwargs, eval_dataloader_kwargs=eval_dataloader_kwargs,
+            reset_run_history=reset_run_history, resume_from=resume_from, allow_resume_changes=allow_resume_changes,
         )  # fmt: skip
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
@@ -535,11 +538,11 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
 
     def _is_window_start(self, step: int) -> bool:
         """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
-        return accumulation.is_window_start(step, self.run_config.gradient_accumulation_steps)
+        return step % self.run_config.gradient_accumulation_steps == 0
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
-        return accumulation.is_update_step(step, is_last_batch, self.run_config.gradient_accumulation_steps)
+        return is_last_batch or (step + 1) % self.run_config.gradient_accumulation_steps == 0
 
     def _retry_or_skip_non_finite_update(self, batch, step: int) -> bool:
         """Under a non-finite policy (``skip_non_finite_steps``), re-run the step while its gradients are not finite

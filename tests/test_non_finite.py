@@ -91,3 +91,11 @@ def test_bad_policy_arguments_are_refused_with_the_fix():
         SkipNonFiniteStepsCallback(max_consecutive_skips=0)
     with pytest.raises(ValueError, match=r"max_retries=-1 is not valid"):
         SkipNonFiniteStepsCallback(max_retries=-1)
+
+
+def test_a_retried_step_fires_its_step_events_once():
+    recorder = RecordingCallback()
+    trainer = _train({3}, [SkipNonFiniteStepsCallback(max_retries=1), recorder])
+    assert trainer.calls == 16  # batch 3 ran twice
+    assert recorder.events.count("on_train_step_end") == recorder.events.count("on_train_step_start") == 16
+    assert recorder.events.count("on_optimizer_step_end") == 16

@@ -131,3 +131,14 @@ def test_readme_quickstart_is_the_tested_example():
     example = (ROOT / "examples" / "quickstart.py").read_text().split('"""', 2)[2].strip()
     readme_code = (ROOT / "README.md").read_text().split("```python")[1].split("```")[0].strip()
     assert readme_code == example  # tests/test_examples.py runs the example
+
+
+def test_the_pseudocode_page_names_only_functions_that_exist():
+    """docs/inside_the_trainer.md names the method or function behind each block: each must exist in the code."""
+    page = (ROOT / "docs" / "inside_the_trainer.md").read_text()
+    source = "\n".join(path.read_text() for path in PACKAGE.rglob("*.py"))
+    defined = set(re.findall(r"def (\w+)\(", source)) | set(re.findall(r"class (\w+)\b", source))
+    named = set(re.findall(r"`(_?[a-z][a-z0-9_]*)\(", page)) | set(re.findall(r"# (_[a-z_]+)\(", page))
+    named |= set(re.findall(r"^\s*# (\w+)\(", page, flags=re.MULTILINE))
+    missing = sorted(name for name in named if name not in defined and name not in dir(__builtins__))
+    assert not missing, f"docs/inside_the_trainer.md names what the code does not define: {missing}"

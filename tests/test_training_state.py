@@ -13,7 +13,7 @@ from torch import nn
 
 from conftest import assert_bitwise_equal, regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
-from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
 from pytorch_accel_trainer.training_state import (
     MANIFEST_NAME,
     CheckpointError,
@@ -249,6 +249,20 @@ def test_a_save_asked_inside_an_accumulation_window_is_taken_when_it_closes(tmp_
     (state,) = list_complete_states(tmp_path / "manual")
     assert state.manifest["num_update_steps_completed"] == 2
     assert state.manifest["position"] == {"loop_epoch": 0, "batches_seen": 6, "rng_restore_point": "after_iterator"}
+
+
+def test_a_step_save_due_at_an_update_that_stops_the_run_is_written_once(tmp_path):
+    class StopAfter(TrainerCallback):
+        def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+            if num_update_steps_completed == 15:  # inside the second epoch (11 updates per epoch)
+                raise StopTrainingError("stopped by a callback")
+
+    stopped = _run(tmp_path, crash=StopAfter(), save_every_n_steps=5, save_every_n_epochs=None, save_at_end=True)
+    assert stopped.num_update_steps_completed == 15
+    names = sorted(state.folder.name for state in list_complete_states(tmp_path))
+    assert names == ["checkpoint-00000005", "checkpoint-00000010", "checkpoint-00000015"]  # none lost, none twice
+    position = list_complete_states(tmp_path)[-1].manifest["position"]
+    assert position == {"loop_epoch": 1, "batches_seen": 0, "rng_restore_point": "before_iterator"}
 
 
 def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_path):
