@@ -113,7 +113,7 @@ def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
         state.non_finite_policy.loss_snapshot = {
             key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker.items()
         }
-    saved_to = take_requested_saves(trainer, step)
+    saved_to = take_requested_saves(trainer, step) if state.save_requests else ()  # nothing to write: the common case
     _exit_if_preempted(trainer, step, saved_to)
 
 
@@ -145,7 +145,7 @@ def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kind
     return folder
 
 
-def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: set) -> None:
+def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterable) -> None:
     signal_number = _agreed_preemption_signal(trainer)
     if not signal_number:
         return

@@ -431,7 +431,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
                 persistence.reach_safe_point(self)  # between epochs: saves asked for during the epoch are taken here
                 if state.reached_max_steps():
                     break  # the step limit came before the epoch limit
-            persistence.take_requested_saves(self)  # asked for after the last update of a run stopped mid-epoch
+            if state.save_requests:  # asked for after the last update of a run stopped mid-epoch
+                persistence.take_requested_saves(self)
         finally:
             state.in_training_run = False  # from here on, saves are taken at once
             persistence.disable_preemption(state)
