@@ -45,15 +45,15 @@ def scale_loss_for_accumulation(batch_output: dict, step: int, accumulation: int
     return loss if micro_batches == 1 else loss / micro_batches
 
 
-def complete_partial_window(step: int, accumulation: int, state: RunState, parameters: Iterable) -> None:
+def complete_partial_window(step: int, accumulation: int, state: RunState, model: torch.nn.Module) -> None:
     """Rescale the gradients of a partial last window of an epoch of unknown length (once per epoch)."""
     micro_batches = step % accumulation + 1
     if state.train_epoch_length is not None or micro_batches == accumulation:
         return
-    torch._foreach_mul_(_gradients(parameters), accumulation / micro_batches)
+    torch._foreach_mul_(_gradients(model.parameters()), accumulation / micro_batches)
 
 
-def normalise_by_items_in_window(state: RunState, accelerator: Accelerator, parameters: Iterable) -> None:
+def normalise_by_items_in_window(state: RunState, accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Divide the gradients of a window of item-weighted losses by its items, summed over every process.
 
     One small all-reduce per update in a multi-process run, kept on the device: no synchronisation. DDP has
@@ -66,7 +66,7 @@ def normalise_by_items_in_window(state: RunState, accelerator: Accelerator, para
     items = torch.as_tensor(items, device=accelerator.device, dtype=torch.float32)
     if accelerator.num_processes > 1:
         items = accelerator.reduce(items, "sum") / accelerator.num_processes
-    torch._foreach_div_(_gradients(parameters), items)
+    torch._foreach_div_(_gradients(model.parameters()), items)
 
 
 def clip_gradients(

@@ -1,9 +1,18 @@
-"""Export checkpoints: one portable file that loads with ``torch.load(weights_only=True)``."""
+"""Export checkpoints: one portable file that loads with ``torch.load(weights_only=True)``.
+
+Also the rules for the temporaries that every atomic write leaves behind when its process is killed: they are
+named after the host and process that write them, and removed by the next save into the same folder once that
+process is gone (a live process's temporary is never touched).
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import re
+import shutil
+import socket
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -56,20 +65,109 @@ def validate_plain(value: Any, where: str) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------------
+# Temporaries of killed writes
+# ------------------------------------------------------------------------------------------------
+
+#: ``.<name>.tmp-<host>-<pid>``; ``.<name>.tmp-<pid>`` as written before the host was part of the name
+_MAX_PID = 1 << 22  # Linux's highest pid_max; a larger number is no process id (and would overflow os.kill)
+_TEMPORARY_FILE = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)")
+
+
+def writer_tag() -> str:
+    """``<host>-<pid>`` of this process: who writes a temporary (a pid alone means nothing on a shared disk)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def is_abandoned(host: Optional[str], pid: int) -> bool:
+    """Whether the process ``pid`` of ``host`` (``None``: this host) is gone, so that its temporaries are garbage.
+
+    A process of another host cannot be checked from here: its temporaries are kept.
+    """
+    if (host is not None and host != socket.gethostname()) or not 0 < pid <= _MAX_PID:
+        return False  # pid 0 would ask about our own process group
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, under another user
+    return False
+
+
+def temporary_file(path: Path) -> Path:
+    """Where :func:`save_checkpoint_file` writes ``path`` before renaming it into place."""
+    return path.with_name(f".{path.name}.tmp-{writer_tag()}")
+
+
+def remove_abandoned_temporary_files(folder: Path) -> list[Path]:
+    """Delete the export temporaries in ``folder`` left by processes of this host that are gone; return them.
+
+    Only regular files named as :func:`temporary_file` names them are considered; links and folders are left.
+    """
+    removed = []
+    for path in folder.iterdir():
+        match = _TEMPORARY_FILE.fullmatch(path.name)
+        if match is None or int(match["pid"]) == os.getpid() or not path.is_file() or path.is_symlink():
+            continue  # not a temporary, or this process's own (overwritten by this save)
+        if is_abandoned(match["host"], int(match["pid"])):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue  # another save removed it first
+            removed.append(path)
+    return removed
+
+
+def _is_out_of_space(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of disk space. torch's writer may report it without an errno ("enforce fail
+    at inline_container.cc ... unexpected pos"), so an almost full disk counts as the cause too."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    if "No space left" in str(error) or "ENOSPC" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing and reading an export checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
 def save_checkpoint_file(checkpoint: dict, save_path: Union[str, os.PathLike]) -> None:
-    """Write ``checkpoint`` to ``save_path`` atomically: a crash leaves the old file or the new one, never half."""
+    """Write ``checkpoint`` to ``save_path`` atomically: a crash leaves the old file or the new one, never half.
+
+    Temporaries that killed saves left in the folder are removed first (see :func:`remove_abandoned_temporary_files`).
+
+    Raises:
+        OSError: with ``errno.ENOSPC``, naming ``save_path``, when the disk is full (the temporary is removed).
+    """
     path = Path(save_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_abandoned_temporary_files(path.parent)
+    temporary = temporary_file(path)
     try:
         with open(temporary, "wb") as handle:
             torch.save(checkpoint, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:
+        if not _is_out_of_space(error, path.parent):
+            raise
+        temporary.unlink(missing_ok=True)  # before measuring: the partial file is not the user's to free
+        free = shutil.disk_usage(path.parent).free
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {path}: the checkpoint was not written ({free} bytes free after removing the partial "
+            f"file; {type(error).__name__}: {error}). Free some space or save to another disk; any earlier file at "
+            "this path is unchanged",
+        ) from error
     finally:
-        if temporary.exists():
-            temporary.unlink()
+        temporary.unlink(missing_ok=True)
 
 
 def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
@@ -84,6 +182,10 @@ def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
             f"{str(path)!r} holds objects that only pickle can rebuild, and checkpoints are loaded with "
             f"weights_only=True so that loading one never runs code ({error}). Re-save it with state_dicts and "
             "plain values only."
+        ) from error
+    except (RuntimeError, EOFError) as error:  # not a torch file at all: truncated, or something else entirely
+        raise ValueError(
+            f"{str(path)!r} is not a readable checkpoint ({error}): pass a file written by Trainer.save_checkpoint."
         ) from error
     if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
         raise ValueError(

@@ -3,7 +3,10 @@ what the trainer asks of Accelerate's engine between runs."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import platform
+import time
 from typing import Optional
 
 import torch
@@ -63,6 +66,8 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             "cannot change it once set. Use one mixed precision per process, or set it for the whole run with "
             "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
         ) from error
+    if accelerator.num_processes > 1:
+        wait_for_gloo_workers_at_exit()
     if accelerator.num_processes == 1 and launched_world_size() > 1:
         how = " before the trainer was created" if already_set_up else ""
         raise RuntimeError(
@@ -82,6 +87,74 @@ def _validate_mixed_precision_device(accelerator: Accelerator, mixed_precision: 
         f"mixed_precision='fp16'{source} needs a GPU (or another accelerator), but this process runs on the CPU, where "
         "Accelerate would silently train in float32. Use mixed_precision='bf16' on the CPU, or 'no'."
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Exit: a finished multi-process job exits 0
+# ------------------------------------------------------------------------------------------------
+
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
+_FUTEX_SYSCALLS = {"x86_64": "202", "aarch64": "98"}  # where /proc's wchan says nothing
+_IDLE_OBSERVATIONS = 5  # consecutive, each after a pause that releases the GIL
+_EXIT_WAIT_S = 5.0
+_exit_wait_registered = False
+
+
+def wait_for_gloo_workers_at_exit() -> None:
+    """Make this process wait, at exit, until its gloo worker threads are idle; called once a multi-process run starts.
+
+    Why: a gloo worker thread finishes a collective, wakes the main thread, and only then destroys its work object.
+    If that drops the last reference to a tensor Python has seen, the worker needs the GIL; when the main thread is
+    by then finalising the interpreter (a collective 1-2 ms before the end of the script: the trainer's last
+    agreement or loss reduction, DDP's last all-reduce), Python ends the worker inside a ``noexcept`` destructor and
+    the process aborts with "terminate called without an active exception" (SIGABRT) after a successful run: an
+    upstream race. ``destroy_process_group()`` does not prevent it (DDP and Accelerate keep the group alive). The
+    wait runs in an ``atexit`` handler, before finalisation, while the workers can still take the GIL.
+    """
+    global _exit_wait_registered
+    if not _exit_wait_registered:
+        atexit.register(_wait_until_gloo_workers_are_idle)
+        _exit_wait_registered = True
+
+
+def _gloo_worker_states() -> Optional[list[bool]]:
+    """Whether each gloo worker thread of this process is idle (asleep on a futex: its work queue's condition
+    variable); ``None`` where the threads cannot be observed (no ``/proc``)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    states = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as comm:
+                if comm.read().strip() != _GLOO_WORKER_THREAD:
+                    continue
+            with open(f"{tasks}/{tid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+            with open(f"{tasks}/{tid}/wchan") as wchan:
+                waiting_in = wchan.read()
+            if state == "S" and waiting_in in ("", "0"):  # a kernel that hides wchan: ask which system call
+                with open(f"{tasks}/{tid}/syscall") as syscall:
+                    waiting_in = "futex" if syscall.read().split()[0] == _FUTEX_SYSCALLS.get(platform.machine()) else ""
+        except (OSError, IndexError):
+            continue  # the thread ended while being read
+        states.append(state == "S" and "futex" in waiting_in)
+    return states
+
+
+def _wait_until_gloo_workers_are_idle(timeout_s: float = _EXIT_WAIT_S) -> None:
+    """The ``atexit`` handler of :func:`wait_for_gloo_workers_at_exit`: return once every gloo worker has been seen
+    idle ``_IDLE_OBSERVATIONS`` times in a row (about a millisecond when they are: the usual case), or after
+    ``timeout_s``. Each pause releases the GIL, so a worker waiting for it to free a tensor can finish."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return  # no group, or the script destroyed it: nothing of the run is left in flight
+    deadline, idle_in_a_row = time.monotonic() + timeout_s, 0
+    while idle_in_a_row < _IDLE_OBSERVATIONS and time.monotonic() < deadline:
+        time.sleep(0.0002)
+        states = _gloo_worker_states()
+        if states is None:
+            return  # cannot observe the threads here
+        idle_in_a_row = idle_in_a_row + 1 if all(states) else 0
 
 
 class ProcessAgreement:

@@ -236,7 +236,16 @@ class PersistenceMixin:
 
         Returns:
             The new state's folder, or ``None`` when it will be taken at the next point between updates.
+
+        Raises:
+            RuntimeError: no ``train()`` has started yet, so there is no run to continue.
         """
+        if self.run_state.options is None:
+            raise RuntimeError(
+                "save_training_state() saves a training run to continue it (its position, optimizer, RNG states), but "
+                "this trainer has not run train() yet. Call it during or after train(); to save the weights alone, "
+                "use save_checkpoint(path) or save_weights(path)."
+            )
         parent = Path(output_dir)
         if not self.run_state.in_training_run:
             return write_state(self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints)

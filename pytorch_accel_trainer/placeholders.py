@@ -8,6 +8,7 @@ the trainer resolves it (with plain arithmetic, never ``eval``) right before cal
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import operator
@@ -59,7 +60,29 @@ class _PlaceholderArithmetic:
         return self._combine("//", other, reverse=True)
 
 
-class TrainerPlaceholderValues(_PlaceholderArithmetic, enum.Enum):
+class _PlaceholderValuesType(enum.EnumMeta):
+    """The enum's class: a misspelt member is an ``AttributeError`` that lists the members and suggests one."""
+
+    def __getattr__(cls, name: str) -> Any:
+        parent = getattr(super(), "__getattr__", None)  # EnumMeta has one before Python 3.12
+        if parent is not None:
+            try:
+                return parent(name)
+            except AttributeError:
+                pass
+        if name.startswith("_"):  # internals, probed by enum, copy and pickle: the plain error
+            raise AttributeError(f"type object {cls.__name__!r} has no attribute {name!r}", name=name, obj=cls)
+        members = list(cls.__dict__.get("_member_names_", ()))
+        matches = difflib.get_close_matches(name.upper(), members, n=1)  # num_epochs -> NUM_EPOCHS too
+        suggestion = f" (did you mean {cls.__name__}.{matches[0]}?)" if matches else ""
+        raise AttributeError(
+            f"{cls.__name__} has no placeholder {name!r}{suggestion}. The placeholders are: {', '.join(members)}.",
+            name=name,
+            obj=cls,
+        )
+
+
+class TrainerPlaceholderValues(_PlaceholderArithmetic, enum.Enum, metaclass=_PlaceholderValuesType):
     """Values a scheduler factory may use before they are known.
 
     Example::

@@ -18,6 +18,7 @@ from accelerate.utils import DataLoaderConfiguration
 from pytorch_accel_trainer import persistence
 from pytorch_accel_trainer.batches import batches_need_placing
 from pytorch_accel_trainer.callbacks import CallbackHandler, with_limit_batches_from_env
+from pytorch_accel_trainer.callbacks.base import validate_callback_list
 from pytorch_accel_trainer.distributed import create_accelerator, release_prepared, wrappers_only_call_torch
 from pytorch_accel_trainer.placeholders import placeholder_values, replace_trainer_placeholder_values
 from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions, build_run_config
@@ -29,7 +30,8 @@ class SetupMixin:
 
     def _create_callback_handler(self) -> CallbackHandler:
         """Return the :class:`CallbackHandler` that calls the trainer's callbacks (with a
-        ``LimitBatchesCallback`` first while the environment variable ``PT_ACC_LIMIT_BATCHES`` is set)."""
+        ``LimitBatchesCallback`` added while the environment variable ``PT_ACC_LIMIT_BATCHES`` is set)."""
+        validate_callback_list(self._callbacks)  # a single callback where a list is expected is a TypeError
         return CallbackHandler(with_limit_batches_from_env(self._callbacks))
 
     def _create_accelerator(self) -> Accelerator:

@@ -43,11 +43,9 @@ from pytorch_accel_trainer.utils import (
     with_last_flag,
 )
 from pytorch_accel_trainer.validation import (
-    validate_batch_output,
-    validate_constructor_options,
-    validate_datasets,
-    validate_evaluate_arguments,
-)
+    checked_collate_fn, validate_batch_output, validate_constructor_options, validate_datasets,
+    validate_evaluate_arguments, validate_first_eval_batch, validate_loss_requires_grad, validate_optimizer_parameters,
+)  # fmt: skip
 
 _NO_TRAIN_BATCH = (
     "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
@@ -116,7 +114,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model is a {type(model).__name__}; pass a torch.nn.Module.")
-        validate_constructor_options(mixed_precision, torch_compile)
+        validate_constructor_options(mixed_precision, torch_compile, seed, loss_func)
         self.model = model
         self.mixed_precision = mixed_precision
         self.torch_compile = torch_compile
@@ -169,7 +167,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
 
         Runs once at the start of ``train()``. The default builds a :class:`~torch.utils.data.DataLoader`
         from :meth:`get_default_train_dl_kwargs`, updated with ``train_dl_kwargs`` (which wins, ``batch_size``
-        included), and ``self.collate_fn``.
+        included), and ``self.collate_fn`` (wrapped so that a ``None`` batch is a clear ``TypeError``).
 
         Args:
             batch_size: the batch size per device.
@@ -181,14 +179,14 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self._train_dl_kwargs = merge_dataloader_kwargs(
             self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
         )
-        return DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
+        return DataLoader(self.train_dataset, collate_fn=checked_collate_fn(self.collate_fn), **self._train_dl_kwargs)
 
     def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
         """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
         self._eval_dl_kwargs = merge_dataloader_kwargs(
             self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
         )
-        return DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
+        return DataLoader(self.eval_dataset, collate_fn=checked_collate_fn(self.collate_fn), **self._eval_dl_kwargs)
 
     def training_run_start(self) -> None:
         """Runs at the start of a training run, before ``on_training_run_start``. Default: nothing."""
@@ -230,6 +228,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
             loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
                 micro-batches in the current accumulation window.
         """
+        validate_loss_requires_grad(loss, self.model)  # an attribute read, no sync: a detached loss trains nothing
         if self.calls_torch_directly:
             loss.backward()
         else:
@@ -353,6 +352,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         )  # fmt: skip
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
+        validate_optimizer_parameters(self.optimizer, self.model)  # none of the model's trainable parameters missing
         stored_state = find_resumable_state(Path(resume_from)) if resume_from is not None else None
         self.run_state = RunState(options=options)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -369,6 +369,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self._prepare_model_optimizer_and_dataloaders()
         self.run_config = self._create_run_config(options)
         validate_sharded_run(self._accelerator, self.run_config)
+        validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
         self.scheduler = self.create_scheduler() if create_scheduler_fn is not None else None
         self._load_resume_plan(stored_state)
         self._run_training()
@@ -493,8 +494,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
     def _update_parameters(self, step: int) -> None:
         """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
         state, accumulation_steps = self.run_state, self.run_config.gradient_accumulation_steps
-        accumulation.complete_partial_window(step, accumulation_steps, state, self.model.parameters())
-        accumulation.normalise_by_items_in_window(state, self._accelerator, self.model.parameters())
+        accumulation.complete_partial_window(step, accumulation_steps, state, self.model)
+        accumulation.normalise_by_items_in_window(state, self._accelerator, self.model)
         self._clip_gradients()
         self.optimizer_step()
         if not self._optimizer_step_was_skipped():  # an fp16 overflow skips the update

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections.abc import Mapping
 from numbers import Number
-from typing import Any
+from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader, IterableDataset
 
 from pytorch_accel_trainer.utils import dataset_length, is_mapping
 
@@ -26,9 +32,15 @@ def _validate_positive_number(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} is not valid: it must be a positive number or None. Pass e.g. {name}=1.0.")
 
 
-def _validate_dataset(name: str, dataset: Any) -> None:
+def _validate_dataset(name: str, dataset: Any, dataloader_kwargs_name: str) -> None:
     if dataset is None:
         raise ValueError(f"{name} is None: pass a dataset (a torch Dataset, or any object a DataLoader accepts).")
+    if isinstance(dataset, DataLoader):
+        raise TypeError(
+            f"{name} is a DataLoader; the trainer builds its own dataloaders (and shards them across processes), so "
+            f"it takes the dataset: pass {name}=your_dataloader.dataset, and put the DataLoader's options in "
+            f"{dataloader_kwargs_name} (e.g. {{'num_workers': 4}}) and its collate function in collate_fn."
+        )
     if dataset_length(dataset) == 0:
         raise ValueError(f"{name} is empty (len({name}) == 0): pass a dataset with at least one sample.")
 
@@ -59,8 +71,41 @@ def _validate_scheduler_factory(create_scheduler_fn: Any) -> None:
 MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16", "fp8")
 
 
-def validate_constructor_options(mixed_precision: Any, torch_compile: Any) -> None:
-    """Check the ``Trainer`` options that are not the model, loss, optimizer or callbacks."""
+def _validate_seed(seed: Any) -> None:
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):  # random.seed refuses numpy integers
+        raise TypeError(
+            f"seed={seed!r} is a {type(seed).__name__}, not an int: pass a whole number such as seed=42 (int(value) "
+            "converts a numpy integer), or seed=None to leave the random state alone."
+        )
+    if not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed} is out of range: numpy takes seeds from 0 to 2**32 - 1; pass e.g. seed=42.")
+
+
+def _validate_loss_func(loss_func: Any) -> None:
+    if loss_func is None:
+        return
+    if isinstance(loss_func, type):
+        name = loss_func.__name__
+        prefix = "nn." if loss_func.__module__.startswith("torch.nn") else ""
+        raise TypeError(
+            f"loss_func={prefix}{name} is a class, not a loss function: pass an instance, loss_func={prefix}{name}() "
+            "(the trainer calls loss_func(model_outputs, targets))."
+        )
+    if not callable(loss_func):
+        raise TypeError(
+            f"loss_func={loss_func!r} is not callable: pass a function called as loss_func(model_outputs, targets), "
+            "e.g. nn.MSELoss(), or None to use the loss the model returns."
+        )
+
+
+def validate_constructor_options(
+    mixed_precision: Any, torch_compile: Any, seed: Any = None, loss_func: Any = None
+) -> None:
+    """Check the ``Trainer`` options that are not the model, optimizer or callbacks."""
+    _validate_seed(seed)
+    _validate_loss_func(loss_func)
     if mixed_precision is not None and mixed_precision not in MIXED_PRECISION_CHOICES:
         raise ValueError(
             f"mixed_precision={mixed_precision!r} is not valid: choose one of {MIXED_PRECISION_CHOICES}, or None to "
@@ -75,9 +120,9 @@ def validate_constructor_options(mixed_precision: Any, torch_compile: Any) -> No
 
 def validate_datasets(train_dataset: Any, eval_dataset: Any) -> None:
     """Check the datasets of ``Trainer.train`` before any work starts."""
-    _validate_dataset("train_dataset", train_dataset)
+    _validate_dataset("train_dataset", train_dataset, "train_dataloader_kwargs")
     if eval_dataset is not None:
-        _validate_dataset("eval_dataset", eval_dataset)
+        _validate_dataset("eval_dataset", eval_dataset, "eval_dataloader_kwargs")
 
 
 def validate_train_options(options: Any) -> None:
@@ -97,6 +142,11 @@ def validate_train_options(options: Any) -> None:
     _validate_scheduler_factory(options.create_scheduler_fn)
     _validate_dataloader_kwargs("train_dataloader_kwargs", options.train_dataloader_kwargs)
     _validate_dataloader_kwargs("eval_dataloader_kwargs", options.eval_dataloader_kwargs)
+    if options.collate_fn is not None and not callable(options.collate_fn):
+        raise TypeError(
+            f"collate_fn={options.collate_fn!r} is not callable: pass a function that turns a list of samples into "
+            "a batch, or None for torch's default_collate."
+        )
 
 
 def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, dataloader_kwargs: Any) -> None:
@@ -106,7 +156,7 @@ def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, datalo
             "evaluate() received no dataset and the trainer has no eval_dataset from an earlier train(): pass "
             "evaluate(dataset=...)."
         )
-    _validate_dataset("dataset", dataset)
+    _validate_dataset("dataset", dataset, "dataloader_kwargs")
     _validate_positive_int("per_device_batch_size", per_device_batch_size)
     _validate_dataloader_kwargs("dataloader_kwargs", dataloader_kwargs)
 
@@ -135,3 +185,155 @@ def validate_batch_output(batch_output: Any, hook_name: str) -> None:
             f"{hook_name} returned a loss of shape {tuple(loss.shape)}; the trainer needs a scalar. Reduce it first, "
             "e.g. loss.mean(), or use a loss function with reduction='mean'."
         )
+
+
+def validate_optimizer_parameters(optimizer: Any, model: torch.nn.Module) -> None:
+    """Refuse an optimizer that lacks trainable parameters of ``model``: they would never be updated.
+
+    A parameter with ``requires_grad=False`` need not be held (``GradualUnfreezingCallback`` adds the ones it
+    unfreezes), and the optimizer may hold more than the model's (a second model of a subclass, as in
+    ``examples/train_gan.py``). An optimizer prepared by an earlier run is not checked again: DeepSpeed holds
+    flattened copies of the parameters. Compares parameter identities on the host: no device work.
+    """
+    if isinstance(optimizer, AcceleratedOptimizer) or not hasattr(optimizer, "param_groups"):
+        return  # prepared by an earlier run, when it was checked; or not a torch optimizer
+    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    missing = [name for name, parameter in trainable if id(parameter) not in held]
+    if not missing:
+        return
+    optimizer_name = type(optimizer).__name__
+    if len(missing) == len(trainable):
+        raise ValueError(
+            f"optimizer={optimizer_name} holds 0 of the model's {len(trainable)} trainable parameters, so training "
+            "would never change the model (the loss would stay flat). Build the optimizer from model.parameters() of "
+            f"the model you pass to Trainer, e.g. {optimizer_name}(model.parameters(), ...), not from another model "
+            "or a copy of it."
+        )
+    names = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise ValueError(
+        f"optimizer={optimizer_name} holds {len(trainable) - len(missing)} of the model's {len(trainable)} trainable "
+        f"parameters: {len(missing)} would get gradients but never be updated ({names}). Build the optimizer from "
+        "model.parameters(), or freeze the parameters you do not want to train (parameter.requires_grad_(False), or "
+        "pytorch_accel_trainer.freezing.ModelFreezer) so that they need no gradient either."
+    )
+
+
+def validate_loss_requires_grad(loss: torch.Tensor, model: torch.nn.Module) -> None:
+    """Refuse, before its backward pass, a training loss cut off from the model's graph (one attribute read: no
+    host-device sync)."""
+    if loss.requires_grad:
+        return
+    num_trainable = sum(1 for parameter in model.parameters() if parameter.requires_grad)
+    if num_trainable == 0:
+        raise ValueError(
+            "calculate_train_batch_loss returned a loss that does not require gradients, and the model has no "
+            "trainable parameter (each has requires_grad=False), so there is nothing to train: unfreeze some before "
+            "train() (parameter.requires_grad_(True), or ModelFreezer.unfreeze())."
+        )
+    raise ValueError(
+        "calculate_train_batch_loss returned a loss that does not require gradients (requires_grad=False), so the "
+        f"backward pass cannot reach the model's {num_trainable} trainable parameters. It was cut off from the model "
+        "outputs: compute the loss from them without .detach(), .item(), torch.tensor(...) or torch.no_grad(), and "
+        "return that tensor."
+    )
+
+
+class CheckedCollateFn:
+    """A ``collate_fn`` that refuses to return ``None`` (it pickles whenever ``collate_fn`` does, for workers)."""
+
+    def __init__(self, collate_fn: Callable):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.collate_fn(samples)
+        if batch is None:  # one comparison per batch, on the host
+            name = getattr(self.collate_fn, "__qualname__", None) or repr(self.collate_fn)
+            count = len(samples) if hasattr(samples, "__len__") else "?"
+            raise TypeError(
+                f"collate_fn={name} returned None for a list of {count} samples; it must return the batch (e.g. a "
+                "tuple of tensors, or a dict of them): check that it ends with a return statement."
+            )
+        return batch
+
+
+def checked_collate_fn(collate_fn: Optional[Callable]) -> Optional[Callable]:
+    """Return ``collate_fn`` wrapped in a :class:`CheckedCollateFn`; ``None`` (torch's default) as it is."""
+    return None if collate_fn is None else CheckedCollateFn(collate_fn)
+
+
+def validate_first_eval_batch(trainer: Any) -> None:
+    """Run the default ``calculate_eval_batch_loss`` on the first samples of the eval dataset before training
+    starts, so that an eval set that does not fit the model fails now, not after a whole training epoch (as
+    Lightning's sanity check). It changes nothing the run depends on: the batch is built from the dataset and the
+    dataloader's ``collate_fn`` without iterating the dataloader (no sampler, iterator or worker is touched), the
+    model runs in eval mode under ``no_grad`` (each module's mode is put back), no event fires, and the RNG states
+    of torch, numpy and ``random`` are put back. Skipped for a stream (an iterable dataset may not be readable
+    twice), for a dataloader that is not a torch ``DataLoader``, and when a subclass overrides
+    ``calculate_eval_batch_loss``, which may keep state (metrics) that one extra batch would change.
+    """
+    dataloader = getattr(trainer.eval_dataloader, "base_dataloader", trainer.eval_dataloader)
+    if not isinstance(dataloader, DataLoader) or _overrides(trainer, "calculate_eval_batch_loss"):
+        return  # a dataloader of your own, or a hook of your own: its first evaluation step is the check
+    dataset, length = dataloader.dataset, dataset_length(dataloader.dataset)
+    if isinstance(dataset, IterableDataset) or not length:
+        return  # a stream may not be readable twice
+    with _leaving_no_trace(trainer.model, trainer.device):
+        batch = send_to_device(_first_batch(dataloader, dataset, length), trainer.device)
+        try:
+            with torch.no_grad():
+                trainer.calculate_eval_batch_loss(batch)
+        except torch.OutOfMemoryError:
+            raise  # not a mismatch: the evaluation epoch would need the same memory
+        except Exception as error:
+            raise ValueError(
+                f"eval_dataset ({type(dataset).__name__} of {length} samples) does not fit the model: on its first "
+                f"batch (tensor shapes {_describe_batch(batch)}), checked before training starts, "
+                f"calculate_eval_batch_loss raised {type(error).__name__}: {error}. Pass an eval_dataset whose samples "
+                "have the form and shapes of train_dataset's (or fix the model or loss_func for them)."
+            ) from error
+
+
+@contextlib.contextmanager
+def _leaving_no_trace(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Run the block with ``model`` in eval mode, then put back each module's mode and the RNG states of torch (the
+    host's, and a CUDA device's), numpy and ``random``."""
+    modes = [(module, module.training) for module in model.modules()]
+    host_states = random.getstate(), np.random.get_state()
+    on_cuda = device.type == "cuda"
+    cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] if on_cuda else []
+    try:
+        with torch.random.fork_rng(devices=cuda_devices, device_type="cuda"):
+            model.eval()
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+        random.setstate(host_states[0])
+        np.random.set_state(host_states[1])
+
+
+def _overrides(trainer: Any, name: str) -> bool:
+    """Whether ``name`` is overridden: set on the instance, or defined by more than one class of its MRO."""
+    return name in vars(trainer) or sum(name in vars(cls) for cls in type(trainer).__mro__) > 1
+
+
+def _first_batch(dataloader: DataLoader, dataset: Any, length: int) -> Any:
+    """The dataloader's first batch, were its sampler sequential: the first samples, collated by its collate_fn."""
+    if dataloader.batch_sampler is None:  # automatic batching off: each sample is a batch
+        return dataloader.collate_fn(dataset[0])
+    batch_size = getattr(dataloader.batch_sampler, "batch_size", None) or dataloader.batch_size or 1
+    indices = list(range(min(batch_size, length)))
+    get_items = getattr(dataset, "__getitems__", None)
+    return dataloader.collate_fn(get_items(indices) if get_items else [dataset[index] for index in indices])
+
+
+def _describe_batch(batch: Any) -> str:
+    """The shapes of a batch's tensors, in the batch's structure, for an error message."""
+    if isinstance(batch, torch.Tensor):
+        return str(tuple(batch.shape))
+    if is_mapping(batch):
+        return "{" + ", ".join(f"{key!r}: {_describe_batch(value)}" for key, value in batch.items()) + "}"
+    if isinstance(batch, (tuple, list)):
+        return "[" + ", ".join(_describe_batch(value) for value in batch) + "]"
+    return type(batch).__name__

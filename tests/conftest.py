@@ -14,6 +14,13 @@ from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import EVENTS, TrainerCallback
 
 
+def pytest_report_header(config):
+    """CI's log says which torch and accelerate the suite ran against (setup.cfg declares the tested range)."""
+    import accelerate
+
+    return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
+
+
 #: The environment of a multi-process test: gloo on the CPU, one thread per process (the machine has 2 cores).
 CPU_PROCESSES_ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 

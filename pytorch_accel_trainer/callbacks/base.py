@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from typing import TYPE_CHECKING, Iterable, Union
+from collections.abc import Iterable as IterableABC
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 from pytorch_accel_trainer.errors import StopTrainingError, validate_positive_int  # noqa: F401  (users import them here)
 
@@ -129,14 +130,21 @@ class CallbackHandler:
         self.add_callbacks(callbacks)
 
     def add_callbacks(self, callbacks: Iterable[Union[TrainerCallback, type]]) -> None:
-        """Add each callback (class or instance) of ``callbacks``."""
+        """Add each callback (class or instance) of ``callbacks``, a list or tuple of them."""
+        validate_callback_list(callbacks)
         for callback in callbacks:
             self.add_callback(callback)
 
     def add_callback(self, callback: Union[TrainerCallback, type]) -> None:
-        """Add one callback, given as a class or an instance."""
+        """Add one callback, given as a class or an instance.
+
+        Raises:
+            TypeError: ``callback`` has none of the events of :class:`TrainerCallback` (a plain function, say).
+            ValueError: it defines an ``on_*`` method that is not an event, or one of its class is registered.
+        """
+        _validate_event_methods(callback if isinstance(callback, type) else type(callback))
+        _validate_is_callback(callback)
         instance = callback() if isinstance(callback, type) else callback
-        _validate_event_methods(instance)
         if type(instance) in {type(existing) for existing in self.callbacks}:
             raise ValueError(
                 f"A {type(instance).__name__} is already registered (callbacks: {self.callback_list}); "
@@ -192,15 +200,67 @@ def _suggest(name: str) -> str:
     return f" (did you mean {matches[0]!r}?)" if matches else ""
 
 
-def _validate_event_methods(callback) -> None:
+def _validate_event_methods(callback_class: type) -> None:
     """Refuse a callback with an ``on_*`` method that is not an event: it would never be called."""
     unknown = [
         name
-        for name in dir(type(callback))
-        if name.startswith("on_") and name not in EVENTS and callable(getattr(type(callback), name))
+        for name in dir(callback_class)
+        if name.startswith("on_") and name not in EVENTS and callable(getattr(callback_class, name))
     ]
     if unknown:
         raise ValueError(
-            f"{type(callback).__name__} defines {unknown[0]!r}{_suggest(unknown[0])}, which is not a "
+            f"{callback_class.__name__} defines {unknown[0]!r}{_suggest(unknown[0])}, which is not a "
             f"callback event, so it would never be called. Rename it to one of: {list(EVENTS)}."
         )
+
+
+def _is_callback(callback: Any) -> bool:
+    """A TrainerCallback (class or instance), or an object or class with at least one event method."""
+    if isinstance(callback, TrainerCallback) or (isinstance(callback, type) and issubclass(callback, TrainerCallback)):
+        return True
+    return any(callable(getattr(callback, event, None)) for event in EVENTS)
+
+
+def _callback_name(callback: Any) -> str:
+    if isinstance(callback, type) or (callable(callback) and hasattr(callback, "__qualname__")):
+        return callback.__qualname__
+    return f"{type(callback).__name__}()"
+
+
+def _validate_is_callback(callback: Any) -> None:
+    """Refuse what the handler would never call: a function, or an object with none of the events."""
+    if _is_callback(callback):
+        return
+    name = _callback_name(callback)
+    if callable(callback) and not isinstance(callback, type):
+        raise TypeError(
+            f"callbacks received the function {name}, which is not a callback and would never be called: put its "
+            "code in an event method of a TrainerCallback subclass, e.g. class MyCallback(TrainerCallback): "
+            f"def on_train_epoch_end(self, trainer, **kwargs): {name}(trainer), and pass MyCallback()."
+        )
+    raise TypeError(
+        f"{name} is not a callback: it has none of the TrainerCallback events, so it would never be called. "
+        f"Subclass TrainerCallback and override the events you need, among: {list(EVENTS)}."
+    )
+
+
+def validate_callback_list(callbacks: Any) -> None:
+    """Refuse a single callback (class, instance or function), or anything else that is not a list of them."""
+    if isinstance(callbacks, IterableABC) and not isinstance(callbacks, (str, bytes)) and not _is_callback(callbacks):
+        return
+    if _is_callback(callbacks):
+        name = _callback_name(callbacks)
+        raise TypeError(
+            f"callbacks={name} is a single callback, not a list of them: pass callbacks=[{name}] (or "
+            f"callbacks=[*DEFAULT_CALLBACKS, {name}] to keep the default callbacks)."
+        )
+    if callable(callbacks) and not isinstance(callbacks, type):
+        raise TypeError(
+            f"callbacks={_callback_name(callbacks)} is a function, not a list of callbacks (a function would never be "
+            "called): pass a list of TrainerCallback subclasses or instances, whose on_* methods are the events, e.g. "
+            "callbacks=[*DEFAULT_CALLBACKS, MyCallback()]."
+        )
+    raise TypeError(
+        f"callbacks={callbacks!r} is not a list of callbacks: pass a list of TrainerCallback classes or instances, "
+        "e.g. callbacks=[*DEFAULT_CALLBACKS, MyCallback()], or callbacks=[] for none."
+    )

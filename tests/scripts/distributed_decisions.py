@@ -74,4 +74,3 @@ def main(modes, output_path):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    PartialState().destroy_process_group()

@@ -85,4 +85,3 @@ def main(output_path):
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    PartialState().destroy_process_group()

@@ -4,7 +4,6 @@ import json
 import sys
 
 import torch
-from accelerate import PartialState
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -72,4 +71,3 @@ def main(output_path: str, per_device_batch_size: int, accumulation: int, loss_k
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])
-    PartialState().destroy_process_group()  # a clean gloo shutdown: no abort at interpreter exit

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -132,4 +131,3 @@ def main(config):
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
-    PartialState().destroy_process_group()  # a clean gloo shutdown: no abort at interpreter exit

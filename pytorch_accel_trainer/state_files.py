@@ -1,0 +1,194 @@
+"""The files of a training state on disk: their names, the manifest's schema, and reading them without leaving
+the state's folder. A leaf: it imports nothing of the package.
+
+A training state is input like any other: a manifest may have been edited, a file replaced by a link. So every
+name the manifest lists must be a plain file name inside the folder, no file is opened through a symbolic link
+(``O_NOFOLLOW``; the size and hash of a file are read from the very file that was opened), and every field the
+manifest claims is checked for its type and range before anything is sized or looped over from it. A problem
+raises :class:`DamagedStateError`, which ``training_state`` turns into the library's ``CheckpointError``;
+its message names only the folder and the file, and tells nothing of what lies outside the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LATEST_NAME = "latest"
+STATE_PREFIX = "checkpoint-"
+TEMPORARY_PREFIX = ".tmp-"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+SCALER_FILE = "scaler.pt"
+TRAINER_FILE = "trainer_state.pt"
+REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+RESTORE_POINTS = ("before_iterator", "after_iterator")
+KINDS = ("rolling", "permanent", "best")
+
+#: A manifest lists a few small entries per process: far below this even for thousands of processes.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+_RANK_FILE = re.compile(r"rank_\d{5,}\.pt")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# O_NOFOLLOW makes open() fail on a symbolic link (ELOOP) instead of reading what it points to; O_NONBLOCK keeps
+# a FIFO planted under a file's name from blocking the open (it is then refused as not a regular file)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+
+
+class DamagedStateError(ValueError):
+    """A training state, or one of its files, that cannot be trusted; the message names it and what is wrong."""
+
+
+def rank_file(rank: int) -> str:
+    """The name of the file holding one process's own state (RNG, loss sums, callback states)."""
+    return f"rank_{rank:05d}.pt"
+
+
+def is_real_directory(path: Path) -> bool:
+    """Whether ``path`` is a directory itself, not a symbolic link to one."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a file of a state: never through a link, never outside the folder
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_file_name(name) -> None:
+    """Refuse a name that is not a plain file name (no separator, ``..``, absolute path or NUL)."""
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "\x00" in name
+        or any(separator in name for separator in separators)
+    ):
+        raise DamagedStateError(
+            f"the manifest lists {name!r}, which is not a plain file name inside the state's folder (a state's files "
+            "are never read through a path that leaves it)"
+        )
+
+
+def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading without following a link; return the descriptor and the opened file's status."""
+    try:
+        descriptor = os.open(path, _OPEN_FLAGS)
+    except OSError as error:
+        if os.path.islink(path):
+            raise DamagedStateError(f"{path}: a symbolic link; a state's files must be regular files in its folder") from error
+        raise
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(descriptor)
+        raise DamagedStateError(f"{path}: not a regular file")
+    return descriptor, status
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """The size and SHA-256 of the regular file ``path``, read from the file opened (not through a link).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        DamagedStateError: ``path`` is a symbolic link or not a regular file.
+    """
+    descriptor, status = _open_regular_file(path)
+    digest = hashlib.sha256()
+    with os.fdopen(descriptor, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return status.st_size, digest.hexdigest()
+
+
+def read_small_text(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
+    """The text of the regular file ``path`` (not through a link), refused beyond ``limit`` bytes."""
+    descriptor, status = _open_regular_file(path)
+    with os.fdopen(descriptor, "rb") as handle:
+        if status.st_size > limit:
+            raise DamagedStateError(f"{path}: {status.st_size} bytes, more than any manifest ({limit})")
+        data = handle.read(limit + 1)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise DamagedStateError(f"{path}: not UTF-8 text ({error})") from error
+
+
+# ------------------------------------------------------------------------------------------------
+# The manifest's schema: types and ranges, checked before any value is used
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def validate_position(position) -> None:
+    """Check a saved position for its fields' types and ranges; raise :class:`DamagedStateError`."""
+    if not isinstance(position, dict) or set(position) != {"loop_epoch", "batches_seen", "rng_restore_point"}:
+        raise DamagedStateError(
+            f"position is {position!r}; it must be a dict of loop_epoch, batches_seen and rng_restore_point"
+        )
+    for name in ("loop_epoch", "batches_seen"):
+        if not _is_count(position[name]):
+            raise DamagedStateError(f"position[{name!r}] is {position[name]!r}; it must be a whole number >= 0")
+    if position["rng_restore_point"] not in RESTORE_POINTS:
+        raise DamagedStateError(
+            f"position['rng_restore_point'] is {position['rng_restore_point']!r}; it must be one of {RESTORE_POINTS}"
+        )
+
+
+def _validate_files(files) -> None:
+    if not isinstance(files, dict):
+        raise DamagedStateError(f"files is a {type(files).__name__}; it must map each file name to its size and sha256")
+    for name, entry in files.items():
+        validate_file_name(name)
+        if (
+            not isinstance(entry, dict)
+            or not _is_count(entry.get("size"))
+            or not isinstance(entry.get("sha256"), str)
+            or not _SHA256.fullmatch(entry["sha256"])
+        ):
+            raise DamagedStateError(
+                f"files[{name!r}] is {entry!r}; it must be {{'size': a whole number >= 0, 'sha256': 64 hex digits}}"
+            )
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        raise DamagedStateError(f"files lists no {missing[0]}, which every training state holds")
+
+
+def _validate_world_size(world_size, files: dict) -> None:
+    rank_files = sum(1 for name in files if _RANK_FILE.fullmatch(name))
+    if not _is_count(world_size) or not 1 <= world_size <= rank_files:
+        raise DamagedStateError(
+            f"world_size is {world_size!r}; it must be a whole number from 1 to the {rank_files} rank file(s) listed"
+        )
+    missing = [rank_file(rank) for rank in range(world_size) if rank_file(rank) not in files]
+    if missing:
+        raise DamagedStateError(f"the manifest lacks {missing[0]} for a world size of {world_size}")
+
+
+def validate_manifest(manifest: dict) -> None:
+    """Check every field of a manifest (of the current format version) for its type and range.
+
+    Raises:
+        DamagedStateError: naming the first field that is missing, of the wrong type or out of range.
+    """
+    if not _is_count(manifest.get("num_update_steps_completed")):
+        raise DamagedStateError(
+            f"num_update_steps_completed is {manifest.get('num_update_steps_completed')!r}; it must be a whole number >= 0"
+        )
+    validate_position(manifest.get("position"))
+    kinds = manifest.get("kinds")
+    if not isinstance(kinds, list) or not kinds or not all(isinstance(kind, str) and kind in KINDS for kind in kinds):
+        raise DamagedStateError(f"kinds is {kinds!r}; it must be a non-empty list of {KINDS}")
+    if not isinstance(manifest.get("run_facts"), dict):
+        raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
+    _validate_files(manifest.get("files"))
+    _validate_world_size(manifest.get("world_size"), manifest["files"])
