@@ -69,8 +69,8 @@ def validate_plain(value: Any, where: str) -> None:
 # Temporaries of killed writes
 # ------------------------------------------------------------------------------------------------
 
-#: ``.<name>.tmp-<host>-<pid>``; ``.<name>.tmp-<pid>`` as written before the host was part of the name
 _MAX_PID = 1 << 22  # Linux's highest pid_max; a larger number is no process id (and would overflow os.kill)
+#: ``.<name>.tmp-<host>-<pid>``; ``.<name>.tmp-<pid>`` as written before the host was part of the name
 _TEMPORARY_FILE = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)")
 
 
@@ -106,16 +106,16 @@ def remove_abandoned_temporary_files(folder: Path) -> list[Path]:
     Only regular files named as :func:`temporary_file` names them are considered; links and folders are left.
     """
     removed = []
-    for path in folder.iterdir():
-        match = _TEMPORARY_FILE.fullmatch(path.name)
-        if match is None or int(match["pid"]) == os.getpid() or not path.is_file() or path.is_symlink():
-            continue  # not a temporary, or this process's own (overwritten by this save)
-        if is_abandoned(match["host"], int(match["pid"])):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                continue  # another save removed it first
-            removed.append(path)
+    try:
+        for path in folder.iterdir():
+            match = _TEMPORARY_FILE.fullmatch(path.name)
+            if match is None or int(match["pid"]) == os.getpid() or not path.is_file() or path.is_symlink():
+                continue  # not a temporary, or this process's own (overwritten by this save)
+            if is_abandoned(match["host"], int(match["pid"])):
+                path.unlink(missing_ok=True)  # missing: another save removed it first
+                removed.append(path)
+    except OSError:
+        pass  # tidying up never fails a save: what is left is removed by a later one
     return removed
 
 
@@ -130,6 +130,13 @@ def _is_out_of_space(error: BaseException, folder: Path) -> bool:
         return shutil.disk_usage(folder).free < 1 << 20
     except OSError:
         return False
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free} bytes"
+    except OSError:
+        return "unknown space"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -159,12 +166,11 @@ def save_checkpoint_file(checkpoint: dict, save_path: Union[str, os.PathLike]) -
         if not _is_out_of_space(error, path.parent):
             raise
         temporary.unlink(missing_ok=True)  # before measuring: the partial file is not the user's to free
-        free = shutil.disk_usage(path.parent).free
         raise OSError(
             errno.ENOSPC,
-            f"no space left on {path}: the checkpoint was not written ({free} bytes free after removing the partial "
-            f"file; {type(error).__name__}: {error}). Free some space or save to another disk; any earlier file at "
-            "this path is unchanged",
+            f"no space left on {path}: the checkpoint was not written ({_free_space(path.parent)} free after removing "
+            f"the partial file; {type(error).__name__}: {error}). Free some space or save to another disk; any earlier "
+            "file at this path is unchanged",
         ) from error
     finally:
         temporary.unlink(missing_ok=True)

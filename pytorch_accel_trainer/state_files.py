@@ -1,5 +1,6 @@
-"""The files of a training state on disk: their names, the manifest's schema, and reading them without leaving
-the state's folder. A leaf: it imports nothing of the package.
+"""The files of a training state on disk: their names, durable writes, the manifest's schema, reads that never
+leave the state's folder, and the comparisons of what a state holds with the current run. A leaf: it imports
+nothing of the package (``training_state.py`` builds the trainer's states on it).
 
 A training state is input like any other: a manifest may have been edited, a file replaced by a link. So every
 name the manifest lists must be a plain file name inside the folder, no file is opened through a symbolic link
@@ -15,7 +16,11 @@ import hashlib
 import os
 import re
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
+
+import torch
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -30,6 +35,8 @@ TRAINER_FILE = "trainer_state.pt"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
 RESTORE_POINTS = ("before_iterator", "after_iterator")
 KINDS = ("rolling", "permanent", "best")
+#: A file in a temporary state folder naming its writer, ``.writer-<host>-<pid>``; never part of the manifest.
+WRITER_MARKER_PREFIX = ".writer-"
 
 #: A manifest lists a few small entries per process: far below this even for thousands of processes.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
@@ -55,6 +62,90 @@ def is_real_directory(path: Path) -> bool:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def state_folders(parent: Path) -> list[Path]:
+    """The entries of ``parent`` named as states that are folders, links to folders included (to report them)."""
+    return sorted(path for path in parent.iterdir() if path.name.startswith(STATE_PREFIX) and path.is_dir())
+
+
+def temporary_folder(final_folder: Path) -> Path:
+    """Where a state is written before it is renamed to ``final_folder``."""
+    return final_folder.with_name(f"{TEMPORARY_PREFIX}{final_folder.name}")
+
+
+def unused_folder_name(parent: Path, name: str) -> Path:
+    """``parent / name``, or with a ``-2``, ``-3``... suffix when a state of that name exists: never overwrite."""
+    candidate, counter = parent / name, 1
+    while os.path.lexists(candidate):
+        counter += 1
+        candidate = parent / f"{name}-{counter}"
+    return candidate
+
+
+def folder_writer(temporary: Path) -> Optional[tuple[str, int]]:
+    """The host and pid of the process writing a temporary state folder, from its marker; ``None`` without one."""
+    for path in temporary.iterdir():
+        if path.name.startswith(WRITER_MARKER_PREFIX):
+            host, _, pid = path.name[len(WRITER_MARKER_PREFIX) :].rpartition("-")
+            return (host, int(pid)) if pid.isdigit() else None
+    return None
+
+
+@dataclass
+class StoredState:
+    """A training-state folder and its manifest (checked for types and ranges by :func:`validate_manifest`)."""
+
+    folder: Path
+    manifest: dict = field(repr=False)
+
+    @property
+    def order(self) -> tuple:
+        """Sort key: later positions in the run are newer."""
+        position = self.manifest["position"]
+        return (
+            self.manifest["num_update_steps_completed"],
+            position["loop_epoch"],
+            position["batches_seen"],
+            position["rng_restore_point"] == "after_iterator",
+            self.folder.name,
+        )
+
+    @property
+    def kinds(self) -> set:
+        return set(self.manifest["kinds"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing a file of a state, flushed to disk
+# ------------------------------------------------------------------------------------------------
+
+
+def save_tensors_file(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path``, flushed to disk."""
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a written file, or a folder's entries (after a rename), to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` at once: a crash leaves the old text or the new."""
+    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -92,8 +183,9 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
     return descriptor, status
 
 
-def file_digest(path: Path) -> tuple[int, str]:
-    """The size and SHA-256 of the regular file ``path``, read from the file opened (not through a link).
+def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, str]:
+    """The size and SHA-256 of the regular file ``path``, read from the file opened (not through a link); the
+    digest is ``""``, and the file not read, when its size is not ``expected_size``.
 
     Raises:
         FileNotFoundError: there is no such file.
@@ -102,6 +194,8 @@ def file_digest(path: Path) -> tuple[int, str]:
     descriptor, status = _open_regular_file(path)
     digest = hashlib.sha256()
     with os.fdopen(descriptor, "rb") as handle:
+        if expected_size is not None and status.st_size != expected_size:
+            return status.st_size, ""
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return status.st_size, digest.hexdigest()
@@ -192,3 +286,59 @@ def validate_manifest(manifest: dict) -> None:
         raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
     _validate_files(manifest.get("files"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])
+
+
+# ------------------------------------------------------------------------------------------------
+# What a state holds, compared with the current run
+# ------------------------------------------------------------------------------------------------
+
+
+def describe_changes(saved: dict, current: dict) -> list[str]:
+    """List each run setting that differs between a saved state and the current run."""
+    return [
+        f"{name}: saved {saved.get(name)!r}, now {current.get(name)!r}"
+        for name in sorted(current)
+        if saved.get(name) != current.get(name)
+    ]
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The user's torch optimizer inside Accelerate's wrapper."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def describe_optimizer_mismatch(
+    saved: Any, saved_class: Optional[str], optimizer: torch.optim.Optimizer, compare_parameters: bool = True
+) -> Optional[str]:
+    """Why an optimizer state (``state_dict()`` of a ``saved_class`` optimizer) cannot be loaded into ``optimizer``,
+    or ``None`` when it fits: another class (when the state names it; older states do not), and with
+    ``compare_parameters`` another number of parameter groups or of parameters in a group, or other per-parameter
+    state where both have some. (Under FSDP the live optimizer holds shards, whose numbering is not the saved one's.)"""
+    current = inner_optimizer(optimizer)
+    current_class = type(current).__qualname__
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("state"), dict)
+        or not isinstance(saved.get("param_groups"), list)
+        or not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in saved["param_groups"])
+    ):
+        return "it is not an optimizer state_dict (a dict of 'state' and a list of 'param_groups')"
+    if saved_class is not None and saved_class != current_class:
+        return f"it was saved by the optimizer {saved_class}, but this trainer's optimizer is {current_class}"
+    if not compare_parameters:
+        return None
+    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
+    current_sizes = [len(group["params"]) for group in current.param_groups]
+    if saved_sizes != current_sizes:
+        return (
+            f"its parameter groups hold {saved_sizes} parameters, but those of this trainer's {current_class} hold "
+            f"{current_sizes}"
+        )
+    current_state = current.state_dict()["state"]
+    for index, values in saved["state"].items():
+        if index in current_state and (not isinstance(values, dict) or set(values) != set(current_state[index])):
+            keys = sorted(values) if isinstance(values, dict) else values
+            return f"parameter {index} has the state {keys}, but this trainer's {current_class} keeps {sorted(current_state[index])}"
+    return None

@@ -4,45 +4,38 @@ A training state is written to a temporary folder, flushed, given a manifest (fo
 world size, every file with its size and SHA-256) and only then renamed into place; ``latest`` is
 updated after that, and old states are pruned last. A crash at any point leaves either the previous
 states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
-folder whose manifest checks out, and names the file that does not.
+folder whose manifest checks out, and names the file that does not. A temporary folder left by a killed
+save is removed by a later save once its writer is gone.
 
-Everything is read back without pickle: weights with safetensors, the rest with
-``torch.load(weights_only=True)``.
+A state is input, and is read as such (``state_files.py``): the manifest's fields are checked for type and
+range, its file names never leave the folder, no file is read through a symbolic link, and a damaged state
+in a folder of states is skipped with a warning for the newest good one. Everything is read back without
+pickle: weights with safetensors, the rest with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
 
+from pytorch_accel_trainer.checkpointing import is_abandoned, validate_plain, writer_tag
 from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
-
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-LATEST_NAME = "latest"
-STATE_PREFIX = "checkpoint-"
-TEMPORARY_PREFIX = ".tmp-"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
-SCALER_FILE = "scaler.pt"
-TRAINER_FILE = "trainer_state.pt"
-
-
-def rank_file(rank: int) -> str:
-    """The name of the file holding one process's own state (RNG, loss sums, callback states)."""
-    return f"rank_{rank:05d}.pt"
-
-
+from pytorch_accel_trainer.state_files import (  # noqa: F401  (the file names are re-exported: they were always here)
+    FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
+    TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, describe_changes,
+    describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
+    read_small_text, save_tensors_file, state_folders, temporary_folder, unused_folder_name, validate_manifest,
+    write_text_atomically,
+)  # fmt: skip
 
 
 def _crash_point(name: str) -> None:
@@ -97,49 +90,55 @@ def restore_rng_state(state: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def save_tensors_file(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path``, flushed to disk."""
-    with open(path, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+def _is_abandoned_folder(temporary: Path) -> Optional[bool]:
+    """Whether the writer of a temporary state folder is gone; ``None`` when no marker says who wrote it.
+
+    This process's own temporary is abandoned too: saves are collective, one at a time, so none is under way.
+    """
+    writer = folder_writer(temporary)
+    if writer is None:
+        return None
+    host, pid = writer
+    return pid == os.getpid() or is_abandoned(host, pid)
 
 
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
+def remove_abandoned_temporaries(parent: Path) -> list[Path]:
+    """Delete the temporary state folders in ``parent`` whose writer (named by its marker) is gone; return them.
+
+    A folder without a marker (written by an earlier version) is left: nothing tells that its writer is gone.
+    """
+    removed = []
     try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_text_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f"{TEMPORARY_PREFIX}{path.name}")
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def temporary_folder(final_folder: Path) -> Path:
-    """Where a state is written before it is renamed to ``final_folder``."""
-    return final_folder.with_name(f"{TEMPORARY_PREFIX}{final_folder.name}")
+        for path in parent.iterdir():
+            if path.name.startswith(TEMPORARY_PREFIX + STATE_PREFIX) and is_real_directory(path):
+                if _is_abandoned_folder(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+    except OSError:
+        pass  # tidying up never fails a save: what is left is removed by a later one
+    return removed
 
 
 def begin_save(final_folder: Path) -> Path:
-    """Create an empty temporary folder for ``final_folder`` (main process only) and return it."""
+    """Create an empty temporary folder for ``final_folder``, marked with its writer (main process only), and
+    return it; the temporaries of killed saves are removed first, a live writer's never.
+
+    Raises:
+        CheckpointError: a live process is writing the same state (two runs save into one folder).
+    """
+    remove_abandoned_temporaries(final_folder.parent)
     temporary = temporary_folder(final_folder)
-    shutil.rmtree(temporary, ignore_errors=True)  # left by a crash during an earlier save
+    if is_real_directory(temporary):  # left by a crash before writers were marked, or a live writer's
+        if _is_abandoned_folder(temporary) is False:
+            raise CheckpointError(
+                f"{temporary} is being written by another live process: two runs save training states into "
+                f"{final_folder.parent}. Give each run its own save_dir."
+            )
+        shutil.rmtree(temporary)
+    elif os.path.lexists(temporary):
+        os.unlink(temporary)  # a file or a link under the temporary's name: never followed
     temporary.mkdir(parents=True)
+    (temporary / f"{WRITER_MARKER_PREFIX}{writer_tag()}").touch()
     return temporary
 
 
@@ -147,26 +146,22 @@ def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict) -> N
     """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only)."""
     files = {}
     for path in sorted(temporary.iterdir()):
+        if path.name.startswith(WRITER_MARKER_PREFIX):
+            continue
         _crash_point(f"hash:{path.name}")
-        files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        size, sha256 = file_digest(path)
+        files[path.name] = {"size": size, "sha256": sha256}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
     _crash_point("manifest")
-    _write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
-    _fsync_directory(temporary)
+    write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
+    fsync_path(temporary)
     _crash_point("rename")
     os.rename(temporary, final_folder)
-    _fsync_directory(final_folder.parent)
+    for marker in final_folder.glob(f"{WRITER_MARKER_PREFIX}*"):
+        marker.unlink(missing_ok=True)  # left by a crash here, it is harmless: not in the manifest
+    fsync_path(final_folder.parent)
     _crash_point("latest")
-    _write_text_atomically(final_folder.parent / LATEST_NAME, final_folder.name + "\n")
-
-
-def unused_folder_name(parent: Path, name: str) -> Path:
-    """``parent / name``, or with a ``-2``, ``-3``... suffix when a state of that name exists: never overwrite."""
-    candidate, counter = parent / name, 1
-    while candidate.exists():
-        counter += 1
-        candidate = parent / f"{name}-{counter}"
-    return candidate
+    write_text_atomically(final_folder.parent / LATEST_NAME, final_folder.name + "\n")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,38 +169,16 @@ def unused_folder_name(parent: Path, name: str) -> Path:
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class StoredState:
-    """A training-state folder and its manifest."""
-
-    folder: Path
-    manifest: dict = field(repr=False)
-
-    @property
-    def order(self) -> tuple:
-        """Sort key: later positions in the run are newer."""
-        position = self.manifest.get("position", {})
-        return (
-            self.manifest.get("num_update_steps_completed", -1),
-            position.get("epoch", -1),
-            position.get("batches_seen", -1),
-            position.get("rng_restore_point") == "after_iterator",
-            self.folder.name,
-        )
-
-    @property
-    def kinds(self) -> set:
-        return set(self.manifest.get("kinds", ["rolling"]))
-
-
 def read_manifest(folder: Path) -> dict:
     """Return the manifest of ``folder``, or raise :class:`CheckpointError` naming what is wrong."""
     path = folder / MANIFEST_NAME
-    if not path.is_file():
-        raise CheckpointError(f"{folder}: no {MANIFEST_NAME}, so it is not a complete training state.")
     try:
-        manifest = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
+        manifest = json.loads(read_small_text(path))
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{folder}: no {MANIFEST_NAME}, so it is not a complete training state.") from error
+    except DamagedStateError as error:
+        raise CheckpointError(f"{error}: a damaged manifest.") from error
+    except (OSError, ValueError, RecursionError) as error:
         raise CheckpointError(f"{path}: damaged manifest ({error}).") from error
     if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
@@ -213,57 +186,67 @@ def read_manifest(folder: Path) -> dict:
             f"{path}: format version {version!r}, but this version of pytorch_accel_trainer reads version "
             f"{FORMAT_VERSION}."
         )
+    try:
+        validate_manifest(manifest)
+    except DamagedStateError as error:
+        raise CheckpointError(f"{path}: damaged manifest: {error}.") from error
     return manifest
 
 
 def verify_folder(folder: Path) -> StoredState:
-    """Check every file of a training state against its manifest (size, then SHA-256).
+    """Check every file of a training state against its manifest (size, then SHA-256), never through a link.
 
     Raises:
-        CheckpointError: naming the file that is missing, truncated or altered.
+        CheckpointError: naming the file that is missing, truncated, altered, or a link.
     """
     manifest = read_manifest(folder)
-    files = manifest.get("files", {})
-    for name, expected in sorted(files.items()):
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing, although the manifest lists it.")
-        size = path.stat().st_size
+    for name, expected in sorted(manifest["files"].items()):
+        path = folder / name  # a plain name: read_manifest refused separators, "..", absolute paths
+        try:
+            size, sha256 = file_digest(path, expected_size=expected["size"])
+        except FileNotFoundError as error:
+            raise CheckpointError(f"{path}: missing, although the manifest lists it.") from error
+        except DamagedStateError as error:
+            raise CheckpointError(f"{error}: the state is damaged or was altered.") from error
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot be read ({error.strerror}).") from error
         if size != expected["size"]:
             raise CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
-        if _sha256(path) != expected["sha256"]:
+        if sha256 != expected["sha256"]:
             raise CheckpointError(f"{path}: its SHA-256 does not match the manifest (the file is corrupted or altered).")
-    world_size = manifest.get("world_size", 1)
-    missing_ranks = [rank_file(rank) for rank in range(world_size) if rank_file(rank) not in files]
-    if missing_ranks:
-        raise CheckpointError(f"{folder}: the manifest lacks {missing_ranks[0]} for a world size of {world_size}.")
     return StoredState(folder, manifest)
 
 
-def _state_folders(parent: Path) -> list[Path]:
-    return sorted(p for p in parent.iterdir() if p.is_dir() and p.name.startswith(STATE_PREFIX))
-
-
 def list_complete_states(parent: Path) -> list[StoredState]:
-    """Every training state under ``parent`` whose manifest is readable, oldest first (files not hashed)."""
+    """Every training state under ``parent`` whose manifest is readable, oldest first (files not hashed; links to
+    folders are left out: a state is read, and pruned, only inside ``parent``)."""
     states = []
-    for folder in _state_folders(parent):
+    for folder in state_folders(parent):
         try:
-            states.append(StoredState(folder, read_manifest(folder)))
+            if is_real_directory(folder):
+                states.append(StoredState(folder, read_manifest(folder)))
         except CheckpointError:
             continue
     return sorted(states, key=lambda state: state.order)
+
+
+def _verify_state_in(folder: Path) -> StoredState:
+    if not is_real_directory(folder):
+        raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
+    return verify_folder(folder)
 
 
 def find_resumable_state(path: Path) -> Optional[StoredState]:
     """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
 
     ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
-    complete one is used.
+    complete one is used. The damaged ones are skipped, each with a warning naming it: those newer than it, and
+    those whose manifest cannot be read (so whose place in the run is unknown), or that are links.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        CheckpointError: ``path`` holds training states but none of them checks out.
+        CheckpointError: ``path`` is a file (e.g. an export checkpoint), or it holds training states but none
+            of them checks out.
     """
     path = Path(path)
     if not path.exists():
@@ -271,18 +254,31 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
             f"resume_from={str(path)!r} does not exist: pass a training-state folder or a folder of them "
             "(e.g. the save_dir of SaveTrainingStateCallback)."
         )
-    if (path / MANIFEST_NAME).exists():
+    if not path.is_dir():
+        raise CheckpointError(
+            f"resume_from={str(path)!r} is a file, not a training-state folder. A file written by save_checkpoint is "
+            "an export checkpoint (weights, optimizer, scheduler; no position or RNG states), which cannot continue "
+            "a run: load it with trainer.load_checkpoint(path) before train() to start from its weights. resume_from "
+            "needs a training-state folder, or a folder of them (written by save_training_state or "
+            "SaveTrainingStateCallback)."
+        )
+    if os.path.lexists(path / MANIFEST_NAME):
         return verify_folder(path)
-    candidates = _state_folders(path)
-    problems = []
-    ordered = sorted(
-        candidates, key=lambda folder: _order_or_lowest(folder), reverse=True
-    )  # newest first; unreadable manifests last
-    for folder in ordered:
+    order = {folder: _order_or_lowest(folder) for folder in state_folders(path)}
+    problems, stored = [], None
+    for folder in sorted(order, key=order.get, reverse=True):  # newest first; then those whose order is unreadable
+        if stored is not None and order[folder][0]:
+            continue  # older than the state chosen: left alone
         try:
-            return verify_folder(folder)
+            candidate = _verify_state_in(folder)
         except CheckpointError as error:
             problems.append(str(error))
+            continue
+        stored = stored or candidate
+    if stored is not None:
+        for problem in problems:
+            warnings.warn(f"Skipped a damaged training state (resuming from {stored.folder}): {problem}", stacklevel=2)
+        return stored
     if problems:
         listed = "\n  ".join(problems)
         raise CheckpointError(
@@ -294,19 +290,26 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
 
 def _order_or_lowest(folder: Path) -> tuple:
     try:
-        return (1, StoredState(folder, read_manifest(folder)).order)
+        if is_real_directory(folder):
+            return (1, StoredState(folder, read_manifest(folder)).order)
     except CheckpointError:
-        return (0, (folder.name,))
+        pass
+    return (0, (folder.name,))
 
 
 def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] = ()) -> list[Path]:
     """Delete the oldest ``rolling`` states beyond ``max_rolling``, and superseded ``best`` ones; return them.
 
     A state is deleted only when each of its kinds allows it: ``permanent`` states are never deleted, and
-    only the newest ``best`` state is kept. States in ``keep`` are never deleted.
+    only the newest ``best`` state is kept. States in ``keep`` are never deleted, nor is anything through a link.
+    Pruning never ends a run: a folder that cannot be deleted is left in place with a warning naming it.
     """
-    keep = {Path(path).resolve() for path in keep}
-    states = list_complete_states(parent)
+    keep_names = {Path(path).name for path in keep}
+    try:
+        states = list_complete_states(parent)
+    except OSError as error:
+        warnings.warn(f"Could not list {parent} to prune its training states ({error}); none was deleted.", stacklevel=2)
+        return []
     rolling = [state for state in states if "rolling" in state.kinds]
     best = [state for state in states if "best" in state.kinds]
     surplus_rolling = set()
@@ -315,14 +318,18 @@ def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] 
     superseded_best = {state.folder for state in best[:-1]}
     deleted = []
     for state in states:
-        if state.folder.resolve() in keep or "permanent" in state.kinds:
+        if state.folder.name in keep_names or "permanent" in state.kinds:
             continue
         removable = (("rolling" not in state.kinds) or state.folder in surplus_rolling) and (
             ("best" not in state.kinds) or state.folder in superseded_best
         )
         if removable:
             _crash_point(f"prune:{state.folder.name}")
-            shutil.rmtree(state.folder)
+            try:
+                shutil.rmtree(state.folder)  # refuses a link, and never follows one inside the folder
+            except OSError as error:
+                warnings.warn(f"Could not prune the training state {state.folder} ({error}); it is left in place.", stacklevel=2)
+                continue
             deleted.append(state.folder)
     return deleted
 
@@ -335,16 +342,8 @@ def load_tensors_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise CheckpointError(f"{path}: holds objects that only pickle can rebuild; refused ({error}).") from error
-
-
-def describe_changes(saved: dict, current: dict) -> list[str]:
-    """List each run setting that differs between a saved state and the current run."""
-    return [
-        f"{name}: saved {saved.get(name)!r}, now {current.get(name)!r}"
-        for name in sorted(current)
-        if saved.get(name) != current.get(name)
-    ]
-
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{path}: not a readable torch file ({error}); the state was damaged or altered.") from error
 
 
 # ------------------------------------------------------------------------------------------------
@@ -380,14 +379,7 @@ class ResumePlan:
     num_update_steps_completed: int = 0
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-
-
 def _callback_states(callbacks: Iterable) -> dict:
-    from pytorch_accel_trainer.checkpointing import validate_plain
-
     states = {}
     for callback in callbacks:
         if callable(getattr(callback, "state_dict", None)):
@@ -411,7 +403,6 @@ def write_training_state(
     """
     from safetensors.torch import save_file, save_model
 
-    from pytorch_accel_trainer.checkpointing import validate_plain
     from pytorch_accel_trainer.sharded import (
         get_full_model_state_dict,
         get_full_optimizer_state_dict,
@@ -450,7 +441,7 @@ def write_training_state(
         else:
             own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
             save_file(own_storage, str(temporary / MODEL_FILE))
-        _fsync_file(temporary / MODEL_FILE)
+        fsync_path(temporary / MODEL_FILE)
         _crash_point(f"write:{OPTIMIZER_FILE}")
         optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
         save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
@@ -469,6 +460,7 @@ def write_training_state(
                 "run_history": trainer.run_history.state_dict(),
                 "run_facts": run_facts,
                 "checkpoint_kwargs": checkpoint_kwargs,
+                "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
             },
             temporary / TRAINER_FILE,
         )
@@ -488,50 +480,79 @@ def write_training_state(
     return final
 
 
+def _load_trainer_file(stored: StoredState) -> dict:
+    """The shared part of a state (``trainer_state.pt``), checked against the manifest it was verified by."""
+    path = stored.folder / TRAINER_FILE
+    shared = load_tensors_file(path)
+    fields = ("position", "num_update_steps_completed", "run_history", "run_facts", "checkpoint_kwargs")
+    if not isinstance(shared, dict) or any(name not in shared for name in fields):
+        raise CheckpointError(f"{path}: not a trainer state (it must hold {', '.join(fields)}); it was altered.")
+    if (shared["position"], shared["num_update_steps_completed"]) != (
+        stored.manifest["position"],
+        stored.manifest["num_update_steps_completed"],
+    ) or not (isinstance(shared["run_facts"], dict) and isinstance(shared["checkpoint_kwargs"], dict)):
+        raise CheckpointError(f"{path}: its position, update count or settings disagree with {MANIFEST_NAME}; it was altered.")
+    return shared
+
+
+def _load_rank_file(path: Path) -> dict:
+    rank_state = load_tensors_file(path)
+    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("callbacks"), dict) or not {"rng", "train_loss_tracker"} <= set(rank_state):  # fmt: skip
+        raise CheckpointError(f"{path}: not a process's state (rng, train_loss_tracker, callbacks); it was altered.")
+    return rank_state
+
+
+def _load_weights(trainer, path: Path) -> None:
+    """Load ``model.safetensors`` into the trainer's model (each process keeps its shard under FSDP)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, load_model
+
+    from pytorch_accel_trainer.sharded import is_fsdp, load_full_model_state_dict
+
+    try:
+        if is_fsdp(trainer.accelerator):  # every process reads the full state; each keeps its shard
+            load_full_model_state_dict(trainer.accelerator, trainer.model, load_file(str(path)))
+        else:
+            load_model(trainer.get_model(), str(path), strict=True)
+    except SafetensorError as error:  # e.g. a pickle planted under the name: refused by the header check, never run
+        raise CheckpointError(f"{path}: not a safetensors file ({error}); the state was damaged or altered.") from error
+    except RuntimeError as error:
+        raise CheckpointError(
+            f"{path} does not fit this model ({error}); resume with the model the state was saved from."
+        ) from error
+
+
 def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict], allow_changes: bool) -> ResumePlan:
     """Load a verified training state into ``trainer`` (weights, optimizer, scheduler, history, callbacks); the
     rest (position, counters, RNG states) is returned as a :class:`ResumePlan` for the run state.
+
+    Each file is checked to fit this run before it is loaded; the optimizer state, before the optimizer is touched.
+    Which files a state has is read from its manifest, never from the folder.
 
     Args:
         run_facts: the current run's settings, compared with the saved ones; ``None`` skips the comparison.
         allow_changes: resume even when a setting differs.
     """
-    from safetensors.torch import load_file, load_model
-
-    from pytorch_accel_trainer.sharded import (
-        is_fsdp,
-        load_full_model_state_dict,
-        load_full_optimizer_state_dict,
-        validate_training_state_supported,
-    )
+    from pytorch_accel_trainer.sharded import is_fsdp, load_full_optimizer_state_dict, validate_training_state_supported
 
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
-    folder = stored.folder
-    shared = load_tensors_file(folder / TRAINER_FILE)
+    folder, listed = stored.folder, stored.manifest["files"]
+    shared = _load_trainer_file(stored)
     if run_facts is not None and not allow_changes:
         changes = describe_changes(shared["run_facts"], run_facts)
         if changes:
-            listed = "\n  ".join(changes)
+            listed_changes = "\n  ".join(changes)
             raise CheckpointError(
-                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:\n  {listed}\n"
+                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:\n  {listed_changes}\n"
                 "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway."
             )
-    rank = trainer.accelerator.process_index
-    if not (folder / rank_file(rank)).is_file():
-        raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest.get('world_size')} processes).")
-    try:
-        if is_fsdp(accelerator):  # every process reads the full state; each keeps its shard
-            load_full_model_state_dict(accelerator, trainer.model, load_file(str(folder / MODEL_FILE)))
-        else:
-            load_model(trainer.get_model(), str(folder / MODEL_FILE), strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(
-            f"{folder / MODEL_FILE} does not fit this model ({error}); resume with the model the state was saved from."
-        ) from error
-    optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
-    load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
-    has_scheduler_file = (folder / SCHEDULER_FILE).is_file()
+    rank = accelerator.process_index
+    if rank_file(rank) not in listed:
+        raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes).")
+    rank_state = _load_rank_file(folder / rank_file(rank))
+    _load_weights(trainer, folder / MODEL_FILE)
+    has_scheduler_file = SCHEDULER_FILE in listed
     if run_facts is None and trainer.scheduler is None:
         has_scheduler_file = False  # a manual load before train(): the scheduler does not exist yet
     elif has_scheduler_file != (trainer.scheduler is not None):
@@ -539,12 +560,20 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
             f"{folder} {'holds' if has_scheduler_file else 'has no'} scheduler state, but this run "
             f"{'has no' if has_scheduler_file else 'has a'} scheduler: pass the same create_scheduler_fn as the saved run."
         )
+    optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
+    saved_class = shared.get("optimizer_class")  # None in states written before it was saved
+    mismatch = describe_optimizer_mismatch(optimizer_state, saved_class, trainer.optimizer, not is_fsdp(accelerator))
+    if mismatch is not None:
+        raise CheckpointError(
+            f"{folder / OPTIMIZER_FILE} does not fit this trainer's optimizer: {mismatch}. Resume with the optimizer "
+            "the state was saved with (same class, same parameter groups), or start a new run."
+        )
+    load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
     if has_scheduler_file:
         trainer.scheduler.load_state_dict(load_tensors_file(folder / SCHEDULER_FILE))
-    if (folder / SCALER_FILE).is_file() and trainer.accelerator.scaler is not None:
-        trainer.accelerator.scaler.load_state_dict(load_tensors_file(folder / SCALER_FILE))
+    if SCALER_FILE in listed and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(load_tensors_file(folder / SCALER_FILE))
     trainer.run_history.load_state_dict(shared["run_history"])
-    rank_state = load_tensors_file(folder / rank_file(rank))
     for callback in trainer.callback_handler:
         state = rank_state["callbacks"].get(type(callback).__name__)
         if state is not None and callable(getattr(callback, "load_state_dict", None)):

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from conftest import make_mlp, make_trainer, regression_dataset
-from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer import Trainer, checkpointing
 from pytorch_accel_trainer.checkpointing import MODEL_KEY, load_checkpoint_file
 
 
@@ -117,3 +124,115 @@ def test_weights_export_as_safetensors(tmp_path):
     load_model(fresh, str(tmp_path / "weights" / "model.safetensors"))
     for a, b in zip(fresh.parameters(), trainer.get_model().parameters()):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# Temporaries of killed saves, a full disk
+# ------------------------------------------------------------------------------------------------
+
+_STOPPED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    from pytorch_accel_trainer.checkpointing import save_checkpoint_file
+
+    write = torch.save
+
+    def write_then_stop(obj, handle):  # the file is written but not renamed: die, or stay alive
+        write(obj, handle)
+        handle.flush()
+        if sys.argv[2] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("writing", flush=True)
+        time.sleep(120)
+
+    torch.save = write_then_stop
+    save_checkpoint_file({"model_state_dict": {"weight": torch.ones(3)}}, sys.argv[1])
+    """
+)
+
+
+def _temporaries(folder):
+    return sorted(name for name in os.listdir(folder) if ".tmp-" in name)
+
+
+def test_a_later_save_removes_the_temporaries_of_killed_saves_and_never_a_live_ones(tmp_path):
+    trainer = _trained_trainer()
+    live = subprocess.Popen([sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "live.pt"), "live"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert live.stdout.readline().strip() == "writing"
+        killed = subprocess.run([sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "killed.pt"), "kill"], capture_output=True, text=True)  # fmt: skip
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        (live_temporary,) = [name for name in _temporaries(tmp_path) if name.startswith(".live.pt.tmp-")]
+        assert [name for name in _temporaries(tmp_path) if name.startswith(".killed.pt.tmp-")]
+        trainer.save_checkpoint(tmp_path / "model.pt")
+        assert _temporaries(tmp_path) == [live_temporary]  # the killed save's is gone, the live one's is untouched
+    finally:
+        live.kill()
+        live.wait()
+    trainer.save_checkpoint(tmp_path / "model.pt")
+    assert _temporaries(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["model.pt"]
+
+
+def test_a_full_disk_is_an_enospc_error_naming_the_file_and_leaves_the_old_one(tmp_path, monkeypatch):
+    """The write goes to /dev/full, a real device that is always full, so the kernel's own ENOSPC reaches the save.
+    (A small full filesystem cannot be mounted here: torch.save is redirected to the device instead.)"""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    trainer = _trained_trainer()
+    path = tmp_path / "model.pt"
+    trainer.save_checkpoint(path, checkpoint_kwargs={"version": 1})
+    write = torch.save
+
+    def write_to_full_device(obj, handle):
+        with open("/dev/full", "wb") as full:
+            write(obj, full)
+
+    monkeypatch.setattr(torch, "save", write_to_full_device)
+    with pytest.raises(OSError, match=rf"no space left on {re.escape(str(path))}: the checkpoint was not written") as raised:
+        trainer.save_checkpoint(path, checkpoint_kwargs={"version": 2})
+    assert raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert _temporaries(tmp_path) == [] and trainer.load_checkpoint(path)["version"] == 1
+
+
+def test_torchs_enforce_fail_on_a_full_disk_becomes_the_same_enospc_error(tmp_path, monkeypatch):
+    """torch's own writer (given a path) reports a full disk as "enforce fail at inline_container.cc ... unexpected
+    pos", without an errno: the message is taken from a real write to /dev/full, then raised by a patched
+    torch.save while shutil.disk_usage reports the disk full (a mock: no full filesystem can be made here)."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    with pytest.raises(RuntimeError, match="enforce fail at inline_container.cc") as real:
+        torch.save({"weight": torch.zeros(100_000)}, "/dev/full")
+    trainer = _trained_trainer()
+
+    def fail(obj, handle):
+        handle.write(b"partial")
+        raise real.value
+
+    monkeypatch.setattr(torch, "save", fail)
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    with pytest.raises(OSError, match=r"no space left on .*model\.pt: .*RuntimeError: \[enforce fail at inline_container\.cc"):
+        trainer.save_checkpoint(tmp_path / "model.pt")
+    assert os.listdir(tmp_path) == []  # the partial temporary is removed
+
+
+def test_other_write_errors_are_not_reported_as_a_full_disk(tmp_path, monkeypatch):
+    trainer = _trained_trainer()
+
+    def fail(obj, handle):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(torch, "save", fail)
+    with pytest.raises(RuntimeError, match="^something else$"):
+        trainer.save_checkpoint(tmp_path / "model.pt")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_truncated_or_empty_file_is_a_clear_error(tmp_path, damage):
+    _trained_trainer().save_checkpoint(tmp_path / "model.pt")
+    data = (tmp_path / "model.pt").read_bytes()
+    (tmp_path / "model.pt").write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
+    with pytest.raises(ValueError, match=r"model\.pt' is not a readable checkpoint \(.*\): pass a file written by Trainer\.save_checkpoint"):
+        load_checkpoint_file(tmp_path / "model.pt")

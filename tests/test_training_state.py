@@ -14,6 +14,7 @@ from torch import nn
 from conftest import assert_bitwise_equal, regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
+from pytorch_accel_trainer.state_files import file_digest
 from pytorch_accel_trainer.training_state import (
     MANIFEST_NAME,
     CheckpointError,
@@ -169,10 +170,8 @@ def test_a_hostile_pickle_is_never_executed_even_with_a_forged_manifest(tmp_path
 
     (folder / "optimizer.pt").write_bytes(pickle.dumps(Hostile()))
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    manifest["files"]["optimizer.pt"] = {
-        "size": (folder / "optimizer.pt").stat().st_size,
-        "sha256": training_state._sha256(folder / "optimizer.pt"),
-    }
+    size, sha256 = file_digest(folder / "optimizer.pt")
+    manifest["files"]["optimizer.pt"] = {"size": size, "sha256": sha256}
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="only pickle can rebuild; refused"):
         _run(tmp_path, num_epochs=2)

@@ -41,13 +41,13 @@ def launchers() -> dict:
     return {"accelerate launch": accelerate, "torchrun": torchrun}
 
 
-def launch(command: list, script: str, slow_gloo: bool, timeout: float = 240) -> tuple[int, bool]:
-    """Run one launch; return its exit status and whether a process aborted in C++."""
+def launch(command: list, script: str, slow_gloo: bool, timeout: float = 240) -> tuple[int, bool, str]:
+    """Run one launch; return its exit status, whether a process aborted in C++, and the end of its stderr."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     if slow_gloo:
         env["LD_PRELOAD"] = _shim()
     completed = subprocess.run([*command, script], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    return completed.returncode, ABORT in completed.stderr
+    return completed.returncode, ABORT in completed.stderr, completed.stderr[-3000:]
 
 
 def main() -> int:
@@ -62,8 +62,11 @@ def main() -> int:
         if args.launcher not in (name, "both"):
             continue
         results = [launch(command, args.script, args.slow_gloo) for _ in range(args.launches)]
-        failed = sum(status != 0 for status, _ in results)
-        aborted = sum(abort for _, abort in results)
+        failed = sum(status != 0 for status, _, _ in results)
+        aborted = sum(abort for _, abort, _ in results)
+        for status, _, stderr in results:
+            if status != 0:
+                print(f"--- a {name} launch exited {status}; the end of its stderr:\n{stderr}")
         failures += failed
         print(f"{name}{' (slow gloo)' if args.slow_gloo else ''}: {args.launches - failed}/{args.launches} exited 0; "
               f"{failed} failed, {aborted} with a C++ abort")  # fmt: skip

@@ -1,0 +1,283 @@
+"""Training states are input too: confined to their folder, bounded, skipped when damaged, cleaned up, never
+pruned through a link, and checked against the optimizer they are resumed into (real files, real runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import regression_dataset
+from pytorch_accel_trainer import Trainer, training_state
+from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.state_files import file_digest
+from pytorch_accel_trainer.training_state import (
+    MANIFEST_NAME,
+    TRAINER_FILE,
+    CheckpointError,
+    find_resumable_state,
+    list_complete_states,
+    verify_folder,
+)
+
+#: The size of a file outside every state folder: no error message may tell it.
+SECRET_SIZE = 12345
+
+
+def _run(save_dir, optimizer=torch.optim.SGD, num_epochs=1, crash=None, **callback_kwargs):
+    """Train nn.Linear(4, 1) on 8 samples (4 updates an epoch), a state after each update, resuming from save_dir."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    callbacks = [SaveTrainingStateCallback(save_dir, save_every_n_steps=1, **callback_kwargs)] + ([crash] if crash else [])
+    trainer = Trainer(model, nn.MSELoss(), optimizer(model.parameters(), lr=0.01), callbacks=callbacks)
+    trainer.train(regression_dataset(8), num_epochs=num_epochs, per_device_batch_size=2, resume_from=save_dir)
+    return trainer
+
+
+def _edit_manifest(folder, edit):
+    path = folder / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def _rehash(folder, name):
+    """Forge the manifest entry of ``name`` so that the file's current contents check out."""
+    size, sha256 = file_digest(folder / name)
+    _edit_manifest(folder, lambda manifest: manifest["files"].__setitem__(name, {"size": size, "sha256": sha256}))
+
+
+@pytest.fixture
+def states(tmp_path):
+    """A folder of four good states (after updates 1 to 4) and a secret file beside it."""
+    parent = tmp_path / "states"
+    _run(parent)
+    (tmp_path / "secret").write_bytes(b"s" * SECRET_SIZE)
+    assert [state.folder.name for state in list_complete_states(parent)][-1] == "checkpoint-00000004"
+    return parent
+
+
+def _list_outside(manifest, secret, name):
+    manifest["files"][name] = {"size": SECRET_SIZE, "sha256": file_digest(secret)[1]}
+
+
+def _link_file(folder, secret):
+    outside = secret.parent / "optimizer-copy.pt"  # the very bytes the manifest lists: the hash would check out
+    shutil.copyfile(folder / "optimizer.pt", outside)
+    (folder / "optimizer.pt").unlink()
+    (folder / "optimizer.pt").symlink_to(outside)
+
+
+def _link_manifest(folder, secret):
+    outside = secret.parent / "manifest-copy.json"
+    shutil.copyfile(folder / MANIFEST_NAME, outside)
+    (folder / MANIFEST_NAME).unlink()
+    (folder / MANIFEST_NAME).symlink_to(outside)
+
+
+def _link_folder(folder, secret):
+    outside = secret.parent / folder.name
+    shutil.move(folder, outside)
+    folder.symlink_to(outside, target_is_directory=True)
+
+
+DAMAGES = {
+    "position is a list": (lambda f, s: _edit_manifest(f, lambda m: m.update(position=[])), r"damaged manifest: position is \[\]; it must be a dict"),
+    "world_size of 10**10": (lambda f, s: _edit_manifest(f, lambda m: m.update(world_size=10**10)), r"world_size is 10000000000; it must be a whole number from 1 to the 1 rank file"),
+    "a name going up": (lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, "../../secret")), r"lists '\.\./\.\./secret', which is not a plain file name inside"),
+    "an absolute name": (lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, str(s))), r"lists '/.*secret', which is not a plain file name inside"),
+    "a linked file": (_link_file, r"optimizer\.pt: a symbolic link; a state's files must be regular files in its folder"),
+    "a linked manifest": (_link_manifest, r"manifest\.json: a symbolic link"),
+    "a linked state folder": (_link_folder, r"checkpoint-00000004: a symbolic link; states are read only from folders inside"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_newest_state_is_skipped_with_a_warning_naming_it_for_the_newest_good_one(states, capsys, damage):
+    newest = states / "checkpoint-00000004"
+    apply, problem = DAMAGES[damage]
+    apply(newest, states.parent / "secret")
+    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*checkpoint-00000003\): \S*checkpoint-00000004[:/]") as warned:  # fmt: skip
+        resumed = _run(states, num_epochs=2)
+    assert any(re.search(problem, str(warning.message)) for warning in warned)
+    assert not any(str(SECRET_SIZE) in str(warning.message) or "bytes" in str(warning.message) for warning in warned)
+    assert "checkpoint-00000003 (after 3 optimizer updates)" in capsys.readouterr().out
+    assert resumed.num_update_steps_completed == 8  # continued from the older state, to the end of epoch 2
+
+
+def test_a_name_outside_the_folder_gets_the_same_answer_whatever_its_size_or_hash(states):
+    """No oracle: a guessed size or hash of an outside file changes nothing in what the loader says."""
+    folder, secret = states / "checkpoint-00000004", states.parent / "secret"
+    messages = set()
+    for entry in [{"size": SECRET_SIZE, "sha256": file_digest(secret)[1]}, {"size": SECRET_SIZE, "sha256": "0" * 64}]:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+        manifest["files"]["../../secret"] = entry
+        (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(CheckpointError, match="not a plain file name") as refused:
+            verify_folder(folder)
+        messages.add(str(refused.value))
+    assert len(messages) == 1 and str(SECRET_SIZE) not in messages.pop()
+
+
+BAD_FIELDS = [
+    ("world_size", 0, r"world_size is 0; it must be a whole number from 1 to the 1 rank file"),
+    ("world_size", True, r"world_size is True"),
+    ("world_size", 2, r"world_size is 2; it must be a whole number from 1 to the 1 rank file"),
+    ("num_update_steps_completed", "4", r"num_update_steps_completed is '4'; it must be a whole number >= 0"),
+    ("position", {"loop_epoch": -1, "batches_seen": 0, "rng_restore_point": "before_iterator"}, r"position\['loop_epoch'\] is -1"),
+    ("position", {"loop_epoch": 0, "batches_seen": 2, "rng_restore_point": "later"}, r"position\['rng_restore_point'\] is 'later'; it must be one of \('before_iterator', 'after_iterator'\)"),
+    ("kinds", ["forever"], r"kinds is \['forever'\]; it must be a non-empty list of \('rolling', 'permanent', 'best'\)"),
+    ("run_facts", None, r"run_facts is None; it must be a dict"),
+    ("files", [], r"files is a list; it must map each file name to its size and sha256"),
+    ("files", {"model.safetensors": {"size": -1, "sha256": "0" * 64}}, r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'sha256': 64 hex digits\}"),
+    ("files", {"model.safetensors": {"size": 1, "sha256": "xyz"}}, r"files\['model.safetensors'\] is .*'xyz'"),
+    ("files", {"rank_00000.pt": {"size": 1, "sha256": "0" * 64}}, r"files lists no model.safetensors, which every training state holds"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value", "problem"), BAD_FIELDS, ids=lambda value: str(value)[:20])
+def test_every_manifest_field_is_checked_for_type_and_range_before_use(states, name, value, problem):
+    folder = states / "checkpoint-00000004"
+    _edit_manifest(folder, lambda manifest: manifest.update({name: value}))
+    with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME}: damaged manifest: {problem}"):
+        verify_folder(folder)
+    assert folder not in [state.folder for state in list_complete_states(states)]  # never pruned by a forged claim
+
+
+def test_a_pickle_planted_as_model_safetensors_is_a_checkpoint_error_and_never_runs(states):
+    folder, marker = states / "checkpoint-00000004", states.parent / "pwned"
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (folder / "model.safetensors").write_bytes(pickle.dumps(Hostile()))
+    _rehash(folder, "model.safetensors")  # a forged manifest: the file checks out, so it is read
+    with pytest.raises(CheckpointError, match=r"checkpoint-00000004/model\.safetensors: not a safetensors file \(.*\); the state was damaged or altered"):  # fmt: skip
+        _run(states, num_epochs=2)
+    assert not marker.exists()
+
+
+def test_resuming_from_an_export_checkpoint_file_says_it_is_one_and_what_to_use(tmp_path):
+    model = nn.Linear(4, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
+    trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=2)
+    trainer.save_checkpoint(tmp_path / "model.pt")
+    with pytest.raises(CheckpointError, match=r"resume_from='.*model\.pt' is a file, not a training-state folder\. A file written by save_checkpoint is an export checkpoint .*trainer\.load_checkpoint\(path\).*resume_from needs a training-state folder"):  # fmt: skip
+        trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=tmp_path / "model.pt")
+    assert trainer.num_update_steps_completed == 4  # nothing was loaded or trained
+
+
+def test_resuming_into_another_optimizer_is_refused_naming_both_before_any_step(states):
+    class NoStep(TrainerCallback):
+        def on_train_step_start(self, trainer, **kwargs):
+            raise AssertionError("training resumed")
+
+    with pytest.raises(CheckpointError, match=r"optimizer\.pt does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this trainer's optimizer is Adam\. Resume with the optimizer the state was saved with"):  # fmt: skip
+        _run(states, optimizer=torch.optim.Adam, num_epochs=2, crash=NoStep())
+
+
+def test_a_state_without_the_optimizer_class_still_resumes_and_is_checked_by_structure(states):
+    """States written before the optimizer's class was saved: read as before; their parameter groups are compared."""
+    folder = states / "checkpoint-00000004"
+    shared = torch.load(folder / TRAINER_FILE, weights_only=True)
+    del shared["optimizer_class"]
+    torch.save(shared, folder / TRAINER_FILE)
+    _rehash(folder, TRAINER_FILE)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.01)
+    trainer = Trainer(model, nn.MSELoss(), two_groups, callbacks=())
+    with pytest.raises(CheckpointError, match=r"its parameter groups hold \[2\] parameters, but those of this trainer's SGD hold \[1, 1\]"):  # fmt: skip
+        trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=states)
+    assert _run(states, num_epochs=2).num_update_steps_completed == 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Temporaries of killed saves; pruning
+# ------------------------------------------------------------------------------------------------
+
+_STOPPED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import torch
+    from torch import nn
+    from pytorch_accel_trainer import Trainer, training_state
+
+    def stop(name):  # in the middle of a save: die, or stay alive writing
+        if name == "write:optimizer.pt":
+            if sys.argv[2] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            print("writing", flush=True)
+            time.sleep(120)
+
+    training_state._crash_point = stop
+    model = nn.Linear(1, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
+    samples = int(sys.argv[3])
+    trainer.train(torch.utils.data.TensorDataset(torch.ones(samples, 1), torch.ones(samples, 1)), num_epochs=1, per_device_batch_size=1)
+    trainer.save_training_state(sys.argv[1])
+    """
+)
+
+
+def test_a_later_save_removes_the_temporary_folders_of_killed_saves_and_never_a_live_ones(tmp_path):
+    parent = tmp_path / "states"
+    live = subprocess.Popen([sys.executable, "-c", _STOPPED_SAVE, str(parent), "live", "9"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "writing"
+        killed = subprocess.run([sys.executable, "-c", _STOPPED_SAVE, str(parent), "kill", "6"], capture_output=True, text=True)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        assert {path.name for path in parent.iterdir()} == {".tmp-checkpoint-00000006", ".tmp-checkpoint-00000009"}
+        assert _run(parent).num_update_steps_completed == 4  # saves after updates 1 to 4
+        left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-checkpoint")}
+        assert left == {".tmp-checkpoint-00000009"}  # the killed save's is gone, the live one's is untouched
+        assert (parent / ".tmp-checkpoint-00000009" / "model.safetensors").is_file()
+    finally:
+        live.kill()
+        live.wait()
+    _run(parent, num_epochs=2)
+    assert not [path for path in parent.iterdir() if path.name.startswith(".tmp-checkpoint")]
+
+
+def test_a_symlinked_parent_or_state_never_ends_a_run_nor_is_deleted_through(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    _run(tmp_path / "link", max_checkpoints=2)  # a save_dir that is a link: pruned inside its target
+    assert sorted(state.folder.name for state in list_complete_states(real)) == ["checkpoint-00000003", "checkpoint-00000004"]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.move(real / "checkpoint-00000003", outside / "checkpoint-00000003")
+    (real / "checkpoint-00000003").symlink_to(outside / "checkpoint-00000003", target_is_directory=True)
+    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*checkpoint-00000004\): \S*checkpoint-00000003: a symbolic link"):  # fmt: skip
+        _run(tmp_path / "link", num_epochs=2, max_checkpoints=2)
+    assert verify_folder(outside / "checkpoint-00000003")  # the link's target is never pruned
+    assert (real / "checkpoint-00000003").is_symlink()
+    assert sorted(state.folder.name for state in list_complete_states(real)) == ["checkpoint-00000007", "checkpoint-00000008"]
+
+
+def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+    parent, outside = tmp_path / "states", tmp_path / "outside"
+
+    def swap_for_a_link(name):  # the folder to prune becomes a link at that moment: rmtree refuses it (OSError)
+        if name == "prune:checkpoint-00000001":
+            shutil.move(parent / "checkpoint-00000001", outside)
+            (parent / "checkpoint-00000001").symlink_to(outside, target_is_directory=True)
+
+    monkeypatch.setattr(training_state, "_crash_point", swap_for_a_link)
+    with pytest.warns(UserWarning, match=r"Could not prune the training state \S*checkpoint-00000001 \(.*symbolic link.*\); it is left in place"):  # fmt: skip
+        trainer = _run(parent, max_checkpoints=2)
+    assert trainer.num_update_steps_completed == 4 and verify_folder(outside)
+    with pytest.warns(UserWarning, match=r"checkpoint-00000001: a symbolic link"):  # left in place, never read through
+        assert find_resumable_state(parent).folder.name == "checkpoint-00000004"
