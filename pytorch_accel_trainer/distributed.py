@@ -49,7 +49,7 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
         ValueError: another ``mixed_precision`` was already set up in this process, or ``"fp16"`` was asked for
             on the CPU (where Accelerate would silently train in float32).
     """
-    cpu = needs_cpu_backend()
+    cpu = bool(kwargs.pop("cpu", False)) or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
     already_set_up = PartialState._shared_state != {}
     precision_set_up = AcceleratorState._shared_state != {}
     try:

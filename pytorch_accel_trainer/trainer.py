@@ -228,7 +228,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
             loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
                 micro-batches in the current accumulation window.
         """
-        validate_loss_requires_grad(loss, self.model)  # an attribute read, no sync: a detached loss trains nothing
+        if not loss.requires_grad:  # an attribute read, no sync: a detached loss would train nothing
+            validate_loss_requires_grad(loss, self.model)
         if self.calls_torch_directly:
             loss.backward()
         else:
@@ -561,8 +562,10 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
     def _clip_gradients(self) -> None:
         """Clip by norm and/or value as set in ``train()``; keep the norm in ``last_gradient_norm`` (no sync)."""
         config = self.run_config
-        clip_norm, track_norm = config.gradient_clip_norm, self.track_gradient_norm
-        norm = accumulation.clip_gradients(self._accelerator, self.model, clip_norm, config.gradient_clip_value, track_norm)
+        clip_norm, clip_value, track_norm = config.gradient_clip_norm, config.gradient_clip_value, self.track_gradient_norm
+        if clip_norm is None and clip_value is None and not track_norm:
+            return  # nothing asked for: the default run
+        norm = accumulation.clip_gradients(self._accelerator, self.model, clip_norm, clip_value, track_norm)
         if clip_norm is not None or track_norm:
             self.last_gradient_norm = norm
 

@@ -314,3 +314,11 @@ def test_a_misspelt_placeholder_lists_the_placeholders_and_suggests_the_closest(
     ):
         getattr(TrainerPlaceholderValues, name)
     assert not hasattr(TrainerPlaceholderValues, "_not_an_attribute")  # internals keep the plain error
+
+
+def test_create_accelerator_accepts_cpu_true_from_code():
+    """``create_accelerator(cpu=True)`` used to raise TypeError (``cpu`` passed twice to Accelerator)."""
+    from pytorch_accel_trainer.distributed import create_accelerator
+
+    accelerator = create_accelerator(cpu=True)
+    assert accelerator.device.type == "cpu"
