@@ -37,6 +37,11 @@ class TrainerUtilitiesMixin:
 
             trainer.run_extra_eval_epoch(model=ema_model, callbacks=[MetricCollectionCallback(...)], metric_name_prefix="ema_")
         """
+        if self.eval_dataloader is None:
+            raise ValueError(
+                "run_extra_eval_epoch() evaluates on the eval_dataset of the training run, but this run has none: pass "
+                "train(..., eval_dataset=...), or call evaluate(dataset) outside the run."
+            )
         history, evaluated = self.run_history, model if model is not None else self.model
         restore = (self.model, self.callback_handler, getattr(history, "metric_name_prefix", ""))
         modes = [(module, module.training) for module in evaluated.modules()]

@@ -124,3 +124,13 @@ def test_a_dataloader_alias_keeps_pytorch_accelerated_scripts_working():
     replacement = [(torch.zeros(1, 1), torch.zeros(1, 1))]
     trainer._eval_dataloader = replacement
     assert trainer.eval_dataloader is replacement
+
+
+def test_an_extra_eval_epoch_without_eval_data_is_a_clear_error():
+    class Extra(TrainerCallback):
+        def on_train_epoch_end(self, trainer, **kwargs):
+            trainer.run_extra_eval_epoch(metric_name_prefix="other_")
+
+    trainer = make_trainer(make_linear(), callbacks=[Extra()])
+    with pytest.raises(ValueError, match=r"run_extra_eval_epoch\(\) evaluates on the eval_dataset of the training run"):
+        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
