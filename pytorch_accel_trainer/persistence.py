@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 from accelerate import skip_first_batches
 
+from pytorch_accel_trainer import async_save
 from pytorch_accel_trainer.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -25,6 +26,7 @@ from pytorch_accel_trainer.checkpointing import (
     load_checkpoint_file,
     save_checkpoint_file,
 )
+from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.run_state import RunState
@@ -138,11 +140,31 @@ def run_facts(trainer: "Trainer") -> dict:
     }
 
 
-def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None) -> Path:  # fmt: skip
-    """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this."""
+def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None, asynchronous=False) -> Path:  # fmt: skip
+    """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
+
+    A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
+    state is copied to host memory and written in the background; the folder it will have is returned."""
+    async_save.saver.wait()
+    if asynchronous:
+        staged = async_save.stage_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling)  # fmt: skip
+        async_save.saver.submit(staged)
+        trainer.print(f"Saving training state {staged.final} in the background")
+        return staged.final
     folder = write_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling)
     trainer.print(f"Saved training state {folder}")
     return folder
+
+
+def wait_for_saves(trainer: "Trainer") -> None:
+    """Wait for a training state being written in the background; raise its error unless one is already on its
+    way out of the run (then it is warned about, so that neither is lost)."""
+    try:
+        async_save.saver.wait()
+    except CheckpointError as error:
+        if sys.exc_info()[1] is None:
+            raise
+        warnings.warn(str(error), stacklevel=2)
 
 
 def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterable) -> None:
@@ -152,6 +174,7 @@ def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterab
     state = trainer.run_state
     if state.preemption_save_dir is not None and state.preemption_save_dir not in saved_to:
         write_state(trainer, state.preemption_save_dir, state.position(step))
+    async_save.saver.wait()  # a state being written in the background is complete before the process exits
     trainer.print(f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}.")
     sys.exit(128 + signal_number)
 
@@ -163,6 +186,14 @@ def _agreed_preemption_signal(trainer: "Trainer") -> Optional[int]:
         return state.preemption_signal
     (signal_number,) = trainer.process_agreement.any_process(trainer.accelerator, state.preemption_signal or 0)
     return signal_number or None  # one small host-side collective per update window, no device sync
+
+
+def end_saves_and_preemption(trainer: "Trainer") -> None:
+    """As a run ends: wait for a save under way in the background, and put back the signal handlers."""
+    try:
+        wait_for_saves(trainer)
+    finally:
+        disable_preemption(trainer.run_state)
 
 
 def disable_preemption(state: RunState) -> None:
@@ -215,7 +246,7 @@ class PersistenceMixin:
         """
         self.run_state.preemption_signal = signal_number
 
-    def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None) -> Optional[Path]:  # fmt: skip
+    def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None, asynchronous: bool = False) -> Optional[Path]:  # fmt: skip
         """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
 
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
@@ -233,12 +264,16 @@ class PersistenceMixin:
             kinds: ``"rolling"`` (pruned beyond ``max_checkpoints``), ``"permanent"`` (kept forever) and/or
                 ``"best"`` (only the newest is kept).
             max_checkpoints: keep at most this many rolling states in ``output_dir``.
+            asynchronous: during a run, stall the loop only while the state is copied to host memory and write it
+                on a background thread (single process only); the next save and the end of ``train()`` wait
+                for it and raise its error. Outside a run the save is synchronous.
 
         Returns:
             The new state's folder, or ``None`` when it will be taken at the next point between updates.
 
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
+            ValueError: ``asynchronous=True`` with several processes.
         """
         if self.run_state.options is None:
             raise RuntimeError(
@@ -247,9 +282,11 @@ class PersistenceMixin:
                 "use save_checkpoint(path) or save_weights(path)."
             )
         parent = Path(output_dir)
+        if asynchronous:
+            async_save.validate_asynchronous_save(self.accelerator)
         if not self.run_state.in_training_run:
             return write_state(self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints)
-        self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints)
+        self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints, asynchronous)
         return None
 
     def load_training_state(self, input_dir) -> dict:

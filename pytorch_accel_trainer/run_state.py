@@ -75,9 +75,13 @@ class RunState:
             return ResumePosition(self.epoch, 0, "before_iterator")
         return ResumePosition(self.epoch, step, "after_iterator")
 
-    def request_save(self, parent: Path, kinds, checkpoint_kwargs: Optional[dict], max_rolling: Optional[int]) -> None:
-        """Queue a training state under ``parent``; requests for one folder before a safe point merge into one."""
-        request = self.save_requests.setdefault(parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_rolling})
+    def request_save(self, parent: Path, kinds, checkpoint_kwargs: Optional[dict], max_rolling: Optional[int], asynchronous: bool = False) -> None:  # fmt: skip
+        """Queue a training state under ``parent``; requests for one folder before a safe point merge into one
+        (asynchronous only when each of them is)."""
+        request = self.save_requests.setdefault(
+            parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_rolling, "asynchronous": asynchronous}
+        )
+        request["asynchronous"] = request["asynchronous"] and asynchronous
         request["kinds"].update(kinds)
         request["checkpoint_kwargs"].update(checkpoint_kwargs or {})
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 import re
 import stat
 from dataclasses import dataclass, field
@@ -22,7 +23,14 @@ from typing import Any, Optional
 
 import torch
 
-FORMAT_VERSION = 1
+#: Version 2 checks each file with CRC32 (``{"size", "crc32"}``); version 1 (SHA-256, ``{"size", "sha256"}``) is
+#: still read and verified.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+#: The checksum each format version records per file, and the pattern of its hex digest.
+CHECKSUMS = {1: "sha256", 2: "crc32"}
+_DIGEST_PATTERNS = {"sha256": re.compile(r"[0-9a-f]{64}"), "crc32": re.compile(r"[0-9a-f]{8}")}
+_CHUNK = 8 << 20
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 STATE_PREFIX = "checkpoint-"
@@ -41,7 +49,6 @@ WRITER_MARKER_PREFIX = ".writer-"
 #: A manifest lists a few small entries per process: far below this even for thousands of processes.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 _RANK_FILE = re.compile(r"rank_\d{5,}\.pt")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # O_NOFOLLOW makes open() fail on a symbolic link (ELOOP) instead of reading what it points to; O_NONBLOCK keeps
 # a FIFO planted under a file's name from blocking the open (it is then refused as not a regular file)
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
@@ -121,12 +128,45 @@ class StoredState:
 # ------------------------------------------------------------------------------------------------
 
 
-def save_tensors_file(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path``, flushed to disk."""
+class ChecksumWriter:
+    """A write-only file object that computes the CRC32 and size of the bytes as they are written, so a file's
+    checksum costs no second read (torch.save writes through ``write``)."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self.crc32 = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)  # releases the GIL on large buffers
+        self.size += len(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    @property
+    def digest(self) -> str:
+        return f"{self.crc32:08x}"
+
+
+def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
+    """``torch.save`` to ``path``, flushed to disk; return its size and CRC32, computed while writing."""
     with open(path, "wb") as handle:
-        torch.save(obj, handle)
+        writer = ChecksumWriter(handle)
+        torch.save(obj, writer)
         handle.flush()
         os.fsync(handle.fileno())
+    return writer.size, writer.digest
+
+
+def write_bytes_file(data: bytes, path: Path) -> tuple[int, str]:
+    """Write ``data`` to ``path``, flushed to disk; return its size and CRC32."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return len(data), f"{zlib.crc32(data):08x}"
 
 
 def fsync_path(path: Path) -> None:
@@ -183,22 +223,90 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
     return descriptor, status
 
 
-def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, str]:
-    """The size and SHA-256 of the regular file ``path``, read from the file opened (not through a link); the
-    digest is ``""``, and the file not read, when its size is not ``expected_size``.
+def file_digest(path: Path, expected_size: Optional[int] = None, algorithm: str = "sha256") -> tuple[int, str]:
+    """The size and digest (``"sha256"`` or ``"crc32"``) of the regular file ``path``, read from the file opened
+    (not through a link); the digest is ``""``, and the file not read, when its size is not ``expected_size``.
 
     Raises:
         FileNotFoundError: there is no such file.
         DamagedStateError: ``path`` is a symbolic link or not a regular file.
     """
     descriptor, status = _open_regular_file(path)
-    digest = hashlib.sha256()
-    with os.fdopen(descriptor, "rb") as handle:
+    digest = hashlib.sha256() if algorithm == "sha256" else None
+    crc = 0
+    with os.fdopen(descriptor, "rb", buffering=0) as handle:
         if expected_size is not None and status.st_size != expected_size:
             return status.st_size, ""
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return status.st_size, digest.hexdigest()
+        for chunk in iter(lambda: handle.read(_CHUNK), b""):
+            if digest is None:
+                crc = zlib.crc32(chunk, crc)  # zlib and hashlib release the GIL: files are checked in threads
+            else:
+                digest.update(chunk)
+    return status.st_size, f"{crc:08x}" if digest is None else digest.hexdigest()
+
+
+# CRC32 of a concatenation from the CRCs of its parts (zlib's crc32_combine, which Python's zlib does not expose),
+# so that a large file is checked in chunks on several threads.
+_CRC_POLY = 0xEDB88320
+
+
+def _multiply_mod_p(a: int, b: int) -> int:
+    m, product = 1 << 31, 0
+    while True:
+        if a & m:
+            product ^= b
+            if a & (m - 1) == 0:
+                return product
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_X_2N = [1 << 30]  # x^(2^n) modulo the CRC polynomial
+for _ in range(31):
+    _X_2N.append(_multiply_mod_p(_X_2N[-1], _X_2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    power, k = 1 << 31, 3  # x^(8 * length2): the bits of B shift A's remainder
+    while length2:
+        if length2 & 1:
+            power = _multiply_mod_p(_X_2N[k & 31], power)
+        length2 >>= 1
+        k += 1
+    return _multiply_mod_p(power, crc1) ^ crc2
+
+
+def chunked_crc32(path: Path, expected_size: int, pool, chunk: int = 16 << 20) -> tuple[int, Any]:
+    """Start checking the regular file ``path`` (not through a link) in chunks on ``pool``; return its size and a
+    function giving its CRC32 as 8 hex digits (``""`` when the size is not ``expected_size``: nothing is read).
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        DamagedStateError: ``path`` is a symbolic link or not a regular file.
+    """
+    descriptor, status = _open_regular_file(path)
+    if status.st_size != expected_size:
+        os.close(descriptor)
+        return status.st_size, lambda: ""
+    offsets = range(0, status.st_size, chunk)
+    parts = [pool.submit(lambda offset: zlib.crc32(os.pread(descriptor, chunk, offset)), offset) for offset in offsets]
+
+    def result() -> str:
+        try:
+            crc = 0
+            for offset, part in zip(offsets, parts):
+                crc = crc32_combine(crc, part.result(), min(chunk, status.st_size - offset))
+            return f"{crc:08x}"
+        finally:
+            for part in parts:
+                part.cancel()
+            for part in parts:
+                if not part.cancelled():
+                    part.exception()  # wait: the descriptor is closed only when no chunk is being read
+            os.close(descriptor)
+
+    return status.st_size, result
 
 
 def read_small_text(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
@@ -238,19 +346,21 @@ def validate_position(position) -> None:
         )
 
 
-def _validate_files(files) -> None:
+def _validate_files(files, algorithm: str = "sha256") -> None:
     if not isinstance(files, dict):
-        raise DamagedStateError(f"files is a {type(files).__name__}; it must map each file name to its size and sha256")
+        raise DamagedStateError(f"files is a {type(files).__name__}; it must map each file name to its size and {algorithm}")
+    pattern = _DIGEST_PATTERNS[algorithm]
     for name, entry in files.items():
         validate_file_name(name)
         if (
             not isinstance(entry, dict)
             or not _is_count(entry.get("size"))
-            or not isinstance(entry.get("sha256"), str)
-            or not _SHA256.fullmatch(entry["sha256"])
+            or not isinstance(entry.get(algorithm), str)
+            or not pattern.fullmatch(entry[algorithm])
         ):
+            digits = "64 hex digits" if algorithm == "sha256" else "8 hex digits"
             raise DamagedStateError(
-                f"files[{name!r}] is {entry!r}; it must be {{'size': a whole number >= 0, 'sha256': 64 hex digits}}"
+                f"files[{name!r}] is {entry!r}; it must be {{'size': a whole number >= 0, '{algorithm}': {digits}}}"
             )
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
@@ -269,7 +379,7 @@ def _validate_world_size(world_size, files: dict) -> None:
 
 
 def validate_manifest(manifest: dict) -> None:
-    """Check every field of a manifest (of the current format version) for its type and range.
+    """Check every field of a manifest (of a readable format version) for its type and range.
 
     Raises:
         DamagedStateError: naming the first field that is missing, of the wrong type or out of range.
@@ -284,7 +394,7 @@ def validate_manifest(manifest: dict) -> None:
         raise DamagedStateError(f"kinds is {kinds!r}; it must be a non-empty list of {KINDS}")
     if not isinstance(manifest.get("run_facts"), dict):
         raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
-    _validate_files(manifest.get("files"))
+    _validate_files(manifest.get("files"), CHECKSUMS.get(manifest.get("format_version"), "sha256"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])
 
 

@@ -437,7 +437,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
                 persistence.take_requested_saves(self)
         finally:
             state.in_training_run = False  # from here on, saves are taken at once
-            persistence.disable_preemption(state)
+            persistence.end_saves_and_preemption(self)  # a save in the background is complete (or its error raised)
             state.non_finite_policy = None
         self.training_run_end()
         self.callback_handler.call_event("on_training_run_end", self)

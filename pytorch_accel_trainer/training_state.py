@@ -1,7 +1,7 @@
 """Crash-safe training-state checkpoints: a folder per state, verified by a manifest.
 
 A training state is written to a temporary folder, flushed, given a manifest (format version, position,
-world size, every file with its size and SHA-256) and only then renamed into place; ``latest`` is
+world size, every file with its size and CRC32, computed as it is written) and only then renamed into place; ``latest`` is
 updated after that, and old states are pruned last. A crash at any point leaves either the previous
 states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
 folder whose manifest checks out, and names the file that does not. A temporary folder left by a killed
@@ -17,72 +17,33 @@ from __future__ import annotations
 
 import json
 import os
-import random
+from concurrent.futures import ThreadPoolExecutor
 import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import numpy as np
 import torch
 
 from pytorch_accel_trainer.checkpointing import is_abandoned, validate_plain, writer_tag
 from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
+from pytorch_accel_trainer.rng_state import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
 from pytorch_accel_trainer.state_files import (  # noqa: F401  (the file names are re-exported: they were always here)
-    FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
-    TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, describe_changes,
+    CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
+    TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, chunked_crc32, describe_changes,
     describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
     read_small_text, save_tensors_file, state_folders, temporary_folder, unused_folder_name, validate_manifest,
     write_text_atomically,
 )  # fmt: skip
 
 
+#: Reads back the CRC32 of a file another library wrote, while this thread writes the next (threads start lazily).
+_CRC_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-crc")
+
+
 def _crash_point(name: str) -> None:
     """Called between the steps of a save; tests replace it to simulate a crash at ``name``."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Random number generators, as plain tensors and numbers (no pickle needed to read them back)
-# ------------------------------------------------------------------------------------------------
-
-
-def capture_rng_state() -> dict:
-    """Return the state of every RNG of this process: torch, CUDA, numpy and ``random``."""
-    numpy_state = np.random.get_state()
-    python_version, python_internal, python_gauss = random.getstate()
-    state = {
-        "torch": torch.random.get_rng_state(),
-        "numpy": {
-            "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
-            "position": int(numpy_state[2]),
-            "has_gauss": int(numpy_state[3]),
-            "cached_gaussian": float(numpy_state[4]),
-        },
-        "python": {"version": python_version, "internal": list(python_internal), "gauss": python_gauss},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    """Restore what :func:`capture_rng_state` returned."""
-    torch.random.set_rng_state(state["torch"])
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["position"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    )
-    python_state = state["python"]
-    random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,15 +103,20 @@ def begin_save(final_folder: Path) -> Path:
     return temporary
 
 
-def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict) -> None:
-    """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only)."""
-    files = {}
+def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, checksums: Optional[dict] = None) -> None:
+    """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
+
+    ``checksums`` maps the files whose size and CRC32 were computed as they were written to them (or to a future
+    of them); the others
+    (written by other processes, or by safetensors) are read back once, from the page cache."""
+    checksums, files = dict(checksums or {}), {}
     for path in sorted(temporary.iterdir()):
         if path.name.startswith(WRITER_MARKER_PREFIX):
             continue
         _crash_point(f"hash:{path.name}")
-        size, sha256 = file_digest(path)
-        files[path.name] = {"size": size, "sha256": sha256}
+        known = checksums.get(path.name)
+        size, crc32 = file_digest(path, algorithm="crc32") if known is None else getattr(known, "result", lambda: known)()
+        files[path.name] = {"size": size, "crc32": crc32}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
     _crash_point("manifest")
     write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
@@ -180,11 +146,11 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{error}: a damaged manifest.") from error
     except (OSError, ValueError, RecursionError) as error:
         raise CheckpointError(f"{path}: damaged manifest ({error}).") from error
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
         version = manifest.get("format_version") if isinstance(manifest, dict) else None
         raise CheckpointError(
-            f"{path}: format version {version!r}, but this version of pytorch_accel_trainer reads version "
-            f"{FORMAT_VERSION}."
+            f"{path}: format version {version!r}, but this version of pytorch_accel_trainer reads versions "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}."
         )
     try:
         validate_manifest(manifest)
@@ -194,27 +160,60 @@ def read_manifest(folder: Path) -> dict:
 
 
 def verify_folder(folder: Path) -> StoredState:
-    """Check every file of a training state against its manifest (size, then SHA-256), never through a link.
+    """Check every file of a training state against its manifest (size, then CRC32, or SHA-256 for format 1),
+    never through a link; the files are checked in parallel threads (zlib and hashlib release the GIL).
 
     Raises:
         CheckpointError: naming the file that is missing, truncated, altered, or a link.
     """
     manifest = read_manifest(folder)
-    for name, expected in sorted(manifest["files"].items()):
-        path = folder / name  # a plain name: read_manifest refused separators, "..", absolute paths
-        try:
-            size, sha256 = file_digest(path, expected_size=expected["size"])
-        except FileNotFoundError as error:
-            raise CheckpointError(f"{path}: missing, although the manifest lists it.") from error
-        except DamagedStateError as error:
-            raise CheckpointError(f"{error}: the state is damaged or was altered.") from error
-        except OSError as error:
-            raise CheckpointError(f"{path}: cannot be read ({error.strerror}).") from error
-        if size != expected["size"]:
-            raise CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
-        if sha256 != expected["sha256"]:
-            raise CheckpointError(f"{path}: its SHA-256 does not match the manifest (the file is corrupted or altered).")
+    algorithm = CHECKSUMS[manifest["format_version"]]
+    names = sorted(manifest["files"])
+    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
+        # every file's chunks are queued before any is awaited: all of them are read and checked at once
+        started = [_start_check(folder / name, manifest["files"][name], algorithm, pool) for name in names]
+        problems = [_file_problem(path, expected, algorithm, check) for path, expected, check in started]
+    for problem in problems:  # in name order: the first damaged file is named, whichever thread found it first
+        if problem is not None:
+            raise problem
     return StoredState(folder, manifest)
+
+
+def _start_check(path: Path, expected: dict, algorithm: str, pool: ThreadPoolExecutor):
+    """Start checking ``path`` on ``pool``: CRC32 in chunks, SHA-256 (format 1) as one task per file."""
+    try:
+        if algorithm == "crc32":
+            size, digest = chunked_crc32(path, expected["size"], pool)
+            return path, expected, (size, digest)
+        future = pool.submit(file_digest, path, expected["size"], algorithm)
+        return path, expected, future
+    except (OSError, DamagedStateError) as error:
+        return path, expected, error
+
+
+def _file_problem(path: Path, expected: dict, algorithm: str, check) -> Optional[CheckpointError]:
+    """Why ``path`` does not match its manifest entry, or ``None`` (a plain name: read_manifest refused others)."""
+    try:
+        if isinstance(check, BaseException):
+            raise check
+        size, digest = check.result() if hasattr(check, "result") else (check[0], check[1]())
+    except FileNotFoundError as error:
+        return _chained(CheckpointError(f"{path}: missing, although the manifest lists it."), error)
+    except DamagedStateError as error:
+        return _chained(CheckpointError(f"{error}: the state is damaged or was altered."), error)
+    except OSError as error:
+        return _chained(CheckpointError(f"{path}: cannot be read ({error.strerror})."), error)
+    if size != expected["size"]:
+        return CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
+    if digest != expected[algorithm]:
+        name = "SHA-256" if algorithm == "sha256" else "CRC32"
+        return CheckpointError(f"{path}: its {name} does not match the manifest (the file is corrupted or altered).")
+    return None
+
+
+def _chained(error: CheckpointError, cause: BaseException) -> CheckpointError:
+    error.__cause__ = cause
+    return error
 
 
 def list_complete_states(parent: Path) -> list[StoredState]:
@@ -432,7 +431,7 @@ def write_training_state(
     accelerator.wait_for_everyone()
     temporary = temporary_folder(final)
     _crash_point(f"write:{rank_file(accelerator.process_index)}")
-    save_tensors_file(rank_state, temporary / rank_file(accelerator.process_index))
+    checksums = {rank_file(accelerator.process_index): save_tensors_file(rank_state, temporary / rank_file(accelerator.process_index))}
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _crash_point(f"write:{MODEL_FILE}")
@@ -442,18 +441,20 @@ def write_training_state(
             own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
             save_file(own_storage, str(temporary / MODEL_FILE))
         fsync_path(temporary / MODEL_FILE)
+        # safetensors writes the file itself: its CRC is read back (page cache) on a thread while the rest is written
+        checksums[MODEL_FILE] = _CRC_READER.submit(file_digest, temporary / MODEL_FILE, None, "crc32")
         _crash_point(f"write:{OPTIMIZER_FILE}")
         optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
-        save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
+        checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
         if trainer.scheduler is not None:
             _crash_point(f"write:{SCHEDULER_FILE}")
             scheduler_state = trainer.scheduler.state_dict()
             validate_plain(scheduler_state, "scheduler.state_dict()")
-            save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
+            checksums[SCHEDULER_FILE] = save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
         if accelerator.scaler is not None:
-            save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
+            checksums[SCALER_FILE] = save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
         _crash_point(f"write:{TRAINER_FILE}")
-        save_tensors_file(
+        checksums[TRAINER_FILE] = save_tensors_file(
             {
                 "position": asdict(position),
                 "num_update_steps_completed": trainer.num_update_steps_completed,
@@ -474,6 +475,7 @@ def write_training_state(
                 "kinds": sorted(set(kinds)),
                 "run_facts": run_facts,
             },
+            checksums,
         )
         prune_states(parent, max_rolling, keep=[final])
     accelerator.wait_for_everyone()

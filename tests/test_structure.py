@@ -51,14 +51,14 @@ def _runtime_imports_of(path: pathlib.Path) -> set:
 LAYERS = {
     # 0: leaves, importing nothing of the package
     "errors.py": 0, "utils.py": 0, "preemption.py": 0, "sharded.py": 0, "checkpointing.py": 0, "freezing.py": 0,
-    "state_files.py": 0,
+    "state_files.py": 0, "rng_state.py": 0,
     # 1: helpers over the leaves
     "validation.py": 1, "tracking.py": 1, "placeholders.py": 1, "batches.py": 1, "non_finite.py": 1,
     "distributed.py": 1, "training_state.py": 1,
     # 2: what a run is (its config and state), and the callbacks, which get the trainer at call time
     "run_config.py": 2, "run_state.py": 2, "plotting.py": 2, "callbacks/*": 2,
     # 3: the loop's mechanics over the run state
-    "accumulation.py": 3, "persistence.py": 3,
+    "accumulation.py": 3, "persistence.py": 3, "async_save.py": 2,
     # 4: the Trainer's mixins, 5: the Trainer, 6: the package's names
     "setup.py": 4, "accessors.py": 4, "trainer.py": 5, "__init__.py": 6,
 }  # fmt: skip

@@ -33,6 +33,8 @@ class SaveTrainingStateCallback(TrainerCallback):
             run-history metric.
         greater_is_better: whether a larger ``watch_metric`` is better.
         save_on_signals: the signals that save and exit; ``()`` to leave signals alone.
+        asynchronous: stall training only while each state is copied to host memory and write it in the
+            background (single process only; see ``Trainer.save_training_state``).
 
     Example::
 
@@ -52,6 +54,7 @@ class SaveTrainingStateCallback(TrainerCallback):
         watch_metric: Optional[str] = None,
         greater_is_better: bool = False,
         save_on_signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS,
+        asynchronous: bool = False,
     ):
         for name, value in (
             ("save_every_n_epochs", save_every_n_epochs),
@@ -72,6 +75,7 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.watch_metric = watch_metric
         self.is_better = operator.gt if greater_is_better else operator.lt
         self.save_on_signals = tuple(save_on_signals)
+        self.asynchronous = asynchronous
         self.best_metric = None
         self._last_saved_step: Optional[int] = None
 
@@ -128,5 +132,5 @@ class SaveTrainingStateCallback(TrainerCallback):
         return False
 
     def _save(self, trainer: "Trainer", kinds: set) -> None:
-        trainer.save_training_state(self.save_dir, kinds=kinds, max_checkpoints=self.max_checkpoints)
+        trainer.save_training_state(self.save_dir, kinds=kinds, max_checkpoints=self.max_checkpoints, asynchronous=self.asynchronous)
         self._last_saved_step = trainer.num_update_steps_completed

@@ -1,0 +1,121 @@
+"""How fast is a training state saved and loaded, next to torch.save / torch.load of the same tensors, and how
+long does an asynchronous save stall training? See benchmarks/README.md.
+
+    python benchmarks/training_state_speed.py [--width 2048] [--layers 3] [--repeats 5]
+
+Prints a markdown table and one JSON line; ``asynchronous`` rows show ``n/a`` on versions without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pytorch_accel_trainer import Trainer, persistence
+
+
+def _model(width: int, layers: int) -> nn.Module:
+    blocks = [module for _ in range(layers) for module in (nn.Linear(width, width), nn.ReLU())]
+    return nn.Sequential(*blocks, nn.Linear(width, 1))
+
+
+def _trainer(width: int, layers: int) -> Trainer:
+    torch.manual_seed(0)
+    model = _model(width, layers)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.Adam(model.parameters(), lr=1e-4), callbacks=[])
+    data = TensorDataset(torch.randn(8, width), torch.randn(8, 1))
+    trainer.train(data, num_epochs=1, per_device_batch_size=4)  # two updates: Adam holds its two moments
+    return trainer
+
+
+def _fsynced_torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as handle:  # flushed to disk, as a training state is
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
+    trainer = _trainer(width, layers)
+    model, optimizer = trainer.get_model(), trainer.optimizer
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    state_bytes += sum(
+        v.numel() * v.element_size() for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)
+    )
+    times = {name: [] for name in ("torch_save", "torch_load", "state_save", "state_load", "sync_stall", "async_stall", "async_total")}
+    has_async = "asynchronous" in persistence.write_state.__code__.co_varnames
+    for repeat in range(repeats):
+        plain = root / f"plain-{repeat}.pt"
+        times["torch_save"].append(_timed(lambda: _fsynced_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)))
+
+        def torch_load():
+            loaded = torch.load(plain, map_location="cpu", weights_only=True)
+            model.load_state_dict(loaded["model"])
+            optimizer.load_state_dict(loaded["optimizer"])
+
+        times["torch_load"].append(_timed(torch_load))
+        folder = root / f"states-{repeat}"
+        times["state_save"].append(_timed(lambda: trainer.save_training_state(folder)))
+        times["state_load"].append(_timed(lambda: trainer.load_training_state(folder)))
+        position = trainer.run_state.position(None)
+        times["sync_stall"].append(_timed(lambda: persistence.write_state(trainer, root / f"sync-{repeat}", position)))
+        if has_async:
+            from pytorch_accel_trainer import async_save
+
+            start = time.perf_counter()
+            persistence.write_state(trainer, root / f"async-{repeat}", position, asynchronous=True)
+            times["async_stall"].append(time.perf_counter() - start)  # what the training loop waits for
+            async_save.saver.wait()
+            times["async_total"].append(time.perf_counter() - start)
+        for path in root.iterdir():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    medians = {name: statistics.median(values) for name, values in times.items() if values}
+    return {"width": width, "layers": layers, "repeats": repeats, "state_mib": state_bytes / 2**20, "median_s": medians, "raw_s": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary folder)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="state-speed-", dir=args.dir))
+    try:
+        result = measure(args.width, args.layers, args.repeats, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    m = result["median_s"]
+    print(f"state: {result['state_mib']:.0f} MiB (params + Adam moments), median of {args.repeats}\n")
+    print("| measure | seconds | ratio |\n|---|---|---|")
+    print(f"| torch.save + fsync | {m['torch_save']:.3f} | 1 |")
+    print(f"| save_training_state | {m['state_save']:.3f} | {m['state_save'] / m['torch_save']:.2f}x torch.save |")
+    print(f"| torch.load + load_state_dict | {m['torch_load']:.3f} | 1 |")
+    print(f"| load_training_state (verify + load) | {m['state_load']:.3f} | {m['state_load'] / m['torch_load']:.2f}x torch.load |")
+    print(f"| stall of a synchronous save | {m['sync_stall']:.3f} | 1 |")
+    if "async_stall" in m:
+        print(f"| stall of an asynchronous save | {m['async_stall']:.3f} | {m['async_stall'] / m['sync_stall']:.2f}x synchronous |")
+        print(f"| asynchronous save, until written | {m['async_total']:.3f} | {m['async_total'] / m['sync_stall']:.2f}x synchronous |")
+    else:
+        print("| stall of an asynchronous save | n/a | n/a |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

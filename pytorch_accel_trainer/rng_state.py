@@ -1,0 +1,48 @@
+"""The random number generators of a process, as plain tensors and numbers (no pickle needed to read them back).
+A leaf: it imports nothing of the package."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+
+
+def capture_rng_state() -> dict:
+    """Return the state of every RNG of this process: torch, CUDA, numpy and ``random``."""
+    numpy_state = np.random.get_state()
+    python_version, python_internal, python_gauss = random.getstate()
+    state = {
+        "torch": torch.random.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+            "position": int(numpy_state[2]),
+            "has_gauss": int(numpy_state[3]),
+            "cached_gaussian": float(numpy_state[4]),
+        },
+        "python": {"version": python_version, "internal": list(python_internal), "gauss": python_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore what :func:`capture_rng_state` returned."""
+    torch.random.set_rng_state(state["torch"])
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
+    python_state = state["python"]
+    random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

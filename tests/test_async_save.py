@@ -1,0 +1,110 @@
+"""Asynchronous training-state saves, and the checksums of states (CRC32 now, SHA-256 in format 1)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from test_training_state import Crash, CrashAt, _final_state, _run
+
+from conftest import assert_bitwise_equal
+from pytorch_accel_trainer import async_save, training_state
+from pytorch_accel_trainer.state_files import file_digest
+from pytorch_accel_trainer.training_state import (
+    MANIFEST_NAME,
+    CheckpointError,
+    find_resumable_state,
+    list_complete_states,
+    verify_folder,
+)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _final_state(_run(tmp_path_factory.mktemp("reference")))
+
+
+def _state_files(folder):
+    return {path.name: path.read_bytes() for path in folder.iterdir() if path.name != MANIFEST_NAME}
+
+
+def test_an_asynchronous_save_writes_the_same_state_as_a_synchronous_one(tmp_path, reference):
+    synchronous = _run(tmp_path / "sync", num_epochs=1)
+    asynchronous = _run(tmp_path / "async", num_epochs=1, asynchronous=True)
+    assert not async_save.saver.pending  # the end of train() waited for the last one
+    assert_bitwise_equal(_final_state(asynchronous), _final_state(synchronous))
+    sync_states, async_states = list_complete_states(tmp_path / "sync"), list_complete_states(tmp_path / "async")
+    assert [state.folder.name for state in sync_states] == [state.folder.name for state in async_states]
+    for sync_state, async_state in zip(sync_states, async_states):
+        verify_folder(async_state.folder)
+        assert async_state.manifest == sync_state.manifest  # same files, sizes and CRC32: the same bytes
+        assert _state_files(async_state.folder) == _state_files(sync_state.folder)
+
+
+def test_a_crash_then_an_asynchronous_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, reference):
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=4), asynchronous=True)
+    async_save.saver.wait()  # what a process exit does
+    resumed = _run(tmp_path, asynchronous=True)
+    assert_bitwise_equal(_final_state(resumed), reference)
+
+
+@pytest.mark.parametrize("point", ["write:optimizer.pt", "hash:model.safetensors", "manifest", "rename"])
+def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_last_good_state(tmp_path, reference, monkeypatch, point):
+    failed = []
+
+    def fail(name):  # once, in the background thread, when earlier states exist that it must not damage
+        if name == point and not failed and len(list_complete_states(tmp_path)) >= 4:
+            failed.append(name)
+            raise Crash(name)
+
+    monkeypatch.setattr(training_state, "_crash_point", fail)
+    with pytest.raises(CheckpointError, match=r"The asynchronous save of a training state failed \(Crash: .*\); the states saved before it are intact") as raised:  # fmt: skip
+        _run(tmp_path, max_checkpoints=4, asynchronous=True)
+    assert failed == [point] and isinstance(raised.value.__cause__, Crash)
+    assert not async_save.saver.pending
+    assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
+    assert find_resumable_state(tmp_path) is not None
+    monkeypatch.setattr(training_state, "_crash_point", lambda name: None)
+    resumed = _run(tmp_path, max_checkpoints=4, asynchronous=True)
+    assert_bitwise_equal(_final_state(resumed), reference)
+
+
+def test_asynchronous_saves_of_several_processes_are_refused_naming_the_alternative():
+    accelerator = SimpleNamespace(num_processes=2, distributed_type="MULTI_GPU", state=None)
+    with pytest.raises(ValueError, match=r"this run has 2 process\(es\).*Pass asynchronous=False"):
+        async_save.validate_asynchronous_save(accelerator)
+
+
+def _as_format_1(folder):
+    """Rewrite a state's manifest as an older version wrote it: format 1, SHA-256 per file."""
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    manifest["format_version"] = 1
+    manifest["files"] = {name: {"size": entry["size"], "sha256": file_digest(folder / name)[1]} for name, entry in manifest["files"].items()}  # fmt: skip
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+
+
+def test_a_state_of_format_1_with_sha256_still_verifies_and_resumes_exactly(tmp_path, reference):
+    with pytest.raises(Crash):
+        _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=4))
+    for state in list_complete_states(tmp_path):
+        _as_format_1(state.folder)
+    assert verify_folder(find_resumable_state(tmp_path).folder).manifest["format_version"] == 1
+    assert_bitwise_equal(_final_state(_run(tmp_path)), reference)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_file_of_a_format_1_state_is_named(tmp_path, damage):
+    _run(tmp_path, num_epochs=1, max_checkpoints=1)
+    folder = find_resumable_state(tmp_path).folder
+    _as_format_1(folder)
+    path = folder / "optimizer.pt"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"optimizer.pt: .*(SHA-256 does not match|truncated)"):
+        verify_folder(folder)
