@@ -159,10 +159,11 @@ def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kind
 def wait_for_saves(trainer: "Trainer") -> None:
     """Wait for a training state being written in the background; raise its error unless one is already on its
     way out of the run (then it is warned about, so that neither is lost)."""
+    already_failing = sys.exc_info()[1] is not None  # called from a finally: another error may be on its way out
     try:
         async_save.saver.wait()
     except CheckpointError as error:
-        if sys.exc_info()[1] is None:
+        if not already_failing:
             raise
         warnings.warn(str(error), stacklevel=2)
 

@@ -108,3 +108,19 @@ def test_a_damaged_file_of_a_format_1_state_is_named(tmp_path, damage):
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"optimizer.pt: .*(SHA-256 does not match|truncated)"):
         verify_folder(folder)
+
+
+def test_a_failure_of_the_last_background_save_is_raised_as_train_returns(tmp_path, monkeypatch):
+    manifests = []
+
+    def fail_the_last(name):  # the 11th and last save of the epoch (11 updates, one save each, none at the end)
+        if name == "manifest":
+            manifests.append(name)
+            if len(manifests) == 11:
+                raise Crash(name)
+
+    monkeypatch.setattr(training_state, "_crash_point", fail_the_last)
+    with pytest.raises(CheckpointError, match=r"The asynchronous save of a training state failed"):
+        _run(tmp_path, num_epochs=1, save_every_n_epochs=None, save_at_end=False, asynchronous=True)
+    assert len(manifests) == 11 and not async_save.saver.pending
+    assert len(list_complete_states(tmp_path)) == 10  # the ten before it are intact
