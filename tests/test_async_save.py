@@ -6,7 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from test_training_state import Crash, CrashAt, _final_state, _run
+from test_training_state import Crash, CrashAt, _final_state, _run, damage_file
 
 from conftest import assert_bitwise_equal
 from pytorch_accel_trainer import async_save, training_state
@@ -99,13 +99,7 @@ def test_a_damaged_file_of_a_format_1_state_is_named(tmp_path, damage):
     _run(tmp_path, num_epochs=1, max_checkpoints=1)
     folder = find_resumable_state(tmp_path).folder
     _as_format_1(folder)
-    path = folder / "optimizer.pt"
-    data = bytearray(path.read_bytes())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x01
-    else:
-        data = data[: len(data) // 2]
-    path.write_bytes(bytes(data))
+    damage_file(folder / "optimizer.pt", damage)
     with pytest.raises(CheckpointError, match=r"optimizer.pt: .*(SHA-256 does not match|truncated)"):
         verify_folder(folder)
 

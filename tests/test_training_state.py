@@ -142,17 +142,21 @@ def _saved_state(tmp_path, **config):
     return find_resumable_state(tmp_path).folder
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"])
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, name, damage):
-    folder = _saved_state(tmp_path, max_checkpoints=1)
-    path = folder / name
+def damage_file(path, damage: str) -> None:
+    """Flip one bit in the middle of ``path`` (``"flip"``), or cut it in half (``"truncate"``)."""
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x01
     else:
         data = data[: len(data) // 2]
     path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, name, damage):
+    folder = _saved_state(tmp_path, max_checkpoints=1)
+    damage_file(folder / name, damage)
     with pytest.raises(CheckpointError, match=rf"{name}: .*(CRC32 does not match|truncated)"):
         verify_folder(folder)
     with pytest.raises(CheckpointError, match=rf"none can be trusted, so the run was not restarted from scratch:\n.*{name}"):
