@@ -53,10 +53,11 @@ LAYERS = {
     "errors.py": 0, "utils.py": 0, "preemption.py": 0, "sharded.py": 0, "checkpointing.py": 0, "freezing.py": 0,
     "state_files.py": 0, "rng_state.py": 0,
     # 1: helpers over the leaves
+    "finetuning.py": 1,
     "validation.py": 1, "tracking.py": 1, "placeholders.py": 1, "batches.py": 1, "non_finite.py": 1,
     "distributed.py": 1, "training_state.py": 1,
     # 2: what a run is (its config and state), and the callbacks, which get the trainer at call time
-    "run_config.py": 2, "run_state.py": 2, "plotting.py": 2, "callbacks/*": 2,
+    "run_config.py": 2, "run_state.py": 2, "plotting.py": 2, "callbacks/*": 2, "schedulers/*": 2,
     # 3: the loop's mechanics over the run state
     "accumulation.py": 3, "persistence.py": 3, "async_save.py": 2,
     # 4: the Trainer's mixins, 5: the Trainer, 6: the package's names
@@ -67,8 +68,12 @@ LAYERS = {
 TRAINER_MIXINS = ("setup.py", "persistence.py", "accessors.py")
 
 
+PACKAGES = ("callbacks/", "schedulers/")  # each a family of modules in one layer, free to import each other
+
+
 def _layer(relative: str) -> int:
-    return LAYERS["callbacks/*" if relative.startswith("callbacks/") else relative]
+    family = next((package for package in PACKAGES if relative.startswith(package)), None)
+    return LAYERS[family + "*" if family else relative]
 
 
 def _module_file(module: str) -> str:
@@ -80,17 +85,17 @@ def _module_file(module: str) -> str:
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_follow_the_layer_map(path):
     relative = path.relative_to(PACKAGE).as_posix()
-    assert relative.startswith("callbacks/") or relative in LAYERS, f"{relative} has no layer in LAYERS: place it"
+    assert relative.startswith(PACKAGES) or relative in LAYERS, f"{relative} has no layer in LAYERS: place it"
     for module in sorted(name for name in _runtime_imports_of(path) if name.startswith("pytorch_accel_trainer.")):
         imported = _module_file(module)
-        if relative.startswith("callbacks/") and imported.startswith("callbacks/"):
-            continue  # one family: the callbacks may use each other
+        if any(relative.startswith(package) and imported.startswith(package) for package in PACKAGES):
+            continue  # one family: its modules may use each other
         assert _layer(imported) < _layer(relative), f"{relative} (layer {_layer(relative)}) imports {imported} (layer {_layer(imported)})"
 
 
 def test_the_layer_map_names_only_modules_that_exist():
     for relative in LAYERS:
-        assert relative == "callbacks/*" or (PACKAGE / relative).is_file(), relative
+        assert relative.endswith("/*") or (PACKAGE / relative).is_file(), relative
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
