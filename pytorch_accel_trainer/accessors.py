@@ -60,7 +60,7 @@ class TrainerUtilitiesMixin:
     @property
     def device(self) -> torch.device:
         """The device of this process, as chosen by Accelerate."""
-        return self._accelerator.device
+        return torch.device(self._accelerator.device)
 
     @property
     def accelerator(self) -> Accelerator:
@@ -96,13 +96,15 @@ class TrainerUtilitiesMixin:
     def _eval_dataloader(self, dataloader: Optional[Iterable]) -> None:
         self.eval_dataloader = dataloader
 
-    def get_model(self) -> torch.nn.Module:
+    def get_model(self, keep_torch_compile: bool = False) -> torch.nn.Module:
         """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys).
+
+        ``keep_torch_compile=True`` keeps the ``torch.compile`` wrapper (the distributed ones are still removed).
 
         Under FSDP its parameters are this process's shards: for full weights use ``save_checkpoint``,
         ``save_weights`` or ``sharded.get_full_model_state_dict`` (on every process).
         """
-        return self._accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        return self._accelerator.unwrap_model(self.model, keep_torch_compile=keep_torch_compile)
 
     def _unwrap_distributed_model(self) -> torch.nn.Module:
         # keeps the wrapper of a model the user compiled; the trainer's own (torch_compile=...) is made again by prepare
@@ -118,7 +120,9 @@ class TrainerUtilitiesMixin:
         Args:
             tensor: the tensor of this process.
             padding_value: if given, tensors of different lengths are padded with it before gathering, and
-                rows made only of it are removed afterwards; pick a value the data never holds. Without it, the
+                rows made only of it are removed afterwards; pick a value the data never holds. In the last batch of an
+                evaluation epoch, the rows Accelerate repeated (``eval_batch_real_rows``) are dropped first, so each
+                sample is returned once when the tensor's rows are the batch's samples. Without it, the
                 rows Accelerate repeats in the last batch of the data are dropped, as in :meth:`gather_for_metrics`.
 
         Returns:
@@ -126,6 +130,8 @@ class TrainerUtilitiesMixin:
         """
         if padding_value is None:
             return self._accelerator.gather_for_metrics(tensor)
+        if self.eval_batch_real_rows is not None:  # the last evaluation batch: the rows after these repeat samples
+            tensor = tensor[: self.eval_batch_real_rows]
         tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
         return remove_padding(self._accelerator.gather(tensor), padding_value)
 

@@ -25,7 +25,7 @@ from pytorch_accel_trainer import training_state
 from pytorch_accel_trainer.checkpointing import validate_plain
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state_files import (
-    MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX, TRAINER_FILE, inner_optimizer, rank_file,
+    MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, TRAINER_FILE, default_state_name, inner_optimizer, rank_file,
     save_tensors_file, unused_folder_name, write_bytes_file,
 )  # fmt: skip
 
@@ -91,7 +91,7 @@ def _model_content(model: torch.nn.Module) -> SafetensorsContent:
 
 def stage_training_state(
     trainer, parent: Path, position, run_facts: dict, kinds=("rolling",), checkpoint_kwargs: Optional[dict] = None,
-    max_rolling: Optional[int] = None,
+    max_rolling: Optional[int] = None, name: Optional[str] = None,
 ) -> StagedState:  # fmt: skip
     """Copy the trainer's training state to host memory (a single process); the loop stalls only for this."""
     accelerator = trainer.accelerator
@@ -131,7 +131,7 @@ def stage_training_state(
         "kinds": sorted(set(kinds)),
         "run_facts": run_facts,
     }
-    final = unused_folder_name(Path(parent), f"{STATE_PREFIX}{trainer.num_update_steps_completed:08d}")
+    final = unused_folder_name(Path(parent), name or default_state_name(trainer.num_update_steps_completed))
     return StagedState(final, files, fields, max_rolling)
 
 

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from accelerate.utils import find_batch_size
-from torch.utils.data import IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from pytorch_accel_trainer.utils import is_mapping, model_output_loss, seed_worker
+
+NO_TRAIN_BATCH = (
+    "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
+    "train_dataset yields samples on every pass (a generator-based dataset must restart)."
+)
+NO_EVAL_BATCH = (
+    "The evaluation dataloader yielded no batch: the evaluation dataset is empty (an iterable dataset that yields "
+    "nothing, or a generator already consumed). Pass a dataset with at least one sample."
+)
 
 
 def merge_dataloader_kwargs(defaults: dict, overrides: Optional[dict], dataset: Any) -> dict:
@@ -23,11 +32,51 @@ def merge_dataloader_kwargs(defaults: dict, overrides: Optional[dict], dataset: 
     if kwargs.get("num_workers", 0) > 0:
         kwargs.setdefault("persistent_workers", True)  # workers start once, not every epoch
         kwargs.setdefault("worker_init_fn", seed_worker)
-    # Data loading draws its seeds from a generator of its own, never from the global RNG, so the
-    # model's randomness (dropout) does not depend on when dataloader iterators are created: with
-    # persistent workers, or after a resume.
-    kwargs.setdefault("generator", torch.Generator())
     return kwargs
+
+
+def with_own_generator_and_checked_collate(dataloader: Any, collate_fn: Optional[Callable]) -> Any:
+    """Give a DataLoader built by the trainer a generator of its own and a collate function that refuses ``None``.
+
+    Data loading then draws its seeds (shuffle order, worker seeds) from that generator, never from the global
+    RNG, so the model's randomness (dropout) does not depend on when dataloader iterators are created: with
+    persistent workers, or after a resume. Set after construction, as passing ``generator=`` would (the sampler
+    and the workers' base seed read it), so that the DataLoader is built with exactly the arguments of
+    ``get_default_*_dl_kwargs`` and the user's, as pytorch-accelerated builds it. A generator passed in the
+    dataloader arguments is kept.
+    """
+    if not isinstance(dataloader, DataLoader):
+        return dataloader  # a stand-in (a test's mock): nothing to set
+    if dataloader.generator is None:
+        dataloader.generator = torch.Generator()
+        if isinstance(dataloader.sampler, RandomSampler) and dataloader.sampler.generator is None:
+            dataloader.sampler.generator = dataloader.generator
+    if collate_fn is not None:  # read when each iterator starts (and pickled to workers then)
+        dataloader.collate_fn = checked_collate_fn(collate_fn)
+    return dataloader
+
+
+class CheckedCollateFn:
+    """A ``collate_fn`` that refuses to return ``None`` (it pickles whenever ``collate_fn`` does, for workers)."""
+
+    def __init__(self, collate_fn: Callable):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: Any) -> Any:
+        batch = self.collate_fn(samples)
+        if batch is None:  # one comparison per batch, on the host
+            name = getattr(self.collate_fn, "__qualname__", None) or repr(self.collate_fn)
+            count = len(samples) if hasattr(samples, "__len__") else "?"
+            raise TypeError(
+                f"collate_fn={name} returned None for a list of {count} samples; it must return the batch (e.g. a "
+                "tuple of tensors, or a dict of them): check that it ends with a return statement."
+            )
+        return batch
+
+
+def checked_collate_fn(collate_fn: Optional[Callable]) -> Optional[Callable]:
+    """Return ``collate_fn`` wrapped in a :class:`CheckedCollateFn`; ``None`` (torch's default) as it is."""
+    return None if collate_fn is None else CheckedCollateFn(collate_fn)
 
 
 def batches_need_placing(dataloader: Any, device: torch.device) -> bool:

@@ -200,7 +200,3 @@ def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
         )
     return checkpoint
 
-
-def checkpoint_extras(checkpoint: dict) -> dict:
-    """Return the entries of ``checkpoint`` that came from ``checkpoint_kwargs``."""
-    return {key: value for key, value in checkpoint.items() if key not in RESERVED_KEYS}

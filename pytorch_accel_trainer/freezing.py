@@ -1,4 +1,9 @@
-"""Freeze and unfreeze groups of layers of a model, for fine-tuning."""
+"""Freeze and unfreeze groups of layers of a model, for fine-tuning.
+
+The public module is :mod:`pytorch_accel_trainer.finetuning`, pytorch-accelerated's name, which re-exports
+these names; this one is kept for earlier imports. The API follows pytorch-accelerated 0.1.61's
+``finetuning.py`` (Apache-2.0, Copyright (C) 2021 Chris Hughes).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,10 @@ from collections import defaultdict, namedtuple
 from typing import Any
 
 from torch import nn
+
+#: The batch-norm layers, left trainable by ``freeze()`` unless ``freeze_batch_norms``: ``BatchNorm1d/2d/3d``,
+#: their lazy forms and ``SyncBatchNorm``.
+BN_MODULES = (nn.modules.batchnorm._BatchNorm,)
 
 #: A module that is an attribute (a child) of the model, with its index as ``(from the start, from the end)``.
 LayerGroup = namedtuple("LayerGroup", ["layer_group_idx", "module", "is_frozen"])
@@ -59,6 +68,15 @@ class ModelFreezer:
         self._layers_kept_in_eval: dict[int, nn.Module] = {}
         model.requires_grad_(True)
 
+    @property
+    def freeze_bn(self) -> bool:
+        """pytorch-accelerated's name of ``freeze_batch_norms``."""
+        return self.freeze_batch_norms
+
+    @freeze_bn.setter
+    def freeze_bn(self, value: bool) -> None:
+        self.freeze_batch_norms = value
+
     def get_layer_groups(self) -> list[LayerGroup]:
         """Return every layer group; one is frozen when any of its parameters is."""
         return [
@@ -110,13 +128,18 @@ class ModelFreezer:
         for layer in self._layers_kept_in_eval.values():
             layer.eval()
 
+    def _convert_idxs(self, from_idx: int, to_idx: int) -> tuple[int, int]:
+        """The positions (from 0) of the groups ``from_idx`` and ``to_idx``, the smaller first."""
+        first, last = sorted((self._to_position(from_idx), self._to_position(to_idx)))
+        return first, last
+
     def _set_frozen(self, from_index: int, to_index: int, frozen: bool, change_mode: bool) -> dict:
-        first, last = sorted((self._to_position(from_index), self._to_position(to_index)))
+        first, last = self._convert_idxs(from_index, to_index)
         changed = defaultdict(list)
         for group_index, layer in self._layers:
             if not first <= group_index <= last:
                 continue
-            if isinstance(layer, nn.modules.batchnorm._BatchNorm) and not self.freeze_batch_norms:
+            if _module_is_batch_norm(layer) and not self.freeze_batch_norms:
                 continue  # batch norms stay trainable and keep their mode
             parameters = [p for p in layer.parameters(recurse=False) if p.requires_grad == frozen]
             for parameter in parameters:
@@ -137,6 +160,11 @@ class ModelFreezer:
                 f"an index from {-self.num_groups} to {self.num_groups - 1}."
             )
         return index % self.num_groups
+
+
+def _module_is_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a batch-norm layer (see :data:`BN_MODULES`)."""
+    return isinstance(module, BN_MODULES)
 
 
 def _layers_of(group: nn.Module) -> list[nn.Module]:

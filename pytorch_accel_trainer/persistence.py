@@ -22,7 +22,6 @@ from pytorch_accel_trainer.checkpointing import (
     OPTIMIZER_KEY,
     SCHEDULER_KEY,
     build_checkpoint,
-    checkpoint_extras,
     load_checkpoint_file,
     save_checkpoint_file,
 )
@@ -49,6 +48,7 @@ from pytorch_accel_trainer.training_state import (
     write_training_state,
 )
 from pytorch_accel_trainer.utils import dataset_length
+from pytorch_accel_trainer.state_files import validate_state_name
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -140,18 +140,18 @@ def run_facts(trainer: "Trainer") -> dict:
     }
 
 
-def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None, asynchronous=False) -> Path:  # fmt: skip
+def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None, asynchronous=False, name=None) -> Path:  # fmt: skip
     """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
 
     A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
     state is copied to host memory and written in the background; the folder it will have is returned."""
     async_save.saver.wait()
     if asynchronous:
-        staged = async_save.stage_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling)  # fmt: skip
+        staged = async_save.stage_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name)  # fmt: skip
         async_save.saver.submit(staged)
         trainer.print(f"Saving training state {staged.final} in the background")
         return staged.final
-    folder = write_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling)
+    folder = write_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name)
     trainer.print(f"Saved training state {folder}")
     return folder
 
@@ -247,7 +247,7 @@ class PersistenceMixin:
         """
         self.run_state.preemption_signal = signal_number
 
-    def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None, asynchronous: bool = False) -> Optional[Path]:  # fmt: skip
+    def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None, asynchronous: bool = False, name: Optional[str] = None) -> Optional[Path]:  # fmt: skip
         """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
 
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
@@ -260,11 +260,14 @@ class PersistenceMixin:
         run it is taken at once.
 
         Args:
-            output_dir: the folder that holds the states (``output_dir/checkpoint-<updates>``).
+            output_dir: the folder that holds the states (``output_dir/checkpoint-<updates>``); pass it, or the state's
+                own folder, to ``train(resume_from=...)``.
             checkpoint_kwargs: extra tensors or plain values to store.
             kinds: ``"rolling"`` (pruned beyond ``max_checkpoints``), ``"permanent"`` (kept forever) and/or
                 ``"best"`` (only the newest is kept).
             max_checkpoints: keep at most this many rolling states in ``output_dir``.
+            name: the state's folder name, e.g. ``"epoch_5"`` (``-2``, ``-3``... is added when it is taken: a state is
+                never overwritten); by default ``checkpoint-<updates>``.
             asynchronous: during a run, stall the loop only while the state is copied to host memory and write it
                 on a background thread (single process only); the next save and the end of ``train()`` wait
                 for it and raise its error. Outside a run the save is synchronous.
@@ -283,11 +286,13 @@ class PersistenceMixin:
                 "use save_checkpoint(path) or save_weights(path)."
             )
         parent = Path(output_dir)
+        if name is not None:
+            validate_state_name(name)
         if asynchronous:
             async_save.validate_asynchronous_save(self.accelerator)
         if not self.run_state.in_training_run:
-            return write_state(self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints)
-        self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints, asynchronous)
+            return write_state(self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints, name=name)
+        self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints, asynchronous, name)
         return None
 
     def load_training_state(self, input_dir) -> dict:
@@ -389,7 +394,8 @@ class PersistenceMixin:
             load_scheduler: load the scheduler state, if the file has one and the trainer has a scheduler.
 
         Returns:
-            The extra values saved with ``checkpoint_kwargs``.
+            The checkpoint, as pytorch-accelerated returns it: the extra values saved with ``checkpoint_kwargs`` at
+            its top level, next to ``model_state_dict`` (and ``optimizer_state_dict``, ``scheduler_state_dict``).
         """
         self.accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
@@ -413,4 +419,4 @@ class PersistenceMixin:
                 )
             else:
                 self.scheduler.load_state_dict(checkpoint[SCHEDULER_KEY])
-        return checkpoint_extras(checkpoint)
+        return checkpoint

@@ -159,9 +159,7 @@ def _resolve_value(value: Any, values: Mapping[TrainerPlaceholderValues, Any]) -
     return value
 
 
-def replace_trainer_placeholder_values(
-    factory: Callable, values: Mapping[TrainerPlaceholderValues, Any]
-) -> Callable:
+def resolve_placeholders(factory: Callable, values: Mapping[TrainerPlaceholderValues, Any]) -> Callable:
     """Return ``factory`` with every placeholder in its partial arguments replaced by its value.
 
     Args:
@@ -175,7 +173,18 @@ def replace_trainer_placeholder_values(
         return factory
     args = [_resolve_value(arg, values) for arg in factory.args]
     keywords = {name: _resolve_value(arg, values) for name, arg in factory.keywords.items()}
-    return functools.partial(replace_trainer_placeholder_values(factory.func, values), *args, **keywords)
+    return functools.partial(resolve_placeholders(factory.func, values), *args, **keywords)
+
+
+def replace_trainer_placeholder_values(trainer: Any, instance: Callable) -> Callable:
+    """Return ``instance`` with its placeholders replaced by the values of ``trainer``'s current run.
+
+    pytorch-accelerated's function, same arguments: ``trainer`` needs ``run_config`` and its (prepared)
+    ``_train_dataloader`` / ``_eval_dataloader``. Unlike there, no string is evaluated as code, and placeholders
+    in positional arguments, in nested partials and in arithmetic (``NUM_EPOCHS * 2``) are resolved too.
+    """
+    values = placeholder_values(trainer.run_config, trainer._train_dataloader, trainer._eval_dataloader)
+    return resolve_placeholders(instance, values)
 
 
 def placeholder_values(run_config: Any, train_dataloader: Any, eval_dataloader: Any) -> dict:

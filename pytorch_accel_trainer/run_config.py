@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Union
 
 from accelerate import Accelerator, DistributedType
 
-from pytorch_accel_trainer.utils import dataloader_length
+from pytorch_accel_trainer.utils import dataloader_length, dataset_length
 from pytorch_accel_trainer.validation import validate_train_options
 
 #: An optional positive number; ``Union[int, float]`` rather than ``numbers.Number``, which parsers cannot build.
@@ -127,11 +128,17 @@ def build_run_config(
         train_batch_size, updates_per_epoch = None, 0
     else:
         updates_per_epoch = count_update_steps(dataloader_length(train_dataloader), accumulation)
-        if updates_per_epoch == 0:
+        if updates_per_epoch == 0 and dataset_length(train_dataset) is not None:  # else the loop names the empty epoch
             raise ValueError(
                 f"The training dataloader has no batches on this process (dataset of {len(train_dataset)} "
                 f"samples, batch size {train_batch_size}, {num_processes} processes, "
                 f"dataloader arguments {train_dl_kwargs}). Lower the batch size or drop drop_last=True."
+            )
+        if updates_per_epoch == 0:  # a dataloader of the user's that says it is empty, over data of unknown size
+            warnings.warn(
+                "The training dataloader has no batches (len(dataloader) == 0), so this run makes no update. Check "
+                "what create_train_dataloader returns.",
+                stacklevel=3,
             )
     num_epochs, max_num_train_steps = plan_run_length(options.num_epochs, options.max_num_train_steps, updates_per_epoch)
     return TrainerRunConfig(

@@ -33,6 +33,8 @@ class RunState:
         epoch_first_step: the first micro-batch of the current epoch: 0, or the batches already trained on when
             a resumed run continues an epoch.
         train_epoch_length: the micro-batches of a training epoch on this process, ``None`` when unknown.
+        step_closes_window: whether the micro-batch being run closes an accumulation window (or the epoch), so
+            that its backward pass synchronises gradients and an update follows.
         items_in_window: ``num_items_in_batch`` summed over the current accumulation window (0 when not given).
         train_loss_tracker: the running, weighted sum of this epoch's training losses, on the device.
         in_training_run: between the start and the end of the epochs of ``train()``; saves then wait for the
@@ -51,6 +53,7 @@ class RunState:
     epoch: int = 0
     epoch_first_step: int = 0
     train_epoch_length: Optional[int] = None
+    step_closes_window: bool = False
     items_in_window: Any = 0
     train_loss_tracker: LossTracker = field(default_factory=LossTracker)
     in_training_run: bool = False
@@ -75,12 +78,13 @@ class RunState:
             return ResumePosition(self.epoch, 0, "before_iterator")
         return ResumePosition(self.epoch, step, "after_iterator")
 
-    def request_save(self, parent: Path, kinds, checkpoint_kwargs: Optional[dict], max_rolling: Optional[int], asynchronous: bool = False) -> None:  # fmt: skip
+    def request_save(self, parent: Path, kinds, checkpoint_kwargs: Optional[dict], max_rolling: Optional[int], asynchronous: bool = False, name: Optional[str] = None) -> None:  # fmt: skip
         """Queue a training state under ``parent``; requests for one folder before a safe point merge into one
-        (asynchronous only when each of them is)."""
+        (asynchronous only when each of them is; named as the first that gives a name)."""
         request = self.save_requests.setdefault(
-            parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_rolling, "asynchronous": asynchronous}
+            parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_rolling, "asynchronous": asynchronous, "name": name}
         )
+        request["name"] = request["name"] or name
         request["asynchronous"] = request["asynchronous"] and asynchronous
         request["kinds"].update(kinds)
         request["checkpoint_kwargs"].update(checkpoint_kwargs or {})

@@ -7,8 +7,9 @@ subclass as any other.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
@@ -20,9 +21,11 @@ from pytorch_accel_trainer.batches import batches_need_placing
 from pytorch_accel_trainer.callbacks import CallbackHandler, with_limit_batches_from_env
 from pytorch_accel_trainer.callbacks.base import validate_callback_list
 from pytorch_accel_trainer.distributed import create_accelerator, release_prepared, wrappers_only_call_torch
-from pytorch_accel_trainer.placeholders import placeholder_values, replace_trainer_placeholder_values
+from pytorch_accel_trainer.placeholders import placeholder_values, resolve_placeholders
 from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions, build_run_config
 from pytorch_accel_trainer.sharded import prepare_components
+from pytorch_accel_trainer.utils import dataset_length, worker_init_fn
+from pytorch_accel_trainer.validation import validate_model_and_loss
 
 
 class SetupMixin:
@@ -32,7 +35,7 @@ class SetupMixin:
         """Return the :class:`CallbackHandler` that calls the trainer's callbacks (with a
         ``LimitBatchesCallback`` added while the environment variable ``PT_ACC_LIMIT_BATCHES`` is set)."""
         validate_callback_list(self._callbacks)  # a single callback where a list is expected is a TypeError
-        return CallbackHandler(with_limit_batches_from_env(self._callbacks))
+        return CallbackHandler(with_limit_batches_from_env(self._callbacks), events=self.callback_events)
 
     def _create_accelerator(self) -> Accelerator:
         """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
@@ -67,6 +70,7 @@ class SetupMixin:
             "pin_memory": torch.cuda.is_available(),
             "batch_size": batch_size,
             "num_workers": 0,
+            "worker_init_fn": worker_init_fn,
         }
 
     def get_default_eval_dl_kwargs(self, batch_size: int) -> dict:
@@ -76,6 +80,7 @@ class SetupMixin:
             "pin_memory": torch.cuda.is_available(),
             "batch_size": batch_size,
             "num_workers": 0,
+            "worker_init_fn": worker_init_fn,
         }
 
     def create_scheduler(self) -> Any:
@@ -86,7 +91,7 @@ class SetupMixin:
         The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`.
         """
         values = placeholder_values(self.run_config, self.train_dataloader, self.eval_dataloader)
-        return replace_trainer_placeholder_values(self.create_scheduler_fn, values)(self.optimizer)
+        return resolve_placeholders(self.create_scheduler_fn, values)(self.optimizer)
 
     # ------------------------------------------------------------------------------------------------
     # Internal setup
@@ -98,6 +103,7 @@ class SetupMixin:
         Preparing shards each DataLoader across processes, which changes its length: the run config and
         the scheduler are built after this.
         """
+        validate_model_and_loss(self.model, self.loss_func)  # here, not in __init__: a subclass may prepare its own
         release_prepared(self.accelerator)  # nothing of an earlier run is kept or prepared twice
         self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
         if isinstance(self.optimizer, AcceleratedOptimizer):
@@ -114,10 +120,37 @@ class SetupMixin:
             options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
             self.model = torch.compile(self.model, **options)
 
-    def _create_run_config(self, options: TrainOptions) -> TrainerRunConfig:
-        """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders."""
+    def _create_run_config(self, options: Optional[TrainOptions] = None, **train_arguments) -> TrainerRunConfig:
+        """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders.
+
+        Takes the run's :class:`TrainOptions`, or, as pytorch-accelerated's method, ``train()``'s arguments by
+        keyword (``per_device_batch_size=``, ``num_epochs=``, ``gradient_accumulation_steps=``, ...).
+        """
+        if options is None:
+            options = TrainOptions(**train_arguments)
         dataloaders, kwargs = (self.train_dataloader, self.eval_dataloader), (self._train_dl_kwargs, self._eval_dl_kwargs)
         return build_run_config(options, self._accelerator, dataloaders, kwargs, self.train_dataset, self.seed)
+
+    def _check_eval_batch_size(self) -> None:
+        """Warn when the last evaluation batch of a multi-process run repeats samples (pytorch-accelerated's check).
+
+        Accelerate fills the last batch of every process so that all run the same steps. The evaluation loss,
+        ``gather_for_metrics`` and ``gather`` count each sample once, but a hook that collects its own per-batch
+        tensors on each process sees the repeated rows: this says how many there will be.
+        """
+        config = self.run_config
+        length = dataset_length(self.eval_dataset)
+        if length is None or not config.is_distributed or not config.eval_total_batch_size:
+            return  # one process, or a stream of unknown length: no sample is repeated
+        repeated = -length % config.eval_total_batch_size
+        if repeated:
+            warnings.warn(
+                f"The evaluation dataset has {length} samples and the evaluation batch of all processes together is "
+                f"{config.eval_total_batch_size}, so the last batch repeats {repeated} samples to keep the processes in step. The loss, gather() and "
+                "gather_for_metrics() count each sample once; per-process tensors collected in your own hooks hold the "
+                "repeats (use eval_batch_real_rows to drop them). A batch size that divides the dataset avoids it.",
+                stacklevel=2,
+            )
 
     def _load_resume_plan(self, stored_state) -> None:
         """Load the training state to resume from, if any, and start the run state at its position."""

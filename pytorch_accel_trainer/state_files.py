@@ -71,9 +71,44 @@ def is_real_directory(path: Path) -> bool:
         return False
 
 
+#: The names the trainer gives states: ``checkpoint-<updates>`` (``save_training_state``), and ``epoch_<N>``,
+#: ``step_<N>``, ``final`` (``SaveTrainingStateCallback``, as pytorch-accelerated names them); ``-<k>`` when taken.
+_STATE_NAME = re.compile(r"(checkpoint-\d+|epoch_\d+|step_\d+|final)(-\d+)?")
+
+
+def _save_rank(name: str) -> tuple:
+    """Of states taken at one position, which came later: ``final`` after the others, ``-2`` after no suffix."""
+    match = _STATE_NAME.fullmatch(name)
+    if match is None:
+        return (0, 0)
+    return (match.group(1) == "final", int(match.group(2)[1:]) if match.group(2) else 1)
+
+
+def is_state_name(name: str) -> bool:
+    """Whether ``name`` is one the trainer gives a training-state folder."""
+    return _STATE_NAME.fullmatch(name) is not None
+
+
+def default_state_name(num_update_steps_completed: int) -> str:
+    return f"{STATE_PREFIX}{num_update_steps_completed:08d}"
+
+
+def validate_state_name(name: str) -> None:
+    """Refuse a state folder name that is not one plain folder name (a path, a temporary's or ``latest``)."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..", LATEST_NAME) or name.startswith(TEMPORARY_PREFIX):
+        raise ValueError(
+            f"name={name!r} is not a training-state folder name: pass one plain folder name (no '/', not "
+            f"{LATEST_NAME!r}, not starting with {TEMPORARY_PREFIX!r}), e.g. 'epoch_5'; the folder is made under output_dir."
+        )
+
+
 def state_folders(parent: Path) -> list[Path]:
-    """The entries of ``parent`` named as states that are folders, links to folders included (to report them)."""
-    return sorted(path for path in parent.iterdir() if path.name.startswith(STATE_PREFIX) and path.is_dir())
+    """The folders of ``parent`` that are training states: named as the trainer names them, or holding a manifest
+    (a state saved under a name of the user's); links to folders included (to report them)."""
+    return sorted(
+        path for path in parent.iterdir()
+        if path.is_dir() and (is_state_name(path.name) or (path / MANIFEST_NAME).is_file())
+    )  # fmt: skip
 
 
 def temporary_folder(final_folder: Path) -> Path:
@@ -115,6 +150,7 @@ class StoredState:
             position["loop_epoch"],
             position["batches_seen"],
             position["rng_restore_point"] == "after_iterator",
+            _save_rank(self.folder.name),  # of two states at one position, the one saved later
             self.folder.name,
         )
 

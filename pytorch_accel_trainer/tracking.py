@@ -45,6 +45,18 @@ class RunHistory(ABC):
     def _increment_epoch(self) -> None:
         """Move on to the next epoch; called by the trainer at the end of each training-run epoch."""
 
+    def set_metric_name_prefix(self, prefix: str = "") -> None:
+        """Prefix the names of the metrics recorded from now on; override in subclasses."""
+        raise NotImplementedError(f"{type(self).__name__} has no set_metric_name_prefix(); implement it to use prefixes.")
+
+    def delete_metric(self, metric_name: str) -> None:
+        """Forget every value of ``metric_name``; override in subclasses."""
+        raise NotImplementedError(f"{type(self).__name__} has no delete_metric(); implement it to forget a metric.")
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Make ``epoch`` the current epoch (a resumed run continues its epoch count); override in subclasses."""
+        raise NotImplementedError(f"{type(self).__name__} has no _set_epoch(); it cannot continue a resumed run.")
+
     @abstractmethod
     def reset(self) -> None:
         """Forget every metric and go back to epoch 1."""
@@ -59,6 +71,11 @@ class RunHistory(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
         raise NotImplementedError(f"{type(self).__name__} has no load_state_dict(); see state_dict().")
+
+
+class UnknownMetricError(KeyError, ValueError):
+    """A metric name that the run history has not recorded: a ``KeyError``, and a ``ValueError`` as in
+    pytorch-accelerated, so that either ``except`` catches it."""
 
 
 class InMemoryRunHistory(RunHistory):
@@ -111,6 +128,11 @@ class InMemoryRunHistory(RunHistory):
     def _increment_epoch(self) -> None:
         self._current_epoch += 1
 
+    def _set_epoch(self, epoch: int) -> None:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            raise ValueError(f"epoch is {epoch!r}; epochs are counted from 1: pass an int >= 1.")
+        self._current_epoch = epoch
+
     def reset(self) -> None:
         self._current_epoch = 1
         self._metrics.clear()
@@ -150,7 +172,7 @@ class InMemoryRunHistory(RunHistory):
 
     def _metric(self, metric_name: str) -> list:
         if metric_name not in self._metrics:
-            raise KeyError(
+            raise UnknownMetricError(
                 f"No metric named {metric_name!r} in the run history; the metrics recorded are "
                 f"{sorted(self._metrics)}."
             )
@@ -169,33 +191,59 @@ class LossTracker:
 
     An update only keeps a reference to the loss (a :class:`~pytorch_accel_trainer.utils.DeferredSum`):
     the device adds them up in batches, and reading the sum back to the host (a synchronisation) happens
-    once, in :meth:`reduce_average`, at the end of an epoch.
+    once, in :meth:`reduce_average`, at the end of an epoch. Plain Python numbers are summed on the host, as
+    pytorch-accelerated's ``LossTracker`` does, so its API (``loss_value``, ``average``, ``total_loss``,
+    ``running_count``) works too; reading ``average`` of tensor losses is a host-device synchronisation.
     """
 
     def __init__(self):
         self._sum = DeferredSum()
+        self._host_total = 0
+        self.loss_value: Any = 0  # the last batch's loss, as given
 
     def reset(self) -> None:
         self._sum.reset()
+        self._host_total = 0
+        self.loss_value = 0
 
-    def update(self, batch_loss: torch.Tensor, batch_size: Union[int, torch.Tensor]) -> None:
+    def update(self, loss_batch_value: Union[torch.Tensor, float], batch_size: Union[int, torch.Tensor] = 1) -> None:
         """Add one batch's mean loss, weighted by its number of samples."""
-        self._sum.add(batch_loss, batch_size)
+        self.loss_value = loss_batch_value
+        if isinstance(loss_batch_value, torch.Tensor):
+            self._sum.add(loss_batch_value, batch_size)
+        else:  # a number: summed on the host, exactly as given
+            self._host_total += loss_batch_value * batch_size
+            self._sum.weight_total = self._sum.weight_total + batch_size
 
     @property
-    def total_loss(self) -> Optional[torch.Tensor]:
-        """The batch-size-weighted sum of the losses so far, on the device."""
-        return self._sum.total
+    def total_loss(self) -> Union[torch.Tensor, float, None]:
+        """The batch-size-weighted sum of the losses so far: a device tensor for tensor losses (``None`` before
+        the first), a number for numbers."""
+        device_total = self._sum.total
+        if device_total is None:
+            return self._host_total if self.running_count else None
+        return device_total + self._host_total if self._host_total else device_total
 
     @property
     def running_count(self) -> Union[int, torch.Tensor]:
         """The number of samples so far."""
         return self._sum.weight_total
 
+    @property
+    def average(self) -> float:
+        """The per-sample average on this process (0 before the first update); a host read for tensor losses."""
+        count, total = self.running_count, self.total_loss
+        if total is None or not count:
+            return 0
+        average = total / count
+        return average.item() if isinstance(average, torch.Tensor) else average
+
     def state_dict(self) -> dict:
-        return self._sum.state_dict()
+        return {**self._sum.state_dict(), "host_total": self._host_total}
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self._host_total = state.pop("host_total", 0)
         self._sum.load_state_dict(state)
 
     def reduce_average(self, reduce_sum, device: torch.device) -> Optional[float]:
@@ -207,7 +255,7 @@ class LossTracker:
             reduce_sum: sums a tensor over processes (``accelerator.reduce``).
             device: where the sum is taken.
         """
-        total = torch.zeros((), device=device) if self.total_loss is None else self.total_loss.to(device)
+        total = torch.as_tensor(0.0 if self.total_loss is None else self.total_loss, dtype=torch.float32).to(device)
         count = torch.as_tensor(self.running_count, device=device).float()
         loss_sum, sample_count = reduce_sum(torch.stack([total, count])).tolist()  # the epoch's one sync
         return loss_sum / sample_count if sample_count else None

@@ -8,27 +8,26 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
 from pytorch_accel_trainer import accumulation, persistence
-from pytorch_accel_trainer.batches import batch_loss, forward_batch, loss_weight, merge_dataloader_kwargs, real_rows_in_batch
-from pytorch_accel_trainer.callbacks import (
-    LogMetricsCallback,
-    MoveModulesToDeviceCallback,
-    PrintProgressCallback,
-    ProgressBarCallback,
-    TerminateOnNaNCallback,
-)
+from pytorch_accel_trainer.batches import NO_EVAL_BATCH, NO_TRAIN_BATCH, batch_loss, forward_batch, loss_weight, merge_dataloader_kwargs, real_rows_in_batch, with_own_generator_and_checked_collate  # fmt: skip
+from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: importable from here, as in pytorch-accelerated)
+    LIMIT_BATCHES_ENV_VAR, CallbackHandler, LimitBatchesCallback, LogMetricsCallback, MoveModulesToDeviceCallback,
+    PrintProgressCallback, ProgressBarCallback, TerminateOnNaNCallback,
+)  # fmt: skip
 from pytorch_accel_trainer.distributed import ProcessAgreement
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.non_finite import retry_or_skip_non_finite_update
 from pytorch_accel_trainer.accessors import TrainerUtilitiesMixin
 from pytorch_accel_trainer.persistence import PersistenceMixin
-from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues  # noqa: F401  (importable from here, as in pytorch-accelerated)
+from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
 from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
 from pytorch_accel_trainer.run_state import RunState
 from pytorch_accel_trainer.setup import SetupMixin
+from pytorch_accel_trainer.timm_scheduler import TimmSchedulerMixin
 from pytorch_accel_trainer.sharded import (
     set_deepspeed_gradient_sync,
     validate_sharded_run,
@@ -36,33 +35,15 @@ from pytorch_accel_trainer.sharded import (
 )
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory
 from pytorch_accel_trainer.training_state import find_resumable_state
-from pytorch_accel_trainer.utils import (
-    batch_size_of,
-    dataloader_length,
-    require_batches,
-    with_last_flag,
-)
+from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: importable from here, as in pytorch-accelerated)
+    batch_size_of, dataloader_length, remove_padding, require_batches, with_last_flag, worker_init_fn,
+)  # fmt: skip
 from pytorch_accel_trainer.validation import (
-    checked_collate_fn, validate_batch_output, validate_constructor_options, validate_datasets,
+    validate_batch_output, validate_constructor_options, validate_datasets,
     validate_evaluate_arguments, validate_first_eval_batch, validate_loss_requires_grad, validate_optimizer_parameters,
 )  # fmt: skip
 
-_NO_TRAIN_BATCH = (
-    "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
-    "train_dataset yields samples on every pass (a generator-based dataset must restart)."
-)
-_NO_EVAL_BATCH = (
-    "The evaluation dataloader yielded no batch: the evaluation dataset is empty (an iterable dataset that yields "
-    "nothing, or a generator already consumed). Pass a dataset with at least one sample."
-)
-
-DEFAULT_CALLBACKS = (
-    MoveModulesToDeviceCallback,
-    TerminateOnNaNCallback,
-    PrintProgressCallback,
-    ProgressBarCallback,
-    LogMetricsCallback,
-)
+DEFAULT_CALLBACKS = (MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback, ProgressBarCallback, LogMetricsCallback)
 
 
 class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
@@ -100,6 +81,9 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
     #: Always step through Accelerate's optimizer wrapper and ``Accelerator.backward``, even where they
     #: would only call torch; set it on a subclass for an optimizer that relies on the wrapper.
     always_use_accelerate_wrappers: bool = False
+    #: The events of this subclass's own (``on_my_event``), beyond the trainer's: a callback may define them and
+    #: ``self.callback_handler.call_event("on_my_event", self)`` calls them (see docs/callbacks.md).
+    callback_events: tuple = ()
 
     def __init__(
         self,
@@ -112,8 +96,6 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         mixed_precision: Optional[str] = None,
         torch_compile: Union[bool, dict] = False,
     ):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model is a {type(model).__name__}; pass a torch.nn.Module.")
         validate_constructor_options(mixed_precision, torch_compile, seed, loss_func)
         self.model = model
         self.mixed_precision = mixed_precision
@@ -167,7 +149,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
 
         Runs once at the start of ``train()``. The default builds a :class:`~torch.utils.data.DataLoader`
         from :meth:`get_default_train_dl_kwargs`, updated with ``train_dl_kwargs`` (which wins, ``batch_size``
-        included), and ``self.collate_fn`` (wrapped so that a ``None`` batch is a clear ``TypeError``).
+        included), and ``self.collate_fn`` (wrapped so that a ``None`` batch is a clear ``TypeError``). The
+        DataLoader draws its shuffle order and worker seeds from a generator of its own, not the global RNG.
 
         Args:
             batch_size: the batch size per device.
@@ -179,14 +162,16 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self._train_dl_kwargs = merge_dataloader_kwargs(
             self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
         )
-        return DataLoader(self.train_dataset, collate_fn=checked_collate_fn(self.collate_fn), **self._train_dl_kwargs)
+        dataloader = DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
+        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
 
     def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
         """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
         self._eval_dl_kwargs = merge_dataloader_kwargs(
             self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
         )
-        return DataLoader(self.eval_dataset, collate_fn=checked_collate_fn(self.collate_fn), **self._eval_dl_kwargs)
+        dataloader = DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
+        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
 
     def training_run_start(self) -> None:
         """Runs at the start of a training run, before ``on_training_run_start``. Default: nothing."""
@@ -353,7 +338,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         )  # fmt: skip
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
-        validate_optimizer_parameters(self.optimizer, self.model)  # none of the model's trainable parameters missing
+        if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
+            validate_optimizer_parameters(self.optimizer, self.model)  # none of the model's trainable parameters missing
         stored_state = find_resumable_state(Path(resume_from)) if resume_from is not None else None
         self.run_state = RunState(options=options)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -361,7 +347,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         if reset_run_history:
             self.run_history.reset()
         if self.seed is not None:
-            set_seed(self.seed, device_specific=True)
+            set_seed(self.seed + PartialState().process_index)  # Accelerate's device_specific=True, from the process state
 
         self.train_dataloader = self.create_train_dataloader(per_device_batch_size, train_dataloader_kwargs)
         self.eval_dataloader, self._eval_dl_kwargs = None, None
@@ -370,6 +356,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self._prepare_model_optimizer_and_dataloaders()
         self.run_config = self._create_run_config(options)
         validate_sharded_run(self._accelerator, self.run_config)
+        self._check_eval_batch_size()  # says whether the last evaluation batch repeats samples
         validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
         self.scheduler = self.create_scheduler() if create_scheduler_fn is not None else None
         self._load_resume_plan(stored_state)
@@ -401,6 +388,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self.eval_dataloader = self.create_eval_dataloader(per_device_batch_size, dataloader_kwargs)
         self._prepare_model_optimizer_and_dataloaders()
         self.run_config = self._create_run_config(TrainOptions(num_epochs=1, per_device_batch_size=per_device_batch_size))
+        self._check_eval_batch_size()
         self._run_evaluation()
 
     # ------------------------------------------------------------------------------------------------
@@ -466,8 +454,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
             self._call_event("on_train_step_start")
             if self._is_window_start(step):
                 persistence.reach_safe_point(self, step)  # between two optimizer updates
-            is_update_step = self._is_update_step(step, is_last_batch)
-            self._run_train_step(batch, step, is_update_step)
+            is_update_step = state.step_closes_window = self._is_update_step(step, is_last_batch)
+            self._perform_forward_and_backward_passes(batch, step)
             if is_update_step and not self._retry_or_skip_non_finite_update(batch, step):
                 self._update_parameters(step)
                 if state.reached_max_steps():
@@ -478,9 +466,10 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self._record_epoch_loss(state.train_loss_tracker, "train_loss_epoch")
         self._call_event("on_train_epoch_end")
 
-    def _run_train_step(self, batch, step: int, is_update_step: bool, is_retry: bool = False) -> None:
-        """Forward and backward pass of one micro-batch; gradients sync across processes only on update steps."""
-        accumulation_steps = self.run_config.gradient_accumulation_steps
+    def _perform_forward_and_backward_passes(self, batch, step: int, is_retry: bool = False) -> None:
+        """Forward and backward pass of one micro-batch (pytorch-accelerated's name and arguments); gradients sync
+        across processes only on the step that closes an accumulation window (``run_state.step_closes_window``)."""
+        accumulation_steps, is_update_step = self.run_config.gradient_accumulation_steps, self.run_state.step_closes_window
         with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
             batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
             validate_batch_output(batch_output, "calculate_train_batch_loss")
@@ -510,7 +499,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         self.eval_epoch_start()
         self._eval_loss_tracker.reset()
         self._call_event("on_eval_epoch_start")
-        for batch in require_batches(valid_dl, _NO_EVAL_BATCH):
+        for batch in require_batches(valid_dl, NO_EVAL_BATCH):
             self.eval_batch_real_rows = real_rows_in_batch(valid_dl, batch, self._accelerator)  # None unless samples repeat
             self._call_event("on_eval_step_start")
             batch_output = self.calculate_eval_batch_loss(batch)
@@ -537,7 +526,9 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         if hasattr(train_dl, "set_epoch"):
             train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
         first_step, train_dl = persistence.skip_to_resume_position(self.run_state, train_dl)
-        return first_step, require_batches(with_last_flag(train_dl), _NO_TRAIN_BATCH)
+        if self.run_state.train_epoch_length == 0:
+            return first_step, with_last_flag(train_dl)  # a dataloader that says it is empty: warned at setup
+        return first_step, require_batches(with_last_flag(train_dl), NO_TRAIN_BATCH)
 
     def _is_window_start(self, step: int) -> bool:
         """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
@@ -552,7 +543,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         (as the policy allows) and return whether the update must be skipped; may raise ``StopTrainingError``."""
         if self.run_state.non_finite_policy is None:
             return False  # the default run checks nothing: no host read
-        retry = functools.partial(self._run_train_step, batch, step, True, is_retry=True)
+        retry = functools.partial(self._perform_forward_and_backward_passes, batch, step, is_retry=True)
         can_retry = self.run_config.gradient_accumulation_steps == 1
         return retry_or_skip_non_finite_update(self.run_state, self.model, self.optimizer, retry, can_retry)
 
@@ -570,7 +561,8 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
             self.last_gradient_norm = norm
 
     def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
-        average = tracker.reduce_average(lambda tensor: self._accelerator.reduce(tensor, "sum"), self.device)
+        one_process = self._accelerator.num_processes == 1  # nothing to sum over
+        average = tracker.reduce_average(lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device)
         if average is not None:
             self.run_history.update_metric(metric_name, average)
 
@@ -597,3 +589,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         stop_request = self.process_agreement.agreed_exception(self._accelerator, stop_request)
         if stop_request is not None:
             raise stop_request
+
+
+class TrainerWithTimmScheduler(TimmSchedulerMixin, Trainer):
+    """A :class:`Trainer` that steps a `timm scheduler <https://timm.fast.ai/schedulers>`_ (see ``timm_scheduler.py``)."""

@@ -33,7 +33,7 @@ from pytorch_accel_trainer.state_files import (  # noqa: F401  (the file names a
     CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
     TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, chunked_crc32, describe_changes,
     describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
-    read_small_text, save_tensors_file, state_folders, temporary_folder, unused_folder_name, validate_manifest,
+    read_small_text, save_tensors_file, default_state_name, state_folders, temporary_folder, unused_folder_name, validate_manifest,
     write_text_atomically,
 )  # fmt: skip
 
@@ -71,7 +71,7 @@ def remove_abandoned_temporaries(parent: Path) -> list[Path]:
     removed = []
     try:
         for path in parent.iterdir():
-            if path.name.startswith(TEMPORARY_PREFIX + STATE_PREFIX) and is_real_directory(path):
+            if path.name.startswith(TEMPORARY_PREFIX) and is_real_directory(path):
                 if _is_abandoned_folder(path):
                     shutil.rmtree(path, ignore_errors=True)
                     removed.append(path)
@@ -390,9 +390,10 @@ def _callback_states(callbacks: Iterable) -> dict:
 
 def write_training_state(
     trainer, parent: Path, position: ResumePosition, run_facts: dict, kinds: Iterable[str] = ("rolling",),
-    checkpoint_kwargs: Optional[dict] = None, max_rolling: Optional[int] = None,
+    checkpoint_kwargs: Optional[dict] = None, max_rolling: Optional[int] = None, name: Optional[str] = None,
 ) -> Path:  # fmt: skip
-    """Write the trainer's full training state under ``parent``; every process must call this.
+    """Write the trainer's full training state under ``parent`` (as ``name``, if given, else
+    ``checkpoint-<updates>``; ``-2``... when taken); every process must call this.
 
     Under FSDP the weights and optimizer state are gathered whole to the main process first, so the state loads
     into any world size; under DeepSpeed it is refused (see ``sharded.validate_training_state_supported``).
@@ -423,7 +424,7 @@ def write_training_state(
         "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
         "callbacks": _callback_states(trainer.callback_handler),
     }
-    final = unused_folder_name(parent, f"{STATE_PREFIX}{trainer.num_update_steps_completed:08d}")
+    final = unused_folder_name(parent, name or default_state_name(trainer.num_update_steps_completed))
     accelerator.wait_for_everyone()  # every process has chosen the same name before any folder appears
     if accelerator.is_main_process:
         parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ import contextlib
 import random
 from collections.abc import Mapping
 from numbers import Number
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -93,7 +93,17 @@ def _validate_loss_func(loss_func: Any) -> None:
             f"loss_func={prefix}{name} is a class, not a loss function: pass an instance, loss_func={prefix}{name}() "
             "(the trainer calls loss_func(model_outputs, targets))."
         )
-    if not callable(loss_func):
+
+
+def validate_model_and_loss(model: Any, loss_func: Any) -> None:
+    """Check, where Accelerate prepares them, that the model is a module and the loss function callable.
+
+    Not in ``Trainer.__init__``: as in pytorch-accelerated, a subclass that prepares its own components (or a test)
+    may hold stand-ins until then.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model is a {type(model).__name__}; pass a torch.nn.Module.")
+    if loss_func is not None and not callable(loss_func):
         raise TypeError(
             f"loss_func={loss_func!r} is not callable: pass a function called as loss_func(model_outputs, targets), "
             "e.g. nn.MSELoss(), or None to use the loss the model returns."
@@ -237,29 +247,6 @@ def validate_loss_requires_grad(loss: torch.Tensor, model: torch.nn.Module) -> N
         "outputs: compute the loss from them without .detach(), .item(), torch.tensor(...) or torch.no_grad(), and "
         "return that tensor."
     )
-
-
-class CheckedCollateFn:
-    """A ``collate_fn`` that refuses to return ``None`` (it pickles whenever ``collate_fn`` does, for workers)."""
-
-    def __init__(self, collate_fn: Callable):
-        self.collate_fn = collate_fn
-
-    def __call__(self, samples: Any) -> Any:
-        batch = self.collate_fn(samples)
-        if batch is None:  # one comparison per batch, on the host
-            name = getattr(self.collate_fn, "__qualname__", None) or repr(self.collate_fn)
-            count = len(samples) if hasattr(samples, "__len__") else "?"
-            raise TypeError(
-                f"collate_fn={name} returned None for a list of {count} samples; it must return the batch (e.g. a "
-                "tuple of tensors, or a dict of them): check that it ends with a return statement."
-            )
-        return batch
-
-
-def checked_collate_fn(collate_fn: Optional[Callable]) -> Optional[Callable]:
-    """Return ``collate_fn`` wrapped in a :class:`CheckedCollateFn`; ``None`` (torch's default) as it is."""
-    return None if collate_fn is None else CheckedCollateFn(collate_fn)
 
 
 def validate_first_eval_batch(trainer: Any) -> None:

@@ -7,21 +7,36 @@ import math
 
 import pytest
 import torch
+from conftest import RecordingCallback, linear_dataset, make_linear, make_trainer
 from torch import nn
 
-from conftest import RecordingCallback, linear_dataset, make_linear, make_trainer
+import pytorch_accel_trainer.callbacks as callbacks_module
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import (
     EVENTS,
     CallbackHandler,
+    CallbackMethodNotImplementedError,
     LogMetricsCallback,
     MoveModulesToDeviceCallback,
+    NonFiniteLossError,
     PrintMetricsCallback,
     PrintProgressCallback,
     ProgressBarCallback,
+    StopTrainingError,
     TerminateOnNaNCallback,
     TrainerCallback,
+    get_default_callbacks,
 )
+
+#: The public names pytorch-accelerated 0.1.61 defines in its callbacks.py (its classes, functions and module
+#: constants, read from its AST), and the names it imports that its users import from there (ModelEma).
+PEER_CALLBACKS_NAMES = (
+    "logger", "get_default_callbacks", "StopTrainingError", "CallbackMethodNotImplementedError", "TrainerCallback",
+    "CallbackHandler", "LogMetricsCallback", "ProgressBarCallback", "PrintProgressCallback", "SaveBestModelCallback",
+    "EarlyStoppingCallback", "TerminateOnNaNCallback", "MoveModulesToDeviceCallback", "LimitBatchesCallback",
+    "ModelEmaCallback", "ConvertSyncBatchNormCallback", "StepBasedEvaluationCallback", "LimitEvalStepsCallback",
+    "SaveTrainingStateCallback", "WSDCheckpointCallback", "ModelEma",
+)  # fmt: skip
 
 HOOKS_WITH_EVENTS = (
     "training_run_start", "train_epoch_start", "train_epoch_end", "eval_epoch_start", "eval_epoch_end",
@@ -38,6 +53,109 @@ def test_every_event_has_a_documented_no_op_and_every_hook_its_on_twin():
     trainer_source = inspect.getsource(Trainer)
     fired = {event for event in EVENTS if f'"{event}"' in trainer_source}
     assert fired == set(EVENTS)
+
+
+def test_every_name_of_pytorch_accelerated_callbacks_is_here():
+    missing = [name for name in PEER_CALLBACKS_NAMES if not hasattr(callbacks_module, name)]
+    assert not missing
+    assert set(PEER_CALLBACKS_NAMES) - {"logger"} <= set(callbacks_module.__all__)
+
+
+def test_get_default_callbacks_is_the_trainers_default_with_or_without_the_bar():
+    assert get_default_callbacks() == get_default_callbacks(progress_bar=True) == DEFAULT_CALLBACKS
+    assert get_default_callbacks(progress_bar=False) == tuple(cb for cb in DEFAULT_CALLBACKS if cb is not ProgressBarCallback)
+
+
+def test_every_event_takes_pytorch_acceleraterated_call_forms():
+    """Peer tests call events by hand with only some arguments, e.g. on_train_step_end(trainer, step=0)."""
+    callback = TrainerCallback()
+    for event in EVENTS:
+        assert getattr(callback, event)(None) is None
+    assert callback.on_train_step_end(None, step=0) is None and callback.on_eval_step_end(None, batch=(1, 2)) is None
+    trainer = make_trainer(make_linear(), callbacks=[])
+    trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
+    bar = ProgressBarCallback()
+    bar.on_training_run_start(trainer)
+    bar.on_train_epoch_start(trainer)
+    bar.on_train_step_end(trainer, step=0)  # pytorch-accelerated's bar takes (trainer, **kwargs)
+    assert bar.pbar.n == 1
+    bar.on_train_epoch_end(trainer)
+
+
+def test_a_missing_callback_attribute_is_a_callback_method_not_implemented_error():
+    callback = TrainerCallback()
+    with pytest.raises(CallbackMethodNotImplementedError, match="'TrainerCallback' object has no attribute 'on_my_event'"):
+        callback.on_my_event(None)
+    assert issubclass(CallbackMethodNotImplementedError, AttributeError)
+    assert not hasattr(callback, "verify_train_batch") and getattr(callback, "verify_train_batch", None) is None
+
+
+def test_a_callback_that_is_also_a_module_keeps_its_module_attributes():
+    class ModuleCallback(TrainerCallback, nn.Module):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.scale = nn.Parameter(torch.ones(1))  # kept by nn.Module, found by its __getattr__
+
+    callback = ModuleCallback()
+    assert callback.scale.shape == (1,)
+    with pytest.raises(CallbackMethodNotImplementedError):
+        _ = callback.missing
+
+
+def test_a_custom_event_reaches_the_callbacks_that_handle_it():
+    calls = []
+
+    class Verify(TrainerCallback):
+        def verify_train_batch(self, trainer, xb, yb):
+            calls.append((trainer, xb, yb))
+
+    handler = CallbackHandler([Verify, RecordingCallback])  # RecordingCallback has no verify_train_batch: skipped
+    handler.call_event("verify_train_batch", trainer="trainer", xb=1, yb=2)
+    assert calls == [("trainer", 1, 2)]
+
+
+def test_an_undeclared_event_that_no_callback_handles_is_an_error():
+    handler = CallbackHandler([RecordingCallback])
+    with pytest.raises(ValueError, match=r"Unknown callback event 'verify_train_batch': .*register_events\('verify_train_batch'\)"):
+        handler.call_event("verify_train_batch", trainer=None)
+    handler.register_events("verify_train_batch")
+    handler.call_event("verify_train_batch", trainer=None)  # declared: nobody handles it, nothing happens
+
+
+def test_an_on_prefixed_custom_event_must_be_declared_before_its_callbacks_are_added():
+    seen = []
+
+    class OnMyEvent(TrainerCallback):
+        def on_my_event(self, trainer, value, **kwargs):
+            seen.append(value)
+
+    with pytest.raises(ValueError, match=r"defines 'on_my_event', which is not a callback event.*events=\['on_my_event'\]"):
+        CallbackHandler([OnMyEvent])
+    handler = CallbackHandler([OnMyEvent, RecordingCallback], events=["on_my_event"])
+    handler.call_event("on_my_event", None, value=3)
+    assert seen == [3] and handler.events == (*EVENTS, "on_my_event")
+    with pytest.raises(ValueError, match="Custom callback event '_private' is not a method name"):
+        handler.register_events("_private")
+
+
+def test_every_callback_ends_its_run_even_when_an_earlier_one_raised(caplog):
+    class Fails(TrainerCallback):
+        def __init__(self, message):
+            self.message = message
+
+        def on_training_run_end(self, trainer, **kwargs):
+            raise RuntimeError(self.message)
+
+    class FailsToo(Fails):
+        pass
+
+    recorder = RecordingCallback()
+    handler = CallbackHandler([Fails("first"), FailsToo("second"), recorder])
+    with pytest.raises(RuntimeError, match="first"):
+        handler.call_event("on_training_run_end", None)
+    assert recorder.events == ["on_training_run_end"] and "second" in caplog.text
+    with pytest.raises(RuntimeError, match="first"):  # other events stop at the first error, as before
+        CallbackHandler([Fails("first"), recorder]).call_event("on_training_run_end", None)
 
 
 def test_an_unknown_event_is_an_error():
@@ -139,23 +257,58 @@ class _NaNAfter(Trainer):
 
 
 def test_terminate_on_nan_stops_at_the_next_check_and_the_run_ends_cleanly():
-    callback = TerminateOnNaNCallback(check_every_n_steps=5, exit_on_nan=False)
+    callback = TerminateOnNaNCallback(check_every_n_steps=5, raise_on_nan=False)
     recorder = RecordingCallback()
     model = make_linear()
     trainer = _NaNAfter(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[callback, recorder])
     trainer.train(linear_dataset(40), num_epochs=3, per_device_batch_size=2)
-    assert callback.triggered
+    assert callback.triggered and callback.error.steps == (0, 4)
     assert recorder.events.count("on_train_step_start") == 5  # the NaN at step 4 is seen at the step-5 check
     assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]
     make_trainer(make_linear(), callbacks=[callback]).train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)
-    assert not callback.triggered  # reset by the next run
+    assert not callback.triggered and callback.error is None  # reset by the next run
 
 
-def test_terminate_on_nan_exits_by_default_like_pytorch_accelerated():
+def test_a_diverging_run_raises_non_finite_loss_error_once_every_callback_ended_it(capsys):
+    recorder = RecordingCallback()
+    trainer = make_trainer(make_linear(), lr=3.0, callbacks=[TerminateOnNaNCallback(check_every_n_steps=8), PrintProgressCallback, recorder])
+    with pytest.raises(NonFiniteLossError) as raised:
+        trainer.train(linear_dataset(64), num_epochs=20, per_device_batch_size=2)  # lr 3 on y = 2x + 3 diverges
+    error = raised.value
+    assert isinstance(error, RuntimeError) and not isinstance(error, StopTrainingError)
+    assert error.metric == "train_loss_epoch" and not math.isfinite(error.value)
+    assert error.epoch == 1 and error.steps[1] - error.steps[0] == 7 and (error.steps[1] + 1) % 8 == 0
+    assert str(error).startswith(f"The loss recorded as 'train_loss_epoch' became {error.value} in epoch 1, between steps")
+    assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]  # after TerminateOnNaN's
+    assert "Finishing training run" in capsys.readouterr().out
+
+
+def test_a_diverged_evaluation_raises_it_too():
+    class NaNEval(Trainer):
+        def calculate_eval_batch_loss(self, batch):
+            output = super().calculate_eval_batch_loss(batch)
+            return {**output, "loss": output["loss"] * float("inf")}
+
     model = make_linear()
-    trainer = _NaNAfter(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[TerminateOnNaNCallback])
-    with pytest.raises(SystemExit, match="Exiting due to NaN loss"):
-        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=2)
+    trainer = NaNEval(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[TerminateOnNaNCallback])
+    with pytest.raises(NonFiniteLossError, match="'eval_loss_epoch' became inf in epoch 1, between steps 0 and 1"):
+        trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(8), per_device_batch_size=4)
+    with pytest.raises(NonFiniteLossError, match="'evaluation_loss' became inf in epoch 1"):
+        trainer.evaluate(linear_dataset(8), per_device_batch_size=4)
+
+
+def test_terminate_on_nan_keeps_the_former_name_of_raise_on_nan():
+    with pytest.deprecated_call(match="pass raise_on_nan"):
+        callback = TerminateOnNaNCallback(exit_on_nan=False)
+    assert callback.raise_on_nan is False
+
+
+def test_check_for_nan_after_batch_checks_one_batch_at_once():
+    callback = TerminateOnNaNCallback()
+    callback.check_for_nan_after_batch({"loss": torch.tensor(1.0)}, step="training")
+    with pytest.raises(StopTrainingError, match="Stopping training due to NaN loss in validation step"):
+        callback.check_for_nan_after_batch({"loss": torch.tensor(float("nan"))}, step="validation")
+    assert callback.triggered and callback.error.metric == "eval_loss_epoch"
 
 
 def test_terminate_on_nan_leaves_a_finite_run_alone():

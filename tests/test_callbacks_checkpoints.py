@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import linear_dataset, make_linear, make_trainer
+
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveBestModelCallback, StopTrainingError, TrainerCallback
 
@@ -13,7 +13,7 @@ from pytorch_accel_trainer.callbacks import SaveBestModelCallback, StopTrainingE
 class ScoredTrainer(Trainer):
     """Records the next of ``scores`` as ``score`` at each epoch end, and keeps a copy of the weights then."""
 
-    scores: list = []
+    scores: tuple = ()  # each test sets its own list
 
     def training_run_epoch_end(self):
         self.run_history.update_metric("score", self.scores.pop(0))
@@ -30,8 +30,8 @@ def _train_scored(callback, scores, lr=0.1):
 
 def _assert_state_equal(actual: dict, expected: dict):
     assert actual.keys() == expected.keys()
-    for key in expected:
-        assert torch.equal(actual[key], expected[key]), key
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
 
 
 def test_saves_each_improvement_and_loads_the_best_at_the_end(tmp_path):

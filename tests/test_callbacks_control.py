@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import RecordingCallback, StreamDataset, linear_dataset, make_linear, make_trainer
+
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import (
     LIMIT_BATCHES_ENV_VAR,
@@ -52,7 +52,7 @@ def test_the_environment_variable_adds_the_callback(monkeypatch):
     trainer = make_trainer(make_linear(), callbacks=[recorder], trainer_class=EnvTrainer)
     trainer.train(linear_dataset(64), num_epochs=1, per_device_batch_size=4)
     assert recorder.events.count("on_train_step_start") == 2
-    assert trainer.callback_handler.callback_list == ["RecordingCallback", "LimitBatchesCallback"]
+    assert trainer.callback_handler.callback_list == ["LimitBatchesCallback", "RecordingCallback"]  # first, as pytorch-accelerated
 
 
 def test_the_environment_variable_adds_nothing_when_unset_empty_or_already_there(monkeypatch):

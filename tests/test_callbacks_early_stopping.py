@@ -6,8 +6,8 @@ import io
 
 import pytest
 import torch
-
 from conftest import RecordingCallback, linear_dataset, make_linear, make_trainer
+
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import EarlyStoppingCallback
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import io
+from typing import ClassVar
 
 import pytest
 import torch
+from conftest import linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
+from sync_counter import make_sync_counting_trainer
 from torch import nn
 from torchmetrics import MeanSquaredError
 
-from conftest import linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import (
     MetricCollectionCallback,
@@ -18,7 +21,7 @@ from pytorch_accel_trainer.callbacks import (
     SaveTrainingStateCallback,
     TrainerCallback,
 )
-from sync_counter import make_sync_counting_trainer
+from pytorch_accel_trainer.utils import ModelEma
 
 
 class WeightsAfterEachUpdate(Trainer):
@@ -46,7 +49,7 @@ def test_the_ema_follows_every_optimizer_step_under_accumulation_and_a_partial_w
 
     assert trainer.num_update_steps_completed == 8 == callback.num_updates  # 10 batches: windows of 3, 3, 3, 1
     expected = _expected_ema(initial, trainer.history_of_weights, decay=0.9)
-    for name, value in callback.ema_model.state_dict().items():
+    for name, value in callback.ema_model.module.state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7)
     saved = torch.load(tmp_path / "ema.pt", weights_only=True)  # saved at each epoch end without evaluation
     assert saved["num_updates"] == 8 and "optimizer_state_dict" not in saved
@@ -77,8 +80,44 @@ def test_evaluating_the_ema_records_prefixed_metrics_and_leaves_training_unchang
     assert ema_losses == sorted(ema_losses, reverse=True)  # improving, so the last EMA weights are the best
     saved = torch.load(tmp_path / "ema.pt", weights_only=True)
     assert saved["epoch"] == 3 and saved["ema_model_eval_loss_epoch"] == ema_losses[-1]
-    for name, value in callback.ema_model.state_dict().items():
+    for name, value in callback.ema_model.module.state_dict().items():
         assert torch.equal(saved["model_state_dict"][name], value)
+
+
+def test_the_arguments_are_pytorch_accelerateds_in_its_order_with_its_defaults():
+    parameters = inspect.signature(ModelEmaCallback).parameters
+    assert [(name, p.default) for name, p in parameters.items()] == [
+        ("decay", 0.99), ("evaluate_during_training", True), ("save_path", "ema_model.pt"),
+        ("watch_metric", "ema_model_eval_loss_epoch"), ("greater_is_better", False), ("model_ema", ModelEma),
+        ("callbacks", ()),
+    ]  # fmt: skip
+
+
+def test_model_ema_is_the_class_that_keeps_the_average(tmp_path):
+    class CountingEma(ModelEma):
+        made_from: ClassVar[list] = []
+
+        def __init__(self, model, decay):
+            super().__init__(model, decay=decay)
+            self.made_from.append((model, decay))
+            self.updates = 0
+
+        def update(self, model):
+            self.updates += 1
+            super().update(model)
+
+    model = make_linear()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    callback = ModelEmaCallback(0.9, False, tmp_path / "ema.pt", "ema_model_eval_loss_epoch", False, CountingEma)
+    trainer = make_trainer(model, callbacks=[callback], trainer_class=WeightsAfterEachUpdate)
+    trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
+    assert isinstance(callback.ema_model, CountingEma) and CountingEma.made_from == [(trainer.get_model(), 0.9)]
+    assert callback.ema_model.updates == callback.num_updates == 4
+    expected = _expected_ema(initial, trainer.history_of_weights, decay=0.9)
+    for name, value in callback.ema_model.module.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="model_ema is a str; pass a class such as ModelEma"):
+        ModelEmaCallback(model_ema="ModelEma")
 
 
 def test_evaluating_during_training_needs_an_eval_dataset():
@@ -105,7 +144,7 @@ def test_the_state_round_trips_through_a_weights_only_checkpoint_and_seeds_the_n
 
     class SnapshotAtStart(TrainerCallback):
         def on_training_run_start(self, trainer, **kwargs):
-            seen_at_start.update(copy.deepcopy(resumed.ema_model.state_dict()))
+            seen_at_start.update(copy.deepcopy(resumed.ema_model.module.state_dict()))
 
     resumed = ModelEmaCallback(decay=0.5, evaluate_during_training=False, save_path=tmp_path / "b.pt")
     resumed.load_state_dict(state)
@@ -151,7 +190,7 @@ def test_a_crashed_run_resumed_from_its_training_state_ends_with_the_same_ema(tm
         run("crashed", crash=CrashAtStep(epoch=2, step=3))  # the last state is from after update 6
     resumed, resumed_history = run("crashed")
     assert resumed.num_updates == uninterrupted.num_updates == 12
-    for name, value in uninterrupted.ema_model.state_dict().items():
-        assert torch.equal(resumed.ema_model.state_dict()[name], value), name
+    for name, value in uninterrupted.ema_model.module.state_dict().items():
+        assert torch.equal(resumed.ema_model.module.state_dict()[name], value), name
     assert resumed_history.get_metric_values("ema_model_eval_loss_epoch") == history.get_metric_values("ema_model_eval_loss_epoch")
     assert (resumed.best_metric, resumed.best_metric_epoch) == (uninterrupted.best_metric, uninterrupted.best_metric_epoch)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import RecordingCallback, linear_dataset, make_linear, make_trainer
+
 from pytorch_accel_trainer.callbacks import (
     LimitEvalStepsCallback,
     StepBasedEvaluationCallback,
@@ -56,6 +56,25 @@ def test_the_interval_counts_optimizer_updates_and_the_training_mode_is_restored
     # 8 updates per epoch: evaluations after updates 3 and 6, then the epoch's own, in each epoch
     assert intermediate == [True, True, False, True, True, True, False]  # then updates 9, 12 and 15: the count runs on
     assert all(modes)
+
+
+def test_the_evaluation_epoch_events_say_is_intermediate_as_in_pytorch_accelerated():
+    flags = []
+
+    class PeerStyle(TrainerCallback):  # pytorch-accelerated's LimitEvalStepsCallback reads it this way
+        def on_eval_epoch_start(self, trainer, is_intermediate=False, **kwargs):
+            flags.append(("start", is_intermediate, is_intermediate_evaluation(trainer)))
+
+        def on_eval_epoch_end(self, trainer, is_intermediate=False, **kwargs):
+            flags.append(("end", is_intermediate, is_intermediate_evaluation(trainer)))
+
+        def on_eval_step_end(self, trainer, batch, batch_output):  # no **kwargs: the step events get no flag
+            pass
+
+    trainer = _train([StepBasedEvaluationCallback(eval_every_n_steps=10), PeerStyle()], num_epochs=1)
+    assert flags == [("start", True, True), ("end", True, True), ("start", False, False), ("end", False, False)]
+    trainer.evaluate(EVAL, per_device_batch_size=4)
+    assert flags[-2:] == [("start", False, False), ("end", False, False)]
 
 
 def test_an_intermediate_evaluation_fires_the_evaluation_events_between_two_steps():

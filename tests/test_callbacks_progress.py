@@ -1,14 +1,19 @@
-"""ProgressBarCallback: what the bar shows, when it refreshes, and that it never syncs."""
+"""ProgressBarCallback (what the bar shows, when it refreshes, and that it never syncs) and LogMetricsCallback."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import linear_dataset, make_linear, make_trainer
-from pytorch_accel_trainer import Trainer
-from pytorch_accel_trainer.callbacks import ProgressBarCallback, StepBasedEvaluationCallback, TrainerCallback
 from sync_counter import make_sync_counting_trainer
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import (
+    LogMetricsCallback,
+    ProgressBarCallback,
+    StepBasedEvaluationCallback,
+    TrainerCallback,
+)
 
 
 class PostfixProbe(TrainerCallback):
@@ -64,3 +69,17 @@ def test_an_intermediate_evaluation_gets_its_own_bar(capsys):
 def test_refresh_every_n_steps_must_be_positive():
     with pytest.raises(ValueError, match="refresh_every_n_steps is 0; pass a positive whole number of batches"):
         ProgressBarCallback(refresh_every_n_steps=0)
+
+
+def _printed_metric_names(output: str) -> list:
+    return [line.split(": ")[0] for line in output.splitlines() if ": " in line]
+
+
+def test_log_metrics_prints_only_the_metrics_of_the_current_run(capsys):
+    trainer = make_trainer(make_linear(), callbacks=[LogMetricsCallback])
+    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
+    assert _printed_metric_names(capsys.readouterr().out) == ["train_loss_epoch", "eval_loss_epoch"]
+    trainer.evaluate(linear_dataset(4), per_device_batch_size=4)
+    assert _printed_metric_names(capsys.readouterr().out) == ["evaluation_loss"]  # not the training run's eval loss
+    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
+    assert _printed_metric_names(capsys.readouterr().out) == ["train_loss_epoch", "eval_loss_epoch"]

@@ -34,6 +34,7 @@ def test_every_sample_is_evaluated_exactly_once_in_dataset_order(tmp_path, num_p
         for name, case in result["cases"].items():
             size = int(name.split("size=")[1].split()[0])
             assert case["gathered"] == [float(i) for i in range(size)], name  # trainer.gather: ids, in order
+            assert sorted(case["gathered_padded"]) == [float(i) for i in range(size)], name  # padded: each id once
             assert case["gathered_for_metrics"] == case["expected_rows"], name
             assert case["evaluation_loss"] == pytest.approx(case["expected_loss"], rel=1e-5), name
             assert case["mae"] == pytest.approx(case["expected_mae"], rel=1e-5), name  # torchmetrics, exact too

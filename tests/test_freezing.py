@@ -1,4 +1,4 @@
-"""ModelFreezer and GradualUnfreezingCallback: which parameters train, on tiny real runs."""
+"""finetuning.ModelFreezer (freezing.py) and GradualUnfreezingCallback: which parameters train, on tiny real runs."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import functools
 
 import pytest
 import torch
+from conftest import regression_dataset
 from torch import nn
 
-from conftest import regression_dataset
-from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer import Trainer, freezing
 from pytorch_accel_trainer.callbacks import GradualUnfreezingCallback, TrainerCallback
-from pytorch_accel_trainer.freezing import ModelFreezer
+from pytorch_accel_trainer.finetuning import BN_MODULES, Layer, LayerGroup, ModelFreezer, _module_is_batch_norm
 
 
 def make_model() -> nn.Module:
@@ -74,6 +74,51 @@ def test_an_index_out_of_range_and_a_model_without_groups_are_errors():
         freezer.freeze(to_index=4)
     with pytest.raises(ValueError, match=r"The model \(Linear\) has no child modules"):
         ModelFreezer(nn.Linear(2, 2))
+
+
+def test_finetuning_is_the_public_module_of_the_one_freezer():
+    assert ModelFreezer is freezing.ModelFreezer and (Layer, LayerGroup) == (freezing.Layer, freezing.LayerGroup)
+    assert Layer._fields == LayerGroup._fields == ("layer_group_idx", "module", "is_frozen")
+    assert [_module_is_batch_norm(m) for m in (nn.BatchNorm1d(2), nn.SyncBatchNorm(2), nn.LayerNorm(2))] == [True, True, False]
+    assert BN_MODULES == (nn.modules.batchnorm._BatchNorm,)
+
+
+def test_convert_idxs_orders_and_makes_indexes_positive_and_freeze_bn_is_the_option():
+    freezer = ModelFreezer(make_model(), freeze_batch_norms=True)
+    assert [freezer._convert_idxs(*pair) for pair in [(0, 3), (3, 0), (-2, -1), (-1, -2), (0, -1)]] == [(0, 3)] * 2 + [(2, 3)] * 2 + [(0, 3)]
+    assert freezer.freeze_bn is True
+    freezer.freeze_bn = False
+    assert freezer.freeze_batch_norms is False
+
+
+def test_freezing_into_eval_mode_freezes_and_unfreezing_without_training_mode_unfreezes():
+    """pytorch-accelerated passes its two flags to its layer helper in swapped order, so there
+    freeze(set_modules_as_eval=True) leaves the parameters trainable; here each flag does what it says."""
+    model = make_model()
+    freezer = ModelFreezer(model, freeze_batch_norms=True)
+    freezer.freeze(from_index=0, to_index=2, set_modules_as_eval=True)
+    assert freezer.get_trainable_parameters() == list(model[3].parameters())
+    assert [m.training for m in (model[0], model[1], model[2][0], model[2][1], model[3])] == [False, False, False, False, True]
+    unfrozen = freezer.unfreeze(set_modules_as_training=False)
+    assert sorted(unfrozen) == [0, 1, 2] and freezer.get_trainable_parameters() == list(model.parameters())
+    assert not model[0].training  # mode left as it was
+    assert all(not layer.is_frozen for layer in freezer.get_layers() if next(layer.module.parameters(), None) is not None)
+
+
+class OwnParameterAndChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.linear = nn.Linear(2, 2)
+
+
+def test_a_module_with_parameters_of_its_own_and_children_is_a_layer_too():
+    """pytorch-accelerated's layers are the leaf modules only, so it never freezes ``scale`` here."""
+    model = nn.Sequential(OwnParameterAndChild(), nn.Linear(2, 1))
+    freezer = ModelFreezer(model)
+    freezer.freeze()
+    assert freezer.get_trainable_parameters() == list(model[1].parameters())
+    assert [type(layer.module).__name__ for layer in freezer.get_layers()] == ["OwnParameterAndChild", "Linear", "Linear"]
 
 
 class EpochSnapshots(TrainerCallback):

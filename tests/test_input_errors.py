@@ -168,8 +168,9 @@ def test_a_loss_class_instead_of_an_instance_is_refused_at_construction():
     with pytest.raises(TypeError, match=r"loss_func=nn.MSELoss is a class, not a loss function: pass an instance, "
                        r"loss_func=nn.MSELoss\(\)"):  # fmt: skip
         Trainer(model, nn.MSELoss, optimizer)
+    trainer = Trainer(model, "mse", optimizer, callbacks=())  # a stand-in is refused where the trainer prepares it
     with pytest.raises(TypeError, match=r"loss_func='mse' is not callable"):
-        Trainer(model, "mse", optimizer)
+        trainer.train(linear_dataset(4), num_epochs=1)
 
 
 class DetachedLossTrainer(Trainer):

@@ -9,7 +9,7 @@ import pytest
 
 from pytorch_accel_trainer import placeholders
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues as P
-from pytorch_accel_trainer.placeholders import replace_trainer_placeholder_values
+from pytorch_accel_trainer.placeholders import resolve_placeholders
 
 VALUES = {P.NUM_EPOCHS: 3, P.NUM_UPDATE_STEPS_PER_EPOCH: 10, P.TRAIN_DATALOADER_LEN: 40, P.EVAL_DATALOADER_LEN: None}
 
@@ -31,18 +31,18 @@ def _factory(optimizer, *args, **kwargs):
 )
 def test_expressions_resolve_in_args_and_keywords(expression, expected):
     factory = functools.partial(_factory, expression, total=expression, fixed=5)
-    resolved = replace_trainer_placeholder_values(factory, VALUES)
+    resolved = resolve_placeholders(factory, VALUES)
     assert resolved("optimizer") == (expected, ("optimizer",), {"total": expected, "fixed": 5})
 
 
 def test_an_unknown_value_is_a_clear_error():
     factory = functools.partial(_factory, steps=P.EVAL_DATALOADER_LEN)
     with pytest.raises(ValueError, match="EVAL_DATALOADER_LEN, whose value is unknown"):
-        replace_trainer_placeholder_values(factory, VALUES)
+        resolve_placeholders(factory, VALUES)
 
 
 def test_plain_callables_pass_through_and_names_match_pytorch_accelerated():
-    assert replace_trainer_placeholder_values(_factory, VALUES) is _factory
+    assert resolve_placeholders(_factory, VALUES) is _factory
     assert P.placeholder_set() == {
         "NUM_EPOCHS",
         "NUM_UPDATE_STEPS_PER_EPOCH",

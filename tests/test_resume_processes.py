@@ -133,4 +133,5 @@ def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_p
     assert_bitwise_equal(resumed, reference)
     # both processes stopped at the next update boundary (step 4 of epoch 1: 4 updates), with one saved state
     assert "Stopped by signal 15" in stopped.stdout
-    assert "checkpoint-00000004\n" in stopped.stdout and "checkpoint-00000004-2" not in stopped.stdout
+    assert "step_4\n" in stopped.stdout and "step_4-2" not in stopped.stdout  # the step save, taken once
+    assert "checkpoint-00000004" not in stopped.stdout  # the preemption save is that same state, not a second

@@ -38,7 +38,8 @@ def _run(save_dir, optimizer=torch.optim.SGD, num_epochs=1, crash=None, **callba
     """Train nn.Linear(4, 1) on 8 samples (4 updates an epoch), a state after each update, resuming from save_dir."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    callbacks = [SaveTrainingStateCallback(save_dir, save_every_n_steps=1, **callback_kwargs)] + ([crash] if crash else [])
+    callbacks = [SaveTrainingStateCallback(save_dir, save_every_n_steps=1, **{"save_at_end": False, **callback_kwargs})]
+    callbacks += [crash] if crash else []
     trainer = Trainer(model, nn.MSELoss(), optimizer(model.parameters(), lr=0.01), callbacks=callbacks)
     trainer.train(regression_dataset(8), num_epochs=num_epochs, per_device_batch_size=2, resume_from=save_dir)
     return trainer
@@ -63,7 +64,7 @@ def states(tmp_path):
     parent = tmp_path / "states"
     _run(parent)
     (tmp_path / "secret").write_bytes(b"s" * SECRET_SIZE)
-    assert [state.folder.name for state in list_complete_states(parent)][-1] == "checkpoint-00000004"
+    assert [state.folder.name for state in list_complete_states(parent)][-1] == "step_4"
     return parent
 
 
@@ -98,26 +99,26 @@ DAMAGES = {
     "an absolute name": (lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, str(s))), r"lists '/.*secret', which is not a plain file name inside"),
     "a linked file": (_link_file, r"optimizer\.pt: a symbolic link; a state's files must be regular files in its folder"),
     "a linked manifest": (_link_manifest, r"manifest\.json: a symbolic link"),
-    "a linked state folder": (_link_folder, r"checkpoint-00000004: a symbolic link; states are read only from folders inside"),
+    "a linked state folder": (_link_folder, r"step_4: a symbolic link; states are read only from folders inside"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_newest_state_is_skipped_with_a_warning_naming_it_for_the_newest_good_one(states, capsys, damage):
-    newest = states / "checkpoint-00000004"
+    newest = states / "step_4"
     apply, problem = DAMAGES[damage]
     apply(newest, states.parent / "secret")
-    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*checkpoint-00000003\): \S*checkpoint-00000004[:/]") as warned:  # fmt: skip
+    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*step_3\): \S*step_4[:/]") as warned:  # fmt: skip
         resumed = _run(states, num_epochs=2)
     assert any(re.search(problem, str(warning.message)) for warning in warned)
     assert not any(str(SECRET_SIZE) in str(warning.message) or "bytes" in str(warning.message) for warning in warned)
-    assert "checkpoint-00000003 (after 3 optimizer updates)" in capsys.readouterr().out
+    assert "step_3 (after 3 optimizer updates)" in capsys.readouterr().out
     assert resumed.num_update_steps_completed == 8  # continued from the older state, to the end of epoch 2
 
 
 def test_a_name_outside_the_folder_gets_the_same_answer_whatever_its_size_or_hash(states):
     """No oracle: a guessed size or hash of an outside file changes nothing in what the loader says."""
-    folder, secret = states / "checkpoint-00000004", states.parent / "secret"
+    folder, secret = states / "step_4", states.parent / "secret"
     messages = set()
     for entry in [{"size": SECRET_SIZE, "crc32": file_digest(secret, algorithm="crc32")[1]}, {"size": SECRET_SIZE, "crc32": "0" * 8}]:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
@@ -147,7 +148,7 @@ BAD_FIELDS = [
 
 @pytest.mark.parametrize(("name", "value", "problem"), BAD_FIELDS, ids=lambda value: str(value)[:20])
 def test_every_manifest_field_is_checked_for_type_and_range_before_use(states, name, value, problem):
-    folder = states / "checkpoint-00000004"
+    folder = states / "step_4"
     _edit_manifest(folder, lambda manifest: manifest.update({name: value}))
     with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME}: damaged manifest: {problem}"):
         verify_folder(folder)
@@ -155,7 +156,7 @@ def test_every_manifest_field_is_checked_for_type_and_range_before_use(states, n
 
 
 def test_a_pickle_planted_as_model_safetensors_is_a_checkpoint_error_and_never_runs(states):
-    folder, marker = states / "checkpoint-00000004", states.parent / "pwned"
+    folder, marker = states / "step_4", states.parent / "pwned"
 
     class Hostile:
         def __reduce__(self):
@@ -163,7 +164,7 @@ def test_a_pickle_planted_as_model_safetensors_is_a_checkpoint_error_and_never_r
 
     (folder / "model.safetensors").write_bytes(pickle.dumps(Hostile()))
     _rehash(folder, "model.safetensors")  # a forged manifest: the file checks out, so it is read
-    with pytest.raises(CheckpointError, match=r"checkpoint-00000004/model\.safetensors: not a safetensors file \(.*\); the state was damaged or altered"):  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"step_4/model\.safetensors: not a safetensors file \(.*\); the state was damaged or altered"):  # fmt: skip
         _run(states, num_epochs=2)
     assert not marker.exists()
 
@@ -189,7 +190,7 @@ def test_resuming_into_another_optimizer_is_refused_naming_both_before_any_step(
 
 def test_a_state_without_the_optimizer_class_still_resumes_and_is_checked_by_structure(states):
     """States written before the optimizer's class was saved: read as before; their parameter groups are compared."""
-    folder = states / "checkpoint-00000004"
+    folder = states / "step_4"
     shared = torch.load(folder / TRAINER_FILE, weights_only=True)
     del shared["optimizer_class"]
     torch.save(shared, folder / TRAINER_FILE)
@@ -240,14 +241,14 @@ def test_a_later_save_removes_the_temporary_folders_of_killed_saves_and_never_a_
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         assert {path.name for path in parent.iterdir()} == {".tmp-checkpoint-00000006", ".tmp-checkpoint-00000009"}
         assert _run(parent).num_update_steps_completed == 4  # saves after updates 1 to 4
-        left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-checkpoint")}
+        left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-")}
         assert left == {".tmp-checkpoint-00000009"}  # the killed save's is gone, the live one's is untouched
         assert (parent / ".tmp-checkpoint-00000009" / "model.safetensors").is_file()
     finally:
         live.kill()
         live.wait()
     _run(parent, num_epochs=2)
-    assert not [path for path in parent.iterdir() if path.name.startswith(".tmp-checkpoint")]
+    assert not [path for path in parent.iterdir() if path.name.startswith(".tmp-")]
 
 
 def test_a_symlinked_parent_or_state_never_ends_a_run_nor_is_deleted_through(tmp_path):
@@ -255,29 +256,29 @@ def test_a_symlinked_parent_or_state_never_ends_a_run_nor_is_deleted_through(tmp
     real.mkdir()
     (tmp_path / "link").symlink_to(real, target_is_directory=True)
     _run(tmp_path / "link", max_checkpoints=2)  # a save_dir that is a link: pruned inside its target
-    assert sorted(state.folder.name for state in list_complete_states(real)) == ["checkpoint-00000003", "checkpoint-00000004"]
+    assert sorted(state.folder.name for state in list_complete_states(real)) == ["step_3", "step_4"]
     outside = tmp_path / "outside"
     outside.mkdir()
-    shutil.move(real / "checkpoint-00000003", outside / "checkpoint-00000003")
-    (real / "checkpoint-00000003").symlink_to(outside / "checkpoint-00000003", target_is_directory=True)
-    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*checkpoint-00000004\): \S*checkpoint-00000003: a symbolic link"):  # fmt: skip
+    shutil.move(real / "step_3", outside / "step_3")
+    (real / "step_3").symlink_to(outside / "step_3", target_is_directory=True)
+    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*step_4\): \S*step_3: a symbolic link"):  # fmt: skip
         _run(tmp_path / "link", num_epochs=2, max_checkpoints=2)
-    assert verify_folder(outside / "checkpoint-00000003")  # the link's target is never pruned
-    assert (real / "checkpoint-00000003").is_symlink()
-    assert sorted(state.folder.name for state in list_complete_states(real)) == ["checkpoint-00000007", "checkpoint-00000008"]
+    assert verify_folder(outside / "step_3")  # the link's target is never pruned
+    assert (real / "step_3").is_symlink()
+    assert sorted(state.folder.name for state in list_complete_states(real)) == ["step_7", "step_8"]
 
 
 def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
     parent, outside = tmp_path / "states", tmp_path / "outside"
 
     def swap_for_a_link(name):  # the folder to prune becomes a link at that moment: rmtree refuses it (OSError)
-        if name == "prune:checkpoint-00000001":
-            shutil.move(parent / "checkpoint-00000001", outside)
-            (parent / "checkpoint-00000001").symlink_to(outside, target_is_directory=True)
+        if name == "prune:step_1":
+            shutil.move(parent / "step_1", outside)
+            (parent / "step_1").symlink_to(outside, target_is_directory=True)
 
     monkeypatch.setattr(training_state, "_crash_point", swap_for_a_link)
-    with pytest.warns(UserWarning, match=r"Could not prune the training state \S*checkpoint-00000001 \(.*symbolic link.*\); it is left in place"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"Could not prune the training state \S*step_1 \(.*symbolic link.*\); it is left in place"):  # fmt: skip
         trainer = _run(parent, max_checkpoints=2)
     assert trainer.num_update_steps_completed == 4 and verify_folder(outside)
-    with pytest.warns(UserWarning, match=r"checkpoint-00000001: a symbolic link"):  # left in place, never read through
-        assert find_resumable_state(parent).folder.name == "checkpoint-00000004"
+    with pytest.warns(UserWarning, match=r"step_1: a symbolic link"):  # left in place, never read through
+        assert find_resumable_state(parent).folder.name == "step_4"

@@ -114,7 +114,7 @@ def test_resume_continues_the_epoch_and_adds_no_epoch(tmp_path):
     "point",
     [
         "write:rank_00000.pt", "write:model.safetensors", "write:optimizer.pt", "write:scheduler.pt",
-        "write:trainer_state.pt", "hash:model.safetensors", "manifest", "rename", "latest", "prune:checkpoint-00000005",
+        "write:trainer_state.pt", "hash:model.safetensors", "manifest", "rename", "latest", "prune:step_5",
     ],
 )  # fmt: skip
 def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exactly(tmp_path, references, monkeypatch, point):
@@ -226,7 +226,7 @@ def test_rolling_permanent_and_best_states_are_kept_as_asked(tmp_path):
     kinds = {state.folder.name: state.kinds for state in states}
     rolling = [name for name, k in kinds.items() if "rolling" in k and "permanent" not in k and "best" not in k]
     assert len(rolling) <= 2
-    assert {"checkpoint-00000010", "checkpoint-00000020", "checkpoint-00000030"} <= set(kinds)
+    assert {"step_10", "step_20", "step_30"} <= set(kinds)  # named as pytorch-accelerated's callback names them
     assert sum("best" in k for k in kinds.values()) == 1
     assert (tmp_path / "latest").read_text().strip() == states[-1].folder.name
 
@@ -262,8 +262,8 @@ def test_a_step_save_due_at_an_update_that_stops_the_run_is_written_once(tmp_pat
 
     stopped = _run(tmp_path, crash=StopAfter(), save_every_n_steps=5, save_every_n_epochs=None, save_at_end=True)
     assert stopped.num_update_steps_completed == 15
-    names = sorted(state.folder.name for state in list_complete_states(tmp_path))
-    assert names == ["checkpoint-00000005", "checkpoint-00000010", "checkpoint-00000015"]  # none lost, none twice
+    names = [state.folder.name for state in list_complete_states(tmp_path)]
+    assert sorted(names) == ["final", "step_10", "step_15", "step_5"]  # none lost, none twice; final as the run ends
     position = list_complete_states(tmp_path)[-1].manifest["position"]
     assert position == {"loop_epoch": 1, "batches_seen": 0, "rng_restore_point": "before_iterator"}
 

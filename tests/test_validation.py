@@ -89,8 +89,9 @@ def test_no_batch_on_this_process_is_an_error():
 
 
 def test_model_must_be_a_module_and_training_needs_an_optimizer():
+    trainer = Trainer("model", torch.nn.MSELoss(), None, callbacks=())  # as in pytorch-accelerated: checked when used
     with pytest.raises(TypeError, match="model is a str; pass a torch.nn.Module"):
-        Trainer("model", None, None)
+        trainer.evaluate(linear_dataset(4))
     trainer = Trainer(make_linear(), torch.nn.MSELoss(), None, callbacks=())
     with pytest.raises(ValueError, match=r"no optimizer \(optimizer=None\)"):
         _train(trainer)

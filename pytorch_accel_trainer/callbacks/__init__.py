@@ -1,14 +1,23 @@
 """Callbacks: the base protocol and the ready-made callbacks, one family per module."""
 
-from pytorch_accel_trainer.callbacks.base import EVENTS, CallbackHandler, StopTrainingError, TrainerCallback
+from pytorch_accel_trainer.callbacks.base import (
+    EVENTS,
+    CallbackHandler,
+    CallbackMethodNotImplementedError,
+    StopTrainingError,
+    TrainerCallback,
+)
+from pytorch_accel_trainer.callbacks.base import logger as logger  # as in pytorch-accelerated; not in __all__
 from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
 from pytorch_accel_trainer.callbacks.control import (
     LIMIT_BATCHES_ENV_VAR,
     DataLoaderSlice,
     LimitBatchesCallback,
+    NonFiniteLossError,
     TerminateOnNaNCallback,
     with_limit_batches_from_env,
 )
+from pytorch_accel_trainer.callbacks.defaults import get_default_callbacks
 from pytorch_accel_trainer.callbacks.device import ConvertSyncBatchNormCallback, MoveModulesToDeviceCallback
 from pytorch_accel_trainer.callbacks.early_stopping import EarlyStoppingCallback
 from pytorch_accel_trainer.callbacks.ema import ModelEmaCallback
@@ -21,6 +30,7 @@ from pytorch_accel_trainer.callbacks.fine_tuning import GradualUnfreezingCallbac
 from pytorch_accel_trainer.callbacks.memory import PeakMemoryCallback
 from pytorch_accel_trainer.callbacks.metrics import MetricCollectionCallback
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
+from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
 from pytorch_accel_trainer.callbacks.progress import (
     LogMetricsCallback,
     PrintMetricsCallback,
@@ -28,14 +38,16 @@ from pytorch_accel_trainer.callbacks.progress import (
     ProgressBarCallback,
 )
 from pytorch_accel_trainer.callbacks.trackers import CSVTracker, ExperimentTrackingCallback, JSONLinesTracker
-from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
+from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
+from pytorch_accel_trainer.utils import ModelEma  # importable from here, as in pytorch-accelerated
 
 __all__ = [
     "EVENTS",
     "LIMIT_BATCHES_ENV_VAR",
     "CSVTracker",
     "CallbackHandler",
+    "CallbackMethodNotImplementedError",
     "ConvertSyncBatchNormCallback",
     "DataLoaderSlice",
     "EarlyStoppingCallback",
@@ -46,9 +58,11 @@ __all__ = [
     "LimitEvalStepsCallback",
     "LogMetricsCallback",
     "MetricCollectionCallback",
+    "ModelEma",
     "ModelEmaCallback",
     "MonitorCallback",
     "MoveModulesToDeviceCallback",
+    "NonFiniteLossError",
     "PeakMemoryCallback",
     "PrintMetricsCallback",
     "PrintProgressCallback",
@@ -60,6 +74,8 @@ __all__ = [
     "StopTrainingError",
     "TerminateOnNaNCallback",
     "TrainerCallback",
+    "WSDCheckpointCallback",
+    "get_default_callbacks",
     "is_intermediate_evaluation",
     "with_limit_batches_from_env",
 ]

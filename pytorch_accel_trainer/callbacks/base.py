@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable as IterableABC
-from typing import TYPE_CHECKING, Any, Iterable, Union
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.errors import StopTrainingError, validate_positive_int  # noqa: F401  (users import them here)
 
@@ -31,13 +33,34 @@ EVENTS = (
     "on_stop_training_error",
 )
 
+#: The events that end a run. Each callback's runs even when an earlier one raised (they close bars, put dataloaders
+#: back, save); the first error is raised once they all have.
+RUN_END_EVENTS = ("on_training_run_end", "on_evaluation_run_end")
+
+#: The events that receive ``is_intermediate``: ``True`` in the evaluation epochs of ``StepBasedEvaluationCallback``.
+EVAL_EPOCH_EVENTS = ("on_eval_epoch_start", "on_eval_epoch_end")
+
+logger = logging.getLogger(__name__)
+
+
+class CallbackMethodNotImplementedError(AttributeError):
+    """A callback has no method (or attribute) of the name asked for.
+
+    Raised, as in pytorch-accelerated, when an attribute a :class:`TrainerCallback` does not have is read, e.g. the
+    handler of a custom event on a callback that does not handle it. It is an ``AttributeError``, so ``hasattr`` and
+    ``getattr(callback, name, default)`` work as usual.
+    """
+
 
 class TrainerCallback:
     """The base class of callbacks: one no-op method per event; override the ones you need.
 
     Every method receives the trainer first, then keyword arguments; accept ``**kwargs`` so that new
-    arguments do not break a callback. A method whose name starts with ``on_`` but is not an event is
-    refused when the callback is added, so a typo cannot silently do nothing.
+    arguments do not break a callback. Every argument but the trainer has a default, so the events can also be
+    called by hand as in pytorch-accelerated's tests, e.g. ``callback.on_train_step_end(trainer, step=0)``. A method
+    whose name starts with ``on_`` but is not an event is refused when the callback is added, so a typo cannot
+    silently do nothing. Reading an attribute a callback does not have raises
+    :class:`CallbackMethodNotImplementedError`, an ``AttributeError``.
 
     Example::
 
@@ -49,19 +72,19 @@ class TrainerCallback:
                 self.steps += 1
     """
 
-    def on_init_end(self, trainer: "Trainer", **kwargs):
+    def on_init_end(self, trainer: Trainer, **kwargs):
         """Called at the end of ``Trainer.__init__``."""
 
-    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+    def on_training_run_start(self, trainer: Trainer, **kwargs):
         """Called after ``training_run_start``, once the dataloaders and scheduler exist."""
 
-    def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
+    def on_train_epoch_start(self, trainer: Trainer, **kwargs):
         """Called after ``train_epoch_start``, before the first batch of a training epoch."""
 
-    def on_train_step_start(self, trainer: "Trainer", **kwargs):
+    def on_train_step_start(self, trainer: Trainer, **kwargs):
         """Called before ``calculate_train_batch_loss`` on each training batch."""
 
-    def on_train_step_end(self, trainer: "Trainer", batch, batch_output: dict, **kwargs):
+    def on_train_step_end(self, trainer: Trainer, batch=None, batch_output: dict | None = None, **kwargs):
         """Called after ``calculate_train_batch_loss``, before the backward pass.
 
         Args:
@@ -71,7 +94,7 @@ class TrainerCallback:
             step: (keyword) the index of the batch in the epoch, from 0.
         """
 
-    def on_optimizer_step_end(self, trainer: "Trainer", **kwargs):
+    def on_optimizer_step_end(self, trainer: Trainer, **kwargs):
         """Called after each optimizer update, once the scheduler has stepped and the gradients are zeroed.
 
         An update skipped for non-finite gradients (``SkipNonFiniteStepsCallback``) fires nothing; under fp16, an
@@ -86,35 +109,52 @@ class TrainerCallback:
                 (``trainer.num_update_steps_completed``).
         """
 
-    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+    def on_train_epoch_end(self, trainer: Trainer, **kwargs):
         """Called after ``train_epoch_end``; ``train_loss_epoch`` is already in the run history."""
 
-    def on_eval_epoch_start(self, trainer: "Trainer", **kwargs):
-        """Called after ``eval_epoch_start``, before the first evaluation batch."""
+    def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
+        """Called after ``eval_epoch_start``, before the first evaluation batch.
 
-    def on_eval_step_start(self, trainer: "Trainer", **kwargs):
+        Args:
+            is_intermediate: (keyword) ``True`` in an evaluation of ``StepBasedEvaluationCallback`` during a training
+                epoch, else ``False``.
+        """
+
+    def on_eval_step_start(self, trainer: Trainer, **kwargs):
         """Called before ``calculate_eval_batch_loss`` on each evaluation batch."""
 
-    def on_eval_step_end(self, trainer: "Trainer", batch, batch_output: dict, **kwargs):
+    def on_eval_step_end(self, trainer: Trainer, batch=None, batch_output: dict | None = None, **kwargs):
         """Called after ``calculate_eval_batch_loss`` with the batch and the dictionary it returned."""
 
-    def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
-        """Called after ``eval_epoch_end``; the epoch's eval loss is already in the run history."""
+    def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
+        """Called after ``eval_epoch_end``; the epoch's eval loss is already in the run history.
 
-    def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
+        Args:
+            is_intermediate: (keyword) as in :meth:`on_eval_epoch_start`.
+        """
+
+    def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
         """Called after ``training_run_epoch_end``, once the training and evaluation epochs are done."""
 
-    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+    def on_training_run_end(self, trainer: Trainer, **kwargs):
         """Called after ``training_run_end``, at the very end of ``train()``."""
 
-    def on_evaluation_run_start(self, trainer: "Trainer", **kwargs):
+    def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
         """Called after ``evaluation_run_start``, at the start of ``evaluate()``."""
 
-    def on_evaluation_run_end(self, trainer: "Trainer", **kwargs):
+    def on_evaluation_run_end(self, trainer: Trainer, **kwargs):
         """Called after ``evaluation_run_end``, at the very end of ``evaluate()``."""
 
-    def on_stop_training_error(self, trainer: "Trainer", **kwargs):
+    def on_stop_training_error(self, trainer: Trainer, **kwargs):
         """Called when a :class:`StopTrainingError` ends a run early."""
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for an attribute that normal lookup did not find; a parent class (an nn.Module, say) may have it.
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            message = f"{type(self).__name__!r} object has no attribute {name!r}"
+            raise CallbackMethodNotImplementedError(message) from None
 
 
 class CallbackHandler:
@@ -122,27 +162,36 @@ class CallbackHandler:
 
     Callback classes are instantiated with no arguments; instances are used as they are. Two callbacks
     of the same class are refused, as in pytorch-accelerated.
+
+    Args:
+        callbacks: callback classes or instances.
+        events: custom events, beyond :data:`EVENTS`, that a Trainer subclass fires (see :meth:`register_events`);
+            declared before the callbacks are added, so callbacks may name their methods ``on_<custom event>``.
     """
 
-    def __init__(self, callbacks: Iterable[Union[TrainerCallback, type]] = ()):
+    def __init__(self, callbacks: Iterable[TrainerCallback | type] = (), events: Iterable[str] = ()):
         self.callbacks: list = []
+        #: The custom events declared with ``events`` or :meth:`register_events`, in order.
+        self.custom_events: tuple[str, ...] = ()
         self._listeners: dict[str, list] = {}
+        self._is_intermediate = False
+        self.register_events(*events)
         self.add_callbacks(callbacks)
 
-    def add_callbacks(self, callbacks: Iterable[Union[TrainerCallback, type]]) -> None:
+    def add_callbacks(self, callbacks: Iterable[TrainerCallback | type]) -> None:
         """Add each callback (class or instance) of ``callbacks``, a list or tuple of them."""
         validate_callback_list(callbacks)
         for callback in callbacks:
             self.add_callback(callback)
 
-    def add_callback(self, callback: Union[TrainerCallback, type]) -> None:
+    def add_callback(self, callback: TrainerCallback | type) -> None:
         """Add one callback, given as a class or an instance.
 
         Raises:
             TypeError: ``callback`` has none of the events of :class:`TrainerCallback` (a plain function, say).
             ValueError: it defines an ``on_*`` method that is not an event, or one of its class is registered.
         """
-        _validate_event_methods(callback if isinstance(callback, type) else type(callback))
+        _validate_event_methods(callback if isinstance(callback, type) else type(callback), self.events)
         _validate_is_callback(callback)
         instance = callback() if isinstance(callback, type) else callback
         if type(instance) in {type(existing) for existing in self.callbacks}:
@@ -163,6 +212,31 @@ class CallbackHandler:
         self.callbacks = []
         self._listeners.clear()
 
+    def register_events(self, *events: str) -> None:
+        """Declare custom events, fired by a Trainer subclass with ``callback_handler.call_event(event, ...)``.
+
+        A declared event may be fired when no callback handles it (nothing happens), and callbacks may handle it
+        with a method named after it, ``on_`` prefix included. Declare an ``on_*`` event before adding the callbacks
+        that handle it (``CallbackHandler(callbacks, events=...)``).
+
+        Raises:
+            ValueError: an event is not a valid method name, or starts with ``_``.
+        """
+        for event in events:
+            if not isinstance(event, str) or not event.isidentifier() or event.startswith("_"):
+                raise ValueError(
+                    f"Custom callback event {event!r} is not a method name: pass names such as 'on_my_event' "
+                    "(letters, digits and underscores, not starting with '_')."
+                )
+            if event not in self.events:
+                self.custom_events = (*self.custom_events, event)
+        self._listeners.clear()
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        """Every event this handler may fire: :data:`EVENTS`, then the custom events."""
+        return (*EVENTS, *self.custom_events)
+
     def __iter__(self):
         return iter(self.callbacks)
 
@@ -174,43 +248,91 @@ class CallbackHandler:
         """The class names of the registered callbacks, in calling order."""
         return [type(cb).__name__ for cb in self.callbacks]
 
+    @contextlib.contextmanager
+    def intermediate_evaluation(self) -> Iterator[None]:
+        """Within this block, the evaluation-epoch events receive ``is_intermediate=True`` (``False`` otherwise)."""
+        previous, self._is_intermediate = self._is_intermediate, True
+        try:
+            yield
+        finally:
+            self._is_intermediate = previous
+
     def call_event(self, event: str, *args, **kwargs) -> None:
-        """Call ``event`` on every callback that overrides it, in order.
+        """Call ``event`` on every callback that handles it, in order.
+
+        A built-in event reaches the callbacks that override it. A custom event (one not in :data:`EVENTS`) reaches
+        the callbacks with a method of its name; it must be declared (:meth:`register_events`) or handled by at
+        least one callback, so that a misspelt event name is an error rather than a silent no-op. The
+        evaluation-epoch events also receive ``is_intermediate`` (see :meth:`intermediate_evaluation`). For the
+        events that end a run, every callback's method runs even when one raises; the first error is raised after.
 
         Raises:
-            ValueError: ``event`` is not one of :data:`EVENTS`.
+            ValueError: ``event`` is not an event: not declared, and no callback has a method of that name.
         """
         listeners = self._listeners.get(event)
         if listeners is None:
-            listeners = self._listeners[event] = self._find_listeners(event)
+            listeners = self._find_listeners(event)
+        if event in EVAL_EPOCH_EVENTS:
+            kwargs.setdefault("is_intermediate", self._is_intermediate)
+        if event in RUN_END_EVENTS:
+            _call_each(listeners, event, args, kwargs)
+            return
         for method in listeners:
             method(*args, **kwargs)
 
     def _find_listeners(self, event: str) -> list:
-        # Callbacks that keep the base no-op are left out, so an event nobody listens to costs nothing.
-        if event not in EVENTS:
-            raise ValueError(f"Unknown callback event {event!r}{_suggest(event)}. The events are: {list(EVENTS)}.")
-        base_method = getattr(TrainerCallback, event)
-        methods = [getattr(cb, event, None) for cb in self.callbacks]
-        return [m for m in methods if callable(m) and getattr(m, "__func__", m) is not base_method]
+        if event in EVENTS:
+            # Callbacks that keep the base no-op are left out, so an event nobody listens to costs nothing.
+            base_method = getattr(TrainerCallback, event)
+            methods = [getattr(cb, event, None) for cb in self.callbacks]
+            listeners = [m for m in methods if callable(m) and getattr(m, "__func__", m) is not base_method]
+        else:
+            listeners = [m for m in (getattr(cb, event, None) for cb in self.callbacks) if callable(m)]
+            if not listeners and event not in self.custom_events:
+                raise ValueError(
+                    f"Unknown callback event {event!r}{_suggest(event, self.events)}: it is not one of the events, no "
+                    f"registered callback has a method of that name (callbacks: {self.callback_list}), and it was not "
+                    "declared. Fix the name, or declare a custom event with "
+                    f"trainer.callback_handler.register_events({event!r}). The events are: {list(self.events)}."
+                )
+        self._listeners[event] = listeners
+        return listeners
 
 
-def _suggest(name: str) -> str:
-    matches = difflib.get_close_matches(name, EVENTS, n=1)
+def _call_each(listeners: list, event: str, args: tuple, kwargs: dict) -> None:
+    """Call every listener, even after one raised; then raise the first error (later ones are logged)."""
+    first_error = None
+    for method in listeners:
+        try:
+            method(*args, **kwargs)
+        except Exception as error:
+            if first_error is None:
+                first_error = error
+            else:
+                logger.error("%s raised in %s, after an earlier callback's error", method, event, exc_info=error)
+    if first_error is not None:
+        raise first_error
+
+
+def _suggest(name: str, events: Iterable[str] = EVENTS) -> str:
+    matches = difflib.get_close_matches(name, list(events), n=1)
     return f" (did you mean {matches[0]!r}?)" if matches else ""
 
 
-def _validate_event_methods(callback_class: type) -> None:
+def _validate_event_methods(callback_class: type, events: Iterable[str] = EVENTS) -> None:
     """Refuse a callback with an ``on_*`` method that is not an event: it would never be called."""
+    events = tuple(events)
     unknown = [
         name
         for name in dir(callback_class)
-        if name.startswith("on_") and name not in EVENTS and callable(getattr(callback_class, name))
+        if name.startswith("on_") and name not in events and callable(getattr(callback_class, name))
     ]
     if unknown:
         raise ValueError(
-            f"{callback_class.__name__} defines {unknown[0]!r}{_suggest(unknown[0])}, which is not a "
-            f"callback event, so it would never be called. Rename it to one of: {list(EVENTS)}."
+            f"{callback_class.__name__} defines {unknown[0]!r}{_suggest(unknown[0], events)}, which is not a "
+            f"callback event, so it would never be called. Rename it to one of: {list(events)}; or, for a custom "
+            "event that a Trainer subclass fires, declare it before adding the callback "
+            f"(CallbackHandler(callbacks, events=[{unknown[0]!r}]))."
         )
 
 
@@ -246,7 +368,7 @@ def _validate_is_callback(callback: Any) -> None:
 
 def validate_callback_list(callbacks: Any) -> None:
     """Refuse a single callback (class, instance or function), or anything else that is not a list of them."""
-    if isinstance(callbacks, IterableABC) and not isinstance(callbacks, (str, bytes)) and not _is_callback(callbacks):
+    if isinstance(callbacks, Iterable) and not isinstance(callbacks, (str, bytes)) and not _is_callback(callbacks):
         return
     if _is_callback(callbacks):
         name = _callback_name(callbacks)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING
 
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 
@@ -40,7 +40,7 @@ class SaveBestModelCallback(MonitorCallback):
 
     def __init__(
         self,
-        save_path: Union[str, os.PathLike] = "best_model.pt",
+        save_path: str | os.PathLike = "best_model.pt",
         watch_metric: str = "eval_loss_epoch",
         greater_is_better: bool = False,
         reset_on_train: bool = True,
@@ -53,20 +53,20 @@ class SaveBestModelCallback(MonitorCallback):
         self.save_optimizer = save_optimizer
         self.save_scheduler = save_scheduler
         self.load_saved_checkpoint = load_saved_checkpoint
-        self.best_metric_epoch: Optional[int] = None
+        self.best_metric_epoch: int | None = None
 
     def _reset(self) -> None:
         super()._reset()
         self.best_metric_epoch = None
 
-    def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
+    def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
         value = self.get_watched_metric(trainer)
         if self.is_improvement(value):
             self.best_metric = value
             self.best_metric_epoch = trainer.run_history.current_epoch
             self.save_model(trainer)
 
-    def save_model(self, trainer: "Trainer") -> None:
+    def save_model(self, trainer: Trainer) -> None:
         """Write the checkpoint of the current model to ``save_path``; every process must call it."""
         trainer.save_checkpoint(
             save_path=self.save_path,
@@ -75,7 +75,7 @@ class SaveBestModelCallback(MonitorCallback):
             save_scheduler=self.save_scheduler,
         )
 
-    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+    def on_training_run_end(self, trainer: Trainer, **kwargs):
         super().on_training_run_end(trainer)
         if not self.load_saved_checkpoint or self.best_metric_epoch is None:
             return  # nothing was saved, e.g. the run stopped before its first epoch ended

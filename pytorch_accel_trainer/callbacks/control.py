@@ -1,116 +1,190 @@
-"""Callbacks that stop a run."""
+"""Callbacks that stop a run, or shorten it."""
 
 from __future__ import annotations
 
-import itertools
+import math
 import os
-import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback, validate_positive_int
-from pytorch_accel_trainer.utils import DeferredSum, dataloader_length
+from pytorch_accel_trainer.utils import LIMIT_BATCHES_ENV_VAR, DataLoaderSlice, DeferredSum
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
 
+#: The stages whose losses are checked apart, and the run-history metric of each (in a training run).
+_STAGES = {"training": "train_loss_epoch", "validation": "eval_loss_epoch"}
+
+
+class NonFiniteLossError(RuntimeError):
+    """A loss became NaN or infinite: raised by :class:`TerminateOnNaNCallback` once the run it stopped has ended.
+
+    Catch it to go on after a diverged run (``except NonFiniteLossError``); uncaught, the script exits with an
+    error, as pytorch-accelerated's ``sys.exit`` did.
+
+    Attributes:
+        metric: the run-history metric the diverged losses are recorded under: ``"train_loss_epoch"``, the eval
+            loss of a training run (``"eval_loss_epoch"``, with the run history's prefix in an intermediate or EMA
+            evaluation) or ``"evaluation_loss"``.
+        value: ``nan``, ``inf`` or ``-inf``: the sum of the losses checked together, over processes.
+        epoch: the epoch of the run history in which it was seen (``None`` when unknown).
+        steps: the first and last batch index (from 0, in the epoch) of the losses checked together; ``None`` when
+            unknown.
+    """
+
+    def __init__(self, metric: str, value: float, epoch: int | None = None, steps: tuple | None = None):
+        self.metric, self.value, self.epoch, self.steps = metric, value, epoch, steps
+        where = "" if epoch is None else f" in epoch {epoch}"
+        if steps is not None:
+            where += f", at step {steps[0]}" if steps[0] == steps[1] else f", between steps {steps[0]} and {steps[1]}"
+        super().__init__(
+            f"The loss recorded as {metric!r} became {value}{where}, so TerminateOnNaNCallback stopped the run. "
+            "Lower the learning rate, clip the gradients (train(..., gradient_clip_norm=1.0)), check the data for "
+            "NaNs, or skip such updates with SkipNonFiniteStepsCallback; with "
+            "TerminateOnNaNCallback(raise_on_nan=False), the run returns instead."
+        )
+
+    def __reduce__(self):
+        return type(self), (self.metric, self.value, self.epoch, self.steps)  # pickles (e.g. between processes)
+
 
 class TerminateOnNaNCallback(TrainerCallback):
-    """Stops the run when a training or evaluation loss is NaN or infinite.
+    """Stops the run when a training or evaluation loss is NaN or infinite, then raises :class:`NonFiniteLossError`.
 
     The losses are summed on the device (in batches, so a step pays no device op), and whether the sum is
     finite is read back (a host-device sync) only every ``check_every_n_steps`` training steps and at the
-    end of each epoch, so ordinary steps never wait for the device. The flag is combined over processes before it is read, so every
-    process takes the same decision at the same step.
+    end of each epoch, so ordinary steps never wait for the device. The sum is combined over processes before it is
+    read, so every process takes the same decision at the same step. A non-finite loss stops the run with a
+    ``StopTrainingError`` (``"Stopping training due to NaN loss in training step"``, as in pytorch-accelerated);
+    once the run has ended, every ``on_training_run_end`` (or ``on_evaluation_run_end``) callback included, the
+    error is raised from ``train()`` (or ``evaluate()``), where pytorch-accelerated calls ``sys.exit``.
 
     Args:
-        check_every_n_steps: how often, in training batches, the flag is read; ``None`` reads it only at
+        check_every_n_steps: how often, in training batches, the sum is read; ``None`` reads it only at
             the end of each epoch.
-        exit_on_nan: after the run ends, exit the program with a message, as pytorch-accelerated does;
-            ``False`` returns from ``train()`` instead (``triggered`` is then ``True``).
+        raise_on_nan: raise :class:`NonFiniteLossError` once a run it stopped has ended; ``False`` returns
+            instead (``triggered`` is then ``True`` and ``error`` holds the error).
+        exit_on_nan: the former name of ``raise_on_nan`` (deprecated).
+
+    Example::
+
+        try:
+            trainer.train(train_dataset, num_epochs=10)
+        except NonFiniteLossError as error:
+            print(f"diverged: {error.metric} became {error.value} in epoch {error.epoch}")
     """
 
-    def __init__(self, check_every_n_steps: Optional[int] = 100, exit_on_nan: bool = True):
+    def __init__(
+        self, check_every_n_steps: int | None = 100, raise_on_nan: bool = True, exit_on_nan: bool | None = None
+    ):
+        if check_every_n_steps is not None:
+            validate_positive_int("check_every_n_steps", check_every_n_steps, "training batches", 100)
+        if exit_on_nan is not None:
+            warnings.warn(
+                "TerminateOnNaNCallback(exit_on_nan=...) is deprecated: the callback raises NonFiniteLossError instead "
+                "of exiting; pass raise_on_nan=... instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            raise_on_nan = exit_on_nan
         self.check_every_n_steps = check_every_n_steps
-        self.exit_on_nan = exit_on_nan
+        self.raise_on_nan = raise_on_nan
         self.triggered = False
-        self._losses = DeferredSum()  # a sum is non-finite as soon as one of its terms is
+        #: The error of the last run it stopped (raised at the run's end when ``raise_on_nan``), else ``None``.
+        self.error: NonFiniteLossError | None = None
+        # Per stage, the sum of the losses not checked yet (non-finite as soon as one of its terms is) and the first
+        # and last step in it: an intermediate evaluation must not mix its losses with those of the training steps.
+        self._losses = {stage: DeferredSum() for stage in _STAGES}
+        self._steps: dict = dict.fromkeys(_STAGES)
+        self._eval_step = 0
+        self._in_evaluation_run = False
 
-    def _record(self, loss: torch.Tensor) -> None:
-        self._losses.add(loss)  # no device op per step: the losses are added up in batches
+    def check_for_nan_after_batch(self, batch_output: dict, step: str | None = None) -> None:
+        """Stop now if ``batch_output["loss"]`` is NaN or infinite: pytorch-accelerated's per-batch check.
 
-    def _check(self, trainer: "Trainer", stage: str) -> None:
-        total = self._losses.total
-        self._losses.reset()
+        A host-device sync each call, so the callback's own events use the deferred check instead; call it from a
+        subclass to check one batch at once. ``step`` names the stage in the message: ``"training"`` or
+        ``"validation"``.
+
+        Raises:
+            StopTrainingError: the loss is not finite.
+        """
+        loss = batch_output["loss"].detach().float()
+        if not bool(torch.isfinite(loss).all()):  # host-device sync, by design
+            self._stop(_STAGES.get(step, "loss"), float(loss.sum()), step)
+
+    def _record(self, stage: str, loss: torch.Tensor, step: int) -> None:
+        self._losses[stage].add(loss)  # no device op per step: the losses are added up in batches
+        first = step if self._steps[stage] is None else self._steps[stage][0]
+        self._steps[stage] = (first, step)
+
+    def _check(self, trainer: Trainer, stage: str, metric: str) -> None:
+        total, steps = self._losses[stage].total, self._steps[stage]
+        self._losses[stage].reset()
+        self._steps[stage] = None
         if trainer.run_state.non_finite_policy is not None:
             return  # SkipNonFiniteStepsCallback handles non-finite steps instead
-        seen = torch.zeros((), device=trainer.device)
-        if total is not None:
-            seen = (~torch.isfinite(total)).float().to(trainer.device)
-        if trainer.accelerator.reduce(seen, "sum").item() > 0:  # host-device sync, by design
-            self.triggered = True
-            raise StopTrainingError(f"Stopping training due to NaN loss in {stage} step")
+        local = torch.zeros((), device=trainer.device) if total is None else total.to(trainer.device)
+        if trainer.accelerator.num_processes > 1:
+            local = trainer.accelerator.reduce(local, "sum")
+        value = local.item()  # host-device sync, by design
+        if not math.isfinite(value):
+            self._stop(metric, value, stage, trainer.run_history.current_epoch, steps)
 
-    def on_training_run_start(self, trainer: "Trainer", **kwargs):
-        self.triggered = False
-        self._losses.reset()
+    def _stop(self, metric: str, value: float, stage: str | None, epoch=None, steps=None) -> None:
+        self.triggered = True
+        self.error = NonFiniteLossError(metric, value, epoch, steps)
+        raise StopTrainingError(f"Stopping training due to NaN loss in {stage} step")
 
-    def on_train_step_end(self, trainer: "Trainer", batch_output: dict, step: int = 0, **kwargs):
-        self._record(batch_output["loss"])
+    def _eval_metric(self, trainer: Trainer) -> str:
+        if self._in_evaluation_run:
+            return "evaluation_loss"
+        return f"{getattr(trainer.run_history, 'metric_name_prefix', '')}eval_loss_epoch"
+
+    def _start_run(self, in_evaluation_run: bool) -> None:
+        self.triggered, self.error, self._in_evaluation_run = False, None, in_evaluation_run
+        for stage in _STAGES:
+            self._losses[stage].reset()
+            self._steps[stage] = None
+
+    def on_training_run_start(self, trainer: Trainer, **kwargs):
+        self._start_run(in_evaluation_run=False)
+
+    def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
+        self._start_run(in_evaluation_run=True)
+
+    def on_train_step_end(self, trainer: Trainer, batch_output: dict, step: int = 0, **kwargs):
+        self._record("training", batch_output["loss"], step)
         if self.check_every_n_steps and (step + 1) % self.check_every_n_steps == 0:
-            self._check(trainer, "training")
+            self._check(trainer, "training", "train_loss_epoch")
 
-    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._check(trainer, "training")
+    def on_train_epoch_end(self, trainer: Trainer, **kwargs):
+        self._check(trainer, "training", "train_loss_epoch")
 
-    def on_eval_step_end(self, trainer: "Trainer", batch_output: dict, **kwargs):
-        self._record(batch_output["loss"])
+    def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
+        self._eval_step = 0
 
-    def on_eval_epoch_end(self, trainer: "Trainer", **kwargs):
-        self._check(trainer, "validation")
+    def on_eval_step_end(self, trainer: Trainer, batch_output: dict, **kwargs):
+        self._record("validation", batch_output["loss"], self._eval_step)
+        self._eval_step += 1
 
-    def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        if self.triggered and self.exit_on_nan:
-            sys.exit("Exiting due to NaN loss")
+    def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
+        self._check(trainer, "validation", self._eval_metric(trainer))
 
+    def on_training_run_end(self, trainer: Trainer, **kwargs):
+        self._raise_if_stopped()
 
-#: Set this environment variable to a number of batches to add a :class:`LimitBatchesCallback` to every
-#: trainer created while it is set (a quick debugging run, as in pytorch-accelerated).
-LIMIT_BATCHES_ENV_VAR = "PT_ACC_LIMIT_BATCHES"
+    def on_evaluation_run_end(self, trainer: Trainer, **kwargs):
+        self._raise_if_stopped()
 
-
-class DataLoaderSlice:
-    """The first ``num_batches`` batches of a dataloader, while ``is_active()`` says so; all of them otherwise.
-
-    Every other attribute (``sampler``, ``batch_size``, ``set_epoch``, ...) is the wrapped dataloader's.
-
-    Args:
-        dataloader: the dataloader to slice.
-        num_batches: the most batches one pass yields.
-        is_active: called at the start of each pass (and by ``len()``); ``None`` means always active.
-    """
-
-    def __init__(self, dataloader: Iterable, num_batches: int, is_active: Optional[Callable[[], bool]] = None):
-        self.dataloader = dataloader
-        self.num_batches = num_batches
-        self.is_active = is_active or (lambda: True)
-
-    def __iter__(self):
-        if self.is_active():
-            return itertools.islice(self.dataloader, self.num_batches)
-        return iter(self.dataloader)
-
-    def __len__(self) -> int:
-        length = dataloader_length(self.dataloader)
-        if length is None:
-            raise TypeError("the wrapped dataloader has no __len__ (an iterable dataset), so its slice has none either")
-        return min(length, self.num_batches) if self.is_active() else length
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "dataloader":  # not set yet (e.g. during unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.dataloader, name)
+    def _raise_if_stopped(self) -> None:
+        # Raised here, at the end: every callback's end-of-run event still runs (see CallbackHandler.call_event).
+        if self.triggered and self.raise_on_nan:
+            raise self.error
 
 
 class LimitBatchesCallback(TrainerCallback):
@@ -127,28 +201,28 @@ class LimitBatchesCallback(TrainerCallback):
     def __init__(self, num_batches: int):
         validate_positive_int("num_batches", num_batches, "batches", 2)
         self.num_batches = num_batches
-        self._originals: Optional[tuple] = None
+        self._originals: tuple | None = None
 
-    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+    def on_training_run_start(self, trainer: Trainer, **kwargs):
         self._limit_dataloaders(trainer)
 
-    def on_evaluation_run_start(self, trainer: "Trainer", **kwargs):
+    def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
         self._limit_dataloaders(trainer)
 
-    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+    def on_training_run_end(self, trainer: Trainer, **kwargs):
         self._restore_dataloaders(trainer)
 
-    def on_evaluation_run_end(self, trainer: "Trainer", **kwargs):
+    def on_evaluation_run_end(self, trainer: Trainer, **kwargs):
         self._restore_dataloaders(trainer)
 
-    def _limit_dataloaders(self, trainer: "Trainer") -> None:
+    def _limit_dataloaders(self, trainer: Trainer) -> None:
         self._originals = (trainer.train_dataloader, trainer.eval_dataloader)
         trainer.train_dataloader, trainer.eval_dataloader = (
             None if dataloader is None else DataLoaderSlice(dataloader, self.num_batches)
             for dataloader in self._originals
         )
 
-    def _restore_dataloaders(self, trainer: "Trainer") -> None:
+    def _restore_dataloaders(self, trainer: Trainer) -> None:
         if self._originals is not None:
             trainer.train_dataloader, trainer.eval_dataloader = self._originals
             self._originals = None
@@ -177,4 +251,4 @@ def with_limit_batches_from_env(callbacks: Iterable) -> list:
             f"The environment variable {LIMIT_BATCHES_ENV_VAR} is {value!r}, not a positive whole number of batches; "
             f"set it to e.g. {LIMIT_BATCHES_ENV_VAR}=2, or unset it for full epochs."
         )
-    return [*callbacks, LimitBatchesCallback(int(value))]
+    return [LimitBatchesCallback(int(value)), *callbacks]  # first, as in pytorch-accelerated: it slices the data for the others

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import StopTrainingError, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
@@ -39,7 +39,7 @@ class EarlyStoppingCallback(MonitorCallback):
     def __init__(
         self,
         early_stopping_patience: int = 1,
-        early_stopping_threshold: Optional[float] = 0.01,
+        early_stopping_threshold: float | None = 0.01,
         watch_metric: str = "eval_loss_epoch",
         greater_is_better: bool = False,
         reset_on_train: bool = True,
@@ -54,7 +54,7 @@ class EarlyStoppingCallback(MonitorCallback):
         super()._reset()
         self.early_stopping_patience_counter = 0
 
-    def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
+    def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
         value = self.get_watched_metric(trainer)
         if self.best_metric is None:
             self.best_metric = value  # the first epoch sets the reference

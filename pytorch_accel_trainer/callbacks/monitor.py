@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 
@@ -31,22 +31,22 @@ class MonitorCallback(TrainerCallback):
         self.watch_metric = watch_metric
         self.greater_is_better = greater_is_better
         self.reset_on_train = reset_on_train
-        self.best_metric: Optional[float] = None
+        self.best_metric: float | None = None
         self._state_was_restored = False
 
-    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+    def on_training_run_start(self, trainer: Trainer, **kwargs):
         if self.reset_on_train and not self._state_was_restored:
             self._reset()
         self._state_was_restored = False
 
-    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+    def on_training_run_end(self, trainer: Trainer, **kwargs):
         self._state_was_restored = False  # a state restored during the run counts for this run only
 
     def _reset(self) -> None:
         """Forget what was watched so far; subclasses extend this with their own counters."""
         self.best_metric = None
 
-    def get_watched_metric(self, trainer: "Trainer") -> float:
+    def get_watched_metric(self, trainer: Trainer) -> float:
         """Return the latest value of ``watch_metric``.
 
         Raises:

@@ -16,17 +16,20 @@ if TYPE_CHECKING:
 class SaveTrainingStateCallback(TrainerCallback):
     """Saves the full training state under ``save_dir`` so that ``train(resume_from=save_dir)`` continues the run.
 
-    Saves are taken between optimizer updates (``Trainer.save_training_state``). States are named by the
-    number of optimizer updates, which continues across a resume, so a resumed run never overwrites an
-    earlier state. On SIGTERM, SIGINT or SIGUSR1 (``save_on_signals``) the run finishes its current update,
+    Saves are taken between optimizer updates (``Trainer.save_training_state``), in folders named as
+    pytorch-accelerated names them: ``epoch_<N>`` (N counts training-run epochs from 1), ``step_<N>`` (N counts
+    optimizer updates) and ``final``. Both counts continue across a resume, and a name already taken gets a
+    ``-2``, ``-3``... suffix (a second run's ``final`` is ``final-2``), so no state is ever overwritten. Pass
+    ``save_dir`` to ``train(resume_from=...)`` to continue from the newest state, or one state's folder
+    (``"training_states/epoch_5"``) to continue from it. On SIGTERM, SIGINT or SIGUSR1 (``save_on_signals``) the run finishes its current update,
     saves, and exits with code ``128 + signal``.
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to
             ``train(resume_from=...)``: it starts a new run while the folder is empty.
-        save_every_n_epochs: save after every N training-run epochs (``None``: never by epoch).
-        save_every_n_steps: save after every N optimizer updates (``None``: never by step).
-        save_at_end: save when the training run ends.
+        save_every_n_epochs: save after every N training-run epochs (``None``, the default: never by epoch).
+        save_every_n_steps: save after every N optimizer updates (``None``, the default: never by step).
+        save_at_end: save when the training run ends (the default, as in pytorch-accelerated: one state per run).
         max_checkpoints: keep only the newest N of these rolling states (``None``: keep all).
         keep_every_n_steps: keep the state after every N updates forever, whatever ``max_checkpoints`` says.
         watch_metric: keep, apart from the rolling states, the state of the epoch with the best value of this
@@ -45,8 +48,8 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     def __init__(
         self,
-        save_dir: Union[str, Path] = "checkpoints",
-        save_every_n_epochs: Optional[int] = 1,
+        save_dir: Union[str, Path] = "training_states",
+        save_every_n_epochs: Optional[int] = None,
         save_every_n_steps: Optional[int] = None,
         save_at_end: bool = True,
         max_checkpoints: Optional[int] = None,
@@ -93,20 +96,21 @@ class SaveTrainingStateCallback(TrainerCallback):
         # taken at the next point between updates: before the next batch, or between epochs after the last one
         kinds = self._step_kinds(num_update_steps_completed)
         if kinds:
-            self._save(trainer, kinds)
+            self._save(trainer, kinds, f"step_{num_update_steps_completed}")
+
+    def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
+        # asked for here, as pytorch-accelerated does; taken between epochs, after this epoch's evaluation
+        epoch = trainer.run_history.current_epoch
+        if self.save_every_n_epochs and epoch % self.save_every_n_epochs == 0:
+            self._save(trainer, {"rolling"}, f"epoch_{epoch}")
 
     def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
-        kinds = self._step_kinds(trainer.num_update_steps_completed)
-        if self.save_every_n_epochs and trainer.run_history.current_epoch % self.save_every_n_epochs == 0:
-            kinds.add("rolling")
-        if self.watch_metric is not None and self._improved(trainer):
-            kinds.add("best")
-        if kinds:
-            self._save(trainer, kinds)
+        if self.watch_metric is not None and self._improved(trainer):  # the evaluation metrics are recorded by now
+            self._save(trainer, {"best"}, f"epoch_{trainer.run_history.current_epoch}")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        if self.save_at_end and trainer.num_update_steps_completed != self._last_saved_step:
-            self._save(trainer, {"rolling"})
+        if self.save_at_end:  # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
+            self._save(trainer, {"rolling"}, "final")
 
     def _step_kinds(self, done: int) -> set:
         kinds = set()
@@ -131,6 +135,8 @@ class SaveTrainingStateCallback(TrainerCallback):
             return True
         return False
 
-    def _save(self, trainer: "Trainer", kinds: set) -> None:
-        trainer.save_training_state(self.save_dir, kinds=kinds, max_checkpoints=self.max_checkpoints, asynchronous=self.asynchronous)
+    def _save(self, trainer: "Trainer", kinds: set, name: str) -> None:
+        trainer.save_training_state(
+            self.save_dir, kinds=kinds, max_checkpoints=self.max_checkpoints, asynchronous=self.asynchronous, name=name
+        )
         self._last_saved_step = trainer.num_update_steps_completed

@@ -49,7 +49,7 @@ def run(mode):
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     callbacks = [OnOneRank(mode.split("_rank")[0], rank=1 if mode != "stop_epoch" else 0, after_updates=5)]
     if mode == "nan":
-        callbacks = [TerminateOnNaNCallback(check_every_n_steps=2, exit_on_nan=False)]
+        callbacks = [TerminateOnNaNCallback(check_every_n_steps=2, raise_on_nan=False)]
     trainer_class = NaNOnOneRank if mode == "nan" else Trainer
     trainer = trainer_class(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=callbacks)
     trainer.train(

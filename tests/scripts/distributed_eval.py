@@ -33,10 +33,11 @@ class GatherRows(TrainerCallback):
     """Gathers the sample ids of every evaluation batch, with gather and gather_for_metrics."""
 
     def on_eval_epoch_start(self, trainer, **kwargs):
-        self.gathered, self.gathered_for_metrics = [], []
+        self.gathered, self.gathered_for_metrics, self.gathered_padded = [], [], []
 
     def on_eval_step_end(self, trainer, batch, batch_output, **kwargs):
         self.gathered.append(trainer.gather(batch[0][:, 0]))
+        self.gathered_padded.append(trainer.gather(batch[0][:, 0], padding_value=-1))  # ids are never -1
         self.gathered_for_metrics.append(trainer.gather_for_metrics(batch_output["model_outputs"][:, 0]))
 
 
@@ -72,6 +73,7 @@ def main(output_path):
                 results[name] = {
                     "gathered": torch.cat(gather_rows.gathered).tolist(),
                     "gathered_for_metrics": torch.cat(gather_rows.gathered_for_metrics).tolist(),
+                    "gathered_padded": torch.cat(gather_rows.gathered_padded).tolist(),
                     "evaluation_loss": trainer.run_history.get_latest_metric("evaluation_loss"),
                     "mae": trainer.run_history.get_latest_metric("mae"),
                     "expected_loss": nn.functional.mse_loss(outputs, y).item(),

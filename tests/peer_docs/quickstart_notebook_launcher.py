@@ -1,0 +1,8 @@
+# Copyright © 2021 Chris Hughes
+# Vendored from pytorch-accelerated 0.1.61, docs/quickstart.rst (the literal block at line 84), under the Apache License 2.0
+# (https://www.apache.org/licenses/LICENSE-2.0). tests/test_peer_docs.py runs it after the names the snippet takes
+# as given (tests/peer_docs/prelude.py). Changed here, nothing else: `pytorch_accelerated` is renamed to
+# `pytorch_accel_trainer`, and trailing whitespace is dropped.
+# fmt: off
+# ruff: noqa
+notebook_launcher(main, num_processes=num_gpus)
