@@ -84,12 +84,16 @@ class SetupMixin:
         }
 
     def create_scheduler(self) -> Any:
-        """Return the learning-rate scheduler built by ``self.create_scheduler_fn(self.optimizer)``.
+        """Return the learning-rate scheduler built by ``self.create_scheduler_fn(self.optimizer)``, or ``None``
+        when ``train()`` was given no ``create_scheduler_fn``.
 
         Runs once in ``train()``, after the dataloaders are prepared, so that
         :class:`TrainerPlaceholderValues` in a ``functools.partial`` factory resolve to this run's values.
-        The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`.
+        The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`. Override it to build the
+        scheduler in code: the override is called with or without a ``create_scheduler_fn``.
         """
+        if self.create_scheduler_fn is None:
+            return None
         values = placeholder_values(self.run_config, self.train_dataloader, self.eval_dataloader)
         return resolve_placeholders(self.create_scheduler_fn, values)(self.optimizer)
 
@@ -101,17 +105,40 @@ class SetupMixin:
         """Wrap the model, optimizer and dataloaders for the current devices and processes, via Accelerate.
 
         Preparing shards each DataLoader across processes, which changes its length: the run config and
-        the scheduler are built after this.
+        the scheduler are built after this. The two halves, :meth:`_prepare_model_and_optimizer` and
+        :meth:`_prepare_dataloaders` (pytorch-accelerated's documented internals), may be overridden: then each is
+        called, and Accelerate prepares the halves in two calls (DeepSpeed needs one: override this method there).
         """
         validate_model_and_loss(self.model, self.loss_func)  # here, not in __init__: a subclass may prepare its own
         release_prepared(self.accelerator)  # nothing of an earlier run is kept or prepared twice
-        self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
-        if isinstance(self.optimizer, AcceleratedOptimizer):
-            self.optimizer = self.optimizer.optimizer
-        components = [self.model, self.optimizer, self.train_dataloader, self.eval_dataloader]
+        if _overridden(self, "_prepare_model_and_optimizer") or _overridden(self, "_prepare_dataloaders"):
+            self._prepare_model_and_optimizer()
+            self._prepare_dataloaders()
+        else:
+            self._prepare(model_and_optimizer=True, dataloaders=True)  # one call, as DeepSpeed needs
+
+    def _prepare_model_and_optimizer(self) -> None:
+        """Wrap the model and optimizer via Accelerate (and compile the model, with ``torch_compile``)."""
+        self._prepare(model_and_optimizer=True, dataloaders=False)
+
+    def _prepare_dataloaders(self) -> None:
+        """Wrap the dataloaders via Accelerate: shard them across processes, and place their batches."""
+        self._prepare(model_and_optimizer=False, dataloaders=True)
+
+    def _prepare(self, model_and_optimizer: bool, dataloaders: bool) -> None:
+        if model_and_optimizer:
+            self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
+            if isinstance(self.optimizer, AcceleratedOptimizer):
+                self.optimizer = self.optimizer.optimizer
+        components = [self.model, self.optimizer] if model_and_optimizer else [None, None]
+        components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
         components = prepare_components(self.accelerator, components, device_placement=placement)  # FSDP2-aware
-        self.model, self.optimizer, self.train_dataloader, self.eval_dataloader = components
+        if dataloaders:
+            self.train_dataloader, self.eval_dataloader = components[2:]
+        if not model_and_optimizer:
+            return
+        self.model, self.optimizer = components[:2]
         # where Accelerate's optimizer wrapper and backward() would only call torch, call torch (100 us a step)
         self.calls_torch_directly = not self.always_use_accelerate_wrappers and wrappers_only_call_torch(self.accelerator)
         if self.calls_torch_directly and isinstance(self.optimizer, AcceleratedOptimizer):
@@ -160,3 +187,8 @@ class SetupMixin:
         if state.resume is not None:
             state.num_update_steps_completed = state.resume.num_update_steps_completed
             state.epoch = state.resume.position.loop_epoch
+
+
+def _overridden(trainer: Any, name: str) -> bool:
+    """Whether ``trainer``'s class overrides the :class:`SetupMixin` method ``name``."""
+    return getattr(type(trainer), name) is not getattr(SetupMixin, name)

@@ -358,7 +358,7 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         validate_sharded_run(self._accelerator, self.run_config)
         self._check_eval_batch_size()  # says whether the last evaluation batch repeats samples
         validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
-        self.scheduler = self.create_scheduler() if create_scheduler_fn is not None else None
+        self.scheduler = self.create_scheduler()  # None without a create_scheduler_fn, unless overridden
         self._load_resume_plan(stored_state)
         self._run_training()
 

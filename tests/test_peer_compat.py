@@ -175,3 +175,27 @@ def test_a_trainer_subclass_declares_its_own_on_event_for_its_callbacks():
     assert Counter.calls == 2
     with pytest.raises(ValueError, match="on_my_event"):  # undeclared on a plain Trainer: a typo, refused
         Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[Counter])
+
+
+def test_overrides_of_create_scheduler_and_the_two_preparation_halves_are_called():
+    calls = []
+
+    class CustomTrainer(Trainer):
+        def create_scheduler(self):  # no create_scheduler_fn, as seed 003 describes
+            calls.append("create_scheduler")
+            return torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+
+        def _prepare_model_and_optimizer(self):
+            calls.append("model_and_optimizer")
+            super()._prepare_model_and_optimizer()
+
+        def _prepare_dataloaders(self):
+            calls.append("dataloaders")
+            super()._prepare_dataloaders()
+
+    model = make_linear()
+    trainer = CustomTrainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.8), callbacks=())
+    trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4, eval_dataset=linear_dataset(4))
+    assert calls == ["model_and_optimizer", "dataloaders", "create_scheduler"]
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.8 * 0.5**2)  # stepped after each of 2 updates
+    assert len(trainer.train_dataloader) == 2 and len(trainer.eval_dataloader) == 1  # prepared by the halves
