@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from pytorch_accel_trainer import training_state
-from pytorch_accel_trainer.checkpointing import validate_plain
+from pytorch_accel_trainer.checkpointing import reporting_out_of_space, validate_plain
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state_files import (
     MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, TRAINER_FILE, default_state_name, inner_optimizer, rank_file,
@@ -141,12 +141,13 @@ def write_staged_state(staged: StagedState) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = training_state.begin_save(final)
     checksums = {}
-    for name, content in staged.files.items():  # the rank file first, the trainer file last, as a synchronous save
-        training_state._crash_point(f"write:{name}")
-        if isinstance(content, SafetensorsContent):
-            checksums[name] = write_bytes_file(content.to_bytes(), temporary / name)
-        else:
-            checksums[name] = save_tensors_file(content, temporary / name)
+    with reporting_out_of_space(temporary, final, "the training state", f"the earlier states in {final.parent} are unchanged"):
+        for name, content in staged.files.items():  # the rank file first, the trainer file last, as a synchronous save
+            training_state._crash_point(f"write:{name}")
+            if isinstance(content, SafetensorsContent):
+                checksums[name] = write_bytes_file(content.to_bytes(), temporary / name)
+            else:
+                checksums[name] = save_tensors_file(content, temporary / name)
     training_state.finish_save(temporary, final, staged.manifest_fields, checksums)
     training_state.prune_states(final.parent, staged.max_rolling, keep=[final])
     return final

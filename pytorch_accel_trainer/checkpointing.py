@@ -7,6 +7,7 @@ process is gone (a live process's temporary is never touched).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
@@ -132,6 +133,27 @@ def _is_out_of_space(error: BaseException, folder: Path) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def reporting_out_of_space(temporary: Path, target: Path, what: str, kept: str):
+    """Turn a write into ``temporary`` that runs out of disk space into one ``OSError(ENOSPC)`` naming ``target``
+    and ``what`` was not written, after removing the partial ``temporary`` (a file or a folder); ``kept`` says what
+    is left unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if not _is_out_of_space(error, temporary.parent):
+            raise
+        if temporary.is_dir() and not temporary.is_symlink():
+            shutil.rmtree(temporary, ignore_errors=True)  # before measuring: the partial files are not the user's to free
+        else:
+            temporary.unlink(missing_ok=True)
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {target}: {what} was not written ({_free_space(temporary.parent)} free after removing "
+            f"the partial files; {type(error).__name__}: {error}). Free some space or save to another disk; {kept}",
+        ) from error
+
+
 def _free_space(folder: Path) -> str:
     try:
         return f"{shutil.disk_usage(folder).free} bytes"
@@ -157,21 +179,12 @@ def save_checkpoint_file(checkpoint: dict, save_path: Union[str, os.PathLike]) -
     remove_abandoned_temporary_files(path.parent)
     temporary = temporary_file(path)
     try:
-        with open(temporary, "wb") as handle:
-            torch.save(checkpoint, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except (OSError, RuntimeError) as error:
-        if not _is_out_of_space(error, path.parent):
-            raise
-        temporary.unlink(missing_ok=True)  # before measuring: the partial file is not the user's to free
-        raise OSError(
-            errno.ENOSPC,
-            f"no space left on {path}: the checkpoint was not written ({_free_space(path.parent)} free after removing "
-            f"the partial file; {type(error).__name__}: {error}). Free some space or save to another disk; any earlier "
-            "file at this path is unchanged",
-        ) from error
+        with reporting_out_of_space(temporary, path, "the checkpoint", "any earlier file at this path is unchanged"):
+            with open(temporary, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
 

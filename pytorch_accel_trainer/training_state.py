@@ -1,7 +1,7 @@
 """Crash-safe training-state checkpoints: a folder per state, verified by a manifest.
 
 A training state is written to a temporary folder, flushed, given a manifest (format version, position,
-world size, every file with its size and CRC32, computed as it is written) and only then renamed into place; ``latest`` is
+world size, every file with its size and XXH3-128 checksum, computed as it is written) and only then renamed into place; ``latest`` is
 updated after that, and old states are pruned last. A crash at any point leaves either the previous
 states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
 folder whose manifest checks out, and names the file that does not. A temporary folder left by a killed
@@ -26,11 +26,11 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from pytorch_accel_trainer.checkpointing import is_abandoned, validate_plain, writer_tag
+from pytorch_accel_trainer.checkpointing import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
 from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
 from pytorch_accel_trainer.rng_state import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
 from pytorch_accel_trainer.state_files import (  # noqa: F401  (the file names are re-exported: they were always here)
-    CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
+    CHECKSUM, CHECKSUM_NAMES, CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
     TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, chunked_crc32, describe_changes,
     describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
     read_small_text, save_tensors_file, default_state_name, state_folders, temporary_folder, unused_folder_name, validate_manifest,
@@ -38,8 +38,8 @@ from pytorch_accel_trainer.state_files import (  # noqa: F401  (the file names a
 )  # fmt: skip
 
 
-#: Reads back the CRC32 of a file another library wrote, while this thread writes the next (threads start lazily).
-_CRC_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-crc")
+#: Reads back the checksum of a file another library wrote, while this thread writes the next (threads start lazily).
+_CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-crc")
 
 
 def _crash_point(name: str) -> None:
@@ -106,7 +106,7 @@ def begin_save(final_folder: Path) -> Path:
 def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, checksums: Optional[dict] = None) -> None:
     """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
 
-    ``checksums`` maps the files whose size and CRC32 were computed as they were written to them (or to a future
+    ``checksums`` maps the files whose size and checksum were computed as they were written to them (or to a future
     of them); the others
     (written by other processes, or by safetensors) are read back once, from the page cache."""
     checksums, files = dict(checksums or {}), {}
@@ -115,8 +115,8 @@ def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, chec
             continue
         _crash_point(f"hash:{path.name}")
         known = checksums.get(path.name)
-        size, crc32 = file_digest(path, algorithm="crc32") if known is None else getattr(known, "result", lambda: known)()
-        files[path.name] = {"size": size, "crc32": crc32}
+        size, digest = file_digest(path, algorithm=CHECKSUM) if known is None else getattr(known, "result", lambda: known)()
+        files[path.name] = {"size": size, CHECKSUM: digest}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
     _crash_point("manifest")
     write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
@@ -160,7 +160,7 @@ def read_manifest(folder: Path) -> dict:
 
 
 def verify_folder(folder: Path) -> StoredState:
-    """Check every file of a training state against its manifest (size, then CRC32, or SHA-256 for format 1),
+    """Check every file of a training state against its manifest (size, then XXH3-128; CRC32 in format 2, SHA-256 in 1),
     never through a link; the files are checked in parallel threads (zlib and hashlib release the GIL).
 
     Raises:
@@ -180,7 +180,7 @@ def verify_folder(folder: Path) -> StoredState:
 
 
 def _start_check(path: Path, expected: dict, algorithm: str, pool: ThreadPoolExecutor):
-    """Start checking ``path`` on ``pool``: CRC32 in chunks, SHA-256 (format 1) as one task per file."""
+    """Start checking ``path`` on ``pool``: CRC32 (format 2) in chunks, XXH3-128 and SHA-256 as one task per file."""
     try:
         if algorithm == "crc32":
             size, digest = chunked_crc32(path, expected["size"], pool)
@@ -206,8 +206,7 @@ def _file_problem(path: Path, expected: dict, algorithm: str, check) -> Optional
     if size != expected["size"]:
         return CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
     if digest != expected[algorithm]:
-        name = "SHA-256" if algorithm == "sha256" else "CRC32"
-        return CheckpointError(f"{path}: its {name} does not match the manifest (the file is corrupted or altered).")
+        return CheckpointError(f"{path}: its {CHECKSUM_NAMES[algorithm]} does not match the manifest (the file is corrupted or altered).")
     return None
 
 
@@ -431,54 +430,55 @@ def write_training_state(
         begin_save(final)
     accelerator.wait_for_everyone()
     temporary = temporary_folder(final)
-    _crash_point(f"write:{rank_file(accelerator.process_index)}")
-    checksums = {rank_file(accelerator.process_index): save_tensors_file(rank_state, temporary / rank_file(accelerator.process_index))}
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        _crash_point(f"write:{MODEL_FILE}")
-        if gathered_model is None:
-            save_model(trainer.get_model(), str(temporary / MODEL_FILE))
-        else:
-            own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
-            save_file(own_storage, str(temporary / MODEL_FILE))
-        fsync_path(temporary / MODEL_FILE)
-        # safetensors writes the file itself: its CRC is read back (page cache) on a thread while the rest is written
-        checksums[MODEL_FILE] = _CRC_READER.submit(file_digest, temporary / MODEL_FILE, None, "crc32")
-        _crash_point(f"write:{OPTIMIZER_FILE}")
-        optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
-        checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
-        if trainer.scheduler is not None:
-            _crash_point(f"write:{SCHEDULER_FILE}")
-            scheduler_state = trainer.scheduler.state_dict()
-            validate_plain(scheduler_state, "scheduler.state_dict()")
-            checksums[SCHEDULER_FILE] = save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
-        if accelerator.scaler is not None:
-            checksums[SCALER_FILE] = save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
-        _crash_point(f"write:{TRAINER_FILE}")
-        checksums[TRAINER_FILE] = save_tensors_file(
-            {
-                "position": asdict(position),
-                "num_update_steps_completed": trainer.num_update_steps_completed,
-                "run_history": trainer.run_history.state_dict(),
-                "run_facts": run_facts,
-                "checkpoint_kwargs": checkpoint_kwargs,
-                "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
-            },
-            temporary / TRAINER_FILE,
-        )
-        finish_save(
-            temporary,
-            final,
-            {
-                "num_update_steps_completed": trainer.num_update_steps_completed,
-                "position": asdict(position),
-                "world_size": accelerator.num_processes,
-                "kinds": sorted(set(kinds)),
-                "run_facts": run_facts,
-            },
-            checksums,
-        )
-        prune_states(parent, max_rolling, keep=[final])
+    with reporting_out_of_space(temporary, final, "the training state", f"the earlier states in {parent} are unchanged"):
+        _crash_point(f"write:{rank_file(accelerator.process_index)}")
+        checksums = {rank_file(accelerator.process_index): save_tensors_file(rank_state, temporary / rank_file(accelerator.process_index))}
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _crash_point(f"write:{MODEL_FILE}")
+            if gathered_model is None:
+                save_model(trainer.get_model(), str(temporary / MODEL_FILE))
+            else:
+                own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
+                save_file(own_storage, str(temporary / MODEL_FILE))
+            fsync_path(temporary / MODEL_FILE)
+            # safetensors writes the file itself: its checksum is read back (page cache) on a thread while the rest is written
+            checksums[MODEL_FILE] = _CHECKSUM_READER.submit(file_digest, temporary / MODEL_FILE, None, CHECKSUM)
+            _crash_point(f"write:{OPTIMIZER_FILE}")
+            optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
+            checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
+            if trainer.scheduler is not None:
+                _crash_point(f"write:{SCHEDULER_FILE}")
+                scheduler_state = trainer.scheduler.state_dict()
+                validate_plain(scheduler_state, "scheduler.state_dict()")
+                checksums[SCHEDULER_FILE] = save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
+            if accelerator.scaler is not None:
+                checksums[SCALER_FILE] = save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
+            _crash_point(f"write:{TRAINER_FILE}")
+            checksums[TRAINER_FILE] = save_tensors_file(
+                {
+                    "position": asdict(position),
+                    "num_update_steps_completed": trainer.num_update_steps_completed,
+                    "run_history": trainer.run_history.state_dict(),
+                    "run_facts": run_facts,
+                    "checkpoint_kwargs": checkpoint_kwargs,
+                    "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
+                },
+                temporary / TRAINER_FILE,
+            )
+            finish_save(
+                temporary,
+                final,
+                {
+                    "num_update_steps_completed": trainer.num_update_steps_completed,
+                    "position": asdict(position),
+                    "world_size": accelerator.num_processes,
+                    "kinds": sorted(set(kinds)),
+                    "run_facts": run_facts,
+                },
+                checksums,
+            )
+            prune_states(parent, max_rolling, keep=[final])
     accelerator.wait_for_everyone()
     return final
 

@@ -1,4 +1,4 @@
-"""Asynchronous training-state saves, and the checksums of states (CRC32 now, SHA-256 in format 1)."""
+"""Asynchronous training-state saves, and the checksums of states (XXH3-128 now, CRC32 in format 2, SHA-256 in 1)."""
 
 from __future__ import annotations
 
@@ -77,30 +77,36 @@ def test_asynchronous_saves_of_several_processes_are_refused_naming_the_alternat
         async_save.validate_asynchronous_save(accelerator)
 
 
-def _as_format_1(folder):
-    """Rewrite a state's manifest as an older version wrote it: format 1, SHA-256 per file."""
+OLD_FORMATS = {1: ("sha256", "SHA-256"), 2: ("crc32", "CRC32")}
+
+
+def _as_format(folder, version):
+    """Rewrite a state's manifest as an older version wrote it: format 1 (SHA-256 per file) or 2 (CRC32)."""
+    algorithm = OLD_FORMATS[version][0]
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    manifest["format_version"] = 1
-    manifest["files"] = {name: {"size": entry["size"], "sha256": file_digest(folder / name)[1]} for name, entry in manifest["files"].items()}  # fmt: skip
+    manifest["format_version"] = version
+    manifest["files"] = {name: {"size": entry["size"], algorithm: file_digest(folder / name, algorithm=algorithm)[1]} for name, entry in manifest["files"].items()}  # fmt: skip
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
-def test_a_state_of_format_1_with_sha256_still_verifies_and_resumes_exactly(tmp_path, reference):
+@pytest.mark.parametrize("version", sorted(OLD_FORMATS))
+def test_a_state_of_an_older_format_still_verifies_and_resumes_exactly(tmp_path, reference, version):
     with pytest.raises(Crash):
         _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=4))
     for state in list_complete_states(tmp_path):
-        _as_format_1(state.folder)
-    assert verify_folder(find_resumable_state(tmp_path).folder).manifest["format_version"] == 1
+        _as_format(state.folder, version)
+    assert verify_folder(find_resumable_state(tmp_path).folder).manifest["format_version"] == version
     assert_bitwise_equal(_final_state(_run(tmp_path)), reference)
 
 
+@pytest.mark.parametrize("version", sorted(OLD_FORMATS))
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_file_of_a_format_1_state_is_named(tmp_path, damage):
+def test_a_damaged_file_of_an_older_format_state_is_named(tmp_path, damage, version):
     _run(tmp_path, num_epochs=1, max_checkpoints=1)
     folder = find_resumable_state(tmp_path).folder
-    _as_format_1(folder)
+    _as_format(folder, version)
     damage_file(folder / "optimizer.pt", damage)
-    with pytest.raises(CheckpointError, match=r"optimizer.pt: .*(SHA-256 does not match|truncated)"):
+    with pytest.raises(CheckpointError, match=rf"optimizer.pt: .*({OLD_FORMATS[version][1]} does not match|truncated)"):
         verify_folder(folder)
 
 

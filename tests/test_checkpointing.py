@@ -236,3 +236,36 @@ def test_a_truncated_or_empty_file_is_a_clear_error(tmp_path, damage):
     (tmp_path / "model.pt").write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
     with pytest.raises(ValueError, match=r"model\.pt' is not a readable checkpoint \(.*\): pass a file written by Trainer\.save_checkpoint"):
         load_checkpoint_file(tmp_path / "model.pt")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_earlier_states_stay(tmp_path, monkeypatch, asynchronous):
+    """The optimizer file's write goes to /dev/full, so the kernel's own ENOSPC reaches the save (synchronous, and
+    the background writer of an asynchronous one); the partial state folder is removed, the earlier state resumes."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    from pytorch_accel_trainer import async_save, persistence, state_files, training_state
+
+    trainer = _trained_trainer()
+    first = trainer.save_training_state(tmp_path, name="before")
+    write = state_files.save_tensors_file
+
+    def optimizer_to_full_device(obj, path):
+        if path.name != "optimizer.pt":
+            return write(obj, path)
+        with open("/dev/full", "wb") as full:
+            torch.save(obj, full)
+
+    for module in (training_state, async_save):
+        monkeypatch.setattr(module, "save_tensors_file", optimizer_to_full_device)
+    position = trainer.run_state.position(None)
+    with pytest.raises(OSError, match=r"no space left on \S*after: the training state was not written .*the earlier states in") as raised:
+        if asynchronous:  # what the background thread runs
+            staged = async_save.stage_training_state(trainer, tmp_path, position, persistence.run_facts(trainer), name="after")
+            async_save.write_staged_state(staged)
+        else:
+            trainer.save_training_state(tmp_path, name="after")
+    assert raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["before", "latest"]  # no partial folder left
+    assert training_state.find_resumable_state(tmp_path).folder == first

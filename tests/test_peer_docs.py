@@ -272,13 +272,6 @@ def test_the_azureml_logger_sends_every_epochs_metrics(names, mlflow):
     ]  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="(pytorch-accelerated 0.1.61 passes) LogMetricsCallback keeps the metric counts of the last run start in its own on_training_run_start; the "
-    "docs' AzureMLLoggerCallback overrides that hook without super(), so counts taken by evaluate() stay and the "
-    "next train() logs nothing once an epoch's metric count equals them",
-)
 def test_the_azureml_logger_sends_every_epochs_metrics_after_an_evaluation_run(names, mlflow):
     run_snippet("callbacks_azureml_logger.py", names)
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),))  # fmt: skip

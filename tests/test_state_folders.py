@@ -20,7 +20,7 @@ from torch import nn
 from conftest import regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.state_files import file_digest
+from pytorch_accel_trainer.state_files import CHECKSUM, file_digest
 from pytorch_accel_trainer.training_state import (
     MANIFEST_NAME,
     TRAINER_FILE,
@@ -54,8 +54,8 @@ def _edit_manifest(folder, edit):
 
 def _rehash(folder, name):
     """Forge the manifest entry of ``name`` so that the file's current contents check out."""
-    size, crc32 = file_digest(folder / name, algorithm="crc32")
-    _edit_manifest(folder, lambda manifest: manifest["files"].__setitem__(name, {"size": size, "crc32": crc32}))
+    size, digest = file_digest(folder / name, algorithm=CHECKSUM)
+    _edit_manifest(folder, lambda manifest: manifest["files"].__setitem__(name, {"size": size, CHECKSUM: digest}))
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def states(tmp_path):
 
 
 def _list_outside(manifest, secret, name):
-    manifest["files"][name] = {"size": SECRET_SIZE, "crc32": file_digest(secret, algorithm="crc32")[1]}
+    manifest["files"][name] = {"size": SECRET_SIZE, CHECKSUM: file_digest(secret, algorithm=CHECKSUM)[1]}
 
 
 def _link_file(folder, secret):
@@ -120,7 +120,7 @@ def test_a_name_outside_the_folder_gets_the_same_answer_whatever_its_size_or_has
     """No oracle: a guessed size or hash of an outside file changes nothing in what the loader says."""
     folder, secret = states / "step_4", states.parent / "secret"
     messages = set()
-    for entry in [{"size": SECRET_SIZE, "crc32": file_digest(secret, algorithm="crc32")[1]}, {"size": SECRET_SIZE, "crc32": "0" * 8}]:
+    for entry in [{"size": SECRET_SIZE, CHECKSUM: file_digest(secret, algorithm=CHECKSUM)[1]}, {"size": SECRET_SIZE, CHECKSUM: "0" * 32}]:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
         manifest["files"]["../../secret"] = entry
         (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -139,10 +139,10 @@ BAD_FIELDS = [
     ("position", {"loop_epoch": 0, "batches_seen": 2, "rng_restore_point": "later"}, r"position\['rng_restore_point'\] is 'later'; it must be one of \('before_iterator', 'after_iterator'\)"),
     ("kinds", ["forever"], r"kinds is \['forever'\]; it must be a non-empty list of \('rolling', 'permanent', 'best'\)"),
     ("run_facts", None, r"run_facts is None; it must be a dict"),
-    ("files", [], r"files is a list; it must map each file name to its size and crc32"),
-    ("files", {"model.safetensors": {"size": -1, "crc32": "0" * 8}}, r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'crc32': 8 hex digits\}"),
-    ("files", {"model.safetensors": {"size": 1, "crc32": "xyz"}}, r"files\['model.safetensors'\] is .*'xyz'"),
-    ("files", {"rank_00000.pt": {"size": 1, "crc32": "0" * 8}}, r"files lists no model.safetensors, which every training state holds"),
+    ("files", [], r"files is a list; it must map each file name to its size and xxh3_128"),
+    ("files", {"model.safetensors": {"size": -1, "xxh3_128": "0" * 32}}, r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}"),
+    ("files", {"model.safetensors": {"size": 1, "xxh3_128": "xyz"}}, r"files\['model.safetensors'\] is .*'xyz'"),
+    ("files", {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}}, r"files lists no model.safetensors, which every training state holds"),
 ]  # fmt: skip
 
 

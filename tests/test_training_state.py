@@ -14,7 +14,7 @@ from torch import nn
 from conftest import assert_bitwise_equal, regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
-from pytorch_accel_trainer.state_files import file_digest
+from pytorch_accel_trainer.state_files import CHECKSUM, file_digest
 from pytorch_accel_trainer.training_state import (
     MANIFEST_NAME,
     CheckpointError,
@@ -157,7 +157,7 @@ def damage_file(path, damage: str) -> None:
 def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, name, damage):
     folder = _saved_state(tmp_path, max_checkpoints=1)
     damage_file(folder / name, damage)
-    with pytest.raises(CheckpointError, match=rf"{name}: .*(CRC32 does not match|truncated)"):
+    with pytest.raises(CheckpointError, match=rf"{name}: .*(XXH3-128 does not match|truncated)"):
         verify_folder(folder)
     with pytest.raises(CheckpointError, match=rf"none can be trusted, so the run was not restarted from scratch:\n.*{name}"):
         _run(tmp_path, num_epochs=2)
@@ -174,8 +174,8 @@ def test_a_hostile_pickle_is_never_executed_even_with_a_forged_manifest(tmp_path
 
     (folder / "optimizer.pt").write_bytes(pickle.dumps(Hostile()))
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    size, crc32 = file_digest(folder / "optimizer.pt", algorithm="crc32")
-    manifest["files"]["optimizer.pt"] = {"size": size, "crc32": crc32}
+    size, digest = file_digest(folder / "optimizer.pt", algorithm=CHECKSUM)
+    manifest["files"]["optimizer.pt"] = {"size": size, CHECKSUM: digest}
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="only pickle can rebuild; refused"):
         _run(tmp_path, num_epochs=2)

@@ -165,12 +165,25 @@ class LogMetricsCallback(TrainerCallback):
 
     #: The number of values of each metric when the current run started (``None``: outside a run, log them all).
     _value_counts_at_run_start: dict | None = None
+    _run_config = None  # the run_config of the run those counts belong to: each train() / evaluate() makes a new one
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
-        self._value_counts_at_run_start = _value_counts(trainer.run_history)
+        self._start_run(trainer)
 
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
-        self._value_counts_at_run_start = _value_counts(trainer.run_history)
+        self._start_run(trainer)
+
+    def on_train_epoch_start(self, trainer: Trainer, **kwargs):
+        self._start_run(trainer)  # in case a subclass overrides on_training_run_start without super()
+
+    def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
+        self._start_run(trainer)
+
+    def _start_run(self, trainer: Trainer) -> None:
+        """Take the metric counts at the start of a run, once per run (the first event of the run that reaches here)."""
+        if trainer.run_config is not self._run_config:
+            self._run_config = trainer.run_config
+            self._value_counts_at_run_start = _value_counts(trainer.run_history)
 
     def on_train_epoch_end(self, trainer: Trainer, **kwargs):
         self._log_latest(trainer, lambda name: "train" in name)
