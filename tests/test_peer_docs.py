@@ -15,9 +15,10 @@ run with ``PT_ACC_LIMIT_BATCHES`` set, as pytorch-accelerated suggests for a qui
 Five snippets cannot be used unchanged with pytorch-accelerated 0.1.61 itself: two import ``Partial`` from
 ``functools`` (one also spells ``TrainerPlaceHolderValues``); trainer.rst's ``TrainerWithMetrics`` calls
 ``Accuracy(num_classes=...)``, which torchmetrics rejects since 0.11; and the two schedulers of schedulers.rst leave
-out the ``state_dict``/``load_state_dict`` that its ``StatefulSchedulerBase`` declares abstract. Their tests check
-that failure, then run the snippet with only the typo corrected, with the torchmetrics API the docs were written
-for, or with the two scheduler methods added by a subclass in the test.
+out the ``state_dict``/``load_state_dict`` that its ``StatefulSchedulerBase`` declares abstract. The first three
+tests check that failure, then run the snippet with only the typo corrected or with the torchmetrics API the docs
+were written for; the two schedulers run as written here, whose ``StatefulSchedulerBase`` gives those methods
+defaults.
 """
 
 from __future__ import annotations
