@@ -42,15 +42,37 @@ def validate_asynchronous_save(accelerator) -> None:
         )
 
 
-def to_host(value: Any) -> Any:
-    """A copy of ``value`` whose tensors are detached copies in CPU memory (CPU tensors are cloned too, so the
-    training loop may change the originals while the copy is written)."""
+class HostBuffers:
+    """Host copies of the large tensors of a state, kept from one asynchronous save to the next of a run, as
+    ``torch.distributed.checkpoint`` caches its staged state: the next save copies into them instead of allocating
+    (and page-faulting) as much memory again, which halves its stall. Reusing them is safe because a save first
+    waits for the one before it. ``clear()`` frees them; the trainer does as its run ends."""
+
+    def __init__(self) -> None:
+        self._buffers: dict = {}
+
+    def copy(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        return buffer.copy_(tensor.detach())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+host_buffers = HostBuffers()
+
+
+def to_host(value: Any, buffers: Optional[HostBuffers] = None, key: str = "") -> Any:
+    """A copy of ``value`` whose tensors are detached copies in CPU memory (CPU tensors are copied too, so the
+    training loop may change the originals while the copy is written); into ``buffers`` when given."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=True) if buffers is None else buffers.copy(key, value)
     if isinstance(value, dict):
-        return {key: to_host(item) for key, item in value.items()}
+        return {name: to_host(item, buffers, f"{key}/{name}") for name, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(to_host(item) for item in value)
+        return type(value)(to_host(item, buffers, f"{key}/{index}") for index, item in enumerate(value))
     return value
 
 
@@ -86,7 +108,8 @@ def _model_content(model: torch.nn.Module) -> SafetensorsContent:
         for name in removed:
             metadata.setdefault(name, kept_name)
             del state_dict[name]
-    return SafetensorsContent({name: tensor.contiguous() for name, tensor in to_host(state_dict).items()}, metadata or None)
+    host = to_host(state_dict, host_buffers, MODEL_FILE)
+    return SafetensorsContent({name: tensor.contiguous() for name, tensor in host.items()}, metadata or None)
 
 
 def stage_training_state(
@@ -107,7 +130,7 @@ def stage_training_state(
             }
         ),
         MODEL_FILE: _model_content(trainer.get_model()),
-        OPTIMIZER_FILE: to_host(trainer.optimizer.state_dict()),
+        OPTIMIZER_FILE: to_host(trainer.optimizer.state_dict(), host_buffers, OPTIMIZER_FILE),
     }
     if trainer.scheduler is not None:
         files[SCHEDULER_FILE] = to_host(trainer.scheduler.state_dict())

@@ -194,6 +194,7 @@ def end_saves_and_preemption(trainer: "Trainer") -> None:
     try:
         wait_for_saves(trainer)
     finally:
+        async_save.host_buffers.clear()  # the host copies kept for the run's next asynchronous save
         disable_preemption(trainer.run_state)
 
 

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_training_state import Crash, CrashAt, _final_state, _run, damage_file
 
 from conftest import assert_bitwise_equal
@@ -124,3 +125,17 @@ def test_a_failure_of_the_last_background_save_is_raised_as_train_returns(tmp_pa
         _run(tmp_path, num_epochs=1, save_every_n_epochs=None, save_at_end=False, asynchronous=True)
     assert len(manifests) == 11 and not async_save.saver.pending
     assert len(list_complete_states(tmp_path)) == 10  # the ten before it are intact
+
+
+def test_host_buffers_are_reused_by_the_next_save_and_freed_as_the_run_ends(tmp_path):
+    from pytorch_accel_trainer.async_save import HostBuffers, host_buffers
+
+    buffers, source = HostBuffers(), torch.arange(6.0)
+    first = buffers.copy("w", source)
+    source += 1  # training changes the original in place: the copy keeps the saved values
+    assert torch.equal(first, torch.arange(6.0))
+    second = buffers.copy("w", source)
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, torch.arange(1.0, 7.0))  # no new allocation
+    assert buffers.copy("w", torch.zeros(3)).shape == (3,)  # another shape: a new buffer
+    _run(tmp_path, num_epochs=1, asynchronous=True)
+    assert host_buffers._buffers == {}  # the copies of the run's saves are freed when it ends
