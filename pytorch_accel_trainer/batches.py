@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from accelerate.utils import find_batch_size
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import IterableDataset, RandomSampler
 
 from pytorch_accel_trainer.utils import is_mapping, model_output_loss, seed_worker
 
@@ -45,8 +45,6 @@ def with_own_generator_and_checked_collate(dataloader: Any, collate_fn: Optional
     ``get_default_*_dl_kwargs`` and the user's, as pytorch-accelerated builds it. A generator passed in the
     dataloader arguments is kept.
     """
-    if not isinstance(dataloader, DataLoader):
-        return dataloader  # a stand-in (a test's mock): nothing to set
     if dataloader.generator is None:
         dataloader.generator = torch.Generator()
         if isinstance(dataloader.sampler, RandomSampler) and dataloader.sampler.generator is None:

@@ -14,32 +14,12 @@ from accelerate import Accelerator, DistributedType, PartialState
 from accelerate.state import AcceleratorState
 
 from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
 
 # Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
 _PLAIN_TORCH_STEP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 # Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
-_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def launched_world_size() -> int:
-    """The number of processes the launcher started, from its environment variables (1 without a launcher)."""
-    for name in _WORLD_SIZE_VARIABLES:
-        value = os.environ.get(name)
-        if value and value.isdigit():
-            return int(value)
-    return 1
-
-
-def needs_cpu_backend() -> bool:
-    """Whether this is a multi-process launch on a machine with no accelerator (GPU, XPU, ...).
-
-    Accelerate then runs each process as an independent single-process training unless told to use the
-    CPU (``ACCELERATE_USE_CPU=1`` or ``--cpu``); the trainer tells it.
-    """
-    return launched_world_size() > 1 and not torch.accelerator.is_available()
-
-
 def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
     """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
 

@@ -25,7 +25,7 @@ from pytorch_accel_trainer.placeholders import placeholder_values, resolve_place
 from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions, build_run_config
 from pytorch_accel_trainer.sharded import prepare_components
 from pytorch_accel_trainer.utils import dataset_length, worker_init_fn
-from pytorch_accel_trainer.validation import validate_model_and_loss
+from pytorch_accel_trainer.validation import overrides, validate_model_and_loss
 
 
 class SetupMixin:
@@ -111,7 +111,7 @@ class SetupMixin:
         """
         validate_model_and_loss(self.model, self.loss_func)  # here, not in __init__: a subclass may prepare its own
         release_prepared(self.accelerator)  # nothing of an earlier run is kept or prepared twice
-        if _overridden(self, "_prepare_model_and_optimizer") or _overridden(self, "_prepare_dataloaders"):
+        if overrides(self, "_prepare_model_and_optimizer") or overrides(self, "_prepare_dataloaders"):
             self._prepare_model_and_optimizer()
             self._prepare_dataloaders()
         else:
@@ -173,9 +173,10 @@ class SetupMixin:
         if repeated:
             warnings.warn(
                 f"The evaluation dataset has {length} samples and the evaluation batch of all processes together is "
-                f"{config.eval_total_batch_size}, so the last batch repeats {repeated} samples to keep the processes in step. The loss, gather() and "
-                "gather_for_metrics() count each sample once; per-process tensors collected in your own hooks hold the "
-                "repeats (use eval_batch_real_rows to drop them). A batch size that divides the dataset avoids it.",
+                f"{config.eval_total_batch_size}, so the last batch repeats {repeated} samples to keep the processes in "
+                "step. The loss, gather() and gather_for_metrics() count each sample once; per-process tensors collected "
+                "in your own hooks hold the repeats (use eval_batch_real_rows to drop them). A batch size that divides "
+                "the dataset avoids it.",
                 stacklevel=2,
             )
 
@@ -187,8 +188,3 @@ class SetupMixin:
         if state.resume is not None:
             state.num_update_steps_completed = state.resume.num_update_steps_completed
             state.epoch = state.resume.position.loop_epoch
-
-
-def _overridden(trainer: Any, name: str) -> bool:
-    """Whether ``trainer``'s class overrides the :class:`SetupMixin` method ``name``."""
-    return getattr(type(trainer), name) is not getattr(SetupMixin, name)

@@ -219,15 +219,34 @@ def _close(iterator: Iterator, dataloader: Any) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_world_size() -> int:
+    """The number of processes the launcher started, from its environment variables (1 without a launcher)."""
+    for name in _WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    return 1
+
+
+def needs_cpu_backend() -> bool:
+    """Whether this is a multi-process launch on a machine with no accelerator (GPU, XPU, ...).
+
+    Accelerate then runs each process as an independent single-process training unless told to use the
+    CPU (``ACCELERATE_USE_CPU=1`` or ``--cpu``); the trainer tells it.
+    """
+    return launched_world_size() > 1 and not torch.accelerator.is_available()
+
+
 def _process_state() -> PartialState:
     """Accelerate's process state, set up the way the trainer's ``Accelerator`` would set it up when nothing has yet:
     on the CPU backend (gloo) under ``ACCELERATE_USE_CPU=1``, or for a multi-process launch on a machine without
     an accelerator, so that the processes of one launch are one job and not independent ones."""
     if PartialState._shared_state:
         return PartialState()
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
-    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or (launched and not torch.accelerator.is_available())
-    return PartialState(cpu=cpu)
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or needs_cpu_backend())
 
 
 def _wait_for_everyone_sharing(state: PartialState, failed: bool) -> bool:

@@ -260,7 +260,7 @@ def validate_first_eval_batch(trainer: Any) -> None:
     ``calculate_eval_batch_loss``, which may keep state (metrics) that one extra batch would change.
     """
     dataloader = getattr(trainer.eval_dataloader, "base_dataloader", trainer.eval_dataloader)
-    if not isinstance(dataloader, DataLoader) or _overrides(trainer, "calculate_eval_batch_loss"):
+    if not isinstance(dataloader, DataLoader) or overrides(trainer, "calculate_eval_batch_loss"):
         return  # a dataloader of your own, or a hook of your own: its first evaluation step is the check
     dataset, length = dataloader.dataset, dataset_length(dataloader.dataset)
     if isinstance(dataset, IterableDataset) or not length:
@@ -300,7 +300,7 @@ def _leaving_no_trace(model: torch.nn.Module, device: torch.device) -> Iterator[
         np.random.set_state(host_states[1])
 
 
-def _overrides(trainer: Any, name: str) -> bool:
+def overrides(trainer: Any, name: str) -> bool:
     """Whether ``name`` is overridden: set on the instance, or defined by more than one class of its MRO."""
     return name in vars(trainer) or sum(name in vars(cls) for cls in type(trainer).__mro__) > 1
 
