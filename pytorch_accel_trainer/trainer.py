@@ -22,6 +22,7 @@ from pytorch_accel_trainer.distributed import ProcessAgreement
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.non_finite import retry_or_skip_non_finite_update
 from pytorch_accel_trainer.accessors import TrainerUtilitiesMixin
+from pytorch_accel_trainer.loop_support import LoopSupportMixin
 from pytorch_accel_trainer.persistence import PersistenceMixin
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
 from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
@@ -46,13 +47,14 @@ from pytorch_accel_trainer.validation import (
 DEFAULT_CALLBACKS = (MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback, ProgressBarCallback, LogMetricsCallback)
 
 
-class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
+class Trainer(SetupMixin, LoopSupportMixin, PersistenceMixin, TrainerUtilitiesMixin):
     """Trains and evaluates a model through a fixed skeleton of overridable hooks and callback events.
 
     The skeleton is the pseudocode of ``docs/inside_the_trainer.md``; each hook runs, then its ``on_*``
     event. Accelerate places the model, optimizer and data on the right devices and processes, so the
     same script runs with ``python train.py`` or ``accelerate launch train.py``. The other factory hooks are
-    in ``setup.py``, saving and loading in ``persistence.py``, and the utilities that hooks and callbacks use
+    in ``setup.py``, saving and loading in ``persistence.py``, events, stops and clipping around the hooks in
+    ``loop_support.py``, and the utilities that hooks and callbacks use
     (``gather``, ``get_model``, ``run_extra_eval_epoch``, ...) in ``accessors.py``.
 
     Args:
@@ -546,49 +548,6 @@ class Trainer(SetupMixin, PersistenceMixin, TrainerUtilitiesMixin):
         retry = functools.partial(self._perform_forward_and_backward_passes, batch, step, is_retry=True)
         can_retry = self.run_config.gradient_accumulation_steps == 1
         return retry_or_skip_non_finite_update(self.run_state, self.model, self.optimizer, retry, can_retry)
-
-    def _optimizer_step_was_skipped(self) -> bool:
-        return self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
-
-    def _clip_gradients(self) -> None:
-        """Clip by norm and/or value as set in ``train()``; keep the norm in ``last_gradient_norm`` (no sync)."""
-        config = self.run_config
-        clip_norm, clip_value, track_norm = config.gradient_clip_norm, config.gradient_clip_value, self.track_gradient_norm
-        if clip_norm is None and clip_value is None and not track_norm:
-            return  # nothing asked for: the default run
-        norm = accumulation.clip_gradients(self._accelerator, self.model, clip_norm, clip_value, track_norm)
-        if clip_norm is not None or track_norm:
-            self.last_gradient_norm = norm
-
-    def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
-        one_process = self._accelerator.num_processes == 1  # nothing to sum over
-        average = tracker.reduce_average(lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device)
-        if average is not None:
-            self.run_history.update_metric(metric_name, average)
-
-    def _stop_training(self, error: StopTrainingError) -> None:
-        self.run_state.stop_request = None
-        self.print(error)
-        self.callback_handler.call_event("on_stop_training_error", self)
-
-    def _call_event(self, event: str, **kwargs) -> None:
-        """Call a callback event of the loop. A ``StopTrainingError`` it raises is taken at the next update
-        boundary or the end of the epoch, on every process at the same point, so that no process is left waiting
-        in a collective for one that stopped."""
-        try:
-            self.callback_handler.call_event(event, self, **kwargs)
-        except StopTrainingError as error:
-            self.run_state.hold_stop(error)
-
-    def _raise_agreed_stop(self) -> None:
-        """Raise the ``StopTrainingError`` a callback of any process asked for (one collective per call when
-        distributed); every process must call this at the same point."""
-        stop_request = self.run_state.stop_request
-        if stop_request is None and self._accelerator.num_processes == 1:
-            return  # nothing to agree on
-        stop_request = self.process_agreement.agreed_exception(self._accelerator, stop_request)
-        if stop_request is not None:
-            raise stop_request
 
 
 class TrainerWithTimmScheduler(TimmSchedulerMixin, Trainer):
