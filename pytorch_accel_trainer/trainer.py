@@ -23,6 +23,7 @@ from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.non_finite import retry_or_skip_non_finite_update
 from pytorch_accel_trainer.accessors import TrainerUtilitiesMixin
 from pytorch_accel_trainer.loop_support import LoopSupportMixin
+from pytorch_accel_trainer.extra_models import ExtraModelsMixin
 from pytorch_accel_trainer.persistence import PersistenceMixin
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
 from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
@@ -47,7 +48,7 @@ from pytorch_accel_trainer.validation import (
 DEFAULT_CALLBACKS = (MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback, ProgressBarCallback, LogMetricsCallback)
 
 
-class Trainer(SetupMixin, LoopSupportMixin, PersistenceMixin, TrainerUtilitiesMixin):
+class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, TrainerUtilitiesMixin):
     """Trains and evaluates a model through a fixed skeleton of overridable hooks and callback events.
 
     The skeleton is the pseudocode of ``docs/inside_the_trainer.md``; each hook runs, then its ``on_*``
@@ -104,6 +105,9 @@ class Trainer(SetupMixin, LoopSupportMixin, PersistenceMixin, TrainerUtilitiesMi
         self.torch_compile = torch_compile
         self.loss_func = loss_func
         self.optimizer = optimizer
+        #: Models and optimizers trained beside ``model`` and ``optimizer``, by name (see :meth:`add_model`).
+        self.extra_models: dict = {}
+        self.extra_optimizers: dict = {}
         self.seed = seed
         self._callbacks = callbacks
         self.callback_handler = self._create_callback_handler()

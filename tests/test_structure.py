@@ -61,11 +61,11 @@ LAYERS = {
     # 3: the loop's mechanics over the run state
     "accumulation.py": 3, "persistence.py": 3, "async_save.py": 2,
     # 4: the Trainer's mixins, 5: the Trainer, 6: the package's names
-    "setup.py": 4, "accessors.py": 4, "loop_support.py": 4, "timm_scheduler.py": 4, "trainer.py": 5, "__init__.py": 6,
+    "setup.py": 4, "accessors.py": 4, "loop_support.py": 4, "extra_models.py": 4, "timm_scheduler.py": 4, "trainer.py": 5, "__init__.py": 6,
 }  # fmt: skip
 
 
-TRAINER_MIXINS = ("setup.py", "persistence.py", "accessors.py", "loop_support.py")
+TRAINER_MIXINS = ("setup.py", "persistence.py", "accessors.py", "loop_support.py", "extra_models.py")
 
 
 PACKAGES = ("callbacks/", "schedulers/")  # each a family of modules in one layer, free to import each other
