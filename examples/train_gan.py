@@ -3,24 +3,23 @@
 The pattern, for any run with more than one model or optimizer:
 
 - The trainer's own ``model`` and ``optimizer`` are the generator's. Everything the trainer does by itself
-  (``backward_step``, ``optimizer_step``, ``optimizer_zero_grad``, clipping, ``get_model()``,
-  ``save_checkpoint``) then applies to the generator, unchanged.
-- The discriminator and its optimizer are extra attributes. ``training_run_start`` prepares them with the
-  trainer's Accelerator (``self.accelerator.prepare``): the trainer has prepared its own model, optimizer and
-  dataloaders just before this hook, so both models end up on the same device, wrapped for the same processes.
-  ``training_run_end`` unwraps them again, as the trainer does with its own model.
-- ``calculate_train_batch_loss`` first makes one discriminator update on the batch (``discriminator_step``),
-  then returns the generator's loss; the trainer back-propagates it and steps the generator as usual.
+  (``backward_step``, ``optimizer_step``, ``optimizer_zero_grad``, gradient accumulation, clipping, the scheduler,
+  ``get_model()``) then applies to the generator, unchanged.
+- The discriminator and its optimizer are registered with ``self.add_model("discriminator", ...)``. The trainer
+  prepares them with its own in each run (same device, same processes, same mixed precision), holds them in
+  ``extra_models["discriminator"]`` / ``extra_optimizers["discriminator"]``, and unwraps them at the end of the run.
+- ``calculate_train_batch_loss`` first makes one discriminator update on the batch (``discriminator_step``, which
+  calls ``self.update_extra_model("discriminator", loss)``: backward, the run's clipping, step, zero grad), then
+  returns the generator's loss; the trainer back-propagates it and steps the generator as usual.
 
-What the trainer does for its own optimizer only (gradient accumulation, clipping, the scheduler,
-``save_checkpoint``, training states and resume) covers the generator; the discriminator steps on every batch,
-and its state is saved separately, e.g. ``torch.save(trainer.discriminator.state_dict(), path)``. The example
-only trains (``trainer.evaluate()`` would run the default evaluation hooks on the generator, which does not take
-data points). Each epoch records ``discriminator_loss_epoch`` (``train_loss_epoch`` is
-the generator's), and the mean radius of a fixed set of generated samples and their mean distance to the
-ring (``sample_radius``, ``ring_distance``). In a few seconds on a CPU the samples move from the centre onto the
-ring; like most plain GANs, this one then tends to settle on one or two of the eight modes (the remedies for
-mode collapse are beyond this example)::
+``save_checkpoint``, ``load_checkpoint``, training states and ``train(resume_from=...)`` hold both models and both
+optimizers, and a resumed run continues both exactly. The discriminator steps on every batch (gradient accumulation
+and the scheduler apply to the generator only). The example only trains (``trainer.evaluate()`` would run the
+default evaluation hooks on the generator, which does not take data points). Each epoch records
+``discriminator_loss_epoch`` (``train_loss_epoch`` is the generator's), and the mean radius of a fixed set of
+generated samples and their mean distance to the ring (``sample_radius``, ``ring_distance``). In a few seconds on a
+CPU the samples move from the centre onto the ring; like most plain GANs, this one then tends to settle on one or
+two of the eight modes (the remedies for mode collapse are beyond this example)::
 
     python examples/train_gan.py
     accelerate launch examples/train_gan.py --num-epochs 30
@@ -103,17 +102,18 @@ class GANTrainer(Trainer):
         **kwargs,
     ):
         super().__init__(generator, loss_func=nn.BCEWithLogitsLoss(), optimizer=generator_optimizer, **kwargs)
-        self.discriminator = discriminator
-        self.discriminator_optimizer = discriminator_optimizer
+        # prepared with the generator in each run, updated by update_extra_model, saved in checkpoints and states
+        self.add_model("discriminator", discriminator, discriminator_optimizer)
         self.monitor_noise = torch.randn(num_monitor_samples, NOISE_SIZE, generator=torch.Generator().manual_seed(0))
         self._discriminator_losses = LossTracker()
 
+    @property
+    def discriminator(self) -> nn.Module:
+        """The discriminator: prepared (on the device, in DistributedDataParallel with several processes) during a
+        run, the module passed to ``__init__`` after it."""
+        return self.extra_models["discriminator"]
+
     def training_run_start(self) -> None:
-        # the trainer prepared the generator and its optimizer just before this hook; the same Accelerator puts the
-        # discriminator on the same device (and in DistributedDataParallel when there are several processes)
-        self.discriminator, self.discriminator_optimizer = self.accelerator.prepare(
-            self.discriminator, self.discriminator_optimizer
-        )
         self.monitor_noise = self.monitor_noise.to(self.device)
 
     def train_epoch_start(self) -> None:
@@ -126,7 +126,7 @@ class GANTrainer(Trainer):
         fake = self.model(torch.randn(real.size(0), NOISE_SIZE, device=self.device))
         self.discriminator_step(real, fake.detach())
         # the generator's loss: fakes the updated discriminator takes for real. Its backward pass also leaves
-        # gradients on the discriminator, which the next discriminator_step zeroes before its own.
+        # gradients on the discriminator, which the next update_extra_model zeroes before its own.
         generator_loss = self.loss_func(self.discriminator(fake), torch.ones(real.size(0), 1, device=self.device))
         return {"loss": generator_loss, "model_outputs": fake, "batch_size": real.size(0)}
 
@@ -138,10 +138,8 @@ class GANTrainer(Trainer):
         """
         points = torch.cat([real, fake])
         targets = torch.cat([torch.ones(real.size(0), 1), torch.zeros(fake.size(0), 1)]).to(self.device)
-        self.discriminator_optimizer.zero_grad()
         loss = self.loss_func(self.discriminator(points), targets)
-        self.accelerator.backward(loss)
-        self.discriminator_optimizer.step()
+        self.update_extra_model("discriminator", loss)  # zero grad, backward, the run's clipping, step, zero grad
         self._discriminator_losses.update(loss, real.size(0))  # kept on the device: no sync per step
 
     def train_epoch_end(self) -> None:
@@ -154,11 +152,6 @@ class GANTrainer(Trainer):
             samples = self.model(self.monitor_noise)
         self.run_history.update_metric("sample_radius", samples.norm(dim=1).mean().item())
         self.run_history.update_metric("ring_distance", ring_distance(samples))
-
-    def training_run_end(self) -> None:
-        super().training_run_end()  # unwraps the generator
-        self.discriminator = self.accelerator.unwrap_model(self.discriminator)
-        self.discriminator_optimizer = self.discriminator_optimizer.optimizer  # out of Accelerate's wrapper
 
 
 def train_gan(

@@ -26,7 +26,7 @@ from pytorch_accel_trainer.checkpointing import reporting_out_of_space, validate
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state_files import (
     MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, TRAINER_FILE, default_state_name, inner_optimizer, rank_file,
-    save_tensors_file, unused_folder_name, write_bytes_file,
+    save_tensors_file, unused_folder_name, write_bytes_file, extra_model_file, extra_optimizer_classes, extra_optimizer_file,
 )  # fmt: skip
 
 
@@ -99,8 +99,9 @@ class SafetensorsContent:
         return save(self.tensors, metadata=self.metadata)
 
 
-def _model_content(model: torch.nn.Module) -> SafetensorsContent:
-    """The model's weights, copied to host memory (tied weights stored once, as safetensors' ``save_model`` does)."""
+def _model_content(model: torch.nn.Module, file_name: str = MODEL_FILE) -> SafetensorsContent:
+    """The model's weights, copied to host memory (tied weights stored once, as safetensors' ``save_model`` does)
+    into the host buffers kept for ``file_name``."""
     from safetensors.torch import _remove_duplicate_names
 
     state_dict, metadata = model.state_dict(), {}
@@ -108,8 +109,20 @@ def _model_content(model: torch.nn.Module) -> SafetensorsContent:
         for name in removed:
             metadata.setdefault(name, kept_name)
             del state_dict[name]
-    host = to_host(state_dict, host_buffers, MODEL_FILE)
+    host = to_host(state_dict, host_buffers, file_name)
     return SafetensorsContent({name: tensor.contiguous() for name, tensor in host.items()}, metadata or None)
+
+
+def _extra_contents(trainer) -> dict:
+    """The extra models of ``add_model`` and their optimizers' states, copied to host memory: a file each, named and
+    written as a synchronous save writes them (``state_files.write_extra_files``)."""
+    files = {}
+    for name in trainer.extra_models:
+        files[extra_model_file(name)] = _model_content(trainer.get_extra_model(name), extra_model_file(name))
+    for name, optimizer in trainer.extra_optimizers.items():
+        file_name = extra_optimizer_file(name)
+        files[file_name] = to_host(inner_optimizer(optimizer).state_dict(), host_buffers, file_name)
+    return files
 
 
 def stage_training_state(
@@ -126,6 +139,7 @@ def stage_training_state(
             {
                 "rng": training_state.capture_rng_state(),
                 "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
+                "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
                 "callbacks": training_state._callback_states(trainer.callback_handler),
             }
         ),
@@ -137,6 +151,7 @@ def stage_training_state(
         validate_plain(files[SCHEDULER_FILE], "scheduler.state_dict()")
     if accelerator.scaler is not None:
         files[SCALER_FILE] = to_host(accelerator.scaler.state_dict())
+    files.update(_extra_contents(trainer))
     files[TRAINER_FILE] = to_host(
         {
             "position": asdict(position),
@@ -145,6 +160,7 @@ def stage_training_state(
             "run_facts": run_facts,
             "checkpoint_kwargs": checkpoint_kwargs,
             "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,
+            "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
         }
     )
     fields = {

@@ -6,9 +6,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from accelerate.utils import find_batch_size
-from torch.utils.data import IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from pytorch_accel_trainer.utils import is_mapping, model_output_loss, seed_worker
+from pytorch_accel_trainer.utils import dataloader_batch_size, is_mapping, model_output_loss, seed_worker
 
 NO_TRAIN_BATCH = (
     "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
@@ -33,6 +33,22 @@ def merge_dataloader_kwargs(defaults: dict, overrides: Optional[dict], dataset: 
         kwargs.setdefault("persistent_workers", True)  # workers start once, not every epoch
         kwargs.setdefault("worker_init_fn", seed_worker)
     return kwargs
+
+
+def dataset_and_dataloader(data: Any) -> tuple[Any, Optional[DataLoader]]:
+    """Split what ``train()`` / ``evaluate()`` received into a dataset and, if it is a DataLoader, the DataLoader."""
+    return (data.dataset, data) if isinstance(data, DataLoader) else (data, None)
+
+
+def batch_size_for(given_dataloader: Optional[DataLoader], per_device_batch_size: int) -> int:
+    """The per-device batch size of a run: a given DataLoader's own, else ``per_device_batch_size``."""
+    return per_device_batch_size if given_dataloader is None else dataloader_batch_size(given_dataloader)
+
+
+def given_dataloader_kwargs(dataloader: DataLoader) -> dict:
+    """The arguments of a DataLoader the user built, as the run config records the trainer's own."""
+    kwargs = {"batch_size": dataloader_batch_size(dataloader), "shuffle": isinstance(dataloader.sampler, RandomSampler)}
+    return {**kwargs, "num_workers": dataloader.num_workers, "drop_last": dataloader.drop_last, "pin_memory": dataloader.pin_memory}
 
 
 def with_own_generator_and_checked_collate(dataloader: Any, collate_fn: Optional[Callable]) -> Any:

@@ -22,7 +22,10 @@ import torch
 MODEL_KEY = "model_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 SCHEDULER_KEY = "scheduler_state_dict"
-RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY)
+#: The state dicts of the extra models and optimizers (``Trainer.add_model``), by name; only in files of trainers that have some.
+EXTRA_MODELS_KEY = "extra_model_state_dicts"
+EXTRA_OPTIMIZERS_KEY = "extra_optimizer_state_dicts"
+RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY, EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY)
 
 _PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
@@ -32,13 +35,19 @@ def build_checkpoint(
     optimizer_state: Optional[dict] = None,
     scheduler_state: Optional[dict] = None,
     checkpoint_kwargs: Optional[dict] = None,
+    extra_states: Optional[dict] = None,
 ) -> dict:
-    """Return the checkpoint dictionary, refusing extra values that would need pickle to load back."""
+    """Return the checkpoint dictionary, refusing extra values that would need pickle to load back.
+
+    ``extra_states`` holds the entries of the extra models and optimizers (``EXTRA_MODELS_KEY``,
+    ``EXTRA_OPTIMIZERS_KEY``), when the trainer has some.
+    """
     checkpoint: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer_state is not None:
         checkpoint[OPTIMIZER_KEY] = optimizer_state
     if scheduler_state is not None:
         checkpoint[SCHEDULER_KEY] = scheduler_state
+    checkpoint.update(extra_states or {})
     for key, value in (checkpoint_kwargs or {}).items():
         if key in RESERVED_KEYS:
             raise ValueError(

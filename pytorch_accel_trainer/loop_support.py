@@ -1,4 +1,5 @@
-"""What the loop of ``trainer.py`` does around its hooks: callback events and agreed stops, clipping, recording.
+"""What the loop of ``trainer.py`` does around its hooks: the epochs and their batches, callback events and agreed
+stops, clipping, non-finite retries, the epoch's recorded values and the run's result.
 
 A mixin of :class:`~pytorch_accel_trainer.trainer.Trainer`, kept apart so that ``trainer.py`` holds the run's
 skeleton and its named decisions. Each method runs once per event, update or epoch.
@@ -6,9 +7,20 @@ skeleton and its named decisions. Each method runs once per event, update or epo
 
 from __future__ import annotations
 
-from pytorch_accel_trainer import accumulation
+import itertools
+import time
+from typing import Iterable
+
+from accelerate.utils import gather_object
+
+from pytorch_accel_trainer import accumulation, persistence
+from pytorch_accel_trainer.batches import NO_TRAIN_BATCH
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.tracking import LossTracker
+from pytorch_accel_trainer.non_finite import retry_or_skip_non_finite_update
+from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
+from pytorch_accel_trainer.run_state import TrainResult
+from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker, metric_counts, metrics_recorded_since
+from pytorch_accel_trainer.utils import require_batches, with_last_flag
 
 
 class LoopSupportMixin:
@@ -33,6 +45,16 @@ class LoopSupportMixin:
         if average is not None:
             self.run_history.update_metric(metric_name, average)
 
+    def _record_step_metrics(self, tracker: StepMetricsTracker, name_format: str) -> None:
+        """Record the epoch's mean of each extra scalar of the batch-loss hook, as ``name_format.format(name)``."""
+        names = sorted(tracker.trackers)
+        if self._accelerator.num_processes > 1:  # a process may have seen a metric the others did not
+            names = sorted(set().union(*gather_object([names])))  # one small collective per epoch
+        one_process = self._accelerator.num_processes == 1
+        averages = tracker.reduce_averages(lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device, names)
+        for name, average in averages.items():
+            self.run_history.update_metric(name_format.format(name), average)
+
     def _stop_training(self, error: StopTrainingError) -> None:
         self.run_state.stop_request = None
         self.print(error)
@@ -56,3 +78,52 @@ class LoopSupportMixin:
         stop_request = self.process_agreement.agreed_exception(self._accelerator, stop_request)
         if stop_request is not None:
             raise stop_request
+
+    def _create_train_result(self) -> TrainResult:
+        """Return the summary of the training run that just ended (one host read if a hook gave tensor sizes)."""
+        state, config = self.run_state, self.run_config
+        wall_time = time.perf_counter() - state.started_at
+        num_samples = int(state.samples_seen) * config.num_processes  # the processes run the same steps
+        monitor = next((callback for callback in self.callback_handler if isinstance(callback, MonitorCallback)), None)
+        epochs = metric_counts(self.run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get("train_loss_epoch", 0)
+        finished = state.reached_max_steps() or (config.num_epochs is not None and state.first_epoch + epochs >= config.num_epochs)
+        return TrainResult(
+            metrics=metrics_recorded_since(self.run_history, state.metric_counts_at_start),
+            best_metric_name=None if monitor is None else monitor.watch_metric,
+            best_metric=None if monitor is None else monitor.best_metric,
+            num_epochs=epochs,  # training epochs run to their end, a last one a callback stopped after included
+            num_update_steps=state.num_update_steps_completed,
+            num_samples=num_samples,
+            wall_time_seconds=wall_time,
+            samples_per_second=num_samples / wall_time if wall_time > 0 else 0.0,
+            stopped_early=not finished,
+        )
+
+    def _retry_or_skip_non_finite_update(self, batch, step: int) -> bool:
+        """Under a non-finite policy (``skip_non_finite_steps``), re-run the step while its gradients are not finite
+        (as the policy allows) and return whether the update must be skipped; may raise ``StopTrainingError``."""
+        if self.run_state.non_finite_policy is None:
+            return False  # the default run checks nothing: no host read
+        return retry_or_skip_non_finite_update(self.run_state, self.model, self.optimizer, self._rerun_window)
+
+    def _rerun_window(self) -> None:
+        """Run the forward and backward passes of every micro-batch of the current window again (a retry)."""
+        state, window = self.run_state, self.run_state.non_finite_policy.window_batches
+        for index, (batch, step) in enumerate(window):
+            state.step_closes_window = index == len(window) - 1  # gradients sync at the window's last micro-batch only
+            self._perform_forward_and_backward_passes(batch, step, is_retry=True)
+
+    def _epochs(self) -> Iterable[int]:
+        first = self.run_state.epoch  # 0, or the epoch a resumed run continues
+        if self.run_config.num_epochs is None:
+            return itertools.count(first)  # only max_num_train_steps ends this run
+        return range(first, self.run_config.num_epochs)
+
+    def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
+        """This epoch's first step and its batches, each with whether it is the last; resumed: from the saved step."""
+        if hasattr(train_dl, "set_epoch"):
+            train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
+        first_step, train_dl = persistence.skip_to_resume_position(self.run_state, train_dl)
+        if self.run_state.train_epoch_length == 0:
+            return first_step, with_last_flag(train_dl)  # a dataloader that says it is empty: warned at setup
+        return first_step, require_batches(with_last_flag(train_dl), NO_TRAIN_BATCH)

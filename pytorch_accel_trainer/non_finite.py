@@ -17,9 +17,11 @@ class NonFinitePolicy:
     Attributes:
         max_consecutive_skips: stop the run (``StopTrainingError``) after this many skipped updates in a row;
             ``None`` never stops.
-        max_retries: first run the step's forward and backward again this many times (only without gradient
-            accumulation, where the step is a single batch): dropout draws new masks, so a transient overflow
-            may pass.
+        max_retries: first run the forward and backward passes of the update's accumulation window again this many
+            times (every micro-batch of it): dropout draws new masks, so a transient overflow may pass. Under
+            gradient accumulation the window's batches are kept until its update (``window_batches``), which holds
+            up to ``gradient_accumulation_steps`` batches in memory.
+        window_batches: the ``(batch, step)`` of each micro-batch of the current window, kept when retrying.
     """
 
     max_consecutive_skips: Optional[int] = None
@@ -28,6 +30,13 @@ class NonFinitePolicy:
     skipped_in_epoch: int = 0
     skipped_in_run: int = 0
     loss_snapshot: Optional[dict] = field(default=None, repr=False)
+    metrics_snapshot: dict = field(default_factory=dict, repr=False)
+    window_batches: list = field(default_factory=list, repr=False)
+
+    def remember_micro_batch(self, batch: Any, step: int, opens_window: bool) -> None:
+        """Keep a micro-batch of the current window, to run it again if the window's gradients are not finite."""
+        if self.max_retries:
+            self.window_batches = [(batch, step)] if opens_window else [*self.window_batches, (batch, step)]
 
     def record_skip(self) -> None:
         self.consecutive_skips += 1
@@ -52,10 +61,10 @@ def gradients_are_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
 
 
 def retry_or_skip_non_finite_update(
-    state: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, retry_step: Callable[[], None], can_retry: bool
+    state: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, retry_window: Callable[[], None]
 ) -> bool:
-    """Check the window's gradients under ``state.non_finite_policy``; while they are not finite, re-run the step
-    (up to ``max_retries`` times, when ``can_retry``) or give up. Return whether the update must be skipped.
+    """Check the window's gradients under ``state.non_finite_policy``; while they are not finite, re-run the window
+    (up to ``max_retries`` times) or give up. Return whether the update must be skipped.
 
     Each failed check discards the window: the gradients are zeroed, and the epoch's loss goes back to its value
     before the window (``policy.loss_snapshot``, taken at the safe point that opened it). A retry fires no event.
@@ -70,10 +79,11 @@ def retry_or_skip_non_finite_update(
     policy, retries = state.non_finite_policy, 0
     while not gradients_are_finite(model.parameters()):
         state.train_loss_tracker.load_state_dict(policy.loss_snapshot)
+        state.train_step_metrics.load_state_dict(policy.metrics_snapshot)
         optimizer.zero_grad(set_to_none=True)
-        if can_retry and retries < policy.max_retries:
+        if retries < policy.max_retries:
             retries += 1
-            retry_step()
+            retry_window()
             continue
         policy.record_skip()
         if policy.must_stop:

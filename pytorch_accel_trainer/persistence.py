@@ -84,6 +84,7 @@ def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, I
     first_step = resume.position.batches_seen
     if resume.position.rng_restore_point == "after_iterator":
         state.train_loss_tracker.load_state_dict(resume.train_loss_tracker)
+        state.train_step_metrics.load_state_dict(resume.train_step_metrics)
     if first_step:
         train_dl = skip_first_batches(train_dl, first_step)
     _restore_rng_if_due(state, "before_iterator")
@@ -110,13 +111,17 @@ def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
     """
     state = trainer.run_state
     _restore_rng_if_due(state, "after_iterator")
-    if state.non_finite_policy is not None:  # what the epoch's loss goes back to if this window is skipped
-        tracker = state.train_loss_tracker.state_dict()
-        state.non_finite_policy.loss_snapshot = {
-            key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker.items()
+    if state.non_finite_policy is not None:  # what the epoch's loss and metrics go back to if this window is skipped
+        state.non_finite_policy.loss_snapshot = _cloned(state.train_loss_tracker.state_dict())
+        state.non_finite_policy.metrics_snapshot = {
+            name: _cloned(tracker) for name, tracker in state.train_step_metrics.state_dict().items()
         }
     saved_to = take_requested_saves(trainer, step) if state.save_requests else ()  # nothing to write: the common case
     _exit_if_preempted(trainer, step, saved_to)
+
+
+def _cloned(tracker_state: dict) -> dict:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker_state.items()}
 
 
 def take_requested_saves(trainer: "Trainer", step: Optional[int] = None) -> set:
@@ -222,8 +227,8 @@ class PersistenceMixin:
 
         Args:
             max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
-            max_retries: first re-run the step this many times (without gradient accumulation only); a retry
-                fires no event (``on_train_step_end`` fired once, for the first try).
+            max_retries: first re-run the update's accumulation window (each of its micro-batches) this many times;
+                a retry fires no event (``on_train_step_end`` fired once, for the first try).
         """
         self.run_state.non_finite_policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
         return self.run_state.non_finite_policy
@@ -253,7 +258,8 @@ class PersistenceMixin:
 
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
         process, the position in the epoch, the step and epoch counters, the run history, each callback's
-        ``state_dict()`` and ``checkpoint_kwargs``. It is written crash-safely (see ``training_state.py``) and
+        ``state_dict()``, ``checkpoint_kwargs``, and each extra model of :meth:`add_model` and its optimizer (a file
+        each). It is written crash-safely (see ``training_state.py``) and
         never overwrites an existing state. Every process must call this.
 
         During a training run the save waits for the next point between two optimizer updates (a save asked
@@ -322,7 +328,7 @@ class PersistenceMixin:
         save_scheduler: bool = True,
         save_per_node: bool = True,
     ) -> None:
-        """Save the model (and optimizer, scheduler, extra values) as one file, atomically.
+        """Save the model (and optimizer, scheduler, extra models of ``add_model``, extra values) as one file, atomically.
 
         The file loads with ``torch.load(weights_only=True)``; ``checkpoint_kwargs`` values must be tensors
         or plain Python values. Every process must call this. Under FSDP the weights and the optimizer state are
@@ -332,7 +338,8 @@ class PersistenceMixin:
         Args:
             save_path: the file to write, e.g. ``"model.pt"``.
             checkpoint_kwargs: extra values to store, returned by :meth:`load_checkpoint`.
-            save_optimizer: include the optimizer state.
+            save_optimizer: include the optimizer state (and those of the extra models, under
+                ``extra_optimizer_state_dicts``; their weights are under ``extra_model_state_dicts``).
             save_scheduler: include the scheduler state, if there is a scheduler.
             save_per_node: write once per machine; ``False`` writes on the main process only (as does a run
                 under FSDP or DeepSpeed ZeRO-3, where only the main process receives the gathered weights).
@@ -346,6 +353,7 @@ class PersistenceMixin:
             optimizer_state=optimizer_state,
             scheduler_state=scheduler.state_dict() if scheduler is not None else None,
             checkpoint_kwargs=checkpoint_kwargs,
+            extra_states=self._extra_checkpoint_entries(save_optimizer),  # the models of add_model, if any
         )
         self.accelerator.wait_for_everyone()
         if writes_on_this_process(self.accelerator, save_per_node):
@@ -389,9 +397,12 @@ class PersistenceMixin:
     def load_checkpoint(self, checkpoint_path, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
         """Load a file written by :meth:`save_checkpoint` into the model, and the optimizer and scheduler.
 
+        The extra models of :meth:`add_model` (and their optimizers) are loaded too; the file must hold exactly those
+        registered, or a ``ValueError`` names both sets before anything is loaded.
+
         Args:
             checkpoint_path: the checkpoint file.
-            load_optimizer: load the optimizer state, if the file has one.
+            load_optimizer: load the optimizer state (and the extra models' optimizer states), if the file has one.
             load_scheduler: load the scheduler state, if the file has one and the trainer has a scheduler.
 
         Returns:
@@ -400,6 +411,7 @@ class PersistenceMixin:
         """
         self.accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
+        self._validate_extra_checkpoint_entries(checkpoint, checkpoint_path, load_optimizer)  # before anything is loaded
         if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
             load_full_model_state_dict(self.accelerator, self.model, checkpoint[MODEL_KEY])
         else:
@@ -420,4 +432,5 @@ class PersistenceMixin:
                 )
             else:
                 self.scheduler.load_state_dict(checkpoint[SCHEDULER_KEY])
+        self._load_extra_checkpoint_entries(checkpoint, load_optimizer)
         return checkpoint

@@ -40,6 +40,7 @@ class TrainOptions:
     gradient_clip_norm: OptionalNumber = None
     resume_from: Any = None
     allow_resume_changes: bool = False
+    scheduler_interval: str = "step"
 
     def __post_init__(self):
         validate_train_options(self)

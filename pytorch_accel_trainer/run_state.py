@@ -7,12 +7,13 @@ callbacks and the persistence functions read it, and queue requests on it (a sav
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.tracking import LossTracker
+from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 from pytorch_accel_trainer.training_state import ResumePlan, ResumePosition
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class RunState:
             that its backward pass synchronises gradients and an update follows.
         items_in_window: ``num_items_in_batch`` summed over the current accumulation window (0 when not given).
         train_loss_tracker: the running, weighted sum of this epoch's training losses, on the device.
+        train_step_metrics: the same for the extra scalars ``calculate_train_batch_loss`` returns (``accuracy``, ...).
         in_training_run: between the start and the end of the epochs of ``train()``; saves then wait for the
             next point between two optimizer updates.
         stop_request: a ``StopTrainingError`` a callback raised, held until the processes agree to stop.
@@ -46,6 +48,11 @@ class RunState:
         preemption_save_dir: where a preempted run saves, while preemption is enabled.
         signal_catcher: the installed signal handlers, while preemption is enabled.
         non_finite_policy: what to do with non-finite gradients, if ``skip_non_finite_steps`` was called.
+        samples_seen: the ``batch_size`` of every training step of this run on this process, summed (a device
+            tensor if a hook returns tensor sizes: read once, for the :class:`TrainResult`).
+        started_at: ``time.perf_counter()`` when the epochs of this run started.
+        metric_counts_at_start: the values each run-history metric had then (see ``tracking.metric_counts``).
+        first_epoch: ``epoch`` then: 0, or the epoch a resumed run continues.
     """
 
     options: Optional["TrainOptions"] = None
@@ -56,6 +63,7 @@ class RunState:
     step_closes_window: bool = False
     items_in_window: Any = 0
     train_loss_tracker: LossTracker = field(default_factory=LossTracker)
+    train_step_metrics: StepMetricsTracker = field(default_factory=StepMetricsTracker)
     in_training_run: bool = False
     stop_request: Optional[StopTrainingError] = None
     save_requests: dict = field(default_factory=dict)
@@ -64,6 +72,14 @@ class RunState:
     preemption_save_dir: Optional[Path] = None
     signal_catcher: Optional["SignalCatcher"] = None
     non_finite_policy: Optional["NonFinitePolicy"] = None
+    samples_seen: Any = 0
+    started_at: Optional[float] = None
+    metric_counts_at_start: dict = field(default_factory=dict)
+    first_epoch: int = 0
+
+    def start_epochs(self, metric_counts: dict) -> None:
+        """Note when and where the epochs of this run start, and what the run history held then."""
+        self.started_at, self.first_epoch, self.metric_counts_at_start = time.perf_counter(), self.epoch, metric_counts
 
     def reached_max_steps(self) -> bool:
         """Whether the user's ``max_num_train_steps`` is reached (not run_config's planned total: a resume with
@@ -97,3 +113,34 @@ class RunState:
     def hold_stop(self, error: StopTrainingError) -> None:
         """Keep the first ``StopTrainingError`` raised since the last agreement point."""
         self.stop_request = self.stop_request or error
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What ``Trainer.train()`` returns: a summary of the run; ``trainer.run_history`` holds every value.
+
+    Attributes:
+        metrics: the latest value of each metric this run recorded (``train_loss_epoch``, ``eval_loss_epoch``,
+            the step metrics, what callbacks recorded).
+        best_metric_name, best_metric: the metric the first monitoring callback (``EarlyStoppingCallback``,
+            ``SaveBestModelCallback``, ...) watches, and its best value in this run; ``None`` without one.
+        num_epochs: the training epochs run to their end in this call (a resumed run counts those it ran; an
+            epoch after which a callback stopped the run counts).
+        num_update_steps: the optimizer updates made so far, a resumed run's earlier ones included.
+        num_samples: the training samples of this call, over every process (each process's ``batch_size``
+            sum times the number of processes, which run the same steps).
+        wall_time_seconds: from the first epoch's start to the end of the run.
+        samples_per_second: ``num_samples / wall_time_seconds``, evaluation time included.
+        stopped_early: whether a callback ended the run before its last epoch (reaching ``max_num_train_steps`` is
+            the planned end, not an early one).
+    """
+
+    metrics: dict
+    best_metric_name: Optional[str]
+    best_metric: Optional[float]
+    num_epochs: int
+    num_update_steps: int
+    num_samples: int
+    wall_time_seconds: float
+    samples_per_second: float
+    stopped_early: bool

@@ -49,10 +49,9 @@ class SetupMixin:
         can skip to any batch by sampler offset.
         """
         data_seed = self.seed if self.seed is not None else 0
-        return create_accelerator(
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed),
-            mixed_precision=self.mixed_precision,
-        )
+        options = {"dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)}
+        options.update(self.accelerator_kwargs)  # the user's, from Trainer(accelerator_kwargs=...)
+        return create_accelerator(mixed_precision=self.mixed_precision, cpu=self.cpu, **options)
 
     # ------------------------------------------------------------------------------------------------
     # Setup hooks
@@ -133,9 +132,11 @@ class SetupMixin:
         components = [self.model, self.optimizer] if model_and_optimizer else [None, None]
         components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
-        components = prepare_components(self.accelerator, components, device_placement=placement)  # FSDP2-aware
+        # the extra models (add_model) in the same call: Accelerate places them and their optimizers together
+        extras = self._unwrapped_extras() if model_and_optimizer else []
+        components = prepare_components(self.accelerator, components + extras, device_placement=placement + [None] * len(extras))  # fmt: skip
         if dataloaders:
-            self.train_dataloader, self.eval_dataloader = components[2:]
+            self.train_dataloader, self.eval_dataloader = components[2:4]
         if not model_and_optimizer:
             return
         self.model, self.optimizer = components[:2]
@@ -143,6 +144,7 @@ class SetupMixin:
         self.calls_torch_directly = not self.always_use_accelerate_wrappers and wrappers_only_call_torch(self.accelerator)
         if self.calls_torch_directly and isinstance(self.optimizer, AcceleratedOptimizer):
             self.optimizer = self.optimizer.optimizer
+        self._store_prepared_extras(components[4:])
         if self.torch_compile is not False:  # True or a dict, even {}; compiled after the DDP wrapper, as torch advises
             options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
             self.model = torch.compile(self.model, **options)

@@ -259,3 +259,86 @@ class LossTracker:
         count = torch.as_tensor(self.running_count, device=device).float()
         loss_sum, sample_count = reduce_sum(torch.stack([total, count])).tolist()  # the epoch's one sync
         return loss_sum / sample_count if sample_count else None
+
+
+#: The keys of a batch-loss hook's dict that the trainer uses itself; every other scalar is a step metric.
+BATCH_OUTPUT_KEYS = frozenset({"loss", "model_outputs", "batch_size", "num_items_in_batch"})
+
+
+def is_scalar_metric(value: Any) -> bool:
+    """Whether ``value`` is a number or a 0-d tensor (``True``/``False`` and strings are not metrics)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_complex()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class StepMetricsTracker:
+    """Averages, over an epoch, the extra scalars a batch-loss hook returns beside ``loss``.
+
+    ``calculate_train_batch_loss`` may return ``{"loss": ..., "batch_size": ..., "accuracy": ...}``: each extra
+    number or 0-d tensor is weighted like the loss (by ``num_items_in_batch``, else ``batch_size``) and summed on
+    the device, as :class:`LossTracker` does, so a step costs no host-device synchronisation; other values (lists,
+    tensors with dimensions, strings) are left alone.
+    """
+
+    def __init__(self):
+        self.trackers: dict[str, LossTracker] = {}
+
+    def reset(self) -> None:
+        self.trackers = {}
+
+    def update(self, batch_output: Any, weight: Any) -> None:
+        """Add the step metrics of one batch's output, each weighted by ``weight``."""
+        for name, value in batch_output.items():
+            if name not in BATCH_OUTPUT_KEYS and is_scalar_metric(value):
+                tracker = self.trackers.get(name)
+                if tracker is None:
+                    tracker = self.trackers[name] = LossTracker()
+                tracker.update(value.detach() if isinstance(value, torch.Tensor) else value, weight)
+
+    def state_dict(self) -> dict:
+        return {name: tracker.state_dict() for name, tracker in self.trackers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trackers = {}
+        for name, tracker_state in state.items():
+            self.trackers[name] = LossTracker()
+            self.trackers[name].load_state_dict(tracker_state)
+
+    def reduce_averages(self, reduce_sum, device: torch.device, names: list) -> dict:
+        """Return the weighted mean of each metric in ``names`` over every process (one collective, one host
+        read); a metric no process saw in this epoch is left out.
+
+        Every process must call this with the same ``names``, even one that saw none of them.
+
+        Args:
+            reduce_sum: sums a tensor over processes (``accelerator.reduce``).
+            device: where the sums are taken.
+            names: the metrics of every process, in one order (see ``step_metric_names``).
+        """
+        if not names:
+            return {}
+        sums = []
+        for name in names:
+            tracker = self.trackers.get(name)
+            total = None if tracker is None else tracker.total_loss
+            count = 0 if tracker is None else tracker.running_count
+            sums.append(torch.as_tensor(0.0 if total is None else total, dtype=torch.float32).to(device))
+            sums.append(torch.as_tensor(count, device=device).float())
+        reduced = reduce_sum(torch.stack(sums)).tolist()  # the epoch's one sync for its step metrics
+        return {name: reduced[2 * i] / reduced[2 * i + 1] for i, name in enumerate(names) if reduced[2 * i + 1]}
+
+
+def metric_counts(run_history: RunHistory) -> dict:
+    """How many values each metric of ``run_history`` has, to tell later what a run recorded."""
+    return {name: len(run_history.get_metric_values(name)) for name in run_history.get_metric_names()}
+
+
+def metrics_recorded_since(run_history: RunHistory, counts: dict) -> dict:
+    """The latest value of each metric recorded since ``counts`` (from :func:`metric_counts`) was taken."""
+    recorded = {}
+    for name in sorted(run_history.get_metric_names()):
+        values = run_history.get_metric_values(name)
+        if len(values) > counts.get(name, 0):
+            recorded[name] = values[-1]
+    return recorded

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import itertools
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
@@ -13,21 +11,20 @@ from accelerate.utils import set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
 from pytorch_accel_trainer import accumulation, persistence
-from pytorch_accel_trainer.batches import NO_EVAL_BATCH, NO_TRAIN_BATCH, batch_loss, forward_batch, loss_weight, merge_dataloader_kwargs, real_rows_in_batch, with_own_generator_and_checked_collate  # fmt: skip
+from pytorch_accel_trainer.batches import NO_EVAL_BATCH, batch_loss, batch_size_for, dataset_and_dataloader, forward_batch, given_dataloader_kwargs, loss_weight, merge_dataloader_kwargs, real_rows_in_batch, with_own_generator_and_checked_collate  # fmt: skip
 from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: importable from here, as in pytorch-accelerated)
     LIMIT_BATCHES_ENV_VAR, CallbackHandler, LimitBatchesCallback, LogMetricsCallback, MoveModulesToDeviceCallback,
     PrintProgressCallback, ProgressBarCallback, TerminateOnNaNCallback,
 )  # fmt: skip
 from pytorch_accel_trainer.distributed import ProcessAgreement
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.non_finite import retry_or_skip_non_finite_update
 from pytorch_accel_trainer.accessors import TrainerUtilitiesMixin
 from pytorch_accel_trainer.loop_support import LoopSupportMixin
 from pytorch_accel_trainer.extra_models import ExtraModelsMixin
 from pytorch_accel_trainer.persistence import PersistenceMixin
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
 from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
-from pytorch_accel_trainer.run_state import RunState
+from pytorch_accel_trainer.run_state import RunState, TrainResult
 from pytorch_accel_trainer.setup import SetupMixin
 from pytorch_accel_trainer.timm_scheduler import TimmSchedulerMixin
 from pytorch_accel_trainer.sharded import (
@@ -35,13 +32,13 @@ from pytorch_accel_trainer.sharded import (
     validate_sharded_run,
     warn_if_sharding_was_ignored,
 )
-from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory
+from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory, StepMetricsTracker, metric_counts, metrics_recorded_since  # fmt: skip
 from pytorch_accel_trainer.training_state import find_resumable_state
 from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: importable from here, as in pytorch-accelerated)
     batch_size_of, dataloader_length, remove_padding, require_batches, with_last_flag, worker_init_fn,
 )  # fmt: skip
 from pytorch_accel_trainer.validation import (
-    validate_batch_output, validate_constructor_options, validate_datasets,
+    mixed_precision_name, validate_batch_output, validate_constructor_options, validate_datasets, validate_given_dataloaders, warn_if_schedule_is_in_epochs,
     validate_evaluate_arguments, validate_first_eval_batch, validate_loss_requires_grad, validate_optimizer_parameters,
 )  # fmt: skip
 
@@ -69,10 +66,14 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
             package never seeds anything.
         mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` (needs a GPU: a ``ValueError`` on the CPU) or ``"fp8"``;
             ``None`` (the default) takes it from the Accelerate config or ``accelerate launch --mixed_precision``.
-            Losses are logged in float32.
+            Other trainers' names are taken too (``"full"``/``"fp32"`` are ``"no"``, ``"bf16-mixed"`` is ``"bf16"``,
+            ``"16-mixed"`` is ``"fp16"``). Losses are logged in float32.
         torch_compile: compile the model with ``torch.compile`` for training and evaluation: ``True``, or a dict
             of ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``). Off by default. ``get_model()``
             and checkpoints hold the uncompiled model (no ``_orig_mod.`` keys).
+        cpu: run on the CPU even where a GPU is available, from code (as ``accelerate launch --cpu``).
+        accelerator_kwargs: more arguments for :class:`accelerate.Accelerator` (``kwargs_handlers``,
+            ``project_dir``, ``fsdp_plugin``, ...); those the trainer sets from its own arguments are refused.
 
     Example::
 
@@ -98,10 +99,14 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         seed: Optional[int] = 42,
         mixed_precision: Optional[str] = None,
         torch_compile: Union[bool, dict] = False,
+        cpu: bool = False,
+        accelerator_kwargs: Optional[dict] = None,
     ):
-        validate_constructor_options(mixed_precision, torch_compile, seed, loss_func)
+        validate_constructor_options(mixed_precision, torch_compile, seed, loss_func, accelerator_kwargs)
         self.model = model
-        self.mixed_precision = mixed_precision
+        self.mixed_precision = mixed_precision_name(mixed_precision)
+        self.cpu = cpu
+        self.accelerator_kwargs = dict(accelerator_kwargs or {})
         self.torch_compile = torch_compile
         self.loss_func = loss_func
         self.optimizer = optimizer
@@ -120,6 +125,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         #: Agrees a decision taken on one process with every process (one small host-side collective).
         self.process_agreement = ProcessAgreement()
         self._eval_loss_tracker = LossTracker()
+        self._eval_step_metrics = StepMetricsTracker()
         #: Whether ``backward_step`` and the optimizer call torch directly, where Accelerate's wrappers would only
         #: call torch (set by each preparation; see ``always_use_accelerate_wrappers``).
         self.calls_torch_directly = False
@@ -141,6 +147,8 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self.train_dataloader: Optional[Iterable] = None
         self.eval_dataloader: Optional[Iterable] = None
         self._train_dl_kwargs: Optional[dict] = None
+        self._given_train_dataloader: Optional[DataLoader] = None  # a DataLoader train() received, used as it is
+        self._given_eval_dataloader: Optional[DataLoader] = None
         self._eval_dl_kwargs: Optional[dict] = None
         self.run_config: Optional[TrainerRunConfig] = None
 
@@ -165,6 +173,9 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         Returns:
             Any iterable of batches; a DataLoader is sharded across processes by Accelerate.
         """
+        if self._given_train_dataloader is not None:  # train() received a DataLoader: Accelerate prepares it as it is
+            self._train_dl_kwargs = given_dataloader_kwargs(self._given_train_dataloader)
+            return self._given_train_dataloader
         self._train_dl_kwargs = merge_dataloader_kwargs(
             self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
         )
@@ -173,6 +184,9 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
 
     def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
         """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
+        if self._given_eval_dataloader is not None:
+            self._eval_dl_kwargs = given_dataloader_kwargs(self._given_eval_dataloader)
+            return self._given_eval_dataloader
         self._eval_dl_kwargs = merge_dataloader_kwargs(
             self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
         )
@@ -271,15 +285,17 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         """Runs after the training and evaluation epochs of each training-run epoch. Default: nothing."""
 
     def training_run_end(self) -> None:
-        """Runs at the end of a training run. Default: unwraps ``self.model`` from its distributed wrappers."""
+        """Runs at the end of a training run. Default: unwraps ``self.model`` and the extra models (``add_model``)."""
         self.model = self._unwrap_distributed_model()
+        self._unwrap_extra_models()
 
     def evaluation_run_start(self) -> None:
         """Runs at the start of an evaluation run, before ``on_evaluation_run_start``. Default: nothing."""
 
     def evaluation_run_end(self) -> None:
-        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` from its distributed wrappers."""
+        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` and the extra models."""
         self.model = self._unwrap_distributed_model()
+        self._unwrap_extra_models()
 
     # ------------------------------------------------------------------------------------------------
     # Entry points
@@ -302,13 +318,16 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         gradient_clip_norm: OptionalNumber = None,
         resume_from=None,
         allow_resume_changes: bool = False,
-    ) -> None:
+        scheduler_interval: str = "step",
+    ) -> TrainResult:
         """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
 
         Args:
-            train_dataset: the training data; a dataset without ``__len__`` (iterable, streaming) works too.
+            train_dataset: the training data; a dataset without ``__len__`` (iterable, streaming) works too. A
+                ``DataLoader`` is used as it is (its batch size, sampler, workers and collate function), prepared by
+                Accelerate like the trainer's own: sharded across processes, shuffled from the trainer's seed, resumable.
             num_epochs: the number of epochs; ``None`` to stop on ``max_num_train_steps`` only.
-            eval_dataset: evaluated after each training epoch when given.
+            eval_dataset: evaluated after each training epoch when given; a dataset or a ``DataLoader``.
             per_device_batch_size: the batch size on each process.
             max_num_train_steps: the most optimizer updates to make; whichever of this and ``num_epochs``
                 comes first ends the run.
@@ -329,18 +348,33 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
                 folder with no state yet starts a new run (and says so); a path that does not exist is an error.
             allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length
                 differ from the saved run's (the continuation is then not exact).
+            scheduler_interval: ``"step"`` steps the scheduler after each optimizer update (its ``T_max``, ``step_size``
+                or ``total_steps`` then count updates); ``"epoch"`` steps it once per epoch, after the evaluation epoch,
+                for schedules written in epochs (``CosineAnnealingLR(T_max=num_epochs)``, ``StepLR(step_size=10)``).
+
+        Returns:
+            A :class:`~pytorch_accel_trainer.run_state.TrainResult`: the metrics the run recorded (latest values),
+            the best value of a monitoring callback, epochs, updates, samples, wall time and samples per second.
 
         Example::
 
             trainer.train(dataset, num_epochs=10, resume_from="checkpoints")  # the same line starts or resumes
         """
         validate_datasets(train_dataset, eval_dataset)
+        validate_given_dataloaders(
+            (train_dataset, eval_dataset), ("train_dataset", "eval_dataset", "train_dataloader_kwargs", "eval_dataloader_kwargs"),
+            per_device_batch_size, (train_dataloader_kwargs, eval_dataloader_kwargs), collate_fn,
+        )  # fmt: skip
+        train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
+        eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
+        per_device_batch_size = batch_size_for(self._given_train_dataloader, per_device_batch_size)
         options = TrainOptions(
             num_epochs=num_epochs, per_device_batch_size=per_device_batch_size, max_num_train_steps=max_num_train_steps,
             gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_value=gradient_clip_value,
             gradient_clip_norm=gradient_clip_norm, create_scheduler_fn=create_scheduler_fn, collate_fn=collate_fn,
             train_dataloader_kwargs=train_dataloader_kwargs, eval_dataloader_kwargs=eval_dataloader_kwargs,
             reset_run_history=reset_run_history, resume_from=resume_from, allow_resume_changes=allow_resume_changes,
+            scheduler_interval=scheduler_interval,
         )  # fmt: skip
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
@@ -365,8 +399,10 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self._check_eval_batch_size()  # says whether the last evaluation batch repeats samples
         validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
         self.scheduler = self.create_scheduler()  # None without a create_scheduler_fn, unless overridden
+        warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, scheduler_interval)
         self._load_resume_plan(stored_state)
         self._run_training()
+        return self._create_train_result()
 
     def evaluate(
         self,
@@ -374,28 +410,38 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         per_device_batch_size: int = 8,
         dataloader_kwargs: Optional[dict] = None,
         collate_fn: Optional[Callable] = None,
-    ) -> None:
+    ) -> dict:
         """Run one evaluation epoch over ``dataset`` and record ``evaluation_loss`` in the run history.
 
         Unlike pytorch-accelerated, the run history is kept: the metrics of an earlier ``train()`` stay.
 
         Args:
-            dataset: the data to evaluate; defaults to the ``eval_dataset`` (and collate function) of the last
-                ``train()``.
+            dataset: the data to evaluate, or a DataLoader over it (used as it is); defaults to the ``eval_dataset`` (and
+                collate function) of the last ``train()``.
             per_device_batch_size: the batch size on each process.
             dataloader_kwargs: extra arguments for the DataLoader.
             collate_fn: the collate function of the DataLoader.
+
+        Returns:
+            The metrics this evaluation recorded, by name (``evaluation_loss``, ``evaluation_<name>`` for each step
+            metric, and what callbacks recorded), each a number.
         """
-        if dataset is None:  # the last eval dataset, with its collate function unless another is given
+        if dataset is None and self._given_eval_dataloader is not None:  # the DataLoader of the last train()
+            dataset = self._given_eval_dataloader
+        elif dataset is None:  # the last eval dataset, with its collate function unless another is given
             dataset, collate_fn = self.eval_dataset, collate_fn or self.collate_fn
         validate_evaluate_arguments(dataset, per_device_batch_size, dataloader_kwargs)
-        self.eval_dataset, self.collate_fn = dataset, collate_fn
+        validate_given_dataloaders((dataset, None), ("dataset", None, "dataloader_kwargs", None), per_device_batch_size, (dataloader_kwargs, None), collate_fn)  # fmt: skip
+        (self.eval_dataset, self._given_eval_dataloader), self.collate_fn = dataset_and_dataloader(dataset), collate_fn
+        per_device_batch_size = batch_size_for(self._given_eval_dataloader, per_device_batch_size)
         self.train_dataloader, self._train_dl_kwargs = None, None
         self.eval_dataloader = self.create_eval_dataloader(per_device_batch_size, dataloader_kwargs)
         self._prepare_model_optimizer_and_dataloaders()
         self.run_config = self._create_run_config(TrainOptions(num_epochs=1, per_device_batch_size=per_device_batch_size))
         self._check_eval_batch_size()
+        counts = metric_counts(self.run_history)
         self._run_evaluation()
+        return metrics_recorded_since(self.run_history, counts)
 
     # ------------------------------------------------------------------------------------------------
     # Orchestrators: the documented skeleton
@@ -405,6 +451,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         """Run the epochs of a training run, as in the documented pseudocode."""
         state = self.run_state
         state.in_training_run = True  # from here on, saves wait for a point between two updates
+        state.start_epochs(metric_counts(self.run_history))  # for the TrainResult
         self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
         try:
             self.training_run_start()
@@ -416,6 +463,8 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
                     self._raise_agreed_stop()  # a callback's stop, asked for on any process in the epoch
                     if self.eval_dataloader is not None:
                         self._run_eval_epoch(self.eval_dataloader)
+                    if self._steps_scheduler_per_epoch():
+                        self.scheduler_step()  # scheduler_interval="epoch": once, after the epoch's evaluation
                     self.training_run_epoch_end()
                     self._call_event("on_training_run_epoch_end")
                     self._raise_agreed_stop()
@@ -453,6 +502,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         state = self.run_state
         self.train_epoch_start()
         state.train_loss_tracker.reset()
+        state.train_step_metrics.reset()
         state.train_epoch_length = dataloader_length(train_dl)
         state.epoch_first_step, batches = self._epoch_batches(train_dl)  # not 0 when resuming inside an epoch
         self._call_event("on_train_epoch_start")
@@ -470,6 +520,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
                 self._raise_agreed_stop()  # a callback's stop, asked for on any process in this window
         self.train_epoch_end()
         self._record_epoch_loss(state.train_loss_tracker, "train_loss_epoch")
+        self._record_step_metrics(state.train_step_metrics, "train_{}_epoch")
         self._call_event("on_train_epoch_end")
 
     def _perform_forward_and_backward_passes(self, batch, step: int, is_retry: bool = False) -> None:
@@ -479,8 +530,13 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
             batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
             validate_batch_output(batch_output, "calculate_train_batch_loss")
-            self.run_state.train_loss_tracker.update(batch_output["loss"], loss_weight(batch_output, None))
-            if not is_retry:  # a step re-run for non-finite gradients has had its event
+            weight = loss_weight(batch_output, None)
+            self.run_state.train_loss_tracker.update(batch_output["loss"], weight)
+            self.run_state.train_step_metrics.update(batch_output, weight)  # accuracy etc.: averaged like the loss
+            if not is_retry:  # a step re-run for non-finite gradients has had its event, and its samples counted
+                self.run_state.samples_seen += batch_output["batch_size"]
+                if self.run_state.non_finite_policy is not None:  # kept for a retry of the window
+                    self.run_state.non_finite_policy.remember_micro_batch(batch, step, self._is_window_start(step))
                 self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
             if not self.calls_torch_directly:  # DeepSpeed must step only at the end of a window
                 set_deepspeed_gradient_sync(self._accelerator, is_update_step)
@@ -494,7 +550,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         accumulation.normalise_by_items_in_window(state, self._accelerator, self.model)
         self._clip_gradients()
         self.optimizer_step()
-        if not self._optimizer_step_was_skipped():  # an fp16 overflow skips the update
+        if not self._optimizer_step_was_skipped() and not self._steps_scheduler_per_epoch():  # an fp16 overflow skips the update
             self.scheduler_step()
         self.optimizer_zero_grad()
         state.num_update_steps_completed += 1
@@ -504,37 +560,29 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
         self.eval_epoch_start()
         self._eval_loss_tracker.reset()
+        self._eval_step_metrics.reset()
         self._call_event("on_eval_epoch_start")
-        for batch in require_batches(valid_dl, NO_EVAL_BATCH):
+        for step, batch in enumerate(require_batches(valid_dl, NO_EVAL_BATCH)):
             self.eval_batch_real_rows = real_rows_in_batch(valid_dl, batch, self._accelerator)  # None unless samples repeat
             self._call_event("on_eval_step_start")
             batch_output = self.calculate_eval_batch_loss(batch)
             validate_batch_output(batch_output, "calculate_eval_batch_loss")
-            self._eval_loss_tracker.update(batch_output["loss"], loss_weight(batch_output, self.eval_batch_real_rows))
-            self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output)
+            weight = loss_weight(batch_output, self.eval_batch_real_rows)
+            self._eval_loss_tracker.update(batch_output["loss"], weight)
+            self._eval_step_metrics.update(batch_output, weight)
+            self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
         self.eval_batch_real_rows = None
         self.eval_epoch_end()
         self._record_epoch_loss(self._eval_loss_tracker, "eval_loss_epoch" if is_training else "evaluation_loss")
+        self._record_step_metrics(self._eval_step_metrics, "eval_{}_epoch" if is_training else "evaluation_{}")
         self._call_event("on_eval_epoch_end")
 
     # ------------------------------------------------------------------------------------------------
     # Named decisions and helpers of the loop
     # ------------------------------------------------------------------------------------------------
 
-    def _epochs(self) -> Iterable[int]:
-        first = self.run_state.epoch  # 0, or the epoch a resumed run continues
-        if self.run_config.num_epochs is None:
-            return itertools.count(first)  # only max_num_train_steps ends this run
-        return range(first, self.run_config.num_epochs)
-
-    def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
-        """This epoch's first step and its batches, each with whether it is the last; resumed: from the saved step."""
-        if hasattr(train_dl, "set_epoch"):
-            train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
-        first_step, train_dl = persistence.skip_to_resume_position(self.run_state, train_dl)
-        if self.run_state.train_epoch_length == 0:
-            return first_step, with_last_flag(train_dl)  # a dataloader that says it is empty: warned at setup
-        return first_step, require_batches(with_last_flag(train_dl), NO_TRAIN_BATCH)
+    def _steps_scheduler_per_epoch(self) -> bool:
+        return self.run_state.options.scheduler_interval == "epoch"
 
     def _is_window_start(self, step: int) -> bool:
         """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
@@ -543,15 +591,6 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
         return is_last_batch or (step + 1) % self.run_config.gradient_accumulation_steps == 0
-
-    def _retry_or_skip_non_finite_update(self, batch, step: int) -> bool:
-        """Under a non-finite policy (``skip_non_finite_steps``), re-run the step while its gradients are not finite
-        (as the policy allows) and return whether the update must be skipped; may raise ``StopTrainingError``."""
-        if self.run_state.non_finite_policy is None:
-            return False  # the default run checks nothing: no host read
-        retry = functools.partial(self._perform_forward_and_backward_passes, batch, step, is_retry=True)
-        can_retry = self.run_config.gradient_accumulation_steps == 1
-        return retry_or_skip_non_finite_update(self.run_state, self.model, self.optimizer, retry, can_retry)
 
 
 class TrainerWithTimmScheduler(TimmSchedulerMixin, Trainer):

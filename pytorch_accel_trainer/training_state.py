@@ -20,7 +20,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -33,6 +33,7 @@ from pytorch_accel_trainer.state_files import (  # noqa: F401  (the file names a
     CHECKSUM, CHECKSUM_NAMES, CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
     TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, chunked_crc32, describe_changes,
     describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
+    describe_extras_mismatch, extra_optimizer_classes, load_extra_files, write_extra_files,
     read_small_text, save_tensors_file, default_state_name, state_folders, temporary_folder, unused_folder_name, validate_manifest,
     write_text_atomically,
 )  # fmt: skip
@@ -107,8 +108,7 @@ def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, chec
     """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
 
     ``checksums`` maps the files whose size and checksum were computed as they were written to them (or to a future
-    of them); the others
-    (written by other processes, or by safetensors) are read back once, from the page cache."""
+    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache."""
     checksums, files = dict(checksums or {}), {}
     for path in sorted(temporary.iterdir()):
         if path.name.startswith(WRITER_MARKER_PREFIX):
@@ -375,6 +375,7 @@ class ResumePlan:
     checkpoint_kwargs: dict
     folder: Path
     num_update_steps_completed: int = 0
+    train_step_metrics: dict = field(default_factory=dict)
 
 
 def _callback_states(callbacks: Iterable) -> dict:
@@ -402,12 +403,8 @@ def write_training_state(
     """
     from safetensors.torch import save_file, save_model
 
-    from pytorch_accel_trainer.sharded import (
-        get_full_model_state_dict,
-        get_full_optimizer_state_dict,
-        is_fsdp,
-        validate_training_state_supported,
-    )
+    from pytorch_accel_trainer.sharded import get_full_model_state_dict, get_full_optimizer_state_dict, is_fsdp
+    from pytorch_accel_trainer.sharded import validate_training_state_supported
 
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
@@ -421,6 +418,7 @@ def write_training_state(
     rank_state = {
         "rng": capture_rng_state(),
         "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
+        "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
         "callbacks": _callback_states(trainer.callback_handler),
     }
     final = unused_folder_name(parent, name or default_state_name(trainer.num_update_steps_completed))
@@ -447,6 +445,7 @@ def write_training_state(
             _crash_point(f"write:{OPTIMIZER_FILE}")
             optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
             checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
+            checksums.update(write_extra_files({name: trainer.get_extra_model(name) for name in trainer.extra_models}, trainer.extra_optimizers, temporary))  # fmt: skip
             if trainer.scheduler is not None:
                 _crash_point(f"write:{SCHEDULER_FILE}")
                 scheduler_state = trainer.scheduler.state_dict()
@@ -463,21 +462,13 @@ def write_training_state(
                     "run_facts": run_facts,
                     "checkpoint_kwargs": checkpoint_kwargs,
                     "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
+                    "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
                 },
                 temporary / TRAINER_FILE,
             )
-            finish_save(
-                temporary,
-                final,
-                {
-                    "num_update_steps_completed": trainer.num_update_steps_completed,
-                    "position": asdict(position),
-                    "world_size": accelerator.num_processes,
-                    "kinds": sorted(set(kinds)),
-                    "run_facts": run_facts,
-                },
-                checksums,
-            )
+            manifest_fields = {"num_update_steps_completed": trainer.num_update_steps_completed, "position": asdict(position)}
+            manifest_fields.update(world_size=accelerator.num_processes, kinds=sorted(set(kinds)), run_facts=run_facts)
+            finish_save(temporary, final, manifest_fields, checksums)
             prune_states(parent, max_rolling, keep=[final])
     accelerator.wait_for_everyone()
     return final
@@ -554,6 +545,9 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
     if rank_file(rank) not in listed:
         raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes).")
     rank_state = _load_rank_file(folder / rank_file(rank))
+    extras_mismatch = describe_extras_mismatch(listed, trainer.extra_models, trainer.extra_optimizers)  # before any load
+    if extras_mismatch is not None:
+        raise CheckpointError(f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was saved with (add_model, before train()), or start a new run.")  # fmt: skip
     _load_weights(trainer, folder / MODEL_FILE)
     has_scheduler_file = SCHEDULER_FILE in listed
     if run_facts is None and trainer.scheduler is None:
@@ -572,6 +566,10 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
             "the state was saved with (same class, same parameter groups), or start a new run."
         )
     load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
+    try:  # the extra models of add_model, and their optimizers
+        load_extra_files(folder, {name: trainer.get_extra_model(name) for name in trainer.extra_models}, trainer.extra_optimizers, shared.get("extra_optimizer_classes"))  # fmt: skip
+    except ValueError as error:  # DamagedStateError included
+        raise CheckpointError(f"{error}; resume with the extra models and optimizers the state was saved with.") from error
     if has_scheduler_file:
         trainer.scheduler.load_state_dict(load_tensors_file(folder / SCHEDULER_FILE))
     if SCALER_FILE in listed and accelerator.scaler is not None:
@@ -585,6 +583,7 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         position=ResumePosition(**shared["position"]),
         rng_state=rank_state["rng"],
         train_loss_tracker=rank_state["train_loss_tracker"],
+        train_step_metrics=rank_state.get("train_step_metrics", {}),  # states written before step metrics: none
         checkpoint_kwargs=shared["checkpoint_kwargs"],
         folder=folder,
         num_update_steps_completed=shared["num_update_steps_completed"],

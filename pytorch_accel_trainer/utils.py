@@ -41,6 +41,11 @@ def dataloader_length(dataloader: Any) -> int | None:
         return None
 
 
+def dataloader_batch_size(dataloader: Any) -> int | None:
+    """The batch size of a DataLoader, also when a batch sampler sets it; ``None`` when unknown."""
+    return dataloader.batch_size if dataloader.batch_size is not None else getattr(dataloader.batch_sampler, "batch_size", None)
+
+
 def dataset_length(dataset: Any) -> int | None:
     """Return ``len(dataset)``, or ``None`` when the dataset has no ``__len__``."""
     return dataloader_length(dataset)

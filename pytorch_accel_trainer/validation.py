@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
+import warnings
 from collections.abc import Mapping
 from numbers import Number
 from typing import Any, Iterator
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import send_to_device
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from pytorch_accel_trainer.utils import dataset_length, is_mapping
+from pytorch_accel_trainer.utils import dataloader_batch_size, dataset_length, is_mapping
+
+#: ``per_device_batch_size`` when ``train()`` or ``evaluate()`` is given none.
+DEFAULT_BATCH_SIZE = 8
 
 
 def _validate_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -36,10 +42,12 @@ def _validate_dataset(name: str, dataset: Any, dataloader_kwargs_name: str) -> N
     if dataset is None:
         raise ValueError(f"{name} is None: pass a dataset (a torch Dataset, or any object a DataLoader accepts).")
     if isinstance(dataset, DataLoader):
+        dataset = dataset.dataset  # a DataLoader is used as it is: its dataset must not be empty either
+    elif isinstance(dataset, Iterator) and not isinstance(dataset, IterableDataset):
         raise TypeError(
-            f"{name} is a DataLoader; the trainer builds its own dataloaders (and shards them across processes), so "
-            f"it takes the dataset: pass {name}=your_dataloader.dataset, and put the DataLoader's options in "
-            f"{dataloader_kwargs_name} (e.g. {{'num_workers': 4}}) and its collate function in collate_fn."
+            f"{name} is an iterator ({type(dataset).__name__}), which the trainer cannot tell from a stream of samples "
+            "and which is spent after one epoch: pass a Dataset, an IterableDataset whose __iter__ restarts, or a "
+            "DataLoader; for any other iterable of batches, override create_train_dataloader to return it."
         )
     if dataset_length(dataset) == 0:
         raise ValueError(f"{name} is empty (len({name}) == 0): pass a dataset with at least one sample.")
@@ -69,6 +77,23 @@ def _validate_scheduler_factory(create_scheduler_fn: Any) -> None:
 
 
 MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16", "fp8")
+#: Other names users of other trainers write for the same choices (Hezar's "full", Lightning's "bf16-mixed", ...).
+MIXED_PRECISION_ALIASES = {
+    "full": "no", "fp32": "no", "32": "no", "float32": "no", "32-true": "no",
+    "bfloat16": "bf16", "bf16-mixed": "bf16", "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
+}  # fmt: skip
+#: Accelerator arguments the Trainer sets from its own: refused in ``accelerator_kwargs``, with the argument to use.
+TRAINER_ACCELERATOR_ARGUMENTS = {
+    "mixed_precision": "Trainer(mixed_precision=...)", "cpu": "Trainer(cpu=True)",
+    "gradient_accumulation_steps": "train(gradient_accumulation_steps=...)",
+}  # fmt: skip
+
+
+def mixed_precision_name(mixed_precision: Any) -> Any:
+    """Accelerate's name for ``mixed_precision``: ``"full"`` is ``"no"``, ``"bf16-mixed"`` is ``"bf16"``, ..."""
+    if isinstance(mixed_precision, str):
+        return MIXED_PRECISION_ALIASES.get(mixed_precision.lower(), mixed_precision)
+    return mixed_precision
 
 
 def _validate_seed(seed: Any) -> None:
@@ -111,20 +136,41 @@ def validate_model_and_loss(model: Any, loss_func: Any) -> None:
 
 
 def validate_constructor_options(
-    mixed_precision: Any, torch_compile: Any, seed: Any = None, loss_func: Any = None
-) -> None:
+    mixed_precision: Any, torch_compile: Any, seed: Any = None, loss_func: Any = None, accelerator_kwargs: Any = None
+) -> None:  # fmt: skip
     """Check the ``Trainer`` options that are not the model, optimizer or callbacks."""
     _validate_seed(seed)
     _validate_loss_func(loss_func)
-    if mixed_precision is not None and mixed_precision not in MIXED_PRECISION_CHOICES:
+    if mixed_precision is not None and mixed_precision_name(mixed_precision) not in MIXED_PRECISION_CHOICES:
         raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not valid: choose one of {MIXED_PRECISION_CHOICES}, or None to "
-            "take it from the Accelerate config."
+            f"mixed_precision={mixed_precision!r} is not valid: choose one of {MIXED_PRECISION_CHOICES} (or a name "
+            f"of another trainer for them: {sorted(MIXED_PRECISION_ALIASES)}), or None to take it from the "
+            "Accelerate config."
         )
+    _validate_accelerator_kwargs(accelerator_kwargs)
     if not isinstance(torch_compile, (bool, Mapping)):
         raise TypeError(
             f"torch_compile={torch_compile!r} is not valid: pass True, False, or a dict of torch.compile arguments "
             "such as {'mode': 'reduce-overhead'}."
+        )
+
+
+def _validate_accelerator_kwargs(accelerator_kwargs: Any) -> None:
+    if accelerator_kwargs is None:
+        return
+    if not isinstance(accelerator_kwargs, Mapping):
+        raise TypeError(f"accelerator_kwargs={accelerator_kwargs!r} is not valid: pass a dict of Accelerator arguments or None.")
+    for name in accelerator_kwargs:
+        if name in TRAINER_ACCELERATOR_ARGUMENTS:
+            raise ValueError(
+                f"accelerator_kwargs sets {name!r}, which the trainer sets itself: use {TRAINER_ACCELERATOR_ARGUMENTS[name]}."
+            )
+    accepted = set(inspect.signature(Accelerator).parameters)
+    unknown = sorted(set(accelerator_kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"accelerator_kwargs has {unknown}, which accelerate.Accelerator does not take; it takes "
+            f"{sorted(accepted - set(TRAINER_ACCELERATOR_ARGUMENTS))}."
         )
 
 
@@ -133,6 +179,47 @@ def validate_datasets(train_dataset: Any, eval_dataset: Any) -> None:
     _validate_dataset("train_dataset", train_dataset, "train_dataloader_kwargs")
     if eval_dataset is not None:
         _validate_dataset("eval_dataset", eval_dataset, "eval_dataloader_kwargs")
+
+
+def validate_given_dataloaders(
+    data: tuple, names: tuple, per_device_batch_size: int, dataloader_kwargs: tuple, collate_fn: Any
+) -> None:  # fmt: skip
+    """Refuse the arguments a DataLoader passed where a dataset is expected would silently ignore.
+
+    Args:
+        data: the ``(train, eval)`` data given (``eval`` may be ``None``).
+        names: their argument names, then the names of their dataloader arguments.
+        dataloader_kwargs: the dataloader arguments given for each.
+    """
+    is_dataloader = [isinstance(item, DataLoader) for item in data]
+    for item, name, kwargs_name, kwargs, given in zip(data, names[:2], names[2:], dataloader_kwargs, is_dataloader):
+        if given and dataloader_batch_size(item) is None:
+            raise ValueError(
+                f"{name} is a DataLoader without a batch size (batch_size=None, or a batch sampler without one), which "
+                "yields single samples: build it with batch_size=..., or pass its dataset and per_device_batch_size."
+            )
+        if given and isinstance(item.sampler, DistributedSampler):
+            raise ValueError(
+                f"{name} is a DataLoader with a DistributedSampler, which Accelerate would shard a second time (each "
+                "process would see 1/N of its share): build it with shuffle=True or a plain sampler; the trainer shards it."
+            )
+        if given and kwargs is not None:
+            raise ValueError(
+                f"{name} is a DataLoader, which is used as it is, so {kwargs_name}={kwargs!r} would be ignored: build "
+                f"the DataLoader with these arguments, or pass {name}=your_dataloader.dataset for the trainer to build one."
+            )
+    if collate_fn is not None and all(given or item is None for item, given in zip(data, is_dataloader)):
+        raise ValueError(
+            f"collate_fn={collate_fn!r} would be ignored: {' and '.join(n for n, g in zip(names, is_dataloader) if g)} "
+            "is a DataLoader, used as it is. Build the DataLoader with collate_fn=..., or pass its dataset."
+        )
+    batch_size = dataloader_batch_size(data[0]) if is_dataloader[0] else None
+    if is_dataloader[0] and per_device_batch_size not in (DEFAULT_BATCH_SIZE, batch_size):
+        raise ValueError(
+            f"{names[0]} is a DataLoader of batch size {batch_size}, but per_device_batch_size={per_device_batch_size}: "
+            f"the DataLoader's batch size is used. Leave per_device_batch_size out, or build the DataLoader with "
+            f"batch_size={per_device_batch_size}."
+        )
 
 
 def validate_train_options(options: Any) -> None:
@@ -150,6 +237,11 @@ def validate_train_options(options: Any) -> None:
     _validate_positive_number("gradient_clip_value", options.gradient_clip_value)
     _validate_positive_number("gradient_clip_norm", options.gradient_clip_norm)
     _validate_scheduler_factory(options.create_scheduler_fn)
+    if options.scheduler_interval not in ("step", "epoch"):
+        raise ValueError(
+            f"scheduler_interval={options.scheduler_interval!r} is not valid: pass 'step' to step the scheduler after "
+            "each optimizer update (the default), or 'epoch' to step it once at the end of each epoch."
+        )
     _validate_dataloader_kwargs("train_dataloader_kwargs", options.train_dataloader_kwargs)
     _validate_dataloader_kwargs("eval_dataloader_kwargs", options.eval_dataloader_kwargs)
     if options.collate_fn is not None and not callable(options.collate_fn):
@@ -201,8 +293,8 @@ def validate_optimizer_parameters(optimizer: Any, model: torch.nn.Module) -> Non
     """Refuse an optimizer that lacks trainable parameters of ``model``: they would never be updated.
 
     A parameter with ``requires_grad=False`` need not be held (``GradualUnfreezingCallback`` adds the ones it
-    unfreezes), and the optimizer may hold more than the model's (a second model of a subclass, as in
-    ``examples/train_gan.py``). An optimizer prepared by an earlier run is not checked again: DeepSpeed holds
+    unfreezes), and the optimizer may hold more than the model's (a second model a subclass updates with it; a
+    second model with its own optimizer is registered with ``add_model``). An optimizer prepared by an earlier run is not checked again: DeepSpeed holds
     flattened copies of the parameters. Compares parameter identities on the host: no device work.
     """
     if isinstance(optimizer, AcceleratedOptimizer) or not hasattr(optimizer, "param_groups"):
@@ -324,3 +416,19 @@ def _describe_batch(batch: Any) -> str:
     if isinstance(batch, (tuple, list)):
         return "[" + ", ".join(_describe_batch(value) for value in batch) + "]"
     return type(batch).__name__
+
+
+def warn_if_schedule_is_in_epochs(scheduler: Any, run_config: Any, scheduler_interval: str) -> None:
+    """Warn when a scheduler stepped per update looks written in epochs: ``CosineAnnealingLR(T_max=num_epochs)``
+    would then end its cosine after ``num_epochs`` updates and climb back up for the rest of the run."""
+    if scheduler_interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+        return
+    num_epochs, steps = run_config.num_epochs, run_config.max_num_train_steps
+    if scheduler.T_max == num_epochs and steps is not None and steps > num_epochs:
+        warnings.warn(
+            f"CosineAnnealingLR(T_max={scheduler.T_max}) equals num_epochs, but the scheduler steps after each of the "
+            f"run's {steps} optimizer updates, so its cosine ends after {scheduler.T_max} updates. Pass "
+            "scheduler_interval='epoch' to train() to step it once per epoch, or give T_max in updates "
+            "(TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH * num_epochs).",
+            stacklevel=3,
+        )

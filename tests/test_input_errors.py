@@ -124,25 +124,47 @@ def test_a_single_callback_where_a_list_is_expected_is_refused(callbacks, messag
         make_trainer(make_linear(), callbacks=callbacks)
 
 
-# 3. A DataLoader where a dataset is expected -----------------------------------------------------------------------
+# 3. A DataLoader where a dataset is expected: used as it is, and the arguments it would ignore refused ---------------
 
 
 @pytest.mark.parametrize("argument", ["train_dataset", "eval_dataset"])
-def test_a_dataloader_passed_to_train_is_refused_with_the_fix(argument):
+def test_dataloader_arguments_beside_a_dataloader_are_refused_with_the_fix(argument):
     datasets = {"train_dataset": linear_dataset(8), "eval_dataset": linear_dataset(8)}
     datasets[argument] = DataLoader(datasets[argument], batch_size=4)
     kwargs_name = argument.replace("dataset", "dataloader_kwargs")
     with pytest.raises(
-        TypeError,
-        match=rf"{argument} is a DataLoader; the trainer builds its own dataloaders.*pass "
-        rf"{argument}=your_dataloader.dataset, and put the DataLoader's options in {kwargs_name}",
+        ValueError,
+        match=rf"{argument} is a DataLoader, which is used as it is, so {kwargs_name}=\{{'num_workers': 2\}} would be "
+        rf"ignored: build the DataLoader with these arguments, or pass {argument}=your_dataloader.dataset",
     ):
-        make_trainer(make_linear()).train(**datasets, num_epochs=1)
+        make_trainer(make_linear()).train(**datasets, num_epochs=1, **{kwargs_name: {"num_workers": 2}})
 
 
-def test_a_dataloader_passed_to_evaluate_is_refused_with_the_fix():
-    with pytest.raises(TypeError, match=r"dataset is a DataLoader.*options in dataloader_kwargs"):
-        make_trainer(make_linear()).evaluate(DataLoader(linear_dataset(8)))
+def test_a_batch_size_that_contradicts_the_dataloader_is_refused_with_the_fix():
+    with pytest.raises(
+        ValueError,
+        match=r"train_dataset is a DataLoader of batch size 4, but per_device_batch_size=16: the DataLoader's batch "
+        r"size is used. Leave per_device_batch_size out, or build the DataLoader with batch_size=16.",
+    ):
+        make_trainer(make_linear()).train(DataLoader(linear_dataset(8), batch_size=4), num_epochs=1, per_device_batch_size=16)
+
+
+def test_a_collate_fn_no_dataloader_would_use_is_refused_but_one_for_a_dataset_beside_a_dataloader_is_used():
+    collate = torch.utils.data.default_collate
+    with pytest.raises(ValueError, match=r"collate_fn=.* would be ignored: train_dataset is a DataLoader, used as it is"):
+        make_trainer(make_linear()).train(DataLoader(linear_dataset(8), batch_size=4), num_epochs=1, collate_fn=collate)
+    with pytest.raises(ValueError, match=r"collate_fn=.* would be ignored: dataset is a DataLoader"):
+        make_trainer(make_linear()).evaluate(DataLoader(linear_dataset(8)), collate_fn=collate)
+    calls = []
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=DataLoader(linear_dataset(8), batch_size=4),
+                  collate_fn=lambda samples: calls.append(len(samples)) or collate(samples))  # fmt: skip
+    assert calls and trainer.run_config.eval_per_device_batch_size == 4
+
+
+def test_a_dataloader_over_an_empty_dataset_is_refused():
+    with pytest.raises(ValueError, match=r"train_dataset is empty"):
+        make_trainer(make_linear()).train(DataLoader(linear_dataset(0)), num_epochs=1)
 
 
 # 4. save_training_state before any train() -------------------------------------------------------------------------
@@ -323,3 +345,14 @@ def test_create_accelerator_accepts_cpu_true_from_code():
 
     accelerator = create_accelerator(cpu=True)
     assert accelerator.device.type == "cpu"
+
+
+def test_a_dataloader_without_batch_size_or_with_a_distributed_sampler_and_an_iterator_are_refused_with_the_fix():
+    dataset = linear_dataset(8)
+    with pytest.raises(ValueError, match=r"train_dataset is a DataLoader without a batch size .* build it with batch_size="):
+        make_trainer(make_linear()).train(DataLoader(dataset, batch_size=None), num_epochs=1)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=0)
+    with pytest.raises(ValueError, match=r"eval_dataset is a DataLoader with a DistributedSampler, which Accelerate would shard"):
+        make_trainer(make_linear()).train(dataset, num_epochs=1, eval_dataset=DataLoader(dataset, sampler=sampler))
+    with pytest.raises(TypeError, match=r"train_dataset is an iterator \(generator\).*override create_train_dataloader"):
+        make_trainer(make_linear()).train((sample for sample in dataset), num_epochs=1)

@@ -99,3 +99,24 @@ def test_a_retried_step_fires_its_step_events_once():
     assert trainer.calls == 16  # batch 3 ran twice
     assert recorder.events.count("on_train_step_end") == recorder.events.count("on_train_step_start") == 16
     assert recorder.events.count("on_optimizer_step_end") == 16
+
+
+def test_under_accumulation_a_retry_reruns_the_whole_window_and_ends_where_a_clean_run_ends():
+    recorder = RecordingCallback()
+    retried = _train({3}, [SkipNonFiniteStepsCallback(max_retries=1), recorder], gradient_accumulation_steps=2)
+    clean = _train(set(), [], gradient_accumulation_steps=2)
+    assert retried.calls + 1 == 16 + 2  # calls counts from 0; the window of batches 2 and 3 ran twice
+    assert retried.num_update_steps_completed == clean.num_update_steps_completed == 8
+    assert retried.run_history.get_metric_values("non_finite_steps_skipped") == [0, 0]
+    for retried_parameter, clean_parameter in zip(retried.model.parameters(), clean.model.parameters()):
+        assert torch.equal(retried_parameter, clean_parameter)  # no dropout: the rerun window gives the same update
+    assert retried.run_history.get_metric_values("train_loss_epoch") == clean.run_history.get_metric_values("train_loss_epoch")
+    assert recorder.events.count("on_train_step_end") == 16 and recorder.events.count("on_optimizer_step_end") == 8
+
+
+def test_under_accumulation_a_window_still_non_finite_after_its_retries_is_skipped():
+    trainer = _train({3, 5, 7}, [SkipNonFiniteStepsCallback(max_retries=2)], gradient_accumulation_steps=2)
+    assert trainer.calls + 1 == 16 + 4  # batches 2 and 3 again (call 5: NaN), then again (call 7: NaN): skipped
+    assert trainer.num_update_steps_completed == 7
+    assert trainer.run_history.get_metric_values("non_finite_steps_skipped") == [1, 0]
+    assert trainer.run_state.non_finite_policy is None  # the policy (and the batches it kept) ends with the run

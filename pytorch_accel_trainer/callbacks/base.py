@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
+import inspect
 import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -91,7 +93,7 @@ class TrainerCallback:
             batch: the batch from the training dataloader.
             batch_output: the dictionary ``calculate_train_batch_loss`` returned, extra keys included;
                 its ``loss`` is the unscaled loss, whatever the gradient accumulation.
-            step: (keyword) the index of the batch in the epoch, from 0.
+            step: (keyword) the index of the batch in the epoch, from 0 (Lightning's and Dream Trainer's ``batch_idx``).
         """
 
     def on_optimizer_step_end(self, trainer: Trainer, **kwargs):
@@ -110,7 +112,8 @@ class TrainerCallback:
         """
 
     def on_train_epoch_end(self, trainer: Trainer, **kwargs):
-        """Called after ``train_epoch_end``; ``train_loss_epoch`` is already in the run history."""
+        """Called after ``train_epoch_end``; ``train_loss_epoch`` and the step metrics (``train_<name>_epoch``) are
+        already in the run history."""
 
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
         """Called after ``eval_epoch_start``, before the first evaluation batch.
@@ -124,10 +127,16 @@ class TrainerCallback:
         """Called before ``calculate_eval_batch_loss`` on each evaluation batch."""
 
     def on_eval_step_end(self, trainer: Trainer, batch=None, batch_output: dict | None = None, **kwargs):
-        """Called after ``calculate_eval_batch_loss`` with the batch and the dictionary it returned."""
+        """Called after ``calculate_eval_batch_loss`` with the batch and the dictionary it returned.
+
+        Args:
+            batch: the batch from the evaluation dataloader.
+            batch_output: the dictionary ``calculate_eval_batch_loss`` returned, extra keys included.
+            step: (keyword) the index of the batch in the evaluation epoch, from 0 (Lightning's ``batch_idx``).
+        """
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
-        """Called after ``eval_epoch_end``; the epoch's eval loss is already in the run history.
+        """Called after ``eval_epoch_end``; the epoch's eval loss and step metrics are already in the run history.
 
         Args:
             is_intermediate: (keyword) as in :meth:`on_eval_epoch_start`.
@@ -285,7 +294,7 @@ class CallbackHandler:
             # Callbacks that keep the base no-op are left out, so an event nobody listens to costs nothing.
             base_method = getattr(TrainerCallback, event)
             methods = [getattr(cb, event, None) for cb in self.callbacks]
-            listeners = [m for m in methods if callable(m) and getattr(m, "__func__", m) is not base_method]
+            listeners = [_taking_only_its_arguments(m) for m in methods if callable(m) and getattr(m, "__func__", m) is not base_method]
         else:
             listeners = [m for m in (getattr(cb, event, None) for cb in self.callbacks) if callable(m)]
             if not listeners and event not in self.custom_events:
@@ -297,6 +306,27 @@ class CallbackHandler:
                 )
         self._listeners[event] = listeners
         return listeners
+
+
+def _taking_only_its_arguments(method: Any) -> Any:
+    """``method`` itself if it takes ``**kwargs``; else a wrapper that drops the keyword arguments it does not name.
+
+    The trainer passes more keyword arguments than pytorch-accelerated did (``step=`` to ``on_eval_step_end``, ...):
+    a callback written for it without ``**kwargs`` keeps working. Found once per event, not per call.
+    """
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: called as it is
+        return method
+    if any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
+        return method
+    names = {parameter.name for parameter in parameters if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        return method(*args, **{name: value for name, value in kwargs.items() if name in names})
+
+    return call
 
 
 def _call_each(listeners: list, event: str, args: tuple, kwargs: dict) -> None:

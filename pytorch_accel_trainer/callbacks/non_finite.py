@@ -20,8 +20,9 @@ class SkipNonFiniteStepsCallback(TrainerCallback):
 
     Args:
         max_consecutive_skips: stop the run (``StopTrainingError``) after this many skipped updates in a row.
-        max_retries: before skipping, re-run the step's forward and backward this many times (only without
-            gradient accumulation).
+        max_retries: before skipping, re-run the forward and backward passes of the update's whole accumulation
+            window this many times (its batches are kept until the update: up to ``gradient_accumulation_steps``
+            batches in memory).
     """
 
     def __init__(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0):
