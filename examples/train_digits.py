@@ -11,6 +11,10 @@ Run it on one process, or on several with Accelerate::
     python examples/train_digits.py
     accelerate launch examples/train_digits.py --num-epochs 20
 
+The same run, described by a config file (``examples/digits.yaml``) instead of this script::
+
+    pytorch-accel-trainer fit --config examples/digits.yaml
+
 It writes ``<output-dir>/model.pt`` (a checkpoint that ``Trainer.load_checkpoint`` reads back) and
 ``<output-dir>/history.csv`` (one row per epoch, one column per metric).
 """
@@ -48,7 +52,7 @@ class DigitsTrainer(Trainer):
     predictions of every process.
     """
 
-    def __init__(self, *args, num_classes: int, **kwargs):
+    def __init__(self, *args, num_classes: int = NUM_CLASSES, **kwargs):
         super().__init__(*args, **kwargs)
         # validate_args=False skips input checks that copy values back to the host on every batch
         self.accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False)
@@ -79,9 +83,26 @@ def create_datasets(seed: int = SEED) -> tuple[TensorDataset, TensorDataset]:
     return to_dataset(x_train, y_train), to_dataset(x_eval, y_eval)
 
 
+def train_dataset(seed: int = SEED) -> TensorDataset:
+    """The training set of :func:`create_datasets` (what ``examples/digits.yaml`` names as ``data.train``)."""
+    return create_datasets(seed)[0]
+
+
+def eval_dataset(seed: int = SEED) -> TensorDataset:
+    """The evaluation set of :func:`create_datasets` (``data.eval`` in ``examples/digits.yaml``)."""
+    return create_datasets(seed)[1]
+
+
+class DigitsClassifier(nn.Sequential):
+    """The classifier: 64 pixels -> ``hidden_size`` hidden units -> 10 digit logits."""
+
+    def __init__(self, hidden_size: int = 128, num_classes: int = NUM_CLASSES):
+        super().__init__(nn.Linear(64, hidden_size), nn.ReLU(), nn.Linear(hidden_size, num_classes))
+
+
 def create_model() -> nn.Module:
     """Return the classifier: 64 pixels -> 128 hidden units -> 10 digit logits."""
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, NUM_CLASSES))
+    return DigitsClassifier()
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -8,6 +8,7 @@ the trainer resolves it (with plain arithmetic, never ``eval``) right before cal
 
 from __future__ import annotations
 
+import ast
 import difflib
 import enum
 import functools
@@ -196,3 +197,40 @@ def placeholder_values(run_config: Any, train_dataloader: Any, eval_dataloader: 
         TrainerPlaceholderValues.TRAIN_DATALOADER_LEN: dataloader_length(train_dataloader),
         TrainerPlaceholderValues.EVAL_DATALOADER_LEN: dataloader_length(eval_dataloader),
     }
+
+
+_AST_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
+
+
+def placeholder_from_text(text: str) -> Any:
+    """The placeholder (or expression) a config file writes as text: ``"NUM_EPOCHS"``,
+    ``"NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS + 10"``; ``text`` itself when it names no placeholder.
+
+    Parsed as a Python expression tree and rebuilt from placeholder names, numbers and ``+ - * //`` only: nothing
+    is evaluated as code.
+
+    Raises:
+        ValueError: ``text`` uses a placeholder name together with something else than these.
+    """
+    members = TrainerPlaceholderValues.placeholder_set()
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return text
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    if not names & members:
+        return text  # an ordinary string argument
+
+    def build(node: ast.AST) -> Any:
+        if isinstance(node, ast.Name) and node.id in members:
+            return TrainerPlaceholderValues[node.id]
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPERATORS:
+            return _OPERATORS[_AST_OPERATORS[type(node.op)]](build(node.left), build(node.right))  # placeholder arithmetic
+        raise ValueError(
+            f"{text!r} is not a placeholder expression: use the placeholders {sorted(members)}, numbers and + - * //, "
+            "e.g. 'NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS'."
+        )
+
+    return build(tree)

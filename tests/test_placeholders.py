@@ -54,3 +54,20 @@ def test_plain_callables_pass_through_and_names_match_pytorch_accelerated():
 
 def test_resolution_uses_no_eval():
     assert "eval(" not in inspect.getsource(placeholders)
+
+
+def test_placeholder_text_of_a_config_file_becomes_the_same_placeholders_without_evaluating_code():
+    import functools
+
+    import pytest
+
+    from pytorch_accel_trainer.placeholders import placeholder_from_text, resolve_placeholders
+
+    values = {P.NUM_EPOCHS: 4, P.NUM_UPDATE_STEPS_PER_EPOCH: 5}
+    cases = {"NUM_EPOCHS": 4, "NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS + 10": 30, "2 * NUM_EPOCHS": 8, "10 - NUM_EPOCHS // 2": 8}
+    for text, expected in cases.items():
+        assert resolve_placeholders(functools.partial(dict, x=placeholder_from_text(text)), values)() == {"x": expected}
+    assert placeholder_from_text("cos") == "cos" and placeholder_from_text("a b") == "a b"  # plain strings stay
+    for text in ("NUM_EPOCHS ** 2", "__import__('os') or NUM_EPOCHS", "NUM_EPOCHS.real"):
+        with pytest.raises(ValueError, match="is not a placeholder expression"):
+            placeholder_from_text(text)

@@ -60,7 +60,9 @@ LAYERS = {
     "run_config.py": 2, "run_state.py": 2, "plotting.py": 2, "callbacks/*": 2, "schedulers/*": 2,
     # 3: the loop's mechanics over the run state
     "accumulation.py": 3, "persistence.py": 3, "async_save.py": 2,
-    # 4: the Trainer's mixins, 5: the Trainer, 6: the package's names
+    "run_folder.py": 3,
+    # 4: the Trainer's mixins, 5: the Trainer, 6: the package's names and runs described by data, 7: the command line
+    "config.py": 6, "cli.py": 7, "__main__.py": 8,
     "setup.py": 4, "accessors.py": 4, "loop_support.py": 4, "extra_models.py": 4, "timm_scheduler.py": 4, "trainer.py": 5, "__init__.py": 6,
 }  # fmt: skip
 

@@ -9,7 +9,7 @@ import numbers
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
@@ -113,6 +113,24 @@ class JSONLinesTracker(_FileTracker):
 BUILTIN_TRACKERS = {"csv": CSVTracker, "jsonl": JSONLinesTracker}
 
 
+def run_config_hyperparameters(run_config: Any) -> dict:
+    """The fields of a ``TrainerRunConfig`` as ``run_config.<field>`` hyperparameters: numbers, strings and booleans
+    as they are, anything else as text (``None`` as ``"null"``), as every tracker can store them."""
+    return {f"run_config.{name}": _plain(value) for name, value in run_config.to_dict().items()}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if value is None:
+        return "null"
+    if isinstance(value, dict):  # the dataloader arguments: functions by name, not by address
+        return "{" + ", ".join(f"{key}: {_plain(item)}" for key, item in value.items()) + "}"
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    return repr(value)
+
+
 class ExperimentTrackingCallback(TrainerCallback):
     """Logs a run to experiment trackers: step values every ``log_every_n_steps`` updates, metrics every epoch.
 
@@ -136,7 +154,8 @@ class ExperimentTrackingCallback(TrainerCallback):
         logging_dir: where trackers that write files put ``<run_name>/``.
         run_name: the name of the run (Accelerate's ``project_name``); the start time by default.
         log_every_n_steps: the optimizer updates between two step logs.
-        config: hyperparameters to store with ``store_init_configuration`` at the start of each run.
+        config: hyperparameters to store with ``store_init_configuration`` at the start of each run, with the run
+            config (``run_config.<field>``), which is always stored; the command line passes the whole configuration.
         tracker_kwargs: extra constructor arguments per tracker name, e.g. ``{"wandb": {"entity": "me"}}``.
 
     Example::
@@ -180,10 +199,10 @@ class ExperimentTrackingCallback(TrainerCallback):
         if not self._is_writer or self.trackers:
             return
         self.trackers = [self._create_tracker(spec) for spec in self.tracker_specs]
+        configuration = {**run_config_hyperparameters(trainer.run_config), **(self.config or {})}
         for tracker in self.trackers:
             tracker.start()
-            if self.config is not None:
-                tracker.store_init_configuration(self.config)
+            tracker.store_init_configuration(configuration)
 
     def _create_tracker(self, spec: Union[str, GeneralTracker]) -> GeneralTracker:
         if isinstance(spec, GeneralTracker):

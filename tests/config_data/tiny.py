@@ -1,0 +1,23 @@
+"""What the config tests import by path: datasets made here (nothing downloaded) and a Trainer subclass."""
+
+import torch
+from torch.utils.data import TensorDataset
+
+from pytorch_accel_trainer import Trainer
+
+
+def train_dataset(num_samples: int = 64) -> TensorDataset:
+    x = torch.randn(num_samples, 3, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 1)
+
+
+def eval_dataset(num_samples: int = 64) -> TensorDataset:
+    return train_dataset(num_samples // 2)
+
+
+class TaggedTrainer(Trainer):
+    """A subclass with an argument of its own, given by ``trainer_arguments``."""
+
+    def __init__(self, *args, tag: str = "none", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = tag
