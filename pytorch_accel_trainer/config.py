@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Optional, Union
 
+import safetensors.torch
 import torch
 
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
@@ -128,8 +129,9 @@ class TrainingConfig:
         trainer_arguments: more keyword arguments of ``trainer_class`` (those of a subclass).
         trainer: the options of ``Trainer(...)``.
         train: the arguments of ``train()``.
-        checkpoint: a checkpoint (``save_checkpoint``) whose weights are loaded before the run: the model that
-            ``evaluate`` measures, or the starting point of ``fit``.
+        checkpoint: weights loaded before the run: the model that ``evaluate`` measures, or the starting point of
+            ``fit``. A ``.safetensors`` file (a run folder's ``model.safetensors``, ``save_weights``) or a file of
+            ``save_checkpoint``.
         output_dir: write each run's folder here (``<output_dir>/<run_name>``): this config, the run config, the
             history, its plot, the final weights, the training states; ``null`` writes nothing.
         run_name: the run folder's name; the start time by default. A name already taken gets ``-2``.
@@ -240,7 +242,9 @@ def create_trainer(config: TrainingConfig, config_text: Optional[str] = None, hy
         mixed_precision=settings.mixed_precision, torch_compile=settings.torch_compile, cpu=settings.cpu,
         **config.trainer_arguments,
     )  # fmt: skip
-    if config.checkpoint is not None:
+    if config.checkpoint is not None and str(config.checkpoint).endswith(".safetensors"):  # a run folder's weights
+        safetensors.torch.load_model(trainer.model, config.checkpoint)
+    elif config.checkpoint is not None:  # a file of save_checkpoint
         trainer.load_checkpoint(config.checkpoint, load_optimizer=False)
     if config.output_dir is not None:
         run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)

@@ -72,6 +72,29 @@ def load_resume_plan(trainer: "Trainer", stored: Optional[StoredState], resume_f
     return plan
 
 
+#: Files of an Accelerate ``save_state`` folder, as pytorch-accelerated's training states are: not resumable here.
+ACCELERATE_STATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model.bin", "model.safetensors")
+
+
+def find_state_to_resume(path: Path) -> Optional[StoredState]:
+    """``find_resumable_state``, refusing a folder that holds another kind of state rather than starting over.
+
+    Raises:
+        CheckpointError: ``path`` holds an Accelerate ``save_state`` (pytorch-accelerated's training states) or a run
+            folder's weights, but no training state of this trainer.
+    """
+    stored = find_resumable_state(path)
+    found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
+    if stored is None and found:
+        raise CheckpointError(
+            f"resume_from={str(path)!r} holds {found} but no training state of this trainer (no manifest.json), so "
+            "the run was not restarted from scratch: an Accelerate save_state folder (pytorch-accelerated's training "
+            "states) or a run folder cannot continue a run here. Load its weights (safetensors.torch.load_model(model, "
+            "path)) and start a new run, or resume from a folder written by save_training_state / SaveTrainingStateCallback."
+        )
+    return stored
+
+
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
     """Return this epoch's first step and dataloader: after a resume, only the batches not yet trained on.
 
@@ -290,7 +313,7 @@ class PersistenceMixin:
             raise RuntimeError(
                 "save_training_state() saves a training run to continue it (its position, optimizer, RNG states), but "
                 "this trainer has not run train() yet. Call it during or after train(); to save the weights alone, "
-                "use save_checkpoint(path) or save_weights(path)."
+                "use save_checkpoint(save_path) or save_weights(save_path)."
             )
         parent = Path(output_dir)
         if name is not None:

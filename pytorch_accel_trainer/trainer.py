@@ -33,7 +33,6 @@ from pytorch_accel_trainer.sharded import (
     warn_if_sharding_was_ignored,
 )
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory, StepMetricsTracker, metric_counts, metrics_recorded_since  # fmt: skip
-from pytorch_accel_trainer.training_state import find_resumable_state
 from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: importable from here, as in pytorch-accelerated)
     batch_size_of, dataloader_length, remove_padding, require_batches, with_last_flag, worker_init_fn,
 )  # fmt: skip
@@ -380,7 +379,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             validate_optimizer_parameters(self.optimizer, self.model)  # none of the model's trainable parameters missing
-        stored_state = find_resumable_state(Path(resume_from)) if resume_from is not None else None
+        stored_state = persistence.find_state_to_resume(Path(resume_from)) if resume_from is not None else None
         self.run_state = RunState(options=options)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
@@ -594,4 +593,5 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
 
 
 class TrainerWithTimmScheduler(TimmSchedulerMixin, Trainer):
-    """A :class:`Trainer` that steps a `timm scheduler <https://timm.fast.ai/schedulers>`_ (see ``timm_scheduler.py``)."""
+    """A :class:`Trainer` that steps a `timm scheduler <https://timm.fast.ai/schedulers>`_ as timm expects:
+    ``step_update(num_updates=n)`` after each update (``n``: the run's updates), ``step(epoch)`` after each epoch."""

@@ -36,6 +36,17 @@ def launcher(num_processes: int) -> list:
     ]  # fmt: skip
 
 
+def load_module_from(path, name: str):
+    """The module of the Python file at ``path``, imported under ``name`` (a file outside any package: an example,
+    a helper beside the data it serves)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def linear_dataset(num_samples: int = 64, seed: int = 0) -> TensorDataset:
     """Samples of y = 2x + 3 (exactly learnable by nn.Linear(1, 1))."""
     generator = torch.Generator().manual_seed(seed)

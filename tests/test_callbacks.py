@@ -207,10 +207,10 @@ def test_default_callbacks_print_progress_and_metrics(capsys):
     trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
     trainer.train(linear_dataset(8), num_epochs=2, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     captured = capsys.readouterr()
-    assert "Starting training run" in captured.out and "Starting epoch 2" in captured.out
+    assert captured.out.startswith("Training 2 epochs of 2 updates, batches of 4 (1 process, cpu)\nepoch 1/2 · ")
     assert captured.out.count("train_loss_epoch: ") == 2 and captured.out.count("eval_loss_epoch: ") == 2
-    assert "Finishing training run" in captured.out
-    assert "epoch 2 train: 100%" in captured.err and "2/2" in captured.err
+    assert "\nFinished 2 epochs in " in captured.out and len(captured.out.splitlines()) == 4
+    assert "epoch 2/2:   0%" in captured.err and "/3 " in captured.err  # one bar per epoch: 2 training + 1 eval batches
 
 
 def test_log_metrics_can_be_redirected():
@@ -282,7 +282,7 @@ def test_a_diverging_run_raises_non_finite_loss_error_once_every_callback_ended_
     assert error.epoch == 1 and error.steps[1] - error.steps[0] == 7 and (error.steps[1] + 1) % 8 == 0
     assert str(error).startswith(f"The loss recorded as 'train_loss_epoch' became {error.value} in epoch 1, between steps")
     assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]  # after TerminateOnNaN's
-    assert "Finishing training run" in capsys.readouterr().out
+    assert "Finished 0 epochs in " in capsys.readouterr().out
 
 
 def test_a_diverged_evaluation_raises_it_too():

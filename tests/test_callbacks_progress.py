@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
+import subprocess
+
 import pytest
 import torch
-from conftest import linear_dataset, make_linear, make_trainer
+from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
 from sync_counter import make_sync_counting_trainer
 
-from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import (
+    EarlyStoppingCallback,
     LogMetricsCallback,
+    PrintProgressCallback,
     ProgressBarCallback,
     StepBasedEvaluationCallback,
     TrainerCallback,
 )
+
+
+CONSOLE_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "console_run.py"
 
 
 class PostfixProbe(TrainerCallback):
@@ -24,7 +33,13 @@ class PostfixProbe(TrainerCallback):
 
     def on_train_step_end(self, trainer, batch_output, **kwargs):
         self.losses.append(batch_output["loss"].item())
-        self.postfixes.append(dict(item.split("=") for item in self.bar.pbar.postfix.split(", ")) if self.bar.pbar.postfix else {})
+        self.postfixes.append(self._postfix())
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        self.epoch_end_postfix = self._postfix()
+
+    def _postfix(self) -> dict:
+        return dict(item.split("=") for item in self.bar.pbar.postfix.split(", ")) if self.bar.pbar.postfix else {}
 
 
 def test_shows_the_interval_loss_learning_rate_and_throughput_every_n_steps(capsys):
@@ -41,7 +56,14 @@ def test_shows_the_interval_loss_learning_rate_and_throughput_every_n_steps(caps
         assert shown["lr"] == "0.1" and float(shown["samples/s"]) > 0
     assert probe.postfixes[5] == probe.postfixes[4]  # unchanged between refreshes
     final_loss = trainer.run_history.get_latest_metric("train_loss_epoch")
-    assert f"loss={final_loss:.4g}" in capsys.readouterr().err  # the epoch's loss, once it ends
+    assert probe.epoch_end_postfix["loss"] == f"{final_loss:.4g}"  # the epoch's loss, once it ends
+
+
+def test_a_short_epoch_still_shows_the_learning_rate_and_throughput():
+    bar = ProgressBarCallback()  # a tenth of the epoch between refreshes: every 4 batches of a 45-batch epoch
+    probe = PostfixProbe(bar)
+    make_trainer(make_linear(), callbacks=[bar, probe]).train(linear_dataset(45), num_epochs=1, per_device_batch_size=1)
+    assert probe.postfixes[2] == {} and {"loss", "lr", "samples/s"} <= set(probe.postfixes[3])
 
 
 def test_shows_the_learning_rate_of_every_parameter_group():
@@ -59,11 +81,19 @@ def test_refreshing_every_step_makes_no_host_device_sync(monkeypatch):
     assert trainer.num_update_steps_completed == 32 and reads == []
 
 
-def test_an_intermediate_evaluation_gets_its_own_bar(capsys):
+def test_an_intermediate_evaluation_gets_its_own_bar_and_the_epochs_bar_counts_its_evaluation(capsys):
     trainer = make_trainer(make_linear(), callbacks=[StepBasedEvaluationCallback(3), ProgressBarCallback(refresh_every_n_steps=2)])
     trainer.train(linear_dataset(32), num_epochs=1, eval_dataset=linear_dataset(8), per_device_batch_size=4)
     err = capsys.readouterr().err
-    assert "epoch 1 train: 100%" in err and "8/8" in err and err.count("eval: 100%") >= 3  # updates 3, 6, epoch end
+    assert "epoch 1/1:   0%|          | 0/10" in err  # 8 training and 2 evaluation batches on one bar
+    assert err.count("eval:   0%|          | 0/2") == 2  # the intermediate evaluations after updates 3 and 6
+
+
+def test_verbose_bars_are_pytorch_accelerateds(capsys):
+    trainer = make_trainer(make_linear(), callbacks=[ProgressBarCallback(verbose=True)])
+    trainer.train(linear_dataset(32), num_epochs=1, eval_dataset=linear_dataset(8), per_device_batch_size=4)
+    err = capsys.readouterr().err
+    assert "epoch 1 train: 100%" in err and "8/8" in err and "eval: 100%" in err
 
 
 def test_refresh_every_n_steps_must_be_positive():
@@ -75,11 +105,97 @@ def _printed_metric_names(output: str) -> list:
     return [line.split(": ")[0] for line in output.splitlines() if ": " in line]
 
 
-def test_log_metrics_prints_only_the_metrics_of_the_current_run(capsys):
-    trainer = make_trainer(make_linear(), callbacks=[LogMetricsCallback])
+def test_verbose_log_metrics_prints_only_the_metrics_of_the_current_run(capsys):
+    trainer = make_trainer(make_linear(), callbacks=[LogMetricsCallback(verbose=True)])
     trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     assert _printed_metric_names(capsys.readouterr().out) == ["train_loss_epoch", "eval_loss_epoch"]
     trainer.evaluate(linear_dataset(4), per_device_batch_size=4)
     assert _printed_metric_names(capsys.readouterr().out) == ["evaluation_loss"]  # not the training run's eval loss
     trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     assert _printed_metric_names(capsys.readouterr().out) == ["train_loss_epoch", "eval_loss_epoch"]
+
+
+# The default console: one line per epoch --------------------------------------------------------------------------
+
+EPOCH_LINE = re.compile(
+    r"^epoch (\d+)/3 · [\d.e+-]+s · \d+ samples/s · train_loss_epoch: ([\d.e+-]+) · eval_loss_epoch: ([\d.e+-]+)$"
+)
+
+
+def test_the_default_callbacks_print_a_start_line_one_summary_line_per_epoch_and_an_end_line(capsys):
+    trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
+    trainer.train(linear_dataset(64), num_epochs=3, eval_dataset=linear_dataset(16), per_device_batch_size=8)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Training 3 epochs of 8 updates, batches of 8 (1 process, cpu)"
+    epochs = [EPOCH_LINE.match(line) for line in lines[1:4]]
+    assert all(epochs) and [int(match[1]) for match in epochs] == [1, 2, 3]
+    history = trainer.run_history
+    for match, train_loss, eval_loss in zip(epochs, history.get_metric_values("train_loss_epoch"), history.get_metric_values("eval_loss_epoch")):
+        assert (match[2], match[3]) == (f"{train_loss:.4g}", f"{eval_loss:.4g}")  # 4 significant digits
+    assert re.match(r"^Finished 3 epochs in [\d.e+-]+s \(24 updates\)$", lines[4]) and len(lines) == 5
+
+
+def test_the_end_line_gives_the_best_monitored_value_and_an_evaluation_run_prints_one_line(capsys):
+    trainer = make_trainer(make_linear(), callbacks=(*DEFAULT_CALLBACKS, EarlyStoppingCallback(early_stopping_patience=5)))
+    trainer.train(linear_dataset(32), num_epochs=2, eval_dataset=linear_dataset(16), per_device_batch_size=8)
+    best = min(trainer.run_history.get_metric_values("eval_loss_epoch"))
+    assert capsys.readouterr().out.splitlines()[-1].endswith(f"· best eval_loss_epoch: {best:.4g}")
+    trainer.evaluate(linear_dataset(16), per_device_batch_size=8)
+    loss = trainer.run_history.get_latest_metric("evaluation_loss")
+    assert re.fullmatch(rf"evaluation · [\d.e+-]+s · evaluation_loss: {re.escape(f'{loss:.4g}')}\n", capsys.readouterr().out)
+
+
+def test_verbose_callbacks_print_pytorch_accelerateds_lines(capsys):
+    verbose = [PrintProgressCallback(verbose=True), LogMetricsCallback(verbose=True)]
+    make_trainer(make_linear(), callbacks=verbose).train(linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8)
+    out = capsys.readouterr().out
+    assert "Starting training run" in out and "Starting epoch 2" in out and "Finishing training run" in out
+    assert _printed_metric_names(out) == ["train_loss_epoch", "eval_loss_epoch"] * 2
+
+
+def test_a_log_metrics_override_gets_the_same_calls_as_in_pytorch_accelerated(capsys):
+    class Collect(LogMetricsCallback):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def log_metrics(self, trainer, metrics):
+            self.calls.append(sorted(metrics))
+
+    collect = Collect()
+    make_trainer(make_linear(), callbacks=[collect]).train(linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8)
+    assert collect.calls == [["train_loss_epoch"], ["eval_loss_epoch"]] * 2
+    assert all(line.startswith("epoch ") and "loss" not in line for line in capsys.readouterr().out.splitlines())
+
+
+def test_the_console_has_no_ipywidgets_warning_and_picks_a_bar_class():
+    from pytorch_accel_trainer.callbacks.progress import progress_bar_class
+
+    import tqdm.notebook
+    import tqdm.std
+
+    chosen = progress_bar_class()  # outside a notebook: the text bar, never the widget
+    assert issubclass(chosen, tqdm.std.tqdm) and not issubclass(chosen, tqdm.notebook.tqdm_notebook)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_print_each_line_once(tmp_path):
+    outputs = []
+    for num_processes in (1, 2):
+        completed = subprocess.run([*launcher(num_processes), str(CONSOLE_SCRIPT)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        outputs.append([line for line in completed.stdout.splitlines() if not line.startswith("[")])
+    single, double = outputs
+    assert len(single) == len(double) == 4  # start, 2 epochs, end
+    assert double[0] == "Training 2 epochs of 8 updates, batches of 8 (2 processes, cpu)"
+    assert [line.split(" · ")[0] for line in double[1:3]] == ["epoch 1/2", "epoch 2/2"]
+
+
+def test_get_default_callbacks_verbose_gives_the_earlier_output(capsys):
+    from pytorch_accel_trainer.callbacks import get_default_callbacks
+
+    trainer = make_trainer(make_linear(), callbacks=get_default_callbacks(verbose=True))
+    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
+    captured = capsys.readouterr()
+    assert "Starting epoch 1" in captured.out and "\ntrain_loss_epoch: " in captured.out and "epoch 1 train: 100%" in captured.err

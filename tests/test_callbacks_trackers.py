@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import csv
 import json
+import pathlib
+import random
+import re
+import os
+import subprocess
 
+import numpy as np
 import pytest
+import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import linear_dataset, make_linear, make_trainer
+from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
 from pytorch_accel_trainer.callbacks import CSVTracker, ExperimentTrackingCallback, JSONLinesTracker, TrainerCallback
 from sync_counter import make_sync_counting_trainer
 
@@ -129,3 +136,64 @@ def test_gradient_norm_is_logged_with_or_without_clipping(tmp_path, clip):
     logged = {r["step"]: r["gradient_norm"] for r in records if "gradient_norm" in r}
     assert logged[2] == pytest.approx(dict(norms)[2], rel=1e-6)  # the norm of the update that made step 2
     assert set(logged) == {2, 4}
+
+
+def test_default_run_names_differ_after_the_same_seeds_in_the_same_second():
+    names = []
+    for _ in range(2):
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        names.append(ExperimentTrackingCallback().run_name)
+    assert names[0] != names[1]
+    assert all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", name) for name in names), names  # time, then 6 hex digits
+
+
+def test_the_project_name_is_a_folder_between_logging_dir_and_the_run_folder(tmp_path):
+    grouped = ExperimentTrackingCallback(["jsonl"], logging_dir=tmp_path, project_name="proj", run_name="run")
+    make_trainer(make_linear(), callbacks=[grouped]).evaluate(linear_dataset(8), per_device_batch_size=4)
+    assert grouped.run_dir == tmp_path / "proj" / "run" and (grouped.run_dir / "metrics.jsonl").is_file()
+    assert ExperimentTrackingCallback(logging_dir=tmp_path, run_name="run").run_dir == tmp_path / "run"
+
+
+def test_bad_names_and_tracker_kwargs_are_errors():
+    with pytest.raises(ValueError, match=r"run_name is 'a/b', which cannot name a folder under logging_dir: pass a"):
+        ExperimentTrackingCallback(run_name="a/b")
+    with pytest.raises(ValueError, match=r"project_name is '', .* tracker_kwargs=\{'mlflow': \{'experiment_name'"):
+        ExperimentTrackingCallback(project_name="")
+    with pytest.raises(ValueError, match=r"run_name is '\.\.', which cannot name a folder"):
+        ExperimentTrackingCallback(run_name="..")
+    with pytest.raises(TypeError, match=r"project_name is 3 \(int\); pass a string, or None for no project folder"):
+        ExperimentTrackingCallback(project_name=3)
+    with pytest.raises(TypeError, match=r"tracker_kwargs is \{'wandb': 'me'\}; pass a dict of keyword arguments per"):
+        ExperimentTrackingCallback(tracker_kwargs={"wandb": "me"})
+    with pytest.raises(ValueError, match=r"for \['tensorbord'\], which are not among the trackers \['csv'\]: add"):
+        ExperimentTrackingCallback(["csv"], tracker_kwargs={"tensorbord": {"flush_secs": 1}})
+
+
+DRAWN_NAME_SCRIPT = """
+import json, sys
+from conftest import linear_dataset, make_linear, make_trainer
+from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback
+
+tracking = ExperimentTrackingCallback(["csv"], logging_dir=sys.argv[1])
+trainer = make_trainer(make_linear(), callbacks=[tracking])
+trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
+with open(f"{sys.argv[1]}.rank{trainer.accelerator.process_index}", "w") as handle:
+    json.dump(tracking.run_name, handle)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_on_two_processes_every_process_gets_the_main_process_drawn_run_name(tmp_path):
+    script, logs = tmp_path / "drawn_name.py", tmp_path / "logs"
+    script.write_text(DRAWN_NAME_SCRIPT)
+    tests = str(pathlib.Path(__file__).parent)  # for conftest's tiny model and data
+    env = {**CPU_PROCESSES_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    command = [*launcher(2), str(script), str(logs)]
+    completed = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    first, second = (json.loads(logs.with_suffix(f".rank{rank}").read_text()) for rank in range(2))
+    assert first == second  # each process drew its own name when it created the callback
+    assert [path.name for path in logs.iterdir()] == [first]  # the main process's folder, named as everyone knows it

@@ -75,19 +75,23 @@ def test_print_config_dumps_a_complete_config_that_reloads_to_the_same(config_fi
     assert capsys.readouterr().out == dumped
 
 
-def test_evaluate_loads_a_checkpoint_and_returns_the_metrics(config_file, tmp_path):
+def test_evaluate_loads_the_weights_of_a_run_folder_or_a_checkpoint_and_returns_the_metrics(config_file, tmp_path):
     trained = main(["fit", "--config", str(config_file), "--output_dir", str(tmp_path), "--run_name", "r"])
+    weights = tmp_path / "r" / "model.safetensors"
+    metrics = main(["evaluate", "--config", str(config_file), "--checkpoint", str(weights)])
+    assert set(metrics) == {"evaluation_loss"}
+    assert metrics["evaluation_loss"] == pytest.approx(trained.metrics["eval_loss_epoch"], rel=1e-5)
+    from safetensors.torch import load_model
+
     from pytorch_accel_trainer import Trainer
 
     model = torch.nn.Linear(3, 1)
-    from safetensors.torch import load_model
-
-    load_model(model, tmp_path / "r" / "model.safetensors")
+    load_model(model, weights)
     checkpoint = tmp_path / "model.pt"
     Trainer(model, None, None, callbacks=()).save_checkpoint(checkpoint, save_optimizer=False)
-    metrics = main(["evaluate", "--config", str(config_file), "--checkpoint", str(checkpoint)])
-    assert set(metrics) == {"evaluation_loss"}
-    assert metrics["evaluation_loss"] == pytest.approx(trained.metrics["eval_loss_epoch"], rel=1e-5)
+    assert main(["evaluate", "--config", str(config_file), "--checkpoint", str(checkpoint)]) == metrics
+    untrained = main(["evaluate", "--config", str(config_file)])
+    assert untrained["evaluation_loss"] > metrics["evaluation_loss"]  # the weights were loaded
 
 
 def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):

@@ -1,48 +1,19 @@
-"""The examples and the notebook run as they are shipped, so they cannot rot."""
+"""The examples run as they are shipped, so they cannot rot (the notebooks: tests/test_notebooks.py)."""
 
-import importlib.util
-import json
 import runpy
 from pathlib import Path
 
 import pytest
 import torch
-
-from pytorch_accel_trainer.checkpointing import MODEL_KEY, load_checkpoint_file
+from conftest import load_module_from
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-NOTEBOOKS = ROOT / "notebooks"
 
 
 def _import_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module_from(EXAMPLES / f"{name}.py", f"example_{name}")
 
-
-def _notebook_code_cells(path: Path) -> list[str]:
-    notebook = json.loads(path.read_text())
-    assert notebook["nbformat"] == 4
-    return ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
-
-
-@pytest.mark.slow
-def test_train_digits_reaches_high_accuracy_and_writes_results(tmp_path):
-    train_digits = _import_example("train_digits")
-    output_dir = tmp_path / "digits"
-
-    accuracy = train_digits.main(["--num-epochs", "4", "--output-dir", str(output_dir)])
-
-    assert accuracy > 0.85
-    checkpoint = load_checkpoint_file(output_dir / "model.pt")
-    assert checkpoint["accuracy"] == accuracy
-    model = train_digits.create_model()
-    model.load_state_dict(checkpoint[MODEL_KEY])  # the saved weights fit the example's model
-    history = (output_dir / "history.csv").read_text().splitlines()
-    assert history[0].split(",") == ["epoch", "accuracy", "eval_loss_epoch", "train_loss_epoch"]
-    assert [row.split(",")[0] for row in history[1:]] == ["1", "2", "3", "4"]
 
 
 def test_train_digits_eval_set_splits_evenly_over_processes():
@@ -76,22 +47,3 @@ def test_docs_index_shows_the_quickstart_as_it_is():
     index = (ROOT / "docs" / "index.md").read_text()
     assert f"```python\n{quickstart}\n```" in index
 
-
-def test_quickstart_notebook_runs_and_shows_the_history():
-    namespace: dict = {}
-    for source in _notebook_code_cells(NOTEBOOKS / "quickstart.ipynb"):
-        exec(compile(source, "quickstart.ipynb", "exec"), namespace)
-
-    history = namespace["history"]
-    assert list(history.index) == [1, 2, 3, 4, 5]
-    assert set(history.columns) == {"train_loss_epoch", "eval_loss_epoch"}
-    assert history["eval_loss_epoch"].iloc[-1] < 1e-3
-    assert namespace["weight"] == pytest.approx(2.0, abs=0.02)
-    assert namespace["bias"] == pytest.approx(3.0, abs=0.02)
-
-
-def test_notebook_has_no_outputs():
-    notebook = json.loads((NOTEBOOKS / "quickstart.ipynb").read_text())
-    code_cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    assert code_cells
-    assert all(cell["outputs"] == [] and cell["execution_count"] is None for cell in code_cells)

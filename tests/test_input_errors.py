@@ -175,7 +175,7 @@ def test_save_training_state_before_any_train_says_to_train_first_or_save_weight
     with pytest.raises(
         RuntimeError,
         match=r"this trainer has not run train\(\) yet. Call it during or after train\(\); to save the weights alone, "
-        r"use save_checkpoint\(path\) or save_weights\(path\)",
+        r"use save_checkpoint\(save_path\) or save_weights\(save_path\)",
     ):
         trainer.save_training_state(tmp_path / "states")
     assert not (tmp_path / "states").exists()

@@ -23,7 +23,6 @@ defaults.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import sys
@@ -33,6 +32,7 @@ from functools import partial
 import pandas as pd
 import pytest
 import torch
+from conftest import load_module_from
 from torch.optim import lr_scheduler
 
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer, TrainerPlaceholderValues
@@ -46,15 +46,7 @@ PEER_SDIST = pathlib.Path(os.environ.get("PEER_SDIST_DIR", "/tmp/pa-sdist/pytorc
 HEADER_END = "# ruff: noqa"
 
 
-def _load_prelude():
-    """tests/peer_docs/prelude.py, beside the snippets it serves, under a name no other module has."""
-    spec = importlib.util.spec_from_file_location("peer_docs_prelude", SNIPPETS / "prelude.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-peer_prelude = _load_prelude()
+peer_prelude = load_module_from(SNIPPETS / "prelude.py", "peer_docs_prelude")  # beside the snippets it serves
 
 #: Every code block of the peer's docs and README, numbered in order per file: the vendored snippet, or why not.
 BLOCKS = {
@@ -175,7 +167,9 @@ def eval_accuracy(model, dataset) -> float:
 
 
 def printed_metric_names(output: str) -> list:
-    return [line.split(": ")[0] for line in output.splitlines() if ": " in line]
+    """The metric names printed, in order: from the epoch summary lines (``epoch 2/8 · 0.1s · train_loss_epoch: 0.5 · ...``)
+    and the evaluation line of the default console."""
+    return [part.split(": ")[0] for line in output.splitlines() for part in line.split(" · ") if ": " in part and not part.startswith("best ")]
 
 
 @pytest.fixture
@@ -222,7 +216,7 @@ def test_the_quickstart_script_trains_and_evaluates(names, torchvision, capsys, 
     run_snippet(name, names)  # __name__ == "__main__": the script's main() runs
     output = capsys.readouterr().out
     assert printed_metric_names(output) == ["train_loss_epoch", "eval_loss_epoch"] * 8 + ["evaluation_loss"]
-    assert "Finishing training run" in output and "Finishing evaluation run" in output
+    assert "Finished 8 epochs in " in output and "\nevaluation · " in output
 
 
 def test_the_quickstart_main_runs_under_notebook_launcher(names, torchvision, capsys):
@@ -230,7 +224,7 @@ def test_the_quickstart_main_runs_under_notebook_launcher(names, torchvision, ca
     run_snippet("quickstart_train_mnist.py", names)
     run_snippet("quickstart_notebook_launcher.py", names)  # notebook_launcher(main, num_processes=num_gpus)
     output = capsys.readouterr().out
-    assert printed_metric_names(output).count("eval_loss_epoch") == 8 and "Finishing evaluation run" in output
+    assert printed_metric_names(output).count("eval_loss_epoch") == 8 and "\nevaluation · " in output
 
 
 # --- callbacks.rst ------------------------------------------------------------------------------------------------
@@ -364,8 +358,8 @@ def test_resume_from_a_saved_training_state_finishes_the_run(names, tmp_path, mo
     capsys.readouterr()
     run_snippet("trainer_resume_from.py", names)
     assert (tmp_path / "checkpoints" / "step_5000").is_dir()
-    epochs = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Starting epoch")]
-    assert epochs == [f"Starting epoch {epoch}" for epoch in range(3, 11)]  # "resumes from the saved epoch"
+    epochs = [line.split(" · ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    assert epochs == [f"epoch {epoch}/10" for epoch in range(3, 11)]  # "resumes from the saved epoch"
     assert len(names["trainer"].run_history.get_metric_values("train_loss_epoch")) == 10  # the history is kept
 
 

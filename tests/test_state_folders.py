@@ -282,3 +282,23 @@ def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_o
     assert trainer.num_update_steps_completed == 4 and verify_folder(outside)
     with pytest.warns(UserWarning, match=r"step_1: a symbolic link"):  # left in place, never read through
         assert find_resumable_state(parent).folder.name == "step_4"
+
+
+def test_a_folder_of_another_kind_of_state_is_refused_rather_than_restarted(tmp_path):
+    """pytorch-accelerated's training states are Accelerate save_state folders: resuming one here must not start over."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from pytorch_accel_trainer import Trainer
+    from pytorch_accel_trainer.errors import CheckpointError
+
+    folder = tmp_path / "epoch_5"
+    folder.mkdir()
+    (folder / "random_states_0.pkl").write_bytes(b"")
+    (folder / "model.safetensors").write_bytes(b"")
+    model = nn.Linear(1, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, 1))
+    with pytest.raises(CheckpointError, match=r"holds \['random_states_0.pkl', 'model.safetensors'\] but no training state of this trainer"):
+        trainer.train(data, num_epochs=1, resume_from=folder)

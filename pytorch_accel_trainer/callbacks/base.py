@@ -93,7 +93,9 @@ class TrainerCallback:
             batch: the batch from the training dataloader.
             batch_output: the dictionary ``calculate_train_batch_loss`` returned, extra keys included;
                 its ``loss`` is the unscaled loss, whatever the gradient accumulation.
-            step: (keyword) the index of the batch in the epoch, from 0 (Lightning's and Dream Trainer's ``batch_idx``).
+
+        Keyword Args:
+            step: the index of the batch in the epoch, from 0 (Lightning's and Dream Trainer's ``batch_idx``).
         """
 
     def on_optimizer_step_end(self, trainer: Trainer, **kwargs):
@@ -105,9 +107,9 @@ class TrainerCallback:
         fires once per accumulation window, not per batch. A training state asked for here is written at the next
         point between two updates: before the next batch of the epoch, or between epochs after its last update.
 
-        Args:
-            step: (keyword) the index in the epoch of the batch that closed the window, from 0.
-            num_update_steps_completed: (keyword) the optimizer updates made so far in this run, this one included
+        Keyword Args:
+            step: the index in the epoch of the batch that closed the window, from 0.
+            num_update_steps_completed: the optimizer updates made so far in this run, this one included
                 (``trainer.num_update_steps_completed``).
         """
 
@@ -118,8 +120,8 @@ class TrainerCallback:
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
         """Called after ``eval_epoch_start``, before the first evaluation batch.
 
-        Args:
-            is_intermediate: (keyword) ``True`` in an evaluation of ``StepBasedEvaluationCallback`` during a training
+        Keyword Args:
+            is_intermediate: ``True`` in an evaluation of ``StepBasedEvaluationCallback`` during a training
                 epoch, else ``False``.
         """
 
@@ -132,14 +134,16 @@ class TrainerCallback:
         Args:
             batch: the batch from the evaluation dataloader.
             batch_output: the dictionary ``calculate_eval_batch_loss`` returned, extra keys included.
-            step: (keyword) the index of the batch in the evaluation epoch, from 0 (Lightning's ``batch_idx``).
+
+        Keyword Args:
+            step: the index of the batch in the evaluation epoch, from 0 (Lightning's ``batch_idx``).
         """
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
         """Called after ``eval_epoch_end``; the epoch's eval loss and step metrics are already in the run history.
 
-        Args:
-            is_intermediate: (keyword) as in :meth:`on_eval_epoch_start`.
+        Keyword Args:
+            is_intermediate: as in :meth:`on_eval_epoch_start`.
         """
 
     def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):

@@ -1,64 +1,162 @@
-"""Callbacks that show a run's progress: messages, progress bars and metrics."""
+"""Callbacks that show a run's progress: messages, progress bars and metrics.
+
+By default a training run prints what the best tools print: one line when it starts, one line per epoch (a progress
+bar while the epoch runs, replaced at its end by the epoch's summary: epoch k/n, time, samples per second, its losses
+and metrics to 4 significant digits), and a short summary at the end; an evaluation run prints one line. Only the
+main process prints. ``verbose=True`` on each callback gives the earlier, pytorch-accelerated output back (a line per
+stage, a bar per training and evaluation epoch, a line per metric).
+"""
 
 from __future__ import annotations
 
 import numbers
 import time
-from typing import TYPE_CHECKING
-
-from tqdm.auto import tqdm
+from typing import TYPE_CHECKING, Any, Optional
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.utils import dataloader_length
 
 if TYPE_CHECKING:
+    from tqdm import tqdm
+
     from pytorch_accel_trainer.trainer import Trainer
+
+_TQDM_CLASS = None
+
+
+def progress_bar_class() -> type:
+    """tqdm's widget bar in a notebook that has ipywidgets, its text bar everywhere else.
+
+    ``tqdm.auto`` alone warns ("IProgress not found") in a notebook without ipywidgets; the text bar shows the
+    same there. Chosen once, at the first bar (importing ipywidgets is not free).
+    """
+    global _TQDM_CLASS
+    if _TQDM_CLASS is None:
+        try:
+            import ipywidgets  # noqa: F401  (only whether it imports)
+
+            from tqdm.auto import tqdm as chosen
+        except ImportError:
+            from tqdm.std import tqdm as chosen
+        _TQDM_CLASS = chosen
+    return _TQDM_CLASS
+
+
+def format_value(value: Any) -> str:
+    """A metric as printed: numbers to 4 significant digits, anything else as it is."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def format_metrics(metrics: dict) -> str:
+    """``name: value`` pairs joined by `` · ``, values to 4 significant digits."""
+    return " · ".join(f"{name}: {format_value(value)}" for name, value in metrics.items())
+
+
+def epoch_label(trainer: Trainer) -> str:
+    """``epoch k/n`` (``epoch k`` when only ``max_num_train_steps`` ends the run)."""
+    epoch, num_epochs = trainer.run_history.current_epoch, trainer.run_config.num_epochs
+    return f"epoch {epoch}" if num_epochs is None else f"epoch {epoch}/{num_epochs}"
+
+
+def _print(trainer: Trainer, message: str) -> None:
+    """Print on the main process of the whole run only: a multi-node run prints each line once."""
+    if trainer.run_config is None or trainer.run_config.is_world_process_zero:
+        trainer.print(message)
 
 
 class PrintProgressCallback(TrainerCallback):
-    """Prints a line at the start and end of each run and at the start of each epoch, once per node."""
+    """Prints one line when a training run starts and a short summary when it ends, on the main process.
+
+    The start line says what will run (epochs, updates per epoch, the global batch); the end line says how long it
+    took and the best value of a monitoring callback (``EarlyStoppingCallback``, ...), if there is one.
+
+    Args:
+        verbose: print pytorch-accelerated's messages instead: a line at the start and end of each run and at the
+            start of each training and evaluation epoch.
+    """
+
+    # class defaults too: a pytorch-accelerated subclass may define __init__ without calling this one
+    verbose, _run_start, _epochs = False, 0.0, 0
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+        self._run_start = 0.0
+        self._epochs = 0
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
-        trainer.print("\nStarting training run")
+        self._run_start, self._epochs = time.perf_counter(), 0
+        if self.verbose:
+            trainer.print("\nStarting training run")
+            return
+        config = trainer.run_config
+        epochs = "until max_num_train_steps" if config.num_epochs is None else f"{config.num_epochs} epochs"
+        per_epoch = "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
+        processes = f"{config.num_processes} processes" if config.num_processes > 1 else "1 process"
+        _print(trainer, f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} ({processes}, {trainer.device.type})")
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
-        trainer.print(f"\nStarting epoch {trainer.run_history.current_epoch}")
+        if self.verbose:
+            trainer.print(f"\nStarting epoch {trainer.run_history.current_epoch}")
+
+    def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
+        self._epochs += 1
 
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
-        trainer.print("\nStarting eval epoch")
+        if self.verbose:
+            trainer.print("\nStarting eval epoch")
 
     def on_training_run_end(self, trainer: Trainer, **kwargs):
-        trainer.print("Finishing training run")
+        if self.verbose:
+            trainer.print("Finishing training run")
+            return
+        seconds = time.perf_counter() - self._run_start
+        epochs = "1 epoch" if self._epochs == 1 else f"{self._epochs} epochs"
+        summary = f"Finished {epochs} in {seconds:.3g}s ({trainer.num_update_steps_completed} updates)"
+        monitor = next((cb for cb in trainer.callback_handler if isinstance(cb, MonitorCallback)), None)
+        if monitor is not None and monitor.best_metric is not None:
+            summary += f" · best {monitor.watch_metric}: {format_value(monitor.best_metric)}"
+        _print(trainer, summary)
 
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
-        trainer.print("\nStarting evaluation run")
+        if self.verbose:
+            trainer.print("\nStarting evaluation run")
 
     def on_evaluation_run_end(self, trainer: Trainer, **kwargs):
-        trainer.print("Finishing evaluation run")
+        if self.verbose:
+            trainer.print("Finishing evaluation run")
 
 
 class ProgressBarCallback(TrainerCallback):
-    """Shows a tqdm bar for each training and evaluation epoch, on the main process of each node.
+    """Shows a tqdm bar while each epoch runs, on the main process.
 
-    The training bar shows the epoch, batches done out of the total, the time left, and, refreshed every
-    ``refresh_every_n_steps`` batches: the mean loss over the last interval, the learning rate of each
-    parameter group, and the throughput in samples per second (over all processes, counted from the
-    ``batch_size`` of each batch output when it is an ``int``). At the end of the epoch, the loss shown
-    is the epoch's ``train_loss_epoch``.
+    By default one bar covers an epoch's training and evaluation batches (``epoch k/n``) and disappears when the
+    epoch ends, where :class:`LogMetricsCallback` prints the epoch's summary line. An evaluation run, and each
+    intermediate evaluation of ``StepBasedEvaluationCallback``, gets a bar of its own. While training, the bar shows,
+    refreshed every ``refresh_every_n_steps`` batches: the mean loss over the last interval, the learning rate of each
+    parameter group, and the throughput in samples per second (over all processes, counted from the ``batch_size`` of
+    each batch output when it is an ``int``).
 
-    The loss is summed on the device between refreshes and copied to the host without waiting for the
-    device (on CUDA, into pinned memory, shown once the copy has arrived, at most one interval late),
-    so the bar never adds a host-device sync. The loss shown is that of this process's batches. Other
-    processes show nothing and do no work.
+    The loss is summed on the device between refreshes and copied to the host without waiting for the device (on
+    CUDA, into pinned memory, shown once the copy has arrived, at most one interval late), so the bar never adds a
+    host-device sync. The loss shown is that of this process's batches. Other processes show nothing and do no work.
+    In a notebook with ipywidgets the bar is a widget; without, a text bar (no "IProgress not found" warning).
 
     Args:
-        refresh_every_n_steps: the batches between two refreshes of the loss, learning rate and throughput.
+        refresh_every_n_steps: the batches between two refreshes of the loss, learning rate and throughput; by
+            default a tenth of the epoch, at most 50, so that even a short epoch shows them.
+        verbose: pytorch-accelerated's bars instead: one per training epoch and one per evaluation epoch, each left
+            on screen, the training bar ending with the epoch's ``train_loss_epoch``.
     """
 
-    def __init__(self, refresh_every_n_steps: int = 50):
-        validate_positive_int("refresh_every_n_steps", refresh_every_n_steps, "batches", 50)
+    def __init__(self, refresh_every_n_steps: Optional[int] = None, verbose: bool = False):
+        if refresh_every_n_steps is not None:
+            validate_positive_int("refresh_every_n_steps", refresh_every_n_steps, "batches", 50)
         self.refresh_every_n_steps = refresh_every_n_steps
+        self.verbose = verbose
         self.pbar: tqdm | None = None
         self.eval_pbar: tqdm | None = None
         self._is_shown = False
@@ -67,27 +165,37 @@ class ProgressBarCallback(TrainerCallback):
         self._postfix: dict = {}
         self._samples = 0
         self._epoch_start_time = 0.0
+        self._refresh_every = 50
 
-    def _create_bar(self, trainer: Trainer, dataloader, description: str, initial: int = 0) -> tqdm:
-        return tqdm(
-            total=dataloader_length(dataloader),
+    def _create_bar(self, trainer: Trainer, total: Optional[int], description: str, initial: int = 0) -> tqdm:
+        return progress_bar_class()(
+            total=total,
             initial=initial,
             desc=description,
             unit="batch",
-            disable=not trainer.run_config.is_local_process_zero,
+            disable=not self._is_shown,
             dynamic_ncols=True,
+            leave=self.verbose,  # by default the summary line replaces the bar
         )
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
-        self._is_shown = trainer.run_config.is_local_process_zero
+        self._is_shown = trainer.run_config.is_world_process_zero
         # made once per run: its host buffer is allocated here, never during a step
         self._host_copy = HostCopy(1, trainer.device) if self._is_shown else None
 
+    def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
+        self._is_shown = trainer.run_config.is_world_process_zero
+
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
-        self.pbar = self._create_bar(
-            trainer, trainer.train_dataloader, f"epoch {trainer.run_history.current_epoch} train",
-            initial=trainer.epoch_first_step,  # a resumed epoch continues where it stopped
-        )  # fmt: skip
+        train_batches = dataloader_length(trainer.train_dataloader)
+        if self.verbose:
+            total, description = train_batches, f"epoch {trainer.run_history.current_epoch} train"
+        else:
+            eval_batches = 0 if trainer.eval_dataloader is None else dataloader_length(trainer.eval_dataloader)
+            total = None if train_batches is None or eval_batches is None else train_batches + eval_batches
+            description = epoch_label(trainer)
+        self.pbar = self._create_bar(trainer, total, description, initial=trainer.epoch_first_step)  # a resumed epoch continues
+        self._refresh_every = self.refresh_every_n_steps or max(1, min(50, (train_batches or 500) // 10))
         self._loss.reset()
         self._postfix, self._samples = {}, 0
         self._epoch_start_time = time.perf_counter()
@@ -100,7 +208,7 @@ class ProgressBarCallback(TrainerCallback):
         batch_size = batch_output.get("batch_size")
         if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
             self._samples += batch_size
-        if (step + 1) % self.refresh_every_n_steps == 0:
+        if (step + 1) % self._refresh_every == 0:
             self._refresh(trainer)
 
     def _refresh(self, trainer: Trainer) -> None:
@@ -128,16 +236,22 @@ class ProgressBarCallback(TrainerCallback):
         if self._is_shown and "train_loss_epoch" in trainer.run_history.get_metric_names():
             self._postfix["loss"] = f"{trainer.run_history.get_latest_metric('train_loss_epoch'):.4g}"
             self.pbar.set_postfix(self._postfix, refresh=False)
-        self._close_train_bar()
+        if self.verbose:
+            self._close_train_bar()  # else at the end of the epoch's evaluation too
 
-    def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
-        self.eval_pbar = self._create_bar(trainer, trainer.eval_dataloader, "eval")
+    def on_eval_epoch_start(self, trainer: Trainer, is_intermediate: bool = False, **kwargs):
+        if self.verbose or is_intermediate or self.pbar is None:  # a bar of its own: verbose, mid-epoch, or evaluate()
+            description = "eval" if self.verbose or is_intermediate else "evaluation"
+            self.eval_pbar = self._create_bar(trainer, dataloader_length(trainer.eval_dataloader), description)
 
     def on_eval_step_end(self, trainer: Trainer, **kwargs):
-        self.eval_pbar.update(1)
+        (self.eval_pbar or self.pbar).update(1)
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
         self._close_eval_bar()
+
+    def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
+        self._close_train_bar()
 
     def on_stop_training_error(self, trainer: Trainer, **kwargs):
         self._close_eval_bar()
@@ -155,26 +269,54 @@ class ProgressBarCallback(TrainerCallback):
 
 
 class LogMetricsCallback(TrainerCallback):
-    """Logs the latest value of each metric recorded in the current run, once per node.
+    """Logs the latest value of each metric recorded in the current run, on the main process.
 
-    Metrics whose name contains ``train`` are logged at the end of each training epoch, the others at
-    the end of each evaluation epoch. Only the metrics the current ``train()`` or ``evaluate()`` recorded are
-    logged: after ``evaluate()``, ``evaluation_loss`` without the ``eval_loss_epoch`` of an earlier training run,
-    which the run history keeps. Override :meth:`log_metrics` to send them elsewhere.
+    By default it prints one line per epoch, once the epoch's training and evaluation are done::
+
+        epoch 3/15 · 0.21s · 6543 samples/s · train_loss_epoch: 0.1532 · eval_loss_epoch: 0.1101 · accuracy: 0.9661
+
+    (the time covers the epoch's training and evaluation; samples per second count the training samples of every
+    process), and one line per evaluation run. Values have 4 significant digits.
+
+    :meth:`log_metrics` is called as in pytorch-accelerated: at the end of each training epoch with the metrics whose
+    name contains ``train``, and at the end of each evaluation epoch with the others; only the metrics the current
+    ``train()`` or ``evaluate()`` recorded are passed (after ``evaluate()``, ``evaluation_loss`` without the
+    ``eval_loss_epoch`` of an earlier training run, which the run history keeps). Override it to send them elsewhere.
+
+    Args:
+        verbose: print each metric on a line of its own after each training and evaluation epoch, with all its
+            digits, as pytorch-accelerated does.
     """
 
     #: The number of values of each metric when the current run started (``None``: outside a run, log them all).
     _value_counts_at_run_start: dict | None = None
     _run_config = None  # the run_config of the run those counts belong to: each train() / evaluate() makes a new one
 
+    # class defaults too: a pytorch-accelerated subclass (an AzureML logger, say) may define __init__ without super()
+    verbose, _pending, _epoch_start, _samples = False, None, 0.0, 0
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+        self._pending: dict = {}
+        self._epoch_start = 0.0
+        self._samples = 0
+
     def on_training_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)
 
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)
+        self._epoch_start = time.perf_counter()
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)  # in case a subclass overrides on_training_run_start without super()
+        self._pending, self._samples = {}, 0
+        self._epoch_start = time.perf_counter()
+
+    def on_train_step_end(self, trainer: Trainer, batch_output: dict | None = None, **kwargs):
+        batch_size = None if batch_output is None else batch_output.get("batch_size")
+        if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
+            self._samples += batch_size
 
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)
@@ -191,6 +333,23 @@ class LogMetricsCallback(TrainerCallback):
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
         self._log_latest(trainer, lambda name: "train" not in name)
 
+    def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
+        if self.verbose:
+            return
+        seconds = time.perf_counter() - self._epoch_start
+        speed = f" · {self._samples * trainer.run_config.num_processes / seconds:.0f} samples/s" if self._samples and seconds > 0 else ""
+        metrics = f" · {format_metrics(self._pending)}" if self._pending else ""
+        _print(trainer, f"{epoch_label(trainer)} · {seconds:.2g}s{speed}{metrics}")
+        self._pending = {}
+
+    def on_evaluation_run_end(self, trainer: Trainer, **kwargs):
+        if self.verbose:
+            return
+        seconds = time.perf_counter() - self._epoch_start
+        metrics = f" · {format_metrics(self._pending)}" if self._pending else ""
+        _print(trainer, f"evaluation · {seconds:.2g}s{metrics}")
+        self._pending = {}
+
     def _log_latest(self, trainer: Trainer, wanted) -> None:
         history, counts_at_start = trainer.run_history, self._value_counts_at_run_start
         names = sorted(name for name in history.get_metric_names() if wanted(name))
@@ -199,7 +358,11 @@ class LogMetricsCallback(TrainerCallback):
         self.log_metrics(trainer, {name: history.get_latest_metric(name) for name in names})
 
     def log_metrics(self, trainer: Trainer, metrics: dict) -> None:
-        """Print each metric as ``name: value``; override to log somewhere else."""
+        """Print the metrics (``verbose``: each as ``name: value`` on a line of its own; by default in the epoch's
+        summary line); override to log somewhere else."""
+        if not self.verbose:
+            self._pending = {**(self._pending or {}), **metrics}
+            return
         for name, value in metrics.items():
             trainer.print(f"\n{name}: {value}")
 

@@ -7,12 +7,14 @@ import json
 import math
 import numbers
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
+from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
@@ -112,6 +114,27 @@ class JSONLinesTracker(_FileTracker):
 #: The trackers of this package, by name; every name of ``accelerate.tracking.LOGGER_TYPE_TO_CLASS`` works too.
 BUILTIN_TRACKERS = {"csv": CSVTracker, "jsonl": JSONLinesTracker}
 
+#: The W&B project, MLflow experiment, ... of a callback given no ``project_name``.
+DEFAULT_PROJECT_NAME = "pytorch_accel_trainer"
+
+#: The keyword that names the run, for the Accelerate trackers that take one (the first argument of each of their
+#: classes names the project). Others (Comet, ClearML, DVCLive) name the run their own way, or after the project.
+_RUN_NAME_KEYWORDS = {"wandb": "name", "mlflow": "run_name", "trackio": "name", "swanlab": "experiment_name"}
+
+#: The keyword that names the project in a tracker's own arguments: given in ``tracker_kwargs``, it wins over
+#: ``project_name`` for that tracker (an MLflow experiment path with '/', say).
+_PROJECT_KEYWORDS = {"wandb": "project", "mlflow": "experiment_name", "trackio": "project", "swanlab": "project",
+                     "comet_ml": "project_name", "clearml": "project_name"}  # fmt: skip
+
+
+def _create_run_name() -> str:
+    """A new run name: the local time and six random hex digits, e.g. ``20250131-142501-3fa9c2``.
+
+    The digits come from the operating system (:mod:`secrets`), never from ``random``, numpy or torch, which a seeded
+    run resets: two runs started in the same second, or with the same seed, never share a name.
+    """
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
 
 def run_config_hyperparameters(run_config: Any) -> dict:
     """The fields of a ``TrainerRunConfig`` as ``run_config.<field>`` hyperparameters: numbers, strings and booleans
@@ -148,19 +171,41 @@ class ExperimentTrackingCallback(TrainerCallback):
     one collective every ``log_every_n_steps`` updates, on every process; only the main process creates
     the trackers and writes.
 
+    Names: ``project_name`` groups runs and ``run_name`` names this one. W&B gets ``wandb.init(project=project_name,
+    name=run_name)``; MLflow the experiment ``project_name`` and the run ``run_name``; trackio and SwanLab likewise;
+    the other trackers of Accelerate get ``project_name`` as ``Accelerator.init_trackers`` would give it. The trackers
+    that write files (TensorBoard, CSV, JSON lines) write to :attr:`run_dir`, ``logging_dir/project_name/run_name/``,
+    or ``logging_dir/run_name/`` when ``project_name`` is ``None`` (the layout of earlier versions). A callback has
+    one run name: a later ``train()`` or ``evaluate()`` with it logs under the same name (file trackers append to the
+    same files; W&B and MLflow start another run of that name); create a new callback for a new name.
+
     Args:
         trackers: names of trackers (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any other name Accelerate
-            knows: ``"wandb"``, ``"mlflow"``, ...) or :class:`accelerate.tracking.GeneralTracker` instances.
-        logging_dir: where trackers that write files put ``<run_name>/``.
-        run_name: the name of the run (Accelerate's ``project_name``); the start time by default.
+            knows: ``"wandb"``, ``"mlflow"``, ...) or :class:`accelerate.tracking.GeneralTracker` instances, which are
+            used as they are, names included.
+        logging_dir: where trackers that write files put ``[<project_name>/]<run_name>/``.
+        run_name: the name of this run: the W&B run name, the MLflow run name, the folder of its files. By default
+            the time the callback is created and six random hex digits (``20250131-142501-3fa9c2``), drawn from the
+            operating system, so that two runs never share a name, even with the same seed; in a run of several
+            processes, the main process's from the start of the first run.
         log_every_n_steps: the optimizer updates between two step logs.
         config: hyperparameters to store with ``store_init_configuration`` at the start of each run, with the run
             config (``run_config.<field>``), which is always stored; the command line passes the whole configuration.
-        tracker_kwargs: extra constructor arguments per tracker name, e.g. ``{"wandb": {"entity": "me"}}``.
+        tracker_kwargs: extra constructor arguments per tracker name, e.g. ``{"wandb": {"entity": "me"}}``. A
+            project or run name given here (``{"mlflow": {"experiment_name": "/Users/me/exp"}}``) wins over
+            ``project_name`` and ``run_name`` for that tracker.
+        project_name: the project this run belongs to: the W&B project, the MLflow experiment, a folder between
+            ``logging_dir`` and the run folders. When it is ``None``, there is no such folder and the trackers that
+            take a project get ``"pytorch_accel_trainer"`` (MLflow's ``MLFLOW_EXPERIMENT_NAME`` wins over both).
+
+    Attributes:
+        run_name: the run's name, given or drawn.
+        project_name: the ``project_name`` given.
 
     Example::
 
-        callbacks = (*DEFAULT_CALLBACKS, ExperimentTrackingCallback(["tensorboard", "csv"], logging_dir="runs"))
+        tracking = ExperimentTrackingCallback(["tensorboard", "csv"], logging_dir="runs", project_name="digits")
+        callbacks = (*DEFAULT_CALLBACKS, tracking)  # files in runs/digits/<tracking.run_name>/
     """
 
     def __init__(
@@ -171,12 +216,18 @@ class ExperimentTrackingCallback(TrainerCallback):
         log_every_n_steps: int = 50,
         config: Optional[dict] = None,
         tracker_kwargs: Optional[dict] = None,
+        project_name: Optional[str] = None,
     ):
         self.tracker_specs = [trackers] if isinstance(trackers, (str, GeneralTracker)) else list(trackers)
         _validate_trackers(self.tracker_specs)
         validate_positive_int("log_every_n_steps", log_every_n_steps, "optimizer updates", 50)
+        _validate_name("run_name", run_name, "a new name (the time and random digits)")
+        _validate_name("project_name", project_name, "no project folder, and the project 'pytorch_accel_trainer'")
+        _validate_tracker_kwargs(tracker_kwargs, self.tracker_specs)
         self.logging_dir = logging_dir
-        self.run_name = run_name or time.strftime("%Y%m%d-%H%M%S")
+        self.project_name = project_name
+        self.run_name = run_name or _create_run_name()
+        self._run_name_is_drawn = run_name is None  # each process drew its own: the main process's is shared
         self.log_every_n_steps = log_every_n_steps
         self.config = config
         self.tracker_kwargs = tracker_kwargs or {}
@@ -188,11 +239,21 @@ class ExperimentTrackingCallback(TrainerCallback):
         self._interval_start = 0.0
         self._logged_counts: dict[str, int] = {}
 
+    @property
+    def run_dir(self) -> Path:
+        """The folder of this run's files (TensorBoard, CSV, JSON lines): ``logging_dir/[project_name/]run_name``."""
+        return self._project_dir / self.run_name
+
+    @property
+    def _project_dir(self) -> Path:
+        return Path(self.logging_dir, self.project_name) if self.project_name else Path(self.logging_dir)
+
     # ------------------------------------------------------------------------------------------------
     # Trackers
     # ------------------------------------------------------------------------------------------------
 
     def _start_trackers(self, trainer: "Trainer") -> None:
+        self._share_drawn_run_name(trainer)
         self._is_writer = trainer.run_config.is_world_process_zero
         history = trainer.run_history
         self._logged_counts = {name: len(history.get_metric_values(name)) for name in history.get_metric_names()}
@@ -204,14 +265,27 @@ class ExperimentTrackingCallback(TrainerCallback):
             tracker.start()
             tracker.store_init_configuration(configuration)
 
+    def _share_drawn_run_name(self, trainer: "Trainer") -> None:
+        """Give every process the main process's drawn run name, once: each drew its own with the callback."""
+        if self._run_name_is_drawn and trainer.run_config.num_processes > 1:
+            names = [self.run_name]
+            broadcast_object_list(names)  # one collective, at the first run start, on every process
+            self.run_name = names[0]
+        self._run_name_is_drawn = False
+
     def _create_tracker(self, spec: Union[str, GeneralTracker]) -> GeneralTracker:
         if isinstance(spec, GeneralTracker):
-            return spec
-        kwargs = self.tracker_kwargs.get(spec, {})
+            return spec  # named by whoever created it
+        kwargs = dict(self.tracker_kwargs.get(spec, {}))
         tracker_class = BUILTIN_TRACKERS.get(spec) or LOGGER_TYPE_TO_CLASS[spec]
-        if tracker_class.requires_logging_directory:  # as Accelerator.init_trackers builds them
-            return tracker_class(self.run_name, self.logging_dir, **kwargs)
-        return tracker_class(self.run_name, **kwargs)
+        if tracker_class.requires_logging_directory:  # files in <first argument>/ under the second, as Accelerate does
+            return tracker_class(self.run_name, self._project_dir, **kwargs)
+        project_name = self.project_name or DEFAULT_PROJECT_NAME
+        if spec in _PROJECT_KEYWORDS:
+            project_name = kwargs.pop(_PROJECT_KEYWORDS[spec], project_name)
+        if spec in _RUN_NAME_KEYWORDS:
+            kwargs.setdefault(_RUN_NAME_KEYWORDS[spec], self.run_name)
+        return tracker_class(project_name, **kwargs)  # Accelerate's init_trackers(project_name) passes it first too
 
     def _log(self, values: dict, step: int) -> None:
         for tracker in self.trackers:
@@ -323,3 +397,34 @@ def _validate_trackers(specs: list) -> None:
         if spec not in available:
             package = '"pytorch-accel-trainer[tensorboard]"' if spec == "tensorboard" else spec
             raise ImportError(f"The tracker {spec!r} needs its package, which is not installed: pip install {package}.")
+
+
+def _validate_name(argument: str, value: Any, default: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} is {value!r} ({type(value).__name__}); pass a string, or None for {default}.")
+    if not value.strip() or value in (".", "..") or "/" in value or "\\" in value:
+        hint = " (a project with '/' for MLflow goes in tracker_kwargs={'mlflow': {'experiment_name': ...}})"
+        hint = hint if argument == "project_name" else ""
+        raise ValueError(
+            f"{argument} is {value!r}, which cannot name a folder under logging_dir: pass a non-empty name other than "
+            f"'.' and '..', without '/' or '\\'{hint}, or None for {default}."
+        )
+
+
+def _validate_tracker_kwargs(tracker_kwargs: Any, specs: list) -> None:
+    if tracker_kwargs is None:
+        return
+    if not isinstance(tracker_kwargs, dict) or not all(isinstance(kwargs, dict) for kwargs in tracker_kwargs.values()):
+        raise TypeError(
+            f"tracker_kwargs is {tracker_kwargs!r}; pass a dict of keyword arguments per tracker name, "
+            "e.g. {'wandb': {'entity': 'me'}}."
+        )
+    names = [spec for spec in specs if isinstance(spec, str)]
+    unused = [name for name in tracker_kwargs if name not in names]
+    if unused:
+        raise ValueError(
+            f"tracker_kwargs has arguments for {unused}, which are not among the trackers {names}: add them to "
+            "trackers, or leave their arguments out."
+        )
