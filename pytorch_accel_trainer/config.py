@@ -250,6 +250,9 @@ def create_trainer(config: TrainingConfig, config_text: Optional[str] = None, hy
         run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)
         trainer.callback_handler.add_callback(run_folder)
         folder = run_folder.choose_folder(trainer)
+        for callback in config.callbacks:  # the trackers' run is named as its folder, unless the config names it
+            if isinstance(callback, ExperimentTrackingCallback):
+                callback.use_run_name(folder.name)
         if config.save_training_states:
             trainer.callback_handler.add_callback(SaveTrainingStateCallback(save_dir=folder / "training_states", save_every_n_epochs=1))
     return trainer

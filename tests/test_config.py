@@ -103,6 +103,14 @@ def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):
     assert values["run_config.num_update_steps_per_epoch"] == 8  # the run config, from the trainer
 
 
+def test_the_trackers_run_is_named_as_the_run_folder_unless_the_config_names_it(config_file, tmp_path):
+    callback = {"class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
+                "init_args": {"trackers": ["csv"], "logging_dir": str(tmp_path / "logs")}}  # fmt: skip
+    main(["fit", "--config", str(config_file), "--callbacks", json.dumps([callback]), "--train.num_epochs", "1",
+          "--output_dir", str(tmp_path / "runs"), "--run_name", "named"])  # fmt: skip
+    assert (tmp_path / "logs" / "named" / "metrics.csv").is_file()
+
+
 def test_a_trainer_subclass_and_its_own_arguments_are_given_by_import_path(config_file):
     import config_data.tiny as tiny
 

@@ -239,6 +239,14 @@ class ExperimentTrackingCallback(TrainerCallback):
         self._interval_start = 0.0
         self._logged_counts: dict[str, int] = {}
 
+    def use_run_name(self, run_name: str) -> None:
+        """Name the run ``run_name`` unless a name was given to the constructor; the command line gives the name of
+        the run's folder, so that the trackers' run and the folder match. Call it before ``train()``, with the same
+        name on every process."""
+        if self._run_name_is_drawn:
+            _validate_name("run_name", run_name, "a new name (the time and random digits)")
+            self.run_name, self._run_name_is_drawn = run_name, False
+
     @property
     def run_dir(self) -> Path:
         """The folder of this run's files (TensorBoard, CSV, JSON lines): ``logging_dir/[project_name/]run_name``."""
