@@ -20,6 +20,7 @@ import yaml
 from accelerate.utils import set_seed
 from jsonargparse import ActionConfigFile, ArgumentParser
 
+from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
 from pytorch_accel_trainer.config import ConfigError, TrainingConfig, run_training_config
 
 COMMANDS = {
@@ -30,14 +31,17 @@ COMMANDS = {
 
 def create_parser() -> ArgumentParser:
     """Return the parser of the command line: one subcommand per entry of :data:`COMMANDS`, each taking every key of
-    :class:`TrainingConfig` as a flag (``--train.num_epochs 5``) and ``--config`` files."""
+    :class:`TrainingConfig` as a flag (``--train.num_epochs 5``) and ``--config`` files; ``parser.command_parsers``
+    holds the parser of each subcommand."""
     parser = ArgumentParser(prog="pytorch-accel-trainer", description=__doc__.splitlines()[0], exit_on_error=False, allow_abbrev=False)
     subcommands = parser.add_subcommands(dest="command", required=True)
+    parser.command_parsers = {}
     for command, description in COMMANDS.items():
         subparser = ArgumentParser(description=description, exit_on_error=False, allow_abbrev=False)
         subparser.add_argument("--config", action=ActionConfigFile, help="a YAML config file; flags after it override it")
         subparser.add_class_arguments(TrainingConfig, None, fail_untyped=True)
         subcommands.add_subcommand(command, subparser, help=description)
+        parser.command_parsers[command] = subparser
     return parser
 
 
@@ -55,7 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     except ArgumentError as error:
         raise ConfigError(explain_parse_error(error, parser)) from None
     command = parsed.command
-    subparser = parser._subcommands_action._name_parser_map[command]
+    subparser = parser.command_parsers[command]
     namespace = parsed[command]
     config_text = subparser.dump(namespace, skip_unset=False)  # every key, nulls included: a complete file
     if namespace.trainer.seed is not None:
@@ -65,7 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     except (ArgumentError, TypeError, ValueError) as error:
         raise ConfigError(f"The configuration could not be built: {error}. Fix the arguments named above.") from None
     config = TrainingConfig(**{item.name: instantiated[item.name] for item in fields(TrainingConfig)})
-    hyperparameters = flatten(yaml.safe_load(config_text))
+    hyperparameters = plain_hyperparameters(yaml.safe_load(config_text))
     _, result = run_training_config(config, command, config_text, hyperparameters)
     return result
 
@@ -85,7 +89,7 @@ def explain_parse_error(error: ArgumentError, parser: ArgumentParser) -> str:
     and where to find the valid keys."""
     message = str(error).strip()
     unknown = re.findall(r"(?:option|Key|key|arguments:)\s+'?-*([\w.]+)", message)
-    known = sorted({key for subparser in parser._subcommands_action._name_parser_map.values() for key in _keys(subparser)})
+    known = sorted({key for subparser in parser.command_parsers.values() for key in _keys(subparser)})
     hints = [f"did you mean {match!r}?" for name in unknown for match in difflib.get_close_matches(name, known, n=1)]
     hint = f" ({'; '.join(hints)})" if hints else ""
     return (
@@ -96,17 +100,3 @@ def explain_parse_error(error: ArgumentError, parser: ArgumentParser) -> str:
 
 def _keys(parser: ArgumentParser) -> list:
     return [action.dest for action in parser._actions if action.dest not in ("help", "config", "print_config")]
-
-
-def flatten(values: Any, prefix: str = "") -> dict:
-    """A nested config as one level of ``a.b.c`` keys, with numbers, strings and booleans as they are and other
-    values as text, as experiment trackers store hyperparameters."""
-    if isinstance(values, dict):
-        flat = {}
-        for key, value in values.items():
-            flat.update(flatten(value, f"{prefix}{key}."))
-        return flat
-    key = prefix[:-1]
-    if values is None or isinstance(values, (bool, int, float, str)):
-        return {key: "null" if values is None else values}
-    return {key: str(values)}

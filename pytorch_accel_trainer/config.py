@@ -167,12 +167,13 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
             f"trainer_class: {config.trainer_class!r} is not a Trainer class; give the import path of "
             "pytorch_accel_trainer.Trainer or of a subclass of it, e.g. my_package.training.MyTrainer."
         )
-    needed = {"fit": (("data.train", config.data.train), ("optimizer", config.optimizer)), "evaluate": (("data.eval", config.data.eval),)}
-    for key, value in needed[command]:
+    needed = {  # what each command needs: (key, value, a flag that sets it)
+        "fit": (("data.train", config.data.train, "--data.train my_package.data.train_dataset"),
+                ("optimizer", config.optimizer, "--optimizer torch.optim.AdamW --optimizer.lr 0.001")),
+        "evaluate": (("data.eval", config.data.eval, "--data.eval my_package.data.eval_dataset"),),
+    }  # fmt: skip
+    for key, value, example in needed[command]:
         if value is None:
-            example = "--data.train my_package.data.train_dataset" if key == "data.train" else "--optimizer torch.optim.AdamW --optimizer.lr 0.001"
-            if key == "data.eval":
-                example = "--data.eval my_package.data.eval_dataset"
             raise ConfigError(f"{key} is missing: `{command}` needs it. Set it in the config file or with {example}.")
     if command == "fit" and config.train.num_epochs is None and config.train.max_num_train_steps is None:
         raise ConfigError(

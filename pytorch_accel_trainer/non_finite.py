@@ -35,8 +35,11 @@ class NonFinitePolicy:
 
     def remember_micro_batch(self, batch: Any, step: int, opens_window: bool) -> None:
         """Keep a micro-batch of the current window, to run it again if the window's gradients are not finite."""
-        if self.max_retries:
-            self.window_batches = [(batch, step)] if opens_window else [*self.window_batches, (batch, step)]
+        if not self.max_retries:
+            return  # nothing will be retried: keep no batch alive
+        if opens_window:
+            self.window_batches = []
+        self.window_batches.append((batch, step))
 
     def record_skip(self) -> None:
         self.consecutive_skips += 1

@@ -168,7 +168,7 @@ def test_a_log_metrics_override_gets_the_same_calls_as_in_pytorch_accelerated(ca
     assert all(line.startswith("epoch ") and "loss" not in line for line in capsys.readouterr().out.splitlines())
 
 
-def test_the_console_has_no_ipywidgets_warning_and_picks_a_bar_class():
+def test_outside_a_notebook_the_bar_is_tqdms_text_bar():
     from pytorch_accel_trainer.callbacks.progress import progress_bar_class
 
     import tqdm.notebook

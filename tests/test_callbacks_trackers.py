@@ -61,7 +61,7 @@ def test_json_lines_hold_step_values_every_n_updates_and_every_epoch_metric(trac
     assert stored["lr"] == 0.05  # the callback's config, with the run config of every run
     assert stored["run_config.num_update_steps_per_epoch"] == trainer.run_config.num_update_steps_per_epoch
     assert stored["run_config.max_num_train_steps"] == trainer.run_config.max_num_train_steps
-    assert "seed_worker" in stored["run_config.train_dl_kwargs"] and " at 0x" not in stored["run_config.train_dl_kwargs"]
+    assert stored["run_config.train_dl_kwargs.worker_init_fn"] == "pytorch_accel_trainer.utils.seed_worker"  # by name, not address
 
 
 def test_the_csv_holds_one_row_per_value(tracked_run):

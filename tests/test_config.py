@@ -13,7 +13,8 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import CPU_PROCESSES_ENV
-from pytorch_accel_trainer.cli import console_main, create_parser, flatten, main
+from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
+from pytorch_accel_trainer.cli import console_main, create_parser, main
 from pytorch_accel_trainer.config import ConfigError
 from pytorch_accel_trainer.run_state import TrainResult
 
@@ -114,9 +115,11 @@ def test_the_trackers_run_is_named_as_the_run_folder_unless_the_config_names_it(
 def test_a_trainer_subclass_and_its_own_arguments_are_given_by_import_path(config_file):
     import config_data.tiny as tiny
 
+    tiny.TaggedTrainer.instances.clear()
     main(["fit", "--config", str(config_file), "--trainer_class", "config_data.tiny.TaggedTrainer",
           "--trainer_arguments", '{"tag": "x"}', "--train.num_epochs", "1"])  # fmt: skip
-    assert tiny.TaggedTrainer.__name__ == "TaggedTrainer"
+    [trainer] = tiny.TaggedTrainer.instances  # the run's trainer was the subclass, built with its own argument
+    assert trainer.tag == "x" and trainer.num_update_steps_completed == 8
 
 
 def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
@@ -172,12 +175,15 @@ def test_the_console_script_prints_one_error_line_and_exits_2(config_file, capsy
     assert error.startswith("pytorch-accel-trainer: error: The configuration is not valid") and "Traceback" not in error
 
 
-def test_flatten_gives_trackers_plain_values():
-    assert flatten({"a": {"b": 1, "c": None}, "d": [1, 2], "e": "x"}) == {"a.b": 1, "a.c": "null", "d": "[1, 2]", "e": "x"}
+def test_the_config_reaches_trackers_as_plain_values():
+    values = {"a": {"b": 1, "c": None}, "d": [1, 2], "e": "x", "f": plain_hyperparameters}
+    assert plain_hyperparameters(values) == {
+        "a.b": 1, "a.c": "null", "d": "[1, 2]", "e": "x", "f": "pytorch_accel_trainer.callbacks.trackers.plain_hyperparameters",
+    }  # fmt: skip
 
 
 def test_the_parser_has_fit_and_evaluate():
-    assert set(create_parser()._subcommands_action._name_parser_map) == {"fit", "evaluate"}
+    assert set(create_parser().command_parsers) == {"fit", "evaluate"}
 
 
 # The digits example from the command line --------------------------------------------------------------------------

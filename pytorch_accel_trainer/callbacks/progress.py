@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
 from pytorch_accel_trainer.utils import dataloader_length
 
 if TYPE_CHECKING:
@@ -293,13 +294,13 @@ class LogMetricsCallback(TrainerCallback):
     _run_config = None  # the run_config of the run those counts belong to: each train() / evaluate() makes a new one
 
     # class defaults too: a pytorch-accelerated subclass (an AzureML logger, say) may define __init__ without super()
-    verbose, _pending, _epoch_start, _samples = False, None, 0.0, 0
+    verbose, _pending, _epoch_start, _samples_before_epoch = False, None, 0.0, 0
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
         self._pending: dict = {}
         self._epoch_start = 0.0
-        self._samples = 0
+        self._samples_before_epoch = 0  # the trainer's count of samples (run_state.samples_seen) when the epoch began
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)
@@ -310,13 +311,8 @@ class LogMetricsCallback(TrainerCallback):
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)  # in case a subclass overrides on_training_run_start without super()
-        self._pending, self._samples = {}, 0
+        self._pending, self._samples_before_epoch = {}, trainer.run_state.samples_seen
         self._epoch_start = time.perf_counter()
-
-    def on_train_step_end(self, trainer: Trainer, batch_output: dict | None = None, **kwargs):
-        batch_size = None if batch_output is None else batch_output.get("batch_size")
-        if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
-            self._samples += batch_size
 
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
         self._start_run(trainer)
@@ -325,7 +321,7 @@ class LogMetricsCallback(TrainerCallback):
         """Take the metric counts at the start of a run, once per run (the first event of the run that reaches here)."""
         if trainer.run_config is not self._run_config:
             self._run_config = trainer.run_config
-            self._value_counts_at_run_start = _value_counts(trainer.run_history)
+            self._value_counts_at_run_start = metric_counts(trainer.run_history)
 
     def on_train_epoch_end(self, trainer: Trainer, **kwargs):
         self._log_latest(trainer, lambda name: "train" in name)
@@ -337,7 +333,10 @@ class LogMetricsCallback(TrainerCallback):
         if self.verbose:
             return
         seconds = time.perf_counter() - self._epoch_start
-        speed = f" · {self._samples * trainer.run_config.num_processes / seconds:.0f} samples/s" if self._samples and seconds > 0 else ""
+        samples = trainer.run_state.samples_seen - self._samples_before_epoch
+        speed = ""
+        if isinstance(samples, int) and samples and seconds > 0:  # tensor sizes (a hook's own) would need a sync to read
+            speed = f" · {samples * trainer.run_config.num_processes / seconds:.0f} samples/s"
         metrics = f" · {format_metrics(self._pending)}" if self._pending else ""
         _print(trainer, f"{epoch_label(trainer)} · {seconds:.2g}s{speed}{metrics}")
         self._pending = {}
@@ -351,11 +350,9 @@ class LogMetricsCallback(TrainerCallback):
         self._pending = {}
 
     def _log_latest(self, trainer: Trainer, wanted) -> None:
-        history, counts_at_start = trainer.run_history, self._value_counts_at_run_start
-        names = sorted(name for name in history.get_metric_names() if wanted(name))
-        if counts_at_start is not None:  # the values of earlier runs are in the history too: leave them out
-            names = [name for name in names if len(history.get_metric_values(name)) != counts_at_start.get(name, 0)]
-        self.log_metrics(trainer, {name: history.get_latest_metric(name) for name in names})
+        # the values of earlier runs are in the history too: leave them out (outside a run, log them all)
+        recorded = metrics_recorded_since(trainer.run_history, self._value_counts_at_run_start or {})
+        self.log_metrics(trainer, {name: value for name, value in recorded.items() if wanted(name)})
 
     def log_metrics(self, trainer: Trainer, metrics: dict) -> None:
         """Print the metrics (``verbose``: each as ``name: value`` on a line of its own; by default in the epoch's
@@ -365,10 +362,6 @@ class LogMetricsCallback(TrainerCallback):
             return
         for name, value in metrics.items():
             trainer.print(f"\n{name}: {value}")
-
-
-def _value_counts(history) -> dict:
-    return {name: len(history.get_metric_values(name)) for name in history.get_metric_names()}
 
 
 #: pytorch-accelerated's name for :class:`LogMetricsCallback`.

@@ -18,6 +18,7 @@ from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.tracking import metric_counts
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -137,21 +138,26 @@ def _create_run_name() -> str:
 
 
 def run_config_hyperparameters(run_config: Any) -> dict:
-    """The fields of a ``TrainerRunConfig`` as ``run_config.<field>`` hyperparameters: numbers, strings and booleans
-    as they are, anything else as text (``None`` as ``"null"``), as every tracker can store them."""
-    return {f"run_config.{name}": _plain(value) for name, value in run_config.to_dict().items()}
+    """The fields of a ``TrainerRunConfig`` as ``run_config.<field>`` hyperparameters (see :func:`plain_hyperparameters`)."""
+    return plain_hyperparameters(run_config.to_dict(), "run_config.")
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    if value is None:
-        return "null"
-    if isinstance(value, dict):  # the dataloader arguments: functions by name, not by address
-        return "{" + ", ".join(f"{key}: {_plain(item)}" for key, item in value.items()) + "}"
-    if callable(value):
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__name__)}"
-    return repr(value)
+def plain_hyperparameters(values: Any, prefix: str = "") -> dict:
+    """Nested ``values`` as one level of ``a.b.c`` keys, as every tracker can store hyperparameters: numbers, strings
+    and booleans as they are, ``None`` as ``"null"``, functions and classes by import path (not by address), anything
+    else as text."""
+    if isinstance(values, dict):
+        flat = {}
+        for key, value in values.items():
+            flat.update(plain_hyperparameters(value, f"{prefix}{key}."))
+        return flat
+    if values is None or isinstance(values, (bool, int, float, str)):
+        plain = "null" if values is None else values
+    elif callable(values):
+        plain = f"{getattr(values, '__module__', '')}.{getattr(values, '__qualname__', type(values).__name__)}"
+    else:
+        plain = repr(values)
+    return {prefix[:-1]: plain}
 
 
 class ExperimentTrackingCallback(TrainerCallback):
@@ -264,7 +270,7 @@ class ExperimentTrackingCallback(TrainerCallback):
         self._share_drawn_run_name(trainer)
         self._is_writer = trainer.run_config.is_world_process_zero
         history = trainer.run_history
-        self._logged_counts = {name: len(history.get_metric_values(name)) for name in history.get_metric_names()}
+        self._logged_counts = metric_counts(history)
         if not self._is_writer or self.trackers:
             return
         self.trackers = [self._create_tracker(spec) for spec in self.tracker_specs]

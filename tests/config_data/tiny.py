@@ -16,8 +16,11 @@ def eval_dataset(num_samples: int = 64) -> TensorDataset:
 
 
 class TaggedTrainer(Trainer):
-    """A subclass with an argument of its own, given by ``trainer_arguments``."""
+    """A subclass with an argument of its own, given by ``trainer_arguments``; it keeps each instance, for the test."""
+
+    instances: list = []
 
     def __init__(self, *args, tag: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
         self.tag = tag
+        TaggedTrainer.instances.append(self)
