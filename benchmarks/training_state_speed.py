@@ -76,7 +76,7 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         position = trainer.run_state.position(None)
         times["sync_stall"].append(_timed(lambda: persistence.write_state(trainer, root / f"sync-{repeat}", position)))
         if has_async:
-            from pytorch_accel_trainer import async_save
+            from pytorch_accel_trainer.state import async_save
 
             start = time.perf_counter()
             persistence.write_state(trainer, root / f"async-{repeat}", position, asynchronous=True)

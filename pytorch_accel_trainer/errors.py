@@ -1,7 +1,7 @@
 """The library's own errors and the validators shared by its modules: a leaf, importing nothing of the package.
 
 Users import the errors from where they always have (``pytorch_accel_trainer.callbacks`` for
-``StopTrainingError``, ``pytorch_accel_trainer.training_state`` for ``CheckpointError``); they are defined
+``StopTrainingError``, ``pytorch_accel_trainer.state.training_state`` for ``CheckpointError``); they are defined
 here so that low modules (``distributed``, ``run_state``) need not import the callbacks.
 """
 

@@ -10,24 +10,24 @@ from accelerate import PartialState
 from accelerate.utils import set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
-from pytorch_accel_trainer import accumulation, persistence
-from pytorch_accel_trainer.batches import NO_EVAL_BATCH, batch_loss, batch_size_for, dataset_and_dataloader, forward_batch, given_dataloader_kwargs, loss_weight, merge_dataloader_kwargs, real_rows_in_batch, with_own_generator_and_checked_collate  # fmt: skip
+from pytorch_accel_trainer.loop import accumulation, persistence
+from pytorch_accel_trainer.loop.batches import NO_EVAL_BATCH, batch_loss, batch_size_for, dataset_and_dataloader, forward_batch, given_dataloader_kwargs, loss_weight, merge_dataloader_kwargs, real_rows_in_batch, with_own_generator_and_checked_collate  # fmt: skip
 from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: importable from here, as in pytorch-accelerated)
     LIMIT_BATCHES_ENV_VAR, CallbackHandler, LimitBatchesCallback, LogMetricsCallback, MoveModulesToDeviceCallback,
     PrintProgressCallback, ProgressBarCallback, TerminateOnNaNCallback,
 )  # fmt: skip
-from pytorch_accel_trainer.distributed import ProcessAgreement
+from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.accessors import TrainerUtilitiesMixin
-from pytorch_accel_trainer.loop_support import LoopSupportMixin
-from pytorch_accel_trainer.extra_models import ExtraModelsMixin
-from pytorch_accel_trainer.persistence import PersistenceMixin
+from pytorch_accel_trainer.loop.accessors import TrainerUtilitiesMixin
+from pytorch_accel_trainer.loop.support import LoopSupportMixin
+from pytorch_accel_trainer.loop.extra_models import ExtraModelsMixin
+from pytorch_accel_trainer.loop.persistence import PersistenceMixin
 from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
 from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
-from pytorch_accel_trainer.run_state import RunState, TrainResult
-from pytorch_accel_trainer.setup import SetupMixin
-from pytorch_accel_trainer.timm_scheduler import TimmSchedulerMixin
-from pytorch_accel_trainer.sharded import (
+from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
+from pytorch_accel_trainer.loop.preparation import SetupMixin
+from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
+from pytorch_accel_trainer.parallel.sharded import (
     set_deepspeed_gradient_sync,
     validate_sharded_run,
     warn_if_sharding_was_ignored,
@@ -119,7 +119,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self._accelerator = self._create_accelerator()
         warn_if_sharding_was_ignored(self._accelerator)
         #: The state of the current (or last) training run: counters, epoch position, accumulation window, the
-        #: saves, stop and preemption asked for, the resume plan (see :class:`~pytorch_accel_trainer.run_state.RunState`).
+        #: saves, stop and preemption asked for, the resume plan (see :class:`~pytorch_accel_trainer.loop.run_state.RunState`).
         self.run_state = RunState()
         #: Agrees a decision taken on one process with every process (one small host-side collective).
         self.process_agreement = ProcessAgreement()
@@ -352,7 +352,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
                 for schedules written in epochs (``CosineAnnealingLR(T_max=num_epochs)``, ``StepLR(step_size=10)``).
 
         Returns:
-            A :class:`~pytorch_accel_trainer.run_state.TrainResult`: the metrics the run recorded (latest values),
+            A :class:`~pytorch_accel_trainer.loop.run_state.TrainResult`: the metrics the run recorded (latest values),
             the best value of a monitoring callback, epochs, updates, samples, wall time and samples per second.
 
         Example::

@@ -317,7 +317,7 @@ def validate_optimizer_parameters(optimizer: Any, model: torch.nn.Module) -> Non
         f"optimizer={optimizer_name} holds {len(trainable) - len(missing)} of the model's {len(trainable)} trainable "
         f"parameters: {len(missing)} would get gradients but never be updated ({names}). Build the optimizer from "
         "model.parameters(), or freeze the parameters you do not want to train (parameter.requires_grad_(False), or "
-        "pytorch_accel_trainer.freezing.ModelFreezer) so that they need no gradient either."
+        "pytorch_accel_trainer.finetuning.ModelFreezer) so that they need no gradient either."
     )
 
 

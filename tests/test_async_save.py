@@ -10,9 +10,9 @@ import torch
 from test_training_state import Crash, CrashAt, _final_state, _run, damage_file
 
 from conftest import assert_bitwise_equal
-from pytorch_accel_trainer import async_save, training_state
-from pytorch_accel_trainer.state_files import file_digest
-from pytorch_accel_trainer.training_state import (
+from pytorch_accel_trainer.state import async_save, training_state
+from pytorch_accel_trainer.state.files import file_digest
+from pytorch_accel_trainer.state.training_state import (
     MANIFEST_NAME,
     CheckpointError,
     find_resumable_state,
@@ -128,7 +128,7 @@ def test_a_failure_of_the_last_background_save_is_raised_as_train_returns(tmp_pa
 
 
 def test_host_buffers_are_reused_by_the_next_save_and_freed_as_the_run_ends(tmp_path):
-    from pytorch_accel_trainer.async_save import HostBuffers, host_buffers
+    from pytorch_accel_trainer.state.async_save import HostBuffers, host_buffers
 
     buffers, source = HostBuffers(), torch.arange(6.0)
     first = buffers.copy("w", source)

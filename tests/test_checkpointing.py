@@ -17,7 +17,7 @@ import torch
 
 from conftest import make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer import Trainer, checkpointing
-from pytorch_accel_trainer.checkpointing import MODEL_KEY, load_checkpoint_file
+from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
 
 
 def _trained_trainer(**train_kwargs):
@@ -134,7 +134,7 @@ _STOPPED_SAVE = textwrap.dedent(
     """
     import os, signal, sys, time
     import torch
-    from pytorch_accel_trainer.checkpointing import save_checkpoint_file
+    from pytorch_accel_trainer.state.checkpointing import save_checkpoint_file
 
     write = torch.save
 
@@ -244,7 +244,8 @@ def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_ear
     the background writer of an asynchronous one); the partial state folder is removed, the earlier state resumes."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    from pytorch_accel_trainer import async_save, persistence, state_files, training_state
+    from pytorch_accel_trainer.state import async_save, files as state_files, training_state
+    from pytorch_accel_trainer.loop import persistence
 
     trainer = _trained_trainer()
     first = trainer.save_training_state(tmp_path, name="before")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from conftest import CPU_PROCESSES_ENV
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
 from pytorch_accel_trainer.cli import console_main, create_parser, main
-from pytorch_accel_trainer.config import ConfigError
-from pytorch_accel_trainer.run_state import TrainResult
+from pytorch_accel_trainer.cli.config import ConfigError
+from pytorch_accel_trainer.loop.run_state import TrainResult
 
 TESTS = pathlib.Path(__file__).parent
 ROOT = TESTS.parent

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer import TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import EarlyStoppingCallback, TrainerCallback
-from pytorch_accel_trainer.run_state import TrainResult
+from pytorch_accel_trainer.loop.run_state import TrainResult
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_dataloader.py"
 

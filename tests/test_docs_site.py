@@ -30,18 +30,19 @@ PACKAGE = "pytorch_accel_trainer"
 #: Modules whose every public name must be in the reference: the names of their ``__all__``, else every name a
 #: top-level ``def``, ``class`` or assignment of the module defines without a leading underscore.
 PUBLIC_MODULES = (
-    "", "trainer", "callbacks", "tracking", "plotting", "run_config", "run_state", "placeholders", "schedulers",
-    "finetuning", "utils", "training_state", "checkpointing", "config", "cli", "run_folder", "errors",
+    "", "trainer", "callbacks", "tracking", "plotting", "run_config", "loop.run_state", "placeholders", "schedulers",
+    "finetuning", "utils", "state.training_state", "state.checkpointing", "cli.config", "cli", "cli.commands",
+    "cli.run_folder", "errors",
 )  # fmt: skip
 #: Implementation modules that also hold a few public names (imported from there by users and the guide pages).
-PUBLIC_NAMES_OF_OTHER_MODULES = {"distributed": ("create_accelerator", "ProcessAgreement")}
-#: Implementation modules: the Trainer's mixins (their methods are the Trainer's, in its reference), the families
-#: re-exported by the callbacks and schedulers packages, and helpers of the loop. A new module goes in one of these
-#: three places, which is the point: whether it is public is decided.
+PUBLIC_NAMES_OF_OTHER_MODULES = {"parallel.distributed": ("create_accelerator", "ProcessAgreement")}
+#: Implementation modules: the subpackages' helpers (the Trainer's mixins' methods are the Trainer's, in its
+#: reference), the families re-exported by the callbacks and schedulers packages, and the other import paths of
+#: moved modules (the same module objects). A new module goes in one of these places: whether it is public is decided.
 INTERNAL_MODULES = (
-    "__main__", "accessors", "accumulation", "async_save", "batches", "extra_models", "freezing", "loop_support",
-    "non_finite", "persistence", "preemption", "rng_state", "setup", "sharded", "state_files", "timm_scheduler",
-    "validation", "callbacks.*", "schedulers.*",
+    "__main__", "validation", "loop", "loop.*", "state", "state.*", "parallel", "parallel.*", "callbacks.*",
+    "schedulers.*", "checkpointing", "training_state", "run_state", "distributed", "sharded", "config", "run_folder",
+    "freezing",
 )  # fmt: skip
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")

@@ -31,7 +31,7 @@ def test_the_exit_wait_sees_idle_gloo_workers_and_returns_within_milliseconds():
     """In a real (one-process) gloo group after a collective, the workers are seen idle and the wait is short."""
     code = (
         "import os, time, torch, torch.distributed as dist\n"
-        "from pytorch_accel_trainer.distributed import _gloo_worker_states, _wait_until_gloo_workers_are_idle\n"
+        "from pytorch_accel_trainer.parallel.distributed import _gloo_worker_states, _wait_until_gloo_workers_are_idle\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0')\n"
         "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:0')\n"
         "dist.all_reduce(torch.ones(3))\n"

@@ -15,7 +15,7 @@ from torch import nn
 from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, linear_dataset, make_linear
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.training_state import CheckpointError, list_complete_states, verify_folder
+from pytorch_accel_trainer.state.training_state import CheckpointError, list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "extra_models_run.py"
 

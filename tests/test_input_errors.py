@@ -341,7 +341,7 @@ def test_a_misspelt_placeholder_lists_the_placeholders_and_suggests_the_closest(
 
 def test_create_accelerator_accepts_cpu_true_from_code():
     """``create_accelerator(cpu=True)`` used to raise TypeError (``cpu`` passed twice to Accelerator)."""
-    from pytorch_accel_trainer.distributed import create_accelerator
+    from pytorch_accel_trainer.parallel.distributed import create_accelerator
 
     accelerator = create_accelerator(cpu=True)
     assert accelerator.device.type == "cpu"

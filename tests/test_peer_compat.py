@@ -16,7 +16,7 @@ from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker
 from pytorch_accel_trainer.trainer import replace_trainer_placeholder_values
-from pytorch_accel_trainer.training_state import find_resumable_state
+from pytorch_accel_trainer.state.training_state import find_resumable_state
 
 ROOT = Path(__file__).resolve().parents[1]
 

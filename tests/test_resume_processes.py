@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher
-from pytorch_accel_trainer.training_state import list_complete_states, verify_folder
+from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 

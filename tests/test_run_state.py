@@ -11,7 +11,7 @@ from torch import nn
 from conftest import RecordingCallback, StreamDataset, linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer.callbacks import StopTrainingError, TrainerCallback
 from pytorch_accel_trainer.run_config import TrainOptions
-from pytorch_accel_trainer.run_state import RunState
+from pytorch_accel_trainer.loop.run_state import RunState
 
 
 class UpdateLog(TrainerCallback):

@@ -35,7 +35,7 @@ from torch import nn
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
-from pytorch_accel_trainer.checkpointing import MODEL_KEY, load_checkpoint_file
+from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
 from pytorch_accel_trainer.schedulers import (
     CosineLrScheduler,
     SchedulerArgumentError,
@@ -43,7 +43,7 @@ from pytorch_accel_trainer.schedulers import (
     create_stepped_once,
     estimate_checkpoint_steps,
 )
-from pytorch_accel_trainer.training_state import find_resumable_state
+from pytorch_accel_trainer.state.training_state import find_resumable_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

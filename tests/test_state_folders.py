@@ -20,8 +20,8 @@ from torch import nn
 from conftest import regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.state_files import CHECKSUM, file_digest
-from pytorch_accel_trainer.training_state import (
+from pytorch_accel_trainer.state.files import CHECKSUM, file_digest
+from pytorch_accel_trainer.state.training_state import (
     MANIFEST_NAME,
     TRAINER_FILE,
     CheckpointError,

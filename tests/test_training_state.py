@@ -14,8 +14,8 @@ from torch import nn
 from conftest import assert_bitwise_equal, regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
-from pytorch_accel_trainer.state_files import CHECKSUM, file_digest
-from pytorch_accel_trainer.training_state import (
+from pytorch_accel_trainer.state.files import CHECKSUM, file_digest
+from pytorch_accel_trainer.state.training_state import (
     MANIFEST_NAME,
     CheckpointError,
     find_resumable_state,

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Mapping, Optional
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 
 if TYPE_CHECKING:
-    from pytorch_accel_trainer.freezing import ModelFreezer
+    from pytorch_accel_trainer.finetuning import ModelFreezer
     from pytorch_accel_trainer.trainer import Trainer
 
 
 class GradualUnfreezingCallback(TrainerCallback):
-    """Unfreezes layer groups of a :class:`~pytorch_accel_trainer.freezing.ModelFreezer` at given epochs.
+    """Unfreezes layer groups of a :class:`~pytorch_accel_trainer.finetuning.ModelFreezer` at given epochs.
 
     At the start of each training epoch listed in ``unfreeze_at_epochs``, the layer groups from the given
     index to the last are unfrozen (``{3: -2, 5: 0}``: the last two groups at epoch 3, all at epoch 5;

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
-from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS
+from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
-from pytorch_accel_trainer.distributed import create_accelerator
+from pytorch_accel_trainer.parallel.distributed import create_accelerator
 
 NUM_EPOCHS = 3
 

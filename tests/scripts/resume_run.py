@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer import training_state
+from pytorch_accel_trainer.state import training_state
 
 
 class IndexedDataset(Dataset):

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 
 from pytorch_accel_trainer.callbacks import CallbackHandler
-from pytorch_accel_trainer.sharded import unwrap_distributed_model
+from pytorch_accel_trainer.parallel.sharded import unwrap_distributed_model
 from pytorch_accel_trainer.utils import remove_padding
 
 

@@ -13,8 +13,8 @@ from typing import Iterable, Optional
 import torch
 from accelerate import Accelerator
 
-from pytorch_accel_trainer.run_state import RunState
-from pytorch_accel_trainer.sharded import as_plain_tensor, clip_gradients_by_value, validate_gradients_visible
+from pytorch_accel_trainer.loop.run_state import RunState
+from pytorch_accel_trainer.parallel.sharded import as_plain_tensor, clip_gradients_by_value, validate_gradients_visible
 
 
 def _gradients(parameters: Iterable[torch.nn.Parameter]) -> list:

@@ -1,6 +1,6 @@
 """The Trainer's persistence: export checkpoints, training states, resume and preemption.
 
-Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.run_state.RunState`,
+Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.loop.run_state.RunState`,
 which the loop calls at its safe points (between two optimizer updates) and when a run resumes. And
 :class:`PersistenceMixin`, the public saving and loading methods of the Trainer, thin wrappers around
 ``checkpointing.py`` and ``training_state.py``; it holds no state of its own.
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 from accelerate import skip_first_batches
 
-from pytorch_accel_trainer import async_save
-from pytorch_accel_trainer.checkpointing import (
+from pytorch_accel_trainer.state import async_save
+from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
     SCHEDULER_KEY,
@@ -26,10 +26,10 @@ from pytorch_accel_trainer.checkpointing import (
     save_checkpoint_file,
 )
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.non_finite import NonFinitePolicy
-from pytorch_accel_trainer.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
-from pytorch_accel_trainer.run_state import RunState
-from pytorch_accel_trainer.sharded import (
+from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
+from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
+from pytorch_accel_trainer.loop.run_state import RunState
+from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
     get_full_model_state_dict,
     get_full_optimizer_state_dict,
@@ -38,7 +38,7 @@ from pytorch_accel_trainer.sharded import (
     load_full_optimizer_state_dict,
     writes_on_this_process,
 )
-from pytorch_accel_trainer.training_state import (
+from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
     ResumePosition,
     StoredState,
@@ -48,7 +48,7 @@ from pytorch_accel_trainer.training_state import (
     write_training_state,
 )
 from pytorch_accel_trainer.utils import dataset_length
-from pytorch_accel_trainer.state_files import validate_state_name
+from pytorch_accel_trainer.state.files import validate_state_name
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

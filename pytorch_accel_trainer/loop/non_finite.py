@@ -74,7 +74,7 @@ def retry_or_skip_non_finite_update(
     One read back from the device per check.
 
     Args:
-        state: the :class:`~pytorch_accel_trainer.run_state.RunState` of the run.
+        state: the :class:`~pytorch_accel_trainer.loop.run_state.RunState` of the run.
 
     Raises:
         StopTrainingError: ``policy.max_consecutive_skips`` updates in a row were skipped.

@@ -13,12 +13,12 @@ from typing import Iterable
 
 from accelerate.utils import gather_object
 
-from pytorch_accel_trainer import accumulation, persistence
-from pytorch_accel_trainer.batches import NO_TRAIN_BATCH
+from pytorch_accel_trainer.loop import accumulation, persistence
+from pytorch_accel_trainer.loop.batches import NO_TRAIN_BATCH
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.non_finite import retry_or_skip_non_finite_update
+from pytorch_accel_trainer.loop.non_finite import retry_or_skip_non_finite_update
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
-from pytorch_accel_trainer.run_state import TrainResult
+from pytorch_accel_trainer.loop.run_state import TrainResult
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker, metric_counts, metrics_recorded_since
 from pytorch_accel_trainer.utils import require_batches, with_last_flag
 

@@ -21,10 +21,10 @@ from typing import Any, Optional
 
 import torch
 
-from pytorch_accel_trainer import training_state
-from pytorch_accel_trainer.checkpointing import reporting_out_of_space, validate_plain
+from pytorch_accel_trainer.state import training_state
+from pytorch_accel_trainer.state.checkpointing import reporting_out_of_space, validate_plain
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state_files import (
+from pytorch_accel_trainer.state.files import (
     MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, TRAINER_FILE, default_state_name, inner_optimizer, rank_file,
     save_tensors_file, unused_folder_name, write_bytes_file, extra_model_file, extra_optimizer_classes, extra_optimizer_file,
 )  # fmt: skip
@@ -32,7 +32,7 @@ from pytorch_accel_trainer.state_files import (
 
 def validate_asynchronous_save(accelerator) -> None:
     """Refuse an asynchronous save where it is not safe: several processes, or sharded (FSDP) weights."""
-    from pytorch_accel_trainer.sharded import is_fsdp
+    from pytorch_accel_trainer.parallel.sharded import is_fsdp
 
     if accelerator.num_processes > 1 or is_fsdp(accelerator):
         raise ValueError(

@@ -16,14 +16,14 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DataLoaderConfiguration
 
-from pytorch_accel_trainer import persistence
-from pytorch_accel_trainer.batches import batches_need_placing
+from pytorch_accel_trainer.loop import persistence
+from pytorch_accel_trainer.loop.batches import batches_need_placing
 from pytorch_accel_trainer.callbacks import CallbackHandler, with_limit_batches_from_env
 from pytorch_accel_trainer.callbacks.base import validate_callback_list
-from pytorch_accel_trainer.distributed import create_accelerator, release_prepared, wrappers_only_call_torch
+from pytorch_accel_trainer.parallel.distributed import create_accelerator, release_prepared, wrappers_only_call_torch
 from pytorch_accel_trainer.placeholders import placeholder_values, resolve_placeholders
 from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions, build_run_config
-from pytorch_accel_trainer.sharded import prepare_components
+from pytorch_accel_trainer.parallel.sharded import prepare_components
 from pytorch_accel_trainer.utils import dataset_length, worker_init_fn
 from pytorch_accel_trainer.validation import overrides, validate_model_and_loss
 

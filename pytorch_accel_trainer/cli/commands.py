@@ -1,7 +1,7 @@
 """The command line: ``pytorch-accel-trainer fit|evaluate --config run.yaml --train.num_epochs 5``.
 
-Parses a :class:`~pytorch_accel_trainer.config.TrainingConfig` from YAML files and flags with jsonargparse (later
-ones win), then runs it with :func:`~pytorch_accel_trainer.config.run_training_config`. ``--print_config`` prints the
+Parses a :class:`~pytorch_accel_trainer.cli.config.TrainingConfig` from YAML files and flags with jsonargparse (later
+ones win), then runs it with :func:`~pytorch_accel_trainer.cli.config.run_training_config`. ``--print_config`` prints the
 complete, reloadable config instead of running. The same works as ``python -m pytorch_accel_trainer``, and under
 ``accelerate launch`` or ``torchrun`` like any script. See ``docs/config.md``.
 """
@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
-from pytorch_accel_trainer.config import ConfigError, TrainingConfig, run_training_config
+from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, run_training_config
 
 COMMANDS = {
     "fit": "Train the model (Trainer.train) and, with data.eval, evaluate it after each epoch.",

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from pytorch_accel_trainer.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
-from pytorch_accel_trainer.sharded import is_deepspeed, is_fsdp
-from pytorch_accel_trainer.state_files import describe_extras_difference, inner_optimizer
+from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
+from pytorch_accel_trainer.parallel.sharded import is_deepspeed, is_fsdp
+from pytorch_accel_trainer.state.files import describe_extras_difference, inner_optimizer
 
 #: Names an extra model cannot take: the trainer's own model is ``model`` (in checkpoints and states alike).
 RESERVED_NAMES = ("model",)

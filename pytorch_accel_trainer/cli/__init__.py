@@ -1,0 +1,9 @@
+"""Runs described by data: the typed, frozen config a YAML file or flags fill (``config``), the
+``pytorch-accel-trainer`` command line (``commands``) and the folder each run writes (``run_folder``).
+
+Above the Trainer: it builds trainers from configs; nothing below imports it.
+"""
+
+from pytorch_accel_trainer.cli.commands import console_main, create_parser, main
+
+__all__ = ["console_main", "create_parser", "main"]

@@ -1,0 +1,285 @@
+"""A training run described by data: the typed, frozen configuration that a YAML file or command-line flags fill.
+
+:class:`TrainingConfig` holds the model and optimizer (by class path and arguments), the loss, the scheduler (its
+arguments may be placeholders), the data (functions by import path), the callbacks, the ``Trainer`` options, the
+``train()`` arguments and the run folder. ``pytorch-accel-trainer fit --config run.yaml`` (``cli.py``) parses one
+with jsonargparse and calls :func:`run_training_config`; the Python API is unchanged and stays the primary way.
+See ``docs/config.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Optional, Union
+
+import safetensors.torch
+import torch
+
+from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.placeholders import placeholder_from_text
+from pytorch_accel_trainer.run_config import OptionalNumber
+from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
+from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: the message names the key, the value, the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The options of ``Trainer(...)`` besides the model, loss, optimizer and callbacks.
+
+    Args:
+        seed: seeds every random generator before the model is built and at the start of ``train()``; ``null``
+            leaves them alone (the run is then not repeatable).
+        mixed_precision: ``no``, ``bf16``, ``fp16``, ``fp8`` (or another trainer's name: ``full``, ``bf16-mixed``,
+            ...); ``null`` takes it from ``accelerate launch``.
+        torch_compile: compile the model with ``torch.compile``.
+        cpu: run on the CPU even where a GPU is available.
+    """
+
+    seed: Optional[int] = 42
+    mixed_precision: Optional[str] = None
+    torch_compile: bool = False
+    cpu: bool = False
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The arguments of ``Trainer.train()`` (see its documentation); the datasets come from ``data``.
+
+    Args:
+        num_epochs: the number of epochs; ``null`` to stop on ``max_num_train_steps`` only.
+        per_device_batch_size: the batch size on each process (also for evaluation).
+        max_num_train_steps: the most optimizer updates to make.
+        gradient_accumulation_steps: micro-batches per optimizer update.
+        gradient_clip_value: clip each gradient element to ``[-value, value]``.
+        gradient_clip_norm: clip the total gradient norm to this value.
+        train_dataloader_kwargs: extra arguments of the training DataLoader (``num_workers``, ...).
+        eval_dataloader_kwargs: extra arguments of the evaluation DataLoader.
+        collate_fn: import path of the collate function of both dataloaders.
+        resume_from: a training state, or a folder of them, to continue from.
+        allow_resume_changes: resume even if the batch size, accumulation, processes or data changed.
+        scheduler_interval: ``step`` (after each update) or ``epoch`` (once per epoch).
+    """
+
+    num_epochs: Optional[int] = None
+    per_device_batch_size: int = 8
+    max_num_train_steps: Optional[int] = None
+    gradient_accumulation_steps: int = 1
+    gradient_clip_value: OptionalNumber = None
+    gradient_clip_norm: OptionalNumber = None
+    train_dataloader_kwargs: Optional[dict] = None
+    eval_dataloader_kwargs: Optional[dict] = None
+    collate_fn: Optional[Callable] = None
+    resume_from: Optional[str] = None
+    allow_resume_changes: bool = False
+    scheduler_interval: Literal["step", "epoch"] = "step"
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """A learning-rate scheduler, built once the run's length is known (``train(create_scheduler_fn=...)``).
+
+    Args:
+        import_path: the scheduler class, e.g. ``torch.optim.lr_scheduler.OneCycleLR``.
+        arguments: its arguments but the optimizer. A value may be a placeholder expression, resolved when training
+            starts: ``NUM_EPOCHS``, ``NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS``, ... (see ``TrainerPlaceholderValues``).
+    """
+
+    import_path: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The datasets, each returned by a function given by import path (``package.module.function``).
+
+    Args:
+        train: the function that returns the training dataset (needed by ``fit``).
+        eval: the function that returns the evaluation dataset (needed by ``evaluate``).
+        arguments: keyword arguments passed to both functions.
+    """
+
+    train: Optional[Callable] = None
+    eval: Optional[Callable] = None
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """A complete training run, as a config file or command-line flags describe it.
+
+    Args:
+        model: the model: ``class_path`` (import path of an ``nn.Module`` class) and ``init_args``. Built after
+            seeding with ``trainer.seed``, so its initial weights are the same on every run.
+        optimizer: ``class_path`` and ``init_args`` of the optimizer, built over the model's parameters (not needed
+            by ``evaluate``).
+        loss_func: import path of the loss function, or ``class_path``/``init_args`` of a loss module; ``null`` takes
+            the ``loss`` of the model's output (Hugging Face models).
+        scheduler: the learning-rate scheduler, if any.
+        data: the datasets.
+        callbacks: callbacks, each ``class_path`` and ``init_args``, added after the defaults.
+        default_callbacks: start from the default callbacks (progress bar, printed metrics, ...).
+        trainer_class: import path of the ``Trainer`` subclass to run.
+        trainer_arguments: more keyword arguments of ``trainer_class`` (those of a subclass).
+        trainer: the options of ``Trainer(...)``.
+        train: the arguments of ``train()``.
+        checkpoint: weights loaded before the run: the model that ``evaluate`` measures, or the starting point of
+            ``fit``. A ``.safetensors`` file (a run folder's ``model.safetensors``, ``save_weights``) or a file of
+            ``save_checkpoint``.
+        output_dir: write each run's folder here (``<output_dir>/<run_name>``): this config, the run config, the
+            history, its plot, the final weights, the training states; ``null`` writes nothing.
+        run_name: the run folder's name; the start time by default. A name already taken gets ``-2``.
+        save_training_states: save a training state at the end of each epoch in the run folder, to resume from.
+    """
+
+    model: torch.nn.Module
+    optimizer: Optional[Callable[[Iterable], torch.optim.Optimizer]] = None
+    loss_func: Optional[Callable] = None
+    scheduler: Optional[SchedulerSettings] = None
+    data: DataSettings = field(default_factory=DataSettings)
+    callbacks: list[TrainerCallback] = field(default_factory=list)
+    default_callbacks: bool = True
+    trainer_class: type[Trainer] = Trainer
+    trainer_arguments: dict[str, Any] = field(default_factory=dict)
+    trainer: TrainerSettings = field(default_factory=TrainerSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    checkpoint: Optional[str] = None
+    output_dir: Optional[str] = None
+    run_name: Optional[str] = None
+    save_training_states: bool = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks, before any work starts
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_training_config(config: TrainingConfig, command: str) -> None:
+    """Refuse a config that cannot run ``command`` (``fit`` or ``evaluate``), naming the key and the fix."""
+    if not (isinstance(config.trainer_class, type) and issubclass(config.trainer_class, Trainer)):
+        raise ConfigError(
+            f"trainer_class: {config.trainer_class!r} is not a Trainer class; give the import path of "
+            "pytorch_accel_trainer.Trainer or of a subclass of it, e.g. my_package.training.MyTrainer."
+        )
+    needed = {  # what each command needs: (key, value, a flag that sets it)
+        "fit": (("data.train", config.data.train, "--data.train my_package.data.train_dataset"),
+                ("optimizer", config.optimizer, "--optimizer torch.optim.AdamW --optimizer.lr 0.001")),
+        "evaluate": (("data.eval", config.data.eval, "--data.eval my_package.data.eval_dataset"),),
+    }  # fmt: skip
+    for key, value, example in needed[command]:
+        if value is None:
+            raise ConfigError(f"{key} is missing: `{command}` needs it. Set it in the config file or with {example}.")
+    if command == "fit" and config.train.num_epochs is None and config.train.max_num_train_steps is None:
+        raise ConfigError(
+            "train.num_epochs and train.max_num_train_steps are both null, so the run would never end: set "
+            "train.num_epochs (e.g. --train.num_epochs 10), train.max_num_train_steps, or both."
+        )
+    if config.scheduler is not None:
+        create_scheduler_factory(config.scheduler)  # the class imports and takes these arguments
+
+
+def create_scheduler_factory(settings: SchedulerSettings) -> Callable:
+    """The ``create_scheduler_fn`` of ``scheduler``: a partial of its class, placeholders in place."""
+    scheduler_class = import_object(settings.import_path, "scheduler.import_path")
+    arguments = {}
+    for name, value in settings.arguments.items():
+        try:
+            arguments[name] = placeholder_from_text(value) if isinstance(value, str) else value
+        except ValueError as error:
+            raise ConfigError(f"scheduler.arguments.{name}: {error}") from None
+    try:
+        inspect.signature(scheduler_class).bind(None, **arguments)  # None stands for the optimizer
+    except TypeError as error:
+        names = [name for name in inspect.signature(scheduler_class).parameters if name != "optimizer"]
+        raise ConfigError(
+            f"scheduler.arguments: {settings.arguments!r} do not fit {settings.import_path} ({error}); its arguments "
+            f"are {names}. Fix the names, or give the missing ones (e.g. --scheduler.arguments.{names[0] if names else 'x'} ...)."
+        ) from None
+    return functools.partial(scheduler_class, **arguments)
+
+
+def import_object(path: str, key: str) -> Any:
+    """The object at import path ``path`` (``package.module.name``); ``key`` names where the config gave it."""
+    module_name, _, name = str(path).rpartition(".")
+    try:
+        module = __import__(module_name, fromlist=[name]) if module_name else None
+        return getattr(module, name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(
+            f"{key}: {path!r} does not import ({type(error).__name__}: {error}). Give the full import path of the "
+            "object, e.g. torch.optim.lr_scheduler.OneCycleLR, from a package installed or in the current folder."
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Running a config
+# ------------------------------------------------------------------------------------------------
+
+
+def create_trainer(config: TrainingConfig, config_text: Optional[str] = None, hyperparameters: Optional[dict] = None) -> Trainer:
+    """Return the trainer that ``config`` describes, with its callbacks, the checkpoint's weights loaded, and (with
+    ``output_dir``) its run folder chosen.
+
+    Args:
+        config: a validated configuration (:func:`validate_training_config`), whose model is built.
+        config_text: the YAML of the complete configuration, written to the run folder.
+        hyperparameters: the flat configuration given to experiment trackers with the run config.
+    """
+    model = config.model
+    optimizer = None if config.optimizer is None else config.optimizer(model.parameters())
+    callbacks = [*(DEFAULT_CALLBACKS if config.default_callbacks else ()), *config.callbacks]
+    for callback in config.callbacks:
+        if isinstance(callback, ExperimentTrackingCallback) and hyperparameters:  # trackers get the whole config
+            callback.config = {**hyperparameters, **(callback.config or {})}
+    settings = config.trainer
+    trainer = config.trainer_class(
+        model, config.loss_func, optimizer, callbacks=callbacks, seed=settings.seed,
+        mixed_precision=settings.mixed_precision, torch_compile=settings.torch_compile, cpu=settings.cpu,
+        **config.trainer_arguments,
+    )  # fmt: skip
+    if config.checkpoint is not None and str(config.checkpoint).endswith(".safetensors"):  # a run folder's weights
+        safetensors.torch.load_model(trainer.model, config.checkpoint)
+    elif config.checkpoint is not None:  # a file of save_checkpoint
+        trainer.load_checkpoint(config.checkpoint, load_optimizer=False)
+    if config.output_dir is not None:
+        run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)
+        trainer.callback_handler.add_callback(run_folder)
+        folder = run_folder.choose_folder(trainer)
+        for callback in config.callbacks:  # the trackers' run is named as its folder, unless the config names it
+            if isinstance(callback, ExperimentTrackingCallback):
+                callback.use_run_name(folder.name)
+        if config.save_training_states:
+            trainer.callback_handler.add_callback(SaveTrainingStateCallback(save_dir=folder / "training_states", save_every_n_epochs=1))
+    return trainer
+
+
+def run_training_config(
+    config: TrainingConfig, command: str = "fit", config_text: Optional[str] = None, hyperparameters: Optional[dict] = None
+) -> tuple[Trainer, Union[Any, dict]]:  # fmt: skip
+    """Run ``command`` (``fit``: ``train()``; ``evaluate``: ``evaluate()``) as ``config`` describes; return the trainer
+    and what the run returned (a ``TrainResult``, or the evaluation's metrics)."""
+    validate_training_config(config, command)
+    data, arguments = config.data, config.data.arguments
+    eval_dataset = None if data.eval is None else data.eval(**arguments)
+    trainer = create_trainer(config, config_text, hyperparameters)
+    train = config.train
+    if command == "evaluate":
+        return trainer, trainer.evaluate(eval_dataset, per_device_batch_size=train.per_device_batch_size,
+                                         dataloader_kwargs=train.eval_dataloader_kwargs, collate_fn=train.collate_fn)  # fmt: skip
+    scheduler = None if config.scheduler is None else create_scheduler_factory(config.scheduler)
+    result = trainer.train(
+        data.train(**arguments), num_epochs=train.num_epochs, eval_dataset=eval_dataset,
+        per_device_batch_size=train.per_device_batch_size, max_num_train_steps=train.max_num_train_steps,
+        gradient_accumulation_steps=train.gradient_accumulation_steps, gradient_clip_value=train.gradient_clip_value,
+        gradient_clip_norm=train.gradient_clip_norm, create_scheduler_fn=scheduler,
+        train_dataloader_kwargs=train.train_dataloader_kwargs, eval_dataloader_kwargs=train.eval_dataloader_kwargs,
+        collate_fn=train.collate_fn, resume_from=None if train.resume_from is None else Path(train.resume_from),
+        allow_resume_changes=train.allow_resume_changes, scheduler_interval=train.scheduler_interval,
+    )  # fmt: skip
+    return trainer, result

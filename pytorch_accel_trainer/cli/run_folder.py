@@ -1,0 +1,94 @@
+"""A folder per run that holds what reproduces and describes it: config, run config, history, plot, weights.
+
+``RunFolderCallback(output_dir)`` gives each training run ``<output_dir>/<run_name>/``; the command line
+(``pytorch-accel-trainer fit --output_dir runs``) adds it for you, with the run's ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Union
+
+from accelerate.utils import broadcast_object_list
+
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.plotting import plot_run_history
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+CONFIG_FILE, RUN_CONFIG_FILE, HISTORY_FILE, PLOT_FILE, WEIGHTS_FILE = (
+    "config.yaml", "run_config.json", "history.csv", "history.png", "model.safetensors",
+)  # fmt: skip
+
+
+def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
+    """``output_dir/run_name`` (the start time by default), with ``-2``, ``-3``, ... if taken: never an earlier run's."""
+    name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    folder, number = output_dir / name, 1
+    while folder.exists():
+        number += 1
+        folder = output_dir / f"{name}-{number}"
+    return folder
+
+
+class RunFolderCallback(TrainerCallback):
+    """Writes each training run's folder: ``config.yaml`` (when given), ``run_config.json`` at its start;
+    ``history.csv``, ``history.png`` (with matplotlib) and ``model.safetensors`` (the final weights) at its end.
+
+    The folder is ``<output_dir>/<run_name>``; a name already taken gets ``-2`` (``-3``, ...), so nothing an earlier
+    run wrote is overwritten. The main process chooses it and tells the others (one small collective, once);
+    only the main process writes, but every process takes part in saving the weights (FSDP gathers them).
+
+    Args:
+        output_dir: the parent folder of the run folders.
+        run_name: the run folder's name; the start time (``run-YYYYmmdd-HHMMSS``) by default.
+        config_text: the text of ``config.yaml``, the run's complete configuration (the command line passes it).
+
+    Attributes:
+        folder: the run folder, once chosen (at the start of the run, or by :meth:`choose_folder`).
+    """
+
+    def __init__(self, output_dir: Union[str, Path], run_name: Optional[str] = None, config_text: Optional[str] = None):
+        self.output_dir = Path(output_dir)
+        self.run_name = run_name
+        self.config_text = config_text
+        self.folder: Optional[Path] = None
+
+    def choose_folder(self, trainer: "Trainer") -> Path:
+        """Choose and create this run's folder (once); every process must call this."""
+        if self.folder is None:
+            accelerator = trainer.accelerator
+            chosen = [str(unused_run_folder(self.output_dir, self.run_name)) if accelerator.is_main_process else None]
+            if accelerator.num_processes > 1:
+                broadcast_object_list(chosen)  # the main process's choice: the start time differs between processes
+            self.folder = Path(chosen[0])
+            if accelerator.is_main_process:
+                self.folder.mkdir(parents=True)
+            accelerator.wait_for_everyone()
+        return self.folder
+
+    def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        folder = self.choose_folder(trainer)
+        if not trainer.run_config.is_world_process_zero:
+            return
+        if self.config_text is not None:
+            (folder / CONFIG_FILE).write_text(self.config_text)
+        run_config = json.dumps(trainer.run_config.to_dict(), indent=2, sort_keys=True, default=repr)  # functions by name
+        (folder / RUN_CONFIG_FILE).write_text(run_config + "\n")
+
+    def on_training_run_end(self, trainer: "Trainer", **kwargs):
+        trainer.save_weights(self.folder / WEIGHTS_FILE)  # every process: a collective under FSDP
+        if not trainer.run_config.is_world_process_zero:
+            return
+        history = trainer.run_history
+        if hasattr(history, "to_csv"):
+            history.to_csv(self.folder / HISTORY_FILE)
+        try:
+            plot_run_history(history, self.folder / PLOT_FILE)
+        except ImportError:
+            pass  # matplotlib is optional: the run folder then has no plot
+        except ValueError:
+            pass  # no metric to plot (a run stopped before its first epoch ended)

@@ -1,0 +1,208 @@
+"""How the processes of a run start together and agree: the Accelerator for the launch, per-window agreement, and
+what the trainer asks of Accelerate's engine between runs."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import platform
+import time
+from typing import Optional
+
+import torch
+from accelerate import Accelerator, DistributedType, PartialState
+from accelerate.state import AcceleratorState
+
+from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
+
+# Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
+_PLAIN_TORCH_STEP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+# Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
+def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
+    """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
+
+    Raises:
+        RuntimeError: Accelerate was already set up in this process for a single process while the launcher
+            started several (it can then no longer be changed), naming what to set.
+        ValueError: another ``mixed_precision`` was already set up in this process, or ``"fp16"`` was asked for
+            on the CPU (where Accelerate would silently train in float32).
+    """
+    cpu = bool(kwargs.pop("cpu", False)) or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
+    already_set_up = PartialState._shared_state != {}
+    precision_set_up = AcceleratorState._shared_state != {}
+    try:
+        accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
+        _validate_mixed_precision_device(accelerator, mixed_precision)
+    except ValueError as error:
+        if not precision_set_up:  # a failed set-up must not fix the precision of this process (Accelerate would)
+            AcceleratorState._reset_state()
+        if "already been initialized" not in str(error):
+            raise
+        raise ValueError(
+            f"Trainer(mixed_precision={mixed_precision!r}) differs from the mixed precision Accelerate was already "
+            f"set up with in this process ({AcceleratorState._shared_state.get('_mixed_precision')!r}); Accelerate "
+            "cannot change it once set. Use one mixed precision per process, or set it for the whole run with "
+            "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
+        ) from error
+    if accelerator.num_processes > 1:
+        wait_for_gloo_workers_at_exit()
+    if accelerator.num_processes == 1 and launched_world_size() > 1:
+        how = " before the trainer was created" if already_set_up else ""
+        raise RuntimeError(
+            f"The launcher started {launched_world_size()} processes, but Accelerate was set up{how} for "
+            f"{accelerator.num_processes}, so each process would train on its own. Set ACCELERATE_USE_CPU=1 "
+            "(no GPU) or pass --cpu to accelerate launch, and create the Trainer before any other Accelerator."
+        )
+    return accelerator
+
+
+def _validate_mixed_precision_device(accelerator: Accelerator, mixed_precision: Optional[str]) -> None:
+    """Refuse fp16 on the CPU: Accelerate accepts it there but neither autocasts nor scales, so the run is float32."""
+    if accelerator.mixed_precision != "fp16" or accelerator.device.type != "cpu":
+        return
+    source = "" if mixed_precision else " (from ACCELERATE_MIXED_PRECISION: accelerate launch or the environment)"
+    raise ValueError(
+        f"mixed_precision='fp16'{source} needs a GPU (or another accelerator), but this process runs on the CPU, where "
+        "Accelerate would silently train in float32. Use mixed_precision='bf16' on the CPU, or 'no'."
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Exit: a finished multi-process job exits 0
+# ------------------------------------------------------------------------------------------------
+
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
+_FUTEX_SYSCALLS = {"x86_64": "202", "aarch64": "98"}  # where /proc's wchan says nothing
+_IDLE_OBSERVATIONS = 5  # consecutive, each after a pause that releases the GIL
+_EXIT_WAIT_S = 5.0
+_exit_wait_registered = False
+
+
+def wait_for_gloo_workers_at_exit() -> None:
+    """Make this process wait, at exit, until its gloo worker threads are idle; called once a multi-process run starts.
+
+    Why: a gloo worker thread finishes a collective, wakes the main thread, and only then destroys its work object.
+    If that drops the last reference to a tensor Python has seen, the worker needs the GIL; when the main thread is
+    by then finalising the interpreter (a collective 1-2 ms before the end of the script: the trainer's last
+    agreement or loss reduction, DDP's last all-reduce), Python ends the worker inside a ``noexcept`` destructor and
+    the process aborts with "terminate called without an active exception" (SIGABRT) after a successful run: an
+    upstream race. ``destroy_process_group()`` does not prevent it (DDP and Accelerate keep the group alive). The
+    wait runs in an ``atexit`` handler, before finalisation, while the workers can still take the GIL.
+    """
+    global _exit_wait_registered
+    if not _exit_wait_registered:
+        atexit.register(_wait_until_gloo_workers_are_idle)
+        _exit_wait_registered = True
+
+
+def _gloo_worker_states() -> Optional[list[bool]]:
+    """Whether each gloo worker thread of this process is idle (asleep on a futex: its work queue's condition
+    variable); ``None`` where the threads cannot be observed (no ``/proc``)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    states = []
+    for tid in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{tid}/comm") as comm:
+                if comm.read().strip() != _GLOO_WORKER_THREAD:
+                    continue
+            with open(f"{tasks}/{tid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+            with open(f"{tasks}/{tid}/wchan") as wchan:
+                waiting_in = wchan.read()
+            if state == "S" and waiting_in in ("", "0"):  # a kernel that hides wchan: ask which system call
+                with open(f"{tasks}/{tid}/syscall") as syscall:
+                    waiting_in = "futex" if syscall.read().split()[0] == _FUTEX_SYSCALLS.get(platform.machine()) else ""
+        except (OSError, IndexError):
+            continue  # the thread ended while being read
+        states.append(state == "S" and "futex" in waiting_in)
+    return states
+
+
+def _wait_until_gloo_workers_are_idle(timeout_s: float = _EXIT_WAIT_S) -> None:
+    """The ``atexit`` handler of :func:`wait_for_gloo_workers_at_exit`: return once every gloo worker has been seen
+    idle ``_IDLE_OBSERVATIONS`` times in a row (about a millisecond when they are: the usual case), or after
+    ``timeout_s``. Each pause releases the GIL, so a worker waiting for it to free a tensor can finish."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return  # no group, or the script destroyed it: nothing of the run is left in flight
+    deadline, idle_in_a_row = time.monotonic() + timeout_s, 0
+    while idle_in_a_row < _IDLE_OBSERVATIONS and time.monotonic() < deadline:
+        time.sleep(0.0002)
+        states = _gloo_worker_states()
+        if states is None:
+            return  # cannot observe the threads here
+        idle_in_a_row = idle_in_a_row + 1 if all(states) else 0
+
+
+class ProcessAgreement:
+    """One small collective per agreement point, so that a decision taken on any process is taken on all.
+
+    The flags travel on the host over gloo (the default group of a CPU run, else a gloo group made once),
+    so agreeing never waits on a GPU stream: no host-device synchronisation.
+    """
+
+    def __init__(self):
+        self._group = None
+
+    def any_process(self, accelerator: Accelerator, *flags: int) -> list[int]:
+        """The maximum of each flag over every process; every process must call it at the same point."""
+        if accelerator.num_processes == 1:
+            return list(flags)
+        values = torch.tensor(flags, dtype=torch.int64)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=self._host_group())
+        return values.tolist()
+
+    def agreed_exception(self, accelerator: Accelerator, exception: Optional[BaseException]) -> Optional[BaseException]:
+        """The ``StopTrainingError`` any process holds (the one of the highest rank that holds one), on every process.
+
+        One collective of one integer; the exception itself is sent only when some process holds one.
+        """
+        if accelerator.num_processes == 1:
+            return exception
+        (holder,) = self.any_process(accelerator, accelerator.process_index + 1 if exception is not None else 0)
+        if not holder:
+            return None
+        message = [str(exception) if exception is not None else None]
+        torch.distributed.broadcast_object_list(message, src=holder - 1, group=self._host_group())
+        return exception if exception is not None else StopTrainingError(f"{message[0]} (on process {holder - 1})")
+
+    def _host_group(self):
+        if self._group is None:
+            if torch.distributed.get_backend() == "gloo":
+                self._group = torch.distributed.group.WORLD
+            else:  # a collective itself: the first agreement point is the same on every process
+                self._group = torch.distributed.new_group(backend="gloo")
+        return self._group
+
+
+
+def release_prepared(accelerator: Accelerator) -> None:
+    """Drop Accelerate's references to what the last run prepared, so that nothing is kept or prepared twice.
+
+    ``Accelerator.free_memory()`` does the same plus ``gc.collect()``, about 0.15 s a call (most of a small
+    ``evaluate()``); it is needed only to destroy a DeepSpeed engine.
+    """
+    if getattr(accelerator, "deepspeed_engine_wrapped", None) is not None:
+        accelerator.free_memory()
+        return
+    accelerator._schedulers, accelerator._optimizers, accelerator._models, accelerator._dataloaders = [], [], [], []
+    accelerator.step = 0
+
+
+def wrappers_only_call_torch(accelerator: Accelerator) -> bool:
+    """Whether Accelerate's optimizer wrapper and ``backward()`` would add nothing but time here.
+
+    Without a gradient scaler (fp16), DeepSpeed, FSDP, Megatron, XLA or a LOMO optimizer, the wrapper's
+    ``step()`` and ``zero_grad()`` and ``Accelerator.backward`` only call torch, after checks that cost about
+    100 us per step on a small model (two uncached package lookups, ``inspect.signature``, a division by 1;
+    ``benchmarks/``). The trainer then calls torch directly; ``tests/test_fast_path.py`` shows the result is
+    bitwise identical. The optimizer state was already placed on the device by ``prepare``.
+    """
+    return (
+        accelerator.scaler is None
+        and accelerator.distributed_type in _PLAIN_TORCH_STEP_TYPES
+        and not accelerator.has_lomo_optimizer
+    )

@@ -1,0 +1,430 @@
+"""Training under Accelerate's FSDP and DeepSpeed plugins: full state dicts, and what the trainer must do differently.
+
+Under FSDP each process holds a shard of every parameter (FSDP2: ``DTensor`` parameters; FSDP1: flat shards), so
+``model.state_dict()`` is not a portable set of weights: the helpers here gather the full, unsharded state on the
+main process (a collective: every process must call them) and load a full state back into the shards. DeepSpeed
+steps, clips and accumulates inside ``Accelerator.backward``; the helpers make it step once per trainer update and
+refuse settings it would silently ignore. ``docs/fsdp_deepspeed.md`` lists what was verified where.
+
+Every helper is a no-op, or the plain single-device behaviour, outside FSDP and DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from numbers import Number
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator, DistributedType
+
+# Where Accelerate.prepare refuses a device_placement argument.
+_OWN_PLACEMENT_TYPES = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+def is_fsdp(accelerator: Accelerator) -> bool:
+    """Whether the model is prepared with FSDP (version 1 or 2)."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def is_deepspeed(accelerator: Accelerator) -> bool:
+    """Whether the model is prepared with DeepSpeed."""
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _deepspeed_engine(accelerator: Accelerator) -> Any:
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    return None if wrapped is None else wrapped.engine
+
+
+def _zero_stage(accelerator: Accelerator) -> int:
+    return int(accelerator.state.deepspeed_plugin.zero_stage or 0)
+
+
+def holds_sharded_parameters(accelerator: Accelerator) -> bool:
+    """Whether no single process holds the full parameters: FSDP, or DeepSpeed ZeRO stage 3."""
+    return is_fsdp(accelerator) or (is_deepspeed(accelerator) and _zero_stage(accelerator) == 3)
+
+
+def gathers_model_state(accelerator: Accelerator) -> bool:
+    """Whether the model's state must be gathered (FSDP, ZeRO-3) or copied out of the engine's flat buffers
+    (DeepSpeed, whose parameters share storage) for export, rather than read from the unwrapped model."""
+    return is_fsdp(accelerator) or is_deepspeed(accelerator)
+
+
+def warn_if_sharding_was_ignored(accelerator: Accelerator) -> None:
+    """Warn when FSDP or DeepSpeed was asked for but Accelerate set up something else.
+
+    Accelerate 1.15 turns FSDP (and DeepSpeed) on only for GPU-like devices: on the CPU (``ACCELERATE_USE_CPU=1``,
+    ``--cpu``, or a machine without GPUs) it silently runs plain DDP over gloo, every process holding the whole
+    model (``accelerate/state.py``, ``AcceleratorState.__init__``: the FSDP branch is reached only from
+    ``MULTI_GPU``/``MULTI_XPU``/..., the DeepSpeed one only when ``not cpu``). Training is still correct, only not
+    sharded; this says so instead of letting a memory estimate be wrong.
+    """
+    asked = [
+        name
+        for name, variable, kind in (
+            ("FSDP", "ACCELERATE_USE_FSDP", DistributedType.FSDP),
+            ("DeepSpeed", "ACCELERATE_USE_DEEPSPEED", DistributedType.DEEPSPEED),
+        )
+        if os.environ.get(variable, "false").lower() == "true" and accelerator.distributed_type != kind
+    ]
+    if asked:
+        warnings.warn(
+            f"{asked[0]} was asked for, but Accelerate set up {accelerator.distributed_type.value} on "
+            f"{accelerator.device} with {accelerator.num_processes} process(es): Accelerate runs {asked[0]} only on "
+            "GPUs (on the CPU it falls back to DDP, every process holding the whole model). Launch on GPUs to shard; "
+            "see docs/fsdp_deepspeed.md.",
+            stacklevel=2,
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation at the start of a run
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_sharded_run(accelerator: Accelerator, run_config) -> None:
+    """Refuse, before the first step, the settings FSDP or DeepSpeed would get wrong or silently ignore.
+
+    Call it in ``train()`` once the model is prepared and the run config built.
+
+    Raises:
+        ValueError: under DeepSpeed, a ``gradient_clip_value``, a ``gradient_clip_norm`` that differs from the
+            clipping DeepSpeed applies itself (Accelerate sets an unset ``gradient_clipping`` to 1.0), or a
+            DeepSpeed ``gradient_accumulation_steps`` other than 1 (the trainer accumulates itself).
+    """
+    if not is_deepspeed(accelerator):
+        return  # FSDP: clipping (see clip_gradients_by_value) and accumulation stay the trainer's own
+    engine = _deepspeed_engine(accelerator)
+    if engine is None:
+        return  # an evaluation run: no optimizer, nothing is stepped
+    if run_config.gradient_clip_value is not None:
+        raise ValueError(
+            f"gradient_clip_value={run_config.gradient_clip_value} cannot be applied under DeepSpeed, which clips "
+            "gradients itself, by norm only, inside its optimizer step. Use gradient_clip_norm, matching DeepSpeed's "
+            "gradient_clipping."
+        )
+    deepspeed_clip = float(engine.gradient_clipping() or 0.0)
+    trainer_clip = float(run_config.gradient_clip_norm or 0.0)
+    if deepspeed_clip != trainer_clip:
+        raise ValueError(
+            f"DeepSpeed clips the gradient norm to gradient_clipping={deepspeed_clip} (0 is off) inside its own step, "
+            f"but train() got gradient_clip_norm={run_config.gradient_clip_norm}; the trainer cannot clip under "
+            f"DeepSpeed. Pass gradient_clip_norm={deepspeed_clip if deepspeed_clip else None} to train(), or set the "
+            f"DeepSpeed clipping to {trainer_clip}: accelerate launch --gradient_clipping {trainer_clip} (a value "
+            'above 0), or "gradient_clipping": 0.0 in a --deepspeed_config_file to turn it off (Accelerate replaces '
+            "an unset, 'auto' or 0 --gradient_clipping with 1.0)."
+        )
+    deepspeed_accumulation = engine.gradient_accumulation_steps()
+    if deepspeed_accumulation != 1:
+        raise ValueError(
+            f"The DeepSpeed config has gradient_accumulation_steps={deepspeed_accumulation}; DeepSpeed would divide "
+            f"each loss by it on top of the trainer's own accumulation (gradient_accumulation_steps="
+            f"{run_config.gradient_accumulation_steps} in train()). Set it to 1 in the DeepSpeed config (or drop "
+            "accelerate launch --gradient_accumulation_steps) and pass the accumulation to train()."
+        )
+
+
+def validate_gradients_visible(accelerator: Accelerator, purpose: str) -> None:
+    """Refuse to read or rescale ``parameter.grad`` under DeepSpeed, which keeps gradients in its own buffers.
+
+    Under DeepSpeed the optimizer has already stepped when the trainer's update begins (inside
+    ``Accelerator.backward`` of the window's last micro-batch), and ZeRO holds the gradients in partitioned
+    buffers: rescaling ``parameter.grad`` there would silently do nothing.
+
+    Raises:
+        ValueError: under DeepSpeed, naming ``purpose``.
+    """
+    if is_deepspeed(accelerator):
+        raise ValueError(
+            f"{purpose} needs the gradients in parameter.grad before the optimizer step, but DeepSpeed steps inside "
+            "backward and keeps the gradients in its own buffers. Return a loss averaged over the batch without "
+            "num_items_in_batch, or train with FSDP or DDP."
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Steps
+# ------------------------------------------------------------------------------------------------
+
+
+def set_deepspeed_gradient_sync(accelerator: Accelerator, is_update_step: bool) -> None:
+    """Under DeepSpeed, make the coming ``Accelerator.backward`` step the optimizer only if it ends a window.
+
+    Accelerate's DeepSpeed wrapper calls ``engine.step()`` (clip, optimizer step, zero grad) in every
+    ``backward`` while ``accelerator.sync_gradients`` is true, which it always is outside
+    ``Accelerator.accumulate``; the trainer accumulates itself, so without this DeepSpeed would update the
+    weights after every micro-batch. Call it before each ``backward_step``; elsewhere it does nothing.
+    """
+    if is_deepspeed(accelerator):
+        accelerator.gradient_state._set_sync_gradients(is_update_step)
+
+
+def clip_gradients_by_value(accelerator: Accelerator, parameters, clip_value: Number) -> None:
+    """Clip each gradient element to ``[-clip_value, clip_value]``; under FSDP too.
+
+    ``Accelerator.clip_grad_value_`` raises under FSDP. Clipping element by element commutes with sharding (FSDP
+    reduce-scatters the gradients before the update, so each shard holds its final values), so torch's
+    ``clip_grad_value_`` on the shards is exact; gradients of an fp16 run are unscaled first.
+    """
+    if is_fsdp(accelerator):
+        accelerator.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value=clip_value)
+    else:
+        accelerator.clip_grad_value_(parameters, clip_value=clip_value)
+
+
+def as_plain_tensor(norm: Any) -> Optional[torch.Tensor]:
+    """A gradient norm as a plain tensor: FSDP2 returns a replicated ``DTensor``, DeepSpeed a float (or ``None``)."""
+    if norm is None:
+        return None
+    if not isinstance(norm, torch.Tensor):
+        return torch.tensor(float(norm))
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(norm, DTensor):
+            return norm.full_tensor()  # replicated on every process: no communication
+    return norm
+
+
+def _is_sharded_by_fsdp2(accelerator: Accelerator, component: Any) -> bool:
+    if not isinstance(component, torch.nn.Module) or not accelerator.is_fsdp2:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(accelerator.unwrap_model(component, keep_torch_compile=False), FSDPModule)
+
+
+def _validate_not_prepared_by_deepspeed(accelerator: Accelerator, components: list) -> None:
+    """Refuse to prepare again what DeepSpeed already turned into an engine (a second train() or evaluate())."""
+    if not is_deepspeed(accelerator):
+        return
+    for component in components:
+        if component is not None and type(component).__module__.startswith("deepspeed."):
+            raise ValueError(
+                f"Under DeepSpeed a Trainer prepares its model and optimizer once: the optimizer is now DeepSpeed's "
+                f"{type(component).__name__}, from which Accelerate cannot build a new engine (the old one is "
+                "released when preparing again). Evaluate within the run with train(eval_dataset=...), or create a "
+                "new Trainer with a new optimizer for another train() or evaluate(), loading the weights saved with "
+                "save_checkpoint(..., save_optimizer=False)."
+            )
+
+
+def prepare_components(accelerator: Accelerator, components: list, device_placement: Optional[list] = None) -> list:
+    """Return ``components`` with each one that is not ``None`` replaced by what ``accelerator.prepare`` made of it.
+
+    ``device_placement`` gives one entry per component (as ``Accelerator.prepare`` takes it); it is left out under
+    DeepSpeed and Megatron-LM, where Accelerate refuses it (and places everything itself).
+
+    Under FSDP2 a model that an earlier ``prepare`` (an earlier ``train()`` or ``evaluate()``) already sharded is
+    kept as it is and its optimizer only registered again: Accelerate 1.15 cannot shard a model twice (on the
+    third ``prepare`` its swap of the optimizer's parameters fails with a ``KeyError``). FSDP2 also needs a model
+    and an optimizer together: a model without one (an evaluation-only trainer) is left unsharded, whole on each
+    process, which evaluation needs no collective for.
+    """
+    components = list(components)
+    _validate_not_prepared_by_deepspeed(accelerator, components)
+    keep_sharded = any(_is_sharded_by_fsdp2(accelerator, component) for component in components)
+    has_optimizer = any(isinstance(component, torch.optim.Optimizer) for component in components)
+    keep_whole = accelerator.is_fsdp2 and not keep_sharded and not has_optimizer
+    kept = [
+        index
+        for index, component in enumerate(components)
+        if (keep_sharded or keep_whole) and isinstance(component, (torch.nn.Module, torch.optim.Optimizer))
+    ]
+    present = [index for index, component in enumerate(components) if component is not None and index not in kept]
+    if present:
+        options = {}
+        if device_placement is not None and accelerator.distributed_type not in _OWN_PLACEMENT_TYPES:
+            options["device_placement"] = [device_placement[index] for index in present]
+        prepared = accelerator.prepare(*(components[index] for index in present), **options)
+        prepared = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)  # a list under FSDP2
+        for index, component in zip(present, prepared):
+            components[index] = component
+    for index in kept:
+        if isinstance(components[index], torch.optim.Optimizer):
+            components[index] = accelerator.prepare_optimizer(components[index], device_placement=False)
+        elif keep_whole:
+            components[index] = components[index].to(accelerator.device)
+        else:
+            accelerator._models.append(components[index])  # as prepare does: Accelerate's clipping looks there
+    return components
+
+
+def unwrap_distributed_model(
+    accelerator: Accelerator, model: torch.nn.Module, keep_torch_compile: bool
+) -> torch.nn.Module:
+    """``accelerator.unwrap_model``, except that an FSDP1 root is kept.
+
+    Unwrapping an FSDP1 model leaves the user's module holding views of this process's flat shards (empty for the
+    parameters other processes hold): it can neither run nor be prepared again. FSDP2 shards the user's module in
+    place, so unwrapping it is harmless.
+    """
+    if is_fsdp(accelerator) and not accelerator.is_fsdp2:
+        return model if keep_torch_compile else getattr(model, "_orig_mod", model)
+    return accelerator.unwrap_model(model, keep_torch_compile=keep_torch_compile)
+
+
+# ------------------------------------------------------------------------------------------------
+# Full (unsharded) state dicts
+# ------------------------------------------------------------------------------------------------
+
+
+def _prepared_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The model as Accelerate prepared it (FSDP1 root, DeepSpeed engine), even after the trainer unwrapped it."""
+    target = accelerator.unwrap_model(model, keep_torch_compile=False)
+    for prepared in getattr(accelerator, "_models", []):
+        if prepared is model or accelerator.unwrap_model(prepared, keep_torch_compile=False) is target:
+            return prepared
+    return model
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    while hasattr(optimizer, "optimizer") and isinstance(optimizer.optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # Accelerate's wrapper around the user's optimizer
+    return optimizer
+
+
+def _full_options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def get_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict:
+    """Return the model's full state dict, with the names and shapes of the plain model, on the CPU.
+
+    Under FSDP or DeepSpeed ZeRO-3 this gathers the shards: a collective that every process must call, and only
+    the main process receives the weights (the others get ``{}``). Otherwise it is the unwrapped model's
+    ``state_dict()`` on every process.
+    """
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(_prepared_model(accelerator, model), options=_full_options(cpu_offload=True))
+    if is_deepspeed(accelerator) and _deepspeed_engine(accelerator) is not None:
+        # ZeRO-3: consolidated on the main process (a collective); else copies of views into the engine's buffers
+        state = accelerator.get_state_dict(_prepared_model(accelerator, model))
+        return state if accelerator.is_main_process or not holds_sharded_parameters(accelerator) else {}
+    return accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
+
+
+def load_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module, state_dict: dict) -> None:
+    """Load a full state dict (as :func:`get_full_model_state_dict` returns) into the model, strictly.
+
+    Under FSDP every process must call it, each with the full state dict; each keeps its own shard.
+
+    Raises:
+        RuntimeError: the keys or shapes do not fit the model.
+    """
+    if is_fsdp(accelerator):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        incompatible = set_model_state_dict(
+            _prepared_model(accelerator, model), state_dict, options=_full_options(strict=True)
+        )
+        if incompatible.missing_keys or incompatible.unexpected_keys:
+            raise RuntimeError(
+                f"missing keys {incompatible.missing_keys}, unexpected keys {incompatible.unexpected_keys}"
+            )
+        return
+    if holds_sharded_parameters(accelerator):
+        raise NotImplementedError(
+            "Loading a full state dict into a DeepSpeed ZeRO-3 model is not supported by the trainer: load the weights "
+            "into the model before Trainer(...) prepares it, or use ZeRO stage 1 or 2."
+        )
+    accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(state_dict)
+
+
+def get_full_optimizer_state_dict(accelerator: Accelerator, model: torch.nn.Module, optimizer) -> dict:
+    """Return the optimizer's full state dict in torch's plain format (parameters numbered in order).
+
+    The numbering is that of ``optimizer.state_dict()`` for the same optimizer over the unsharded model, so the
+    result loads into a plain optimizer. Under FSDP this gathers the shards: every process must call it, and only
+    the main process receives the state (the others get ``{}``).
+
+    Raises:
+        ValueError: under DeepSpeed, whose optimizer state is partitioned in its own format.
+    """
+    if is_deepspeed(accelerator):
+        raise ValueError(
+            "Under DeepSpeed the optimizer state is partitioned in DeepSpeed's own format, which the trainer's "
+            "checkpoints do not hold: save without it (save_checkpoint(..., save_optimizer=False)), or save the "
+            "whole run with trainer._accelerator.save_state(folder) (DeepSpeed's checkpoint)."
+        )
+    if not is_fsdp(accelerator):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    prepared = _prepared_model(accelerator, model)
+    state = get_optimizer_state_dict(prepared, _torch_optimizer(optimizer), options=_full_options(cpu_offload=True))
+    if not accelerator.is_main_process:
+        return {}
+    order = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: position for position, name in enumerate(order)}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+
+
+def load_full_optimizer_state_dict(
+    accelerator: Accelerator, model: torch.nn.Module, optimizer, state_dict: dict
+) -> None:
+    """Load a state dict in torch's plain format (as :func:`get_full_optimizer_state_dict` returns).
+
+    Under FSDP every process must call it, each with the full state dict; each keeps its own shard.
+    """
+    if is_deepspeed(accelerator):
+        raise ValueError(
+            "Under DeepSpeed the optimizer state is partitioned in DeepSpeed's own format, and the trainer's "
+            "checkpoints cannot be loaded into it: pass load_optimizer=False, or restore the whole run with "
+            "trainer._accelerator.load_state(folder) from a folder written by save_state."
+        )
+    if not is_fsdp(accelerator):
+        optimizer.load_state_dict(state_dict)
+        return
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    prepared, inner = _prepared_model(accelerator, model), _torch_optimizer(optimizer)
+    # torch names each parameter of the live optimizer as it names the saved ones (this process's shards: no gather)
+    live = get_optimizer_state_dict(prepared, inner)
+    order = [name for group in live["param_groups"] for name in group["params"]]
+    by_name = {
+        "state": {order[position]: value for position, value in state_dict["state"].items()},
+        "param_groups": [
+            {**group, "params": [order[position] for position in group["params"]]}
+            for group in state_dict["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(prepared, inner, optim_state_dict=by_name, options=_full_options())
+
+
+def validate_training_state_supported(accelerator: Accelerator) -> None:
+    """Refuse a training state (exact resume) under DeepSpeed, before anything is written or loaded.
+
+    Raises:
+        ValueError: under DeepSpeed, naming what to use instead.
+    """
+    if is_deepspeed(accelerator):
+        raise ValueError(
+            "Training states (save_training_state, SaveTrainingStateCallback, train(resume_from=...)) are not "
+            "supported under DeepSpeed, whose engine keeps the optimizer, loss scaler and ZeRO partitions in its own "
+            "checkpoint format. Save and restore the run with trainer._accelerator.save_state(folder) / "
+            "load_state(folder) instead, or train with FSDP or DDP."
+        )
+
+
+def writes_on_this_process(accelerator: Accelerator, save_per_node: bool) -> bool:
+    """Whether this process writes an export file: once per node, or on the main process only.
+
+    A gathered (sharded) state reaches the main process only, so it alone writes.
+    """
+    if save_per_node and not holds_sharded_parameters(accelerator):
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process

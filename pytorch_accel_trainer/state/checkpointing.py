@@ -1,0 +1,224 @@
+"""Export checkpoints: one portable file that loads with ``torch.load(weights_only=True)``.
+
+Also the rules for the temporaries that every atomic write leaves behind when its process is killed: they are
+named after the host and process that write them, and removed by the next save into the same folder once that
+process is gone (a live process's temporary is never touched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+MODEL_KEY = "model_state_dict"
+OPTIMIZER_KEY = "optimizer_state_dict"
+SCHEDULER_KEY = "scheduler_state_dict"
+#: The state dicts of the extra models and optimizers (``Trainer.add_model``), by name; only in files of trainers that have some.
+EXTRA_MODELS_KEY = "extra_model_state_dicts"
+EXTRA_OPTIMIZERS_KEY = "extra_optimizer_state_dicts"
+RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY, EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY)
+
+_PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def build_checkpoint(
+    model_state: dict,
+    optimizer_state: Optional[dict] = None,
+    scheduler_state: Optional[dict] = None,
+    checkpoint_kwargs: Optional[dict] = None,
+    extra_states: Optional[dict] = None,
+) -> dict:
+    """Return the checkpoint dictionary, refusing extra values that would need pickle to load back.
+
+    ``extra_states`` holds the entries of the extra models and optimizers (``EXTRA_MODELS_KEY``,
+    ``EXTRA_OPTIMIZERS_KEY``), when the trainer has some.
+    """
+    checkpoint: dict[str, Any] = {MODEL_KEY: model_state}
+    if optimizer_state is not None:
+        checkpoint[OPTIMIZER_KEY] = optimizer_state
+    if scheduler_state is not None:
+        checkpoint[SCHEDULER_KEY] = scheduler_state
+    checkpoint.update(extra_states or {})
+    for key, value in (checkpoint_kwargs or {}).items():
+        if key in RESERVED_KEYS:
+            raise ValueError(
+                f"checkpoint_kwargs uses the key {key!r}, which the checkpoint keeps for its own state; rename it."
+            )
+        validate_plain(value, f"checkpoint_kwargs[{key!r}]")
+        checkpoint[key] = value
+    return checkpoint
+
+
+def validate_plain(value: Any, where: str) -> None:
+    """Refuse a value that would need pickle to load back, naming where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            validate_plain(key, f"{where} key")
+            validate_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple, set)):
+        for index, item in enumerate(value):
+            validate_plain(item, f"{where}[{index}]")
+    elif not isinstance(value, _PLAIN_TYPES):
+        raise TypeError(
+            f"{where} is a {type(value).__name__}, which cannot be loaded back without pickle (checkpoints load with "
+            "weights_only=True, so that loading one never runs code). Store tensors, numbers, strings, lists or "
+            "dicts of them instead, e.g. a state_dict()."
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Temporaries of killed writes
+# ------------------------------------------------------------------------------------------------
+
+_MAX_PID = 1 << 22  # Linux's highest pid_max; a larger number is no process id (and would overflow os.kill)
+#: ``.<name>.tmp-<host>-<pid>``; ``.<name>.tmp-<pid>`` as written before the host was part of the name
+_TEMPORARY_FILE = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)")
+
+
+def writer_tag() -> str:
+    """``<host>-<pid>`` of this process: who writes a temporary (a pid alone means nothing on a shared disk)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def is_abandoned(host: Optional[str], pid: int) -> bool:
+    """Whether the process ``pid`` of ``host`` (``None``: this host) is gone, so that its temporaries are garbage.
+
+    A process of another host cannot be checked from here: its temporaries are kept.
+    """
+    if (host is not None and host != socket.gethostname()) or not 0 < pid <= _MAX_PID:
+        return False  # pid 0 would ask about our own process group
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, under another user
+    return False
+
+
+def temporary_file(path: Path) -> Path:
+    """Where :func:`save_checkpoint_file` writes ``path`` before renaming it into place."""
+    return path.with_name(f".{path.name}.tmp-{writer_tag()}")
+
+
+def remove_abandoned_temporary_files(folder: Path) -> list[Path]:
+    """Delete the export temporaries in ``folder`` left by processes of this host that are gone; return them.
+
+    Only regular files named as :func:`temporary_file` names them are considered; links and folders are left.
+    """
+    removed = []
+    try:
+        for path in folder.iterdir():
+            match = _TEMPORARY_FILE.fullmatch(path.name)
+            if match is None or int(match["pid"]) == os.getpid() or not path.is_file() or path.is_symlink():
+                continue  # not a temporary, or this process's own (overwritten by this save)
+            if is_abandoned(match["host"], int(match["pid"])):
+                path.unlink(missing_ok=True)  # missing: another save removed it first
+                removed.append(path)
+    except OSError:
+        pass  # tidying up never fails a save: what is left is removed by a later one
+    return removed
+
+
+def _is_out_of_space(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of disk space. torch's writer may report it without an errno ("enforce fail
+    at inline_container.cc ... unexpected pos"), so an almost full disk counts as the cause too."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    if "No space left" in str(error) or "ENOSPC" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def reporting_out_of_space(temporary: Path, target: Path, what: str, kept: str):
+    """Turn a write into ``temporary`` that runs out of disk space into one ``OSError(ENOSPC)`` naming ``target``
+    and ``what`` was not written, after removing the partial ``temporary`` (a file or a folder); ``kept`` says what
+    is left unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if not _is_out_of_space(error, temporary.parent):
+            raise
+        if temporary.is_dir() and not temporary.is_symlink():
+            shutil.rmtree(temporary, ignore_errors=True)  # before measuring: the partial files are not the user's to free
+        else:
+            temporary.unlink(missing_ok=True)
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {target}: {what} was not written ({_free_space(temporary.parent)} free after removing "
+            f"the partial files; {type(error).__name__}: {error}). Free some space or save to another disk; {kept}",
+        ) from error
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free} bytes"
+    except OSError:
+        return "unknown space"
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing and reading an export checkpoint
+# ------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint_file(checkpoint: dict, save_path: Union[str, os.PathLike]) -> None:
+    """Write ``checkpoint`` to ``save_path`` atomically: a crash leaves the old file or the new one, never half.
+
+    Temporaries that killed saves left in the folder are removed first (see :func:`remove_abandoned_temporary_files`).
+
+    Raises:
+        OSError: with ``errno.ENOSPC``, naming ``save_path``, when the disk is full (the temporary is removed).
+    """
+    path = Path(save_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_temporary_files(path.parent)
+    temporary = temporary_file(path)
+    try:
+        with reporting_out_of_space(temporary, path, "the checkpoint", "any earlier file at this path is unchanged"):
+            with open(temporary, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
+    """Load a checkpoint on the CPU, without ever unpickling arbitrary objects."""
+    path = Path(checkpoint_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"No checkpoint file at {str(path)!r}: check the path (a file written by save_checkpoint).")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"{str(path)!r} holds objects that only pickle can rebuild, and checkpoints are loaded with "
+            f"weights_only=True so that loading one never runs code ({error}). Re-save it with state_dicts and "
+            "plain values only."
+        ) from error
+    except (RuntimeError, EOFError) as error:  # not a torch file at all: truncated, or something else entirely
+        raise ValueError(
+            f"{str(path)!r} is not a readable checkpoint ({error}): pass a file written by Trainer.save_checkpoint."
+        ) from error
+    if not isinstance(checkpoint, dict) or MODEL_KEY not in checkpoint:
+        raise ValueError(
+            f"{str(path)!r} is not a trainer checkpoint: it has no {MODEL_KEY!r} entry. Pass a file written by "
+            "Trainer.save_checkpoint."
+        )
+    return checkpoint
+

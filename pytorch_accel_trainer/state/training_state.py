@@ -1,0 +1,590 @@
+"""Crash-safe training-state checkpoints: a folder per state, verified by a manifest.
+
+A training state is written to a temporary folder, flushed, given a manifest (format version, position,
+world size, every file with its size and XXH3-128 checksum, computed as it is written) and only then renamed into place; ``latest`` is
+updated after that, and old states are pruned last. A crash at any point leaves either the previous
+states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
+folder whose manifest checks out, and names the file that does not. A temporary folder left by a killed
+save is removed by a later save once its writer is gone.
+
+A state is input, and is read as such (``state_files.py``): the manifest's fields are checked for type and
+range, its file names never leave the folder, no file is read through a symbolic link, and a damaged state
+in a folder of states is skipped with a warning for the newest good one. Everything is read back without
+pickle: weights with safetensors, the rest with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from pytorch_accel_trainer.state.checkpointing import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
+from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
+from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
+from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names are re-exported: they were always here)
+    CHECKSUM, CHECKSUM_NAMES, CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
+    TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, chunked_crc32, describe_changes,
+    describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
+    describe_extras_mismatch, extra_optimizer_classes, load_extra_files, write_extra_files,
+    read_small_text, save_tensors_file, default_state_name, state_folders, temporary_folder, unused_folder_name, validate_manifest,
+    write_text_atomically,
+)  # fmt: skip
+
+
+#: Reads back the checksum of a file another library wrote, while this thread writes the next (threads start lazily).
+_CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-crc")
+
+
+def _crash_point(name: str) -> None:
+    """Called between the steps of a save; tests replace it to simulate a crash at ``name``."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_abandoned_folder(temporary: Path) -> Optional[bool]:
+    """Whether the writer of a temporary state folder is gone; ``None`` when no marker says who wrote it.
+
+    This process's own temporary is abandoned too: saves are collective, one at a time, so none is under way.
+    """
+    writer = folder_writer(temporary)
+    if writer is None:
+        return None
+    host, pid = writer
+    return pid == os.getpid() or is_abandoned(host, pid)
+
+
+def remove_abandoned_temporaries(parent: Path) -> list[Path]:
+    """Delete the temporary state folders in ``parent`` whose writer (named by its marker) is gone; return them.
+
+    A folder without a marker (written by an earlier version) is left: nothing tells that its writer is gone.
+    """
+    removed = []
+    try:
+        for path in parent.iterdir():
+            if path.name.startswith(TEMPORARY_PREFIX) and is_real_directory(path):
+                if _is_abandoned_folder(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+    except OSError:
+        pass  # tidying up never fails a save: what is left is removed by a later one
+    return removed
+
+
+def begin_save(final_folder: Path) -> Path:
+    """Create an empty temporary folder for ``final_folder``, marked with its writer (main process only), and
+    return it; the temporaries of killed saves are removed first, a live writer's never.
+
+    Raises:
+        CheckpointError: a live process is writing the same state (two runs save into one folder).
+    """
+    remove_abandoned_temporaries(final_folder.parent)
+    temporary = temporary_folder(final_folder)
+    if is_real_directory(temporary):  # left by a crash before writers were marked, or a live writer's
+        if _is_abandoned_folder(temporary) is False:
+            raise CheckpointError(
+                f"{temporary} is being written by another live process: two runs save training states into "
+                f"{final_folder.parent}. Give each run its own save_dir."
+            )
+        shutil.rmtree(temporary)
+    elif os.path.lexists(temporary):
+        os.unlink(temporary)  # a file or a link under the temporary's name: never followed
+    temporary.mkdir(parents=True)
+    (temporary / f"{WRITER_MARKER_PREFIX}{writer_tag()}").touch()
+    return temporary
+
+
+def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, checksums: Optional[dict] = None) -> None:
+    """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
+
+    ``checksums`` maps the files whose size and checksum were computed as they were written to them (or to a future
+    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache."""
+    checksums, files = dict(checksums or {}), {}
+    for path in sorted(temporary.iterdir()):
+        if path.name.startswith(WRITER_MARKER_PREFIX):
+            continue
+        _crash_point(f"hash:{path.name}")
+        known = checksums.get(path.name)
+        size, digest = file_digest(path, algorithm=CHECKSUM) if known is None else getattr(known, "result", lambda: known)()
+        files[path.name] = {"size": size, CHECKSUM: digest}
+    manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
+    _crash_point("manifest")
+    write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
+    fsync_path(temporary)
+    _crash_point("rename")
+    os.rename(temporary, final_folder)
+    for marker in final_folder.glob(f"{WRITER_MARKER_PREFIX}*"):
+        marker.unlink(missing_ok=True)  # left by a crash here, it is harmless: not in the manifest
+    fsync_path(final_folder.parent)
+    _crash_point("latest")
+    write_text_atomically(final_folder.parent / LATEST_NAME, final_folder.name + "\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading and verifying
+# ------------------------------------------------------------------------------------------------
+
+
+def read_manifest(folder: Path) -> dict:
+    """Return the manifest of ``folder``, or raise :class:`CheckpointError` naming what is wrong."""
+    path = folder / MANIFEST_NAME
+    try:
+        manifest = json.loads(read_small_text(path))
+    except FileNotFoundError as error:
+        raise CheckpointError(f"{folder}: no {MANIFEST_NAME}, so it is not a complete training state.") from error
+    except DamagedStateError as error:
+        raise CheckpointError(f"{error}: a damaged manifest.") from error
+    except (OSError, ValueError, RecursionError) as error:
+        raise CheckpointError(f"{path}: damaged manifest ({error}).") from error
+    if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise CheckpointError(
+            f"{path}: format version {version!r}, but this version of pytorch_accel_trainer reads versions "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}."
+        )
+    try:
+        validate_manifest(manifest)
+    except DamagedStateError as error:
+        raise CheckpointError(f"{path}: damaged manifest: {error}.") from error
+    return manifest
+
+
+def verify_folder(folder: Path) -> StoredState:
+    """Check every file of a training state against its manifest (size, then XXH3-128; CRC32 in format 2, SHA-256 in 1),
+    never through a link; the files are checked in parallel threads (zlib and hashlib release the GIL).
+
+    Raises:
+        CheckpointError: naming the file that is missing, truncated, altered, or a link.
+    """
+    manifest = read_manifest(folder)
+    algorithm = CHECKSUMS[manifest["format_version"]]
+    names = sorted(manifest["files"])
+    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
+        # every file's chunks are queued before any is awaited: all of them are read and checked at once
+        started = [_start_check(folder / name, manifest["files"][name], algorithm, pool) for name in names]
+        problems = [_file_problem(path, expected, algorithm, check) for path, expected, check in started]
+    for problem in problems:  # in name order: the first damaged file is named, whichever thread found it first
+        if problem is not None:
+            raise problem
+    return StoredState(folder, manifest)
+
+
+def _start_check(path: Path, expected: dict, algorithm: str, pool: ThreadPoolExecutor):
+    """Start checking ``path`` on ``pool``: CRC32 (format 2) in chunks, XXH3-128 and SHA-256 as one task per file."""
+    try:
+        if algorithm == "crc32":
+            size, digest = chunked_crc32(path, expected["size"], pool)
+            return path, expected, (size, digest)
+        future = pool.submit(file_digest, path, expected["size"], algorithm)
+        return path, expected, future
+    except (OSError, DamagedStateError) as error:
+        return path, expected, error
+
+
+def _file_problem(path: Path, expected: dict, algorithm: str, check) -> Optional[CheckpointError]:
+    """Why ``path`` does not match its manifest entry, or ``None`` (a plain name: read_manifest refused others)."""
+    try:
+        if isinstance(check, BaseException):
+            raise check
+        size, digest = check.result() if hasattr(check, "result") else (check[0], check[1]())
+    except FileNotFoundError as error:
+        return _chained(CheckpointError(f"{path}: missing, although the manifest lists it."), error)
+    except DamagedStateError as error:
+        return _chained(CheckpointError(f"{error}: the state is damaged or was altered."), error)
+    except OSError as error:
+        return _chained(CheckpointError(f"{path}: cannot be read ({error.strerror})."), error)
+    if size != expected["size"]:
+        return CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
+    if digest != expected[algorithm]:
+        return CheckpointError(f"{path}: its {CHECKSUM_NAMES[algorithm]} does not match the manifest (the file is corrupted or altered).")
+    return None
+
+
+def _chained(error: CheckpointError, cause: BaseException) -> CheckpointError:
+    error.__cause__ = cause
+    return error
+
+
+def list_complete_states(parent: Path) -> list[StoredState]:
+    """Every training state under ``parent`` whose manifest is readable, oldest first (files not hashed; links to
+    folders are left out: a state is read, and pruned, only inside ``parent``)."""
+    states = []
+    for folder in state_folders(parent):
+        try:
+            if is_real_directory(folder):
+                states.append(StoredState(folder, read_manifest(folder)))
+        except CheckpointError:
+            continue
+    return sorted(states, key=lambda state: state.order)
+
+
+def _verify_state_in(folder: Path) -> StoredState:
+    if not is_real_directory(folder):
+        raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
+    return verify_folder(folder)
+
+
+def find_resumable_state(path: Path) -> Optional[StoredState]:
+    """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
+
+    ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
+    complete one is used. The damaged ones are skipped, each with a warning naming it: those newer than it, and
+    those whose manifest cannot be read (so whose place in the run is unknown), or that are links.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CheckpointError: ``path`` is a file (e.g. an export checkpoint), or it holds training states but none
+            of them checks out.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"resume_from={str(path)!r} does not exist: pass a training-state folder or a folder of them "
+            "(e.g. the save_dir of SaveTrainingStateCallback)."
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"resume_from={str(path)!r} is a file, not a training-state folder. A file written by save_checkpoint is "
+            "an export checkpoint (weights, optimizer, scheduler; no position or RNG states), which cannot continue "
+            "a run: load it with trainer.load_checkpoint(path) before train() to start from its weights. resume_from "
+            "needs a training-state folder, or a folder of them (written by save_training_state or "
+            "SaveTrainingStateCallback)."
+        )
+    if os.path.lexists(path / MANIFEST_NAME):
+        return verify_folder(path)
+    order = {folder: _order_or_lowest(folder) for folder in state_folders(path)}
+    problems, stored = [], None
+    for folder in sorted(order, key=order.get, reverse=True):  # newest first; then those whose order is unreadable
+        if stored is not None and order[folder][0]:
+            continue  # older than the state chosen: left alone
+        try:
+            candidate = _verify_state_in(folder)
+        except CheckpointError as error:
+            problems.append(str(error))
+            continue
+        stored = stored or candidate
+    if stored is not None:
+        for problem in problems:
+            warnings.warn(f"Skipped a damaged training state (resuming from {stored.folder}): {problem}", stacklevel=2)
+        return stored
+    if problems:
+        listed = "\n  ".join(problems)
+        raise CheckpointError(
+            f"{path} holds {len(problems)} training state(s) and none can be trusted, so the run was not restarted "
+            f"from scratch:\n  {listed}\nRemove the damaged folders to start over, or point resume_from at a good one."
+        )
+    return None
+
+
+def _order_or_lowest(folder: Path) -> tuple:
+    try:
+        if is_real_directory(folder):
+            return (1, StoredState(folder, read_manifest(folder)).order)
+    except CheckpointError:
+        pass
+    return (0, (folder.name,))
+
+
+def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] = ()) -> list[Path]:
+    """Delete the oldest ``rolling`` states beyond ``max_rolling``, and superseded ``best`` ones; return them.
+
+    A state is deleted only when each of its kinds allows it: ``permanent`` states are never deleted, and
+    only the newest ``best`` state is kept. States in ``keep`` are never deleted, nor is anything through a link.
+    Pruning never ends a run: a folder that cannot be deleted is left in place with a warning naming it.
+    """
+    keep_names = {Path(path).name for path in keep}
+    try:
+        states = list_complete_states(parent)
+    except OSError as error:
+        warnings.warn(f"Could not list {parent} to prune its training states ({error}); none was deleted.", stacklevel=2)
+        return []
+    rolling = [state for state in states if "rolling" in state.kinds]
+    best = [state for state in states if "best" in state.kinds]
+    surplus_rolling = set()
+    if max_rolling is not None and len(rolling) > max_rolling:
+        surplus_rolling = {state.folder for state in rolling[: len(rolling) - max_rolling]}
+    superseded_best = {state.folder for state in best[:-1]}
+    deleted = []
+    for state in states:
+        if state.folder.name in keep_names or "permanent" in state.kinds:
+            continue
+        removable = (("rolling" not in state.kinds) or state.folder in surplus_rolling) and (
+            ("best" not in state.kinds) or state.folder in superseded_best
+        )
+        if removable:
+            _crash_point(f"prune:{state.folder.name}")
+            try:
+                shutil.rmtree(state.folder)  # refuses a link, and never follows one inside the folder
+            except OSError as error:
+                warnings.warn(f"Could not prune the training state {state.folder} ({error}); it is left in place.", stacklevel=2)
+                continue
+            deleted.append(state.folder)
+    return deleted
+
+
+def load_tensors_file(path: Path) -> Any:
+    """Load a file written by :func:`save_tensors_file`, never unpickling arbitrary objects."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"{path}: holds objects that only pickle can rebuild; refused ({error}).") from error
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{path}: not a readable torch file ({error}); the state was damaged or altered.") from error
+
+
+# ------------------------------------------------------------------------------------------------
+# A trainer's training state: what is written, and what a resume restores
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResumePosition:
+    """Where in a training run a state was taken, always between two optimizer updates.
+
+    Attributes:
+        loop_epoch: the index, in the run's range of epochs, of the epoch to continue.
+        batches_seen: the micro-batches of that epoch already trained on (skipped by sampler offset on resume).
+        rng_restore_point: ``"before_iterator"`` for a state taken between epochs, ``"after_iterator"`` for one
+            taken inside an epoch: where the resumed run puts the saved RNG states back.
+    """
+
+    loop_epoch: int
+    batches_seen: int
+    rng_restore_point: str
+
+
+@dataclass
+class ResumePlan:
+    """What a resumed run still has to apply as it reaches the saved position."""
+
+    position: ResumePosition
+    rng_state: dict
+    train_loss_tracker: dict
+    checkpoint_kwargs: dict
+    folder: Path
+    num_update_steps_completed: int = 0
+    train_step_metrics: dict = field(default_factory=dict)
+
+
+def _callback_states(callbacks: Iterable) -> dict:
+    states = {}
+    for callback in callbacks:
+        if callable(getattr(callback, "state_dict", None)):
+            state = callback.state_dict()
+            validate_plain(state, f"{type(callback).__name__}.state_dict()")
+            states[type(callback).__name__] = state
+    return states
+
+
+def write_training_state(
+    trainer, parent: Path, position: ResumePosition, run_facts: dict, kinds: Iterable[str] = ("rolling",),
+    checkpoint_kwargs: Optional[dict] = None, max_rolling: Optional[int] = None, name: Optional[str] = None,
+) -> Path:  # fmt: skip
+    """Write the trainer's full training state under ``parent`` (as ``name``, if given, else
+    ``checkpoint-<updates>``; ``-2``... when taken); every process must call this.
+
+    Under FSDP the weights and optimizer state are gathered whole to the main process first, so the state loads
+    into any world size; under DeepSpeed it is refused (see ``sharded.validate_training_state_supported``).
+
+    Returns:
+        The folder of the new state.
+    """
+    from safetensors.torch import save_file, save_model
+
+    from pytorch_accel_trainer.parallel.sharded import get_full_model_state_dict, get_full_optimizer_state_dict, is_fsdp
+    from pytorch_accel_trainer.parallel.sharded import validate_training_state_supported
+
+    accelerator = trainer.accelerator
+    validate_training_state_supported(accelerator)
+    gathered_model = gathered_optimizer = None
+    if is_fsdp(accelerator):  # collectives: every process takes part, the main process receives
+        gathered_model = get_full_model_state_dict(accelerator, trainer.model)
+        gathered_optimizer = get_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer)
+    parent = Path(parent)
+    checkpoint_kwargs = dict(checkpoint_kwargs or {})
+    validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
+    rank_state = {
+        "rng": capture_rng_state(),
+        "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
+        "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
+        "callbacks": _callback_states(trainer.callback_handler),
+    }
+    final = unused_folder_name(parent, name or default_state_name(trainer.num_update_steps_completed))
+    accelerator.wait_for_everyone()  # every process has chosen the same name before any folder appears
+    if accelerator.is_main_process:
+        parent.mkdir(parents=True, exist_ok=True)
+        begin_save(final)
+    accelerator.wait_for_everyone()
+    temporary = temporary_folder(final)
+    with reporting_out_of_space(temporary, final, "the training state", f"the earlier states in {parent} are unchanged"):
+        _crash_point(f"write:{rank_file(accelerator.process_index)}")
+        checksums = {rank_file(accelerator.process_index): save_tensors_file(rank_state, temporary / rank_file(accelerator.process_index))}
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            _crash_point(f"write:{MODEL_FILE}")
+            if gathered_model is None:
+                save_model(trainer.get_model(), str(temporary / MODEL_FILE))
+            else:
+                own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
+                save_file(own_storage, str(temporary / MODEL_FILE))
+            fsync_path(temporary / MODEL_FILE)
+            # safetensors writes the file itself: its checksum is read back (page cache) on a thread while the rest is written
+            checksums[MODEL_FILE] = _CHECKSUM_READER.submit(file_digest, temporary / MODEL_FILE, None, CHECKSUM)
+            _crash_point(f"write:{OPTIMIZER_FILE}")
+            optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
+            checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
+            checksums.update(write_extra_files({name: trainer.get_extra_model(name) for name in trainer.extra_models}, trainer.extra_optimizers, temporary))  # fmt: skip
+            if trainer.scheduler is not None:
+                _crash_point(f"write:{SCHEDULER_FILE}")
+                scheduler_state = trainer.scheduler.state_dict()
+                validate_plain(scheduler_state, "scheduler.state_dict()")
+                checksums[SCHEDULER_FILE] = save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
+            if accelerator.scaler is not None:
+                checksums[SCALER_FILE] = save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
+            _crash_point(f"write:{TRAINER_FILE}")
+            checksums[TRAINER_FILE] = save_tensors_file(
+                {
+                    "position": asdict(position),
+                    "num_update_steps_completed": trainer.num_update_steps_completed,
+                    "run_history": trainer.run_history.state_dict(),
+                    "run_facts": run_facts,
+                    "checkpoint_kwargs": checkpoint_kwargs,
+                    "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
+                    "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
+                },
+                temporary / TRAINER_FILE,
+            )
+            manifest_fields = {"num_update_steps_completed": trainer.num_update_steps_completed, "position": asdict(position)}
+            manifest_fields.update(world_size=accelerator.num_processes, kinds=sorted(set(kinds)), run_facts=run_facts)
+            finish_save(temporary, final, manifest_fields, checksums)
+            prune_states(parent, max_rolling, keep=[final])
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _load_trainer_file(stored: StoredState) -> dict:
+    """The shared part of a state (``trainer_state.pt``), checked against the manifest it was verified by."""
+    path = stored.folder / TRAINER_FILE
+    shared = load_tensors_file(path)
+    fields = ("position", "num_update_steps_completed", "run_history", "run_facts", "checkpoint_kwargs")
+    if not isinstance(shared, dict) or any(name not in shared for name in fields):
+        raise CheckpointError(f"{path}: not a trainer state (it must hold {', '.join(fields)}); it was altered.")
+    if (shared["position"], shared["num_update_steps_completed"]) != (
+        stored.manifest["position"],
+        stored.manifest["num_update_steps_completed"],
+    ) or not (isinstance(shared["run_facts"], dict) and isinstance(shared["checkpoint_kwargs"], dict)):
+        raise CheckpointError(f"{path}: its position, update count or settings disagree with {MANIFEST_NAME}; it was altered.")
+    return shared
+
+
+def _load_rank_file(path: Path) -> dict:
+    rank_state = load_tensors_file(path)
+    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("callbacks"), dict) or not {"rng", "train_loss_tracker"} <= set(rank_state):  # fmt: skip
+        raise CheckpointError(f"{path}: not a process's state (rng, train_loss_tracker, callbacks); it was altered.")
+    return rank_state
+
+
+def _load_weights(trainer, path: Path) -> None:
+    """Load ``model.safetensors`` into the trainer's model (each process keeps its shard under FSDP)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, load_model
+
+    from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_model_state_dict
+
+    try:
+        if is_fsdp(trainer.accelerator):  # every process reads the full state; each keeps its shard
+            load_full_model_state_dict(trainer.accelerator, trainer.model, load_file(str(path)))
+        else:
+            load_model(trainer.get_model(), str(path), strict=True)
+    except SafetensorError as error:  # e.g. a pickle planted under the name: refused by the header check, never run
+        raise CheckpointError(f"{path}: not a safetensors file ({error}); the state was damaged or altered.") from error
+    except RuntimeError as error:
+        raise CheckpointError(
+            f"{path} does not fit this model ({error}); resume with the model the state was saved from."
+        ) from error
+
+
+def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict], allow_changes: bool) -> ResumePlan:
+    """Load a verified training state into ``trainer`` (weights, optimizer, scheduler, history, callbacks); the
+    rest (position, counters, RNG states) is returned as a :class:`ResumePlan` for the run state.
+
+    Each file is checked to fit this run before it is loaded; the optimizer state, before the optimizer is touched.
+    Which files a state has is read from its manifest, never from the folder.
+
+    Args:
+        run_facts: the current run's settings, compared with the saved ones; ``None`` skips the comparison.
+        allow_changes: resume even when a setting differs.
+    """
+    from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_optimizer_state_dict, validate_training_state_supported
+
+    accelerator = trainer.accelerator
+    validate_training_state_supported(accelerator)
+    folder, listed = stored.folder, stored.manifest["files"]
+    shared = _load_trainer_file(stored)
+    if run_facts is not None and not allow_changes:
+        changes = describe_changes(shared["run_facts"], run_facts)
+        if changes:
+            listed_changes = "\n  ".join(changes)
+            raise CheckpointError(
+                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:\n  {listed_changes}\n"
+                "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway."
+            )
+    rank = accelerator.process_index
+    if rank_file(rank) not in listed:
+        raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes).")
+    rank_state = _load_rank_file(folder / rank_file(rank))
+    extras_mismatch = describe_extras_mismatch(listed, trainer.extra_models, trainer.extra_optimizers)  # before any load
+    if extras_mismatch is not None:
+        raise CheckpointError(f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was saved with (add_model, before train()), or start a new run.")  # fmt: skip
+    _load_weights(trainer, folder / MODEL_FILE)
+    has_scheduler_file = SCHEDULER_FILE in listed
+    if run_facts is None and trainer.scheduler is None:
+        has_scheduler_file = False  # a manual load before train(): the scheduler does not exist yet
+    elif has_scheduler_file != (trainer.scheduler is not None):
+        raise CheckpointError(
+            f"{folder} {'holds' if has_scheduler_file else 'has no'} scheduler state, but this run "
+            f"{'has no' if has_scheduler_file else 'has a'} scheduler: pass the same create_scheduler_fn as the saved run."
+        )
+    optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
+    saved_class = shared.get("optimizer_class")  # None in states written before it was saved
+    mismatch = describe_optimizer_mismatch(optimizer_state, saved_class, trainer.optimizer, not is_fsdp(accelerator))
+    if mismatch is not None:
+        raise CheckpointError(
+            f"{folder / OPTIMIZER_FILE} does not fit this trainer's optimizer: {mismatch}. Resume with the optimizer "
+            "the state was saved with (same class, same parameter groups), or start a new run."
+        )
+    load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
+    try:  # the extra models of add_model, and their optimizers
+        load_extra_files(folder, {name: trainer.get_extra_model(name) for name in trainer.extra_models}, trainer.extra_optimizers, shared.get("extra_optimizer_classes"))  # fmt: skip
+    except ValueError as error:  # DamagedStateError included
+        raise CheckpointError(f"{error}; resume with the extra models and optimizers the state was saved with.") from error
+    if has_scheduler_file:
+        trainer.scheduler.load_state_dict(load_tensors_file(folder / SCHEDULER_FILE))
+    if SCALER_FILE in listed and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(load_tensors_file(folder / SCALER_FILE))
+    trainer.run_history.load_state_dict(shared["run_history"])
+    for callback in trainer.callback_handler:
+        state = rank_state["callbacks"].get(type(callback).__name__)
+        if state is not None and callable(getattr(callback, "load_state_dict", None)):
+            callback.load_state_dict(state)
+    return ResumePlan(
+        position=ResumePosition(**shared["position"]),
+        rng_state=rank_state["rng"],
+        train_loss_tracker=rank_state["train_loss_tracker"],
+        train_step_metrics=rank_state.get("train_step_metrics", {}),  # states written before step metrics: none
+        checkpoint_kwargs=shared["checkpoint_kwargs"],
+        folder=folder,
+        num_update_steps_completed=shared["num_update_steps_completed"],
+    )
