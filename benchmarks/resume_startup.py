@@ -56,7 +56,9 @@ def main():
     try:
         for updates in (10, 10_000):
             folder = root / str(updates)
-            saver = SaveTrainingStateCallback(folder, save_every_n_steps=updates, save_every_n_epochs=None, save_at_end=False)
+            saver = SaveTrainingStateCallback(
+                folder, save_every_n_steps=updates, save_every_n_epochs=None, save_at_end=False
+            )
             try:
                 _trainer([saver, _StopAfter(updates)]).train(dataset, 1, per_device_batch_size=4, resume_from=folder)
             except _Stop:

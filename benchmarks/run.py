@@ -108,8 +108,17 @@ def summarize_workload(runs_by_row: dict) -> dict:
         errors = [run["error"] for run in runs if "error" in run]
         summary: dict = {"runs": len(runs), "errors": errors}
         if ok:
-            for key in ("us_per_step", "cpu_us_per_step", "first_epoch_us_per_step", "startup_ms", "import_ms",
-                        "setup_ms", "peak_rss_mb", "rss_increase_mb", "rss_after_imports_mb"):  # fmt: skip
+            for key in (
+                "us_per_step",
+                "cpu_us_per_step",
+                "first_epoch_us_per_step",
+                "startup_ms",
+                "import_ms",
+                "setup_ms",
+                "peak_rss_mb",
+                "rss_increase_mb",
+                "rss_after_imports_mb",
+            ):
                 summary[key] = _spread([run[key] for run in ok])
             summary["trained_runs"] = sum(run["trained"] for run in ok)
             summary["first_loss"] = statistics.median(run["train_losses"][0] for run in ok)
@@ -319,9 +328,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--import-worker", metavar="MODULE", help=argparse.SUPPRESS)
     parser.add_argument("--paired-worker", nargs=2, metavar=("ROW", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument(
-        "--pairs", type=int, default=None,
+        "--pairs",
+        type=int,
+        default=None,
         help="same-process alternating runs of each row against the torch loop (default 10; 2 with --quick; 0: none)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     if args.pairs is None:
         args.pairs = 2 if args.quick else 10

@@ -56,13 +56,23 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
     model, optimizer = trainer.get_model(), trainer.optimizer
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(
-        v.numel() * v.element_size() for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)
+        v.numel() * v.element_size()
+        for s in optimizer.state_dict()["state"].values()
+        for v in s.values()
+        if torch.is_tensor(v)
     )
-    times = {name: [] for name in ("torch_save", "torch_load", "state_save", "state_load", "sync_stall", "async_stall", "async_total")}
+    times = {
+        name: []
+        for name in ("torch_save", "torch_load", "state_save", "state_load", "sync_stall", "async_stall", "async_total")
+    }
     has_async = "asynchronous" in persistence.write_state.__code__.co_varnames
     for repeat in range(repeats):
         plain = root / f"plain-{repeat}.pt"
-        times["torch_save"].append(_timed(lambda: _fsynced_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)))
+        times["torch_save"].append(
+            _timed(
+                lambda: _fsynced_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)
+            )
+        )
 
         def torch_load():
             loaded = torch.load(plain, map_location="cpu", weights_only=True)
@@ -86,7 +96,14 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         for path in root.iterdir():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     medians = {name: statistics.median(values) for name, values in times.items() if values}
-    return {"width": width, "layers": layers, "repeats": repeats, "state_mib": state_bytes / 2**20, "median_s": medians, "raw_s": times}
+    return {
+        "width": width,
+        "layers": layers,
+        "repeats": repeats,
+        "state_mib": state_bytes / 2**20,
+        "median_s": medians,
+        "raw_s": times,
+    }
 
 
 def main() -> None:
@@ -107,11 +124,17 @@ def main() -> None:
     print(f"| torch.save + fsync | {m['torch_save']:.3f} | 1 |")
     print(f"| save_training_state | {m['state_save']:.3f} | {m['state_save'] / m['torch_save']:.2f}x torch.save |")
     print(f"| torch.load + load_state_dict | {m['torch_load']:.3f} | 1 |")
-    print(f"| load_training_state (verify + load) | {m['state_load']:.3f} | {m['state_load'] / m['torch_load']:.2f}x torch.load |")
+    print(
+        f"| load_training_state (verify + load) | {m['state_load']:.3f} | {m['state_load'] / m['torch_load']:.2f}x torch.load |"
+    )
     print(f"| stall of a synchronous save | {m['sync_stall']:.3f} | 1 |")
     if "async_stall" in m:
-        print(f"| stall of an asynchronous save | {m['async_stall']:.3f} | {m['async_stall'] / m['sync_stall']:.2f}x synchronous |")
-        print(f"| asynchronous save, until written | {m['async_total']:.3f} | {m['async_total'] / m['sync_stall']:.2f}x synchronous |")
+        print(
+            f"| stall of an asynchronous save | {m['async_stall']:.3f} | {m['async_stall'] / m['sync_stall']:.2f}x synchronous |"
+        )
+        print(
+            f"| asynchronous save, until written | {m['async_total']:.3f} | {m['async_total'] / m['sync_stall']:.2f}x synchronous |"
+        )
     else:
         print("| stall of an asynchronous save | n/a | n/a |")
     print(json.dumps(result))

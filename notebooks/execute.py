@@ -82,7 +82,9 @@ def output_problems(notebook: nbformat.NotebookNode) -> list[str]:
                 problems.append(f"{where} shows a traceback: {_excerpt(text, 'Traceback')}")
             if output.output_type == "stream" and output.name == "stderr" and not _is_progress_bars(text):
                 problems.append(f"{where} writes to stderr: {text.strip()[:200]!r}")
-            shown = next((path for path in machine_paths if path in text), None)  # one problem, even for a repository in /tmp
+            shown = next(
+                (path for path in machine_paths if path in text), None
+            )  # one problem, even for a repository in /tmp
             if shown is not None:
                 problems.append(f"{where} shows the path {shown!r}, which changes between machines or runs")
     return problems

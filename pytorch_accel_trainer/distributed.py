@@ -1,4 +1,4 @@
-"""Another import path of :mod:`pytorch_accel_trainer.parallel.distributed` (its earlier place), kept for scripts that use it."""
+""":mod:`pytorch_accel_trainer.parallel.distributed` under its earlier import path, kept for the scripts that use it."""
 
 import sys
 

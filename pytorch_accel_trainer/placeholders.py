@@ -227,7 +227,9 @@ def placeholder_from_text(text: str) -> Any:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPERATORS:
-            return _OPERATORS[_AST_OPERATORS[type(node.op)]](build(node.left), build(node.right))  # placeholder arithmetic
+            return _OPERATORS[_AST_OPERATORS[type(node.op)]](
+                build(node.left), build(node.right)
+            )  # placeholder arithmetic
         raise ValueError(
             f"{text!r} is not a placeholder expression: use the placeholders {sorted(members)}, numbers and + - * //, "
             "e.g. 'NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS'."

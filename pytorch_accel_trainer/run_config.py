@@ -109,9 +109,13 @@ def plan_run_length(
 
 
 def build_run_config(
-    options: TrainOptions, accelerator: Accelerator, dataloaders: tuple, dataloader_kwargs: tuple, train_dataset: Any,
+    options: TrainOptions,
+    accelerator: Accelerator,
+    dataloaders: tuple,
+    dataloader_kwargs: tuple,
+    train_dataset: Any,
     seed: Optional[int],
-) -> TrainerRunConfig:  # fmt: skip
+) -> TrainerRunConfig:
     """Return the :class:`TrainerRunConfig` of a run with ``options`` on the prepared ``(train, eval)`` dataloaders.
 
     Built after Accelerate prepares the dataloaders, which shards them across processes and changes their length.
@@ -141,7 +145,9 @@ def build_run_config(
                 "what create_train_dataloader returns.",
                 stacklevel=3,
             )
-    num_epochs, max_num_train_steps = plan_run_length(options.num_epochs, options.max_num_train_steps, updates_per_epoch)
+    num_epochs, max_num_train_steps = plan_run_length(
+        options.num_epochs, options.max_num_train_steps, updates_per_epoch
+    )
     return TrainerRunConfig(
         num_epochs=num_epochs,
         train_per_device_batch_size=train_batch_size,

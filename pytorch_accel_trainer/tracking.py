@@ -47,7 +47,9 @@ class RunHistory(ABC):
 
     def set_metric_name_prefix(self, prefix: str = "") -> None:
         """Prefix the names of the metrics recorded from now on; override in subclasses."""
-        raise NotImplementedError(f"{type(self).__name__} has no set_metric_name_prefix(); implement it to use prefixes.")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no set_metric_name_prefix(); implement it to use prefixes."
+        )
 
     def delete_metric(self, metric_name: str) -> None:
         """Forget every value of ``metric_name``; override in subclasses."""
@@ -173,8 +175,7 @@ class InMemoryRunHistory(RunHistory):
     def _metric(self, metric_name: str) -> list:
         if metric_name not in self._metrics:
             raise UnknownMetricError(
-                f"No metric named {metric_name!r} in the run history; the metrics recorded are "
-                f"{sorted(self._metrics)}."
+                f"No metric named {metric_name!r} in the run history; the metrics recorded are {sorted(self._metrics)}."
             )
         return self._metrics[metric_name]
 

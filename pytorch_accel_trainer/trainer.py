@@ -10,38 +10,81 @@ from accelerate import PartialState
 from accelerate.utils import set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
-from pytorch_accel_trainer.loop import accumulation, persistence
-from pytorch_accel_trainer.loop.batches import NO_EVAL_BATCH, batch_loss, batch_size_for, dataset_and_dataloader, forward_batch, given_dataloader_kwargs, loss_weight, merge_dataloader_kwargs, real_rows_in_batch, with_own_generator_and_checked_collate  # fmt: skip
 from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: importable from here, as in pytorch-accelerated)
-    LIMIT_BATCHES_ENV_VAR, CallbackHandler, LimitBatchesCallback, LogMetricsCallback, MoveModulesToDeviceCallback,
-    PrintProgressCallback, ProgressBarCallback, TerminateOnNaNCallback,
-)  # fmt: skip
-from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
+    LIMIT_BATCHES_ENV_VAR,
+    CallbackHandler,
+    LimitBatchesCallback,
+    LogMetricsCallback,
+    MoveModulesToDeviceCallback,
+    PrintProgressCallback,
+    ProgressBarCallback,
+    TerminateOnNaNCallback,
+)
 from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.loop import accumulation, persistence
 from pytorch_accel_trainer.loop.accessors import TrainerUtilitiesMixin
-from pytorch_accel_trainer.loop.support import LoopSupportMixin
+from pytorch_accel_trainer.loop.batches import (
+    NO_EVAL_BATCH,
+    batch_loss,
+    batch_size_for,
+    dataset_and_dataloader,
+    forward_batch,
+    given_dataloader_kwargs,
+    loss_weight,
+    merge_dataloader_kwargs,
+    real_rows_in_batch,
+    with_own_generator_and_checked_collate,
+)
 from pytorch_accel_trainer.loop.extra_models import ExtraModelsMixin
 from pytorch_accel_trainer.loop.persistence import PersistenceMixin
-from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
-from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
-from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
 from pytorch_accel_trainer.loop.preparation import SetupMixin
-from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
+from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
+from pytorch_accel_trainer.loop.support import LoopSupportMixin
+from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
 from pytorch_accel_trainer.parallel.sharded import (
     set_deepspeed_gradient_sync,
     validate_sharded_run,
     warn_if_sharding_was_ignored,
 )
-from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker, RunHistory, StepMetricsTracker, metric_counts, metrics_recorded_since  # fmt: skip
+from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
+from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
+from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
+from pytorch_accel_trainer.tracking import (
+    InMemoryRunHistory,
+    LossTracker,
+    RunHistory,
+    StepMetricsTracker,
+    metric_counts,
+    metrics_recorded_since,
+)
 from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: importable from here, as in pytorch-accelerated)
-    batch_size_of, dataloader_length, remove_padding, require_batches, with_last_flag, worker_init_fn,
-)  # fmt: skip
+    batch_size_of,
+    dataloader_length,
+    remove_padding,
+    require_batches,
+    with_last_flag,
+    worker_init_fn,
+)
 from pytorch_accel_trainer.validation import (
-    mixed_precision_name, validate_batch_output, validate_constructor_options, validate_datasets, validate_given_dataloaders, warn_if_schedule_is_in_epochs,
-    validate_evaluate_arguments, validate_first_eval_batch, validate_loss_requires_grad, validate_optimizer_parameters,
-)  # fmt: skip
+    mixed_precision_name,
+    validate_batch_output,
+    validate_constructor_options,
+    validate_datasets,
+    validate_evaluate_arguments,
+    validate_first_eval_batch,
+    validate_given_dataloaders,
+    validate_loss_requires_grad,
+    validate_optimizer_parameters,
+    warn_if_schedule_is_in_epochs,
+)
 
-DEFAULT_CALLBACKS = (MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback, ProgressBarCallback, LogMetricsCallback)
+DEFAULT_CALLBACKS = (
+    MoveModulesToDeviceCallback,
+    TerminateOnNaNCallback,
+    PrintProgressCallback,
+    ProgressBarCallback,
+    LogMetricsCallback,
+)
 
 
 class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, TrainerUtilitiesMixin):
@@ -273,7 +316,11 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
             real_rows = self.eval_batch_real_rows
             if real_rows is not None:  # a second forward pass over the real rows, once per evaluation
                 real_batch = slice_tensors(batch, slice(0, real_rows))
-                loss = batch_loss(self.loss_func, forward_batch(self.model, real_batch), real_batch) if real_rows else torch.zeros_like(loss)
+                loss = (
+                    batch_loss(self.loss_func, forward_batch(self.model, real_batch), real_batch)
+                    if real_rows
+                    else torch.zeros_like(loss)
+                )
                 batch_size = real_rows
         return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size}
 
@@ -361,24 +408,37 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         """
         validate_datasets(train_dataset, eval_dataset)
         validate_given_dataloaders(
-            (train_dataset, eval_dataset), ("train_dataset", "eval_dataset", "train_dataloader_kwargs", "eval_dataloader_kwargs"),
-            per_device_batch_size, (train_dataloader_kwargs, eval_dataloader_kwargs), collate_fn,
-        )  # fmt: skip
+            (train_dataset, eval_dataset),
+            ("train_dataset", "eval_dataset", "train_dataloader_kwargs", "eval_dataloader_kwargs"),
+            per_device_batch_size,
+            (train_dataloader_kwargs, eval_dataloader_kwargs),
+            collate_fn,
+        )
         train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
         eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
         per_device_batch_size = batch_size_for(self._given_train_dataloader, per_device_batch_size)
         options = TrainOptions(
-            num_epochs=num_epochs, per_device_batch_size=per_device_batch_size, max_num_train_steps=max_num_train_steps,
-            gradient_accumulation_steps=gradient_accumulation_steps, gradient_clip_value=gradient_clip_value,
-            gradient_clip_norm=gradient_clip_norm, create_scheduler_fn=create_scheduler_fn, collate_fn=collate_fn,
-            train_dataloader_kwargs=train_dataloader_kwargs, eval_dataloader_kwargs=eval_dataloader_kwargs,
-            reset_run_history=reset_run_history, resume_from=resume_from, allow_resume_changes=allow_resume_changes,
+            num_epochs=num_epochs,
+            per_device_batch_size=per_device_batch_size,
+            max_num_train_steps=max_num_train_steps,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_clip_value=gradient_clip_value,
+            gradient_clip_norm=gradient_clip_norm,
+            create_scheduler_fn=create_scheduler_fn,
+            collate_fn=collate_fn,
+            train_dataloader_kwargs=train_dataloader_kwargs,
+            eval_dataloader_kwargs=eval_dataloader_kwargs,
+            reset_run_history=reset_run_history,
+            resume_from=resume_from,
+            allow_resume_changes=allow_resume_changes,
             scheduler_interval=scheduler_interval,
-        )  # fmt: skip
+        )
         if self.optimizer is None:
             raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
-            validate_optimizer_parameters(self.optimizer, self.model)  # none of the model's trainable parameters missing
+            validate_optimizer_parameters(
+                self.optimizer, self.model
+            )  # none of the model's trainable parameters missing
         stored_state = persistence.find_state_to_resume(Path(resume_from)) if resume_from is not None else None
         self.run_state = RunState(options=options)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -386,7 +446,9 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         if reset_run_history:
             self.run_history.reset()
         if self.seed is not None:
-            set_seed(self.seed + PartialState().process_index)  # Accelerate's device_specific=True, from the process state
+            set_seed(
+                self.seed + PartialState().process_index
+            )  # Accelerate's device_specific=True, from the process state
 
         self.train_dataloader = self.create_train_dataloader(per_device_batch_size, train_dataloader_kwargs)
         self.eval_dataloader, self._eval_dl_kwargs = None, None
@@ -430,13 +492,21 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         elif dataset is None:  # the last eval dataset, with its collate function unless another is given
             dataset, collate_fn = self.eval_dataset, collate_fn or self.collate_fn
         validate_evaluate_arguments(dataset, per_device_batch_size, dataloader_kwargs)
-        validate_given_dataloaders((dataset, None), ("dataset", None, "dataloader_kwargs", None), per_device_batch_size, (dataloader_kwargs, None), collate_fn)  # fmt: skip
+        validate_given_dataloaders(
+            (dataset, None),
+            ("dataset", None, "dataloader_kwargs", None),
+            per_device_batch_size,
+            (dataloader_kwargs, None),
+            collate_fn,
+        )
         (self.eval_dataset, self._given_eval_dataloader), self.collate_fn = dataset_and_dataloader(dataset), collate_fn
         per_device_batch_size = batch_size_for(self._given_eval_dataloader, per_device_batch_size)
         self.train_dataloader, self._train_dl_kwargs = None, None
         self.eval_dataloader = self.create_eval_dataloader(per_device_batch_size, dataloader_kwargs)
         self._prepare_model_optimizer_and_dataloaders()
-        self.run_config = self._create_run_config(TrainOptions(num_epochs=1, per_device_batch_size=per_device_batch_size))
+        self.run_config = self._create_run_config(
+            TrainOptions(num_epochs=1, per_device_batch_size=per_device_batch_size)
+        )
         self._check_eval_batch_size()
         counts = metric_counts(self.run_history)
         self._run_evaluation()
@@ -525,7 +595,10 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
     def _perform_forward_and_backward_passes(self, batch, step: int, is_retry: bool = False) -> None:
         """Forward and backward pass of one micro-batch (pytorch-accelerated's name and arguments); gradients sync
         across processes only on the step that closes an accumulation window (``run_state.step_closes_window``)."""
-        accumulation_steps, is_update_step = self.run_config.gradient_accumulation_steps, self.run_state.step_closes_window
+        accumulation_steps, is_update_step = (
+            self.run_config.gradient_accumulation_steps,
+            self.run_state.step_closes_window,
+        )
         with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
             batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
             validate_batch_output(batch_output, "calculate_train_batch_loss")
@@ -549,11 +622,15 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         accumulation.normalise_by_items_in_window(state, self._accelerator, self.model)
         self._clip_gradients()
         self.optimizer_step()
-        if not self._optimizer_step_was_skipped() and not self._steps_scheduler_per_epoch():  # an fp16 overflow skips the update
+        if (
+            not self._optimizer_step_was_skipped() and not self._steps_scheduler_per_epoch()
+        ):  # an fp16 overflow skips the update
             self.scheduler_step()
         self.optimizer_zero_grad()
         state.num_update_steps_completed += 1
-        self._call_event("on_optimizer_step_end", step=step, num_update_steps_completed=state.num_update_steps_completed)
+        self._call_event(
+            "on_optimizer_step_end", step=step, num_update_steps_completed=state.num_update_steps_completed
+        )
 
     def _run_eval_epoch(self, valid_dl: Iterable, is_training: bool = True) -> None:
         """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
@@ -562,7 +639,9 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self._eval_step_metrics.reset()
         self._call_event("on_eval_epoch_start")
         for step, batch in enumerate(require_batches(valid_dl, NO_EVAL_BATCH)):
-            self.eval_batch_real_rows = real_rows_in_batch(valid_dl, batch, self._accelerator)  # None unless samples repeat
+            self.eval_batch_real_rows = real_rows_in_batch(
+                valid_dl, batch, self._accelerator
+            )  # None unless samples repeat
             self._call_event("on_eval_step_start")
             batch_output = self.calculate_eval_batch_loss(batch)
             validate_batch_output(batch_output, "calculate_eval_batch_loss")

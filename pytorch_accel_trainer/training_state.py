@@ -1,4 +1,4 @@
-"""Another import path of :mod:`pytorch_accel_trainer.state.training_state` (its earlier place), kept for scripts that use it."""
+""":mod:`pytorch_accel_trainer.state.training_state` under its earlier import path, kept for the scripts that use it."""
 
 import sys
 

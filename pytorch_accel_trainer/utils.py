@@ -43,7 +43,11 @@ def dataloader_length(dataloader: Any) -> int | None:
 
 def dataloader_batch_size(dataloader: Any) -> int | None:
     """The batch size of a DataLoader, also when a batch sampler sets it; ``None`` when unknown."""
-    return dataloader.batch_size if dataloader.batch_size is not None else getattr(dataloader.batch_sampler, "batch_size", None)
+    return (
+        dataloader.batch_size
+        if dataloader.batch_size is not None
+        else getattr(dataloader.batch_sampler, "batch_size", None)
+    )
 
 
 def dataset_length(dataset: Any) -> int | None:
@@ -130,7 +134,9 @@ class LimitBatches:
 
     def __init__(self, num_batches: int):
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 1:
-            raise ValueError(f"num_batches is {num_batches!r}; pass a positive whole number of batches, e.g. LimitBatches(2).")
+            raise ValueError(
+                f"num_batches is {num_batches!r}; pass a positive whole number of batches, e.g. LimitBatches(2)."
+            )
         self.num_batches = num_batches
         self._previous_values: list = []  # a stack, so that the same instance can be entered again inside itself
 
@@ -262,7 +268,10 @@ def _wait_for_everyone_sharing(state: PartialState, failed: bool) -> bool:
     """
     if state.num_processes == 1:
         return failed
-    if state.distributed_type != DistributedType.XLA and state.distributed_type.value not in TORCH_DISTRIBUTED_OPERATION_TYPES:
+    if (
+        state.distributed_type != DistributedType.XLA
+        and state.distributed_type.value not in TORCH_DISTRIBUTED_OPERATION_TYPES
+    ):
         state.wait_for_everyone()  # no collective to carry the flag: a plain barrier
         return failed
     flag = torch.tensor(float(failed), device=state.device)
@@ -418,7 +427,9 @@ class ModelEma(nn.Module):
         if update_fn is None:
             torch._foreach_lerp_(ema_floats, model_floats, 1.0 - self.decay)
         elif ema_floats:
-            torch._foreach_copy_(ema_floats, [update_fn(ema, weights) for ema, weights in zip(ema_floats, model_floats)])
+            torch._foreach_copy_(
+                ema_floats, [update_fn(ema, weights) for ema, weights in zip(ema_floats, model_floats)]
+            )
         if ema_others:
             torch._foreach_copy_(ema_others, model_others)
 
@@ -433,8 +444,14 @@ class ModelEma(nn.Module):
         if cached is not None and cached[0]() is model and all(store[key] is t for store, key, t in cached[1]):
             ema_floats, model_floats, ema_others, model_others = cached[2]
         else:
-            ema_floats, model_floats, ema_others, model_others, watched = _pair_by_name(self.module, _unwrap_model(model))
-            self.__dict__["_pairing"] = (weakref.ref(model), watched, (ema_floats, model_floats, ema_others, model_others))
+            ema_floats, model_floats, ema_others, model_others, watched = _pair_by_name(
+                self.module, _unwrap_model(model)
+            )
+            self.__dict__["_pairing"] = (
+                weakref.ref(model),
+                watched,
+                (ema_floats, model_floats, ema_others, model_others),
+            )
         if any(e.device != m.device or e.dtype != m.dtype for e, m in zip(ema_floats, model_floats)):
             model_floats = [m.to(device=e.device, dtype=e.dtype) for e, m in zip(ema_floats, model_floats)]
         if any(e.device != m.device for e, m in zip(ema_others, model_others)):
@@ -535,7 +552,11 @@ class DeferredSum:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._total, self._pending_weight, self.weight_total = state["total"], state["pending_weight"], state["weight_total"]
+        self._total, self._pending_weight, self.weight_total = (
+            state["total"],
+            state["pending_weight"],
+            state["weight_total"],
+        )
         self._pending = [] if state["pending"] is None else list(state["pending"].unbind())
 
 

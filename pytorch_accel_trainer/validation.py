@@ -79,14 +79,24 @@ def _validate_scheduler_factory(create_scheduler_fn: Any) -> None:
 MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16", "fp8")
 #: Other names users of other trainers write for the same choices (Hezar's "full", Lightning's "bf16-mixed", ...).
 MIXED_PRECISION_ALIASES = {
-    "full": "no", "fp32": "no", "32": "no", "float32": "no", "32-true": "no",
-    "bfloat16": "bf16", "bf16-mixed": "bf16", "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
-}  # fmt: skip
+    "full": "no",
+    "fp32": "no",
+    "32": "no",
+    "float32": "no",
+    "32-true": "no",
+    "bfloat16": "bf16",
+    "bf16-mixed": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "16": "fp16",
+    "16-mixed": "fp16",
+}
 #: Accelerator arguments the Trainer sets from its own: refused in ``accelerator_kwargs``, with the argument to use.
 TRAINER_ACCELERATOR_ARGUMENTS = {
-    "mixed_precision": "Trainer(mixed_precision=...)", "cpu": "Trainer(cpu=True)",
+    "mixed_precision": "Trainer(mixed_precision=...)",
+    "cpu": "Trainer(cpu=True)",
     "gradient_accumulation_steps": "train(gradient_accumulation_steps=...)",
-}  # fmt: skip
+}
 
 
 def mixed_precision_name(mixed_precision: Any) -> Any:
@@ -137,7 +147,7 @@ def validate_model_and_loss(model: Any, loss_func: Any) -> None:
 
 def validate_constructor_options(
     mixed_precision: Any, torch_compile: Any, seed: Any = None, loss_func: Any = None, accelerator_kwargs: Any = None
-) -> None:  # fmt: skip
+) -> None:
     """Check the ``Trainer`` options that are not the model, optimizer or callbacks."""
     _validate_seed(seed)
     _validate_loss_func(loss_func)
@@ -159,7 +169,9 @@ def _validate_accelerator_kwargs(accelerator_kwargs: Any) -> None:
     if accelerator_kwargs is None:
         return
     if not isinstance(accelerator_kwargs, Mapping):
-        raise TypeError(f"accelerator_kwargs={accelerator_kwargs!r} is not valid: pass a dict of Accelerator arguments or None.")
+        raise TypeError(
+            f"accelerator_kwargs={accelerator_kwargs!r} is not valid: pass a dict of Accelerator arguments or None."
+        )
     for name in accelerator_kwargs:
         if name in TRAINER_ACCELERATOR_ARGUMENTS:
             raise ValueError(
@@ -183,7 +195,7 @@ def validate_datasets(train_dataset: Any, eval_dataset: Any) -> None:
 
 def validate_given_dataloaders(
     data: tuple, names: tuple, per_device_batch_size: int, dataloader_kwargs: tuple, collate_fn: Any
-) -> None:  # fmt: skip
+) -> None:
     """Refuse the arguments a DataLoader passed where a dataset is expected would silently ignore.
 
     Args:

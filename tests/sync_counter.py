@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-
 from conftest import make_trainer
+from test_syncs import SYNCING_METHODS, _from_data_pipeline
+
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
-from test_syncs import SYNCING_METHODS, _from_data_pipeline
 
 
 def make_sync_counting_trainer(monkeypatch, model, callbacks=(), **kwargs) -> tuple:
@@ -37,4 +37,3 @@ def make_sync_counting_trainer(monkeypatch, model, callbacks=(), **kwargs) -> tu
         monkeypatch.setattr(torch.Tensor, name, counting)
     trainer = make_trainer(model, callbacks=[MarkStepStart, *callbacks], trainer_class=MarkStepsDone, **kwargs)
     return trainer, reads
-

@@ -6,18 +6,29 @@ import functools
 
 import pytest
 import torch
-
 from conftest import StreamDataset, make_mlp, regression_dataset
+
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 
 
-def _train_mlp(dataset, batch_size, accumulation, num_epochs=3, optimizer_cls=torch.optim.SGD, trainer_class=Trainer, **train_kwargs):
+def _train_mlp(
+    dataset,
+    batch_size,
+    accumulation,
+    num_epochs=3,
+    optimizer_cls=torch.optim.SGD,
+    trainer_class=Trainer,
+    **train_kwargs,
+):
     model = make_mlp()
     trainer = trainer_class(model, torch.nn.MSELoss(), optimizer_cls(model.parameters(), lr=0.05), callbacks=())
     trainer.train(
-        dataset, num_epochs=num_epochs, per_device_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation, **train_kwargs,
-    )  # fmt: skip
+        dataset,
+        num_epochs=num_epochs,
+        per_device_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        **train_kwargs,
+    )
     parameters = torch.cat([p.detach().flatten() for p in model.parameters()])
     return parameters, trainer.run_history.get_metric_values("train_loss_epoch"), trainer
 
@@ -35,7 +46,9 @@ def test_batch_8_equals_batch_2_with_accumulation_4_including_a_partial_window(s
 
 def test_logged_loss_is_not_divided_by_the_accumulation_count():
     dataset = regression_dataset(20)
-    _, losses, trainer = _train_mlp(dataset, batch_size=2, accumulation=4, num_epochs=1, optimizer_cls=lambda p, lr: torch.optim.SGD(p, lr=0.0))
+    _, losses, trainer = _train_mlp(
+        dataset, batch_size=2, accumulation=4, num_epochs=1, optimizer_cls=lambda p, lr: torch.optim.SGD(p, lr=0.0)
+    )
     x, y = dataset.tensors
     expected = torch.nn.functional.mse_loss(trainer.get_model()(x), y).item()  # lr 0: the model never changed
     assert losses == [pytest.approx(expected, rel=1e-5)]
@@ -43,14 +56,21 @@ def test_logged_loss_is_not_divided_by_the_accumulation_count():
 
 def test_a_stream_without_len_accumulates_its_partial_last_window_correctly():
     dataset = regression_dataset(20)
-    reference, reference_losses, _ = _train_mlp(dataset, batch_size=8, accumulation=1, train_dataloader_kwargs={"shuffle": False})
+    reference, reference_losses, _ = _train_mlp(
+        dataset, batch_size=8, accumulation=1, train_dataloader_kwargs={"shuffle": False}
+    )
     streamed, streamed_losses, _ = _train_mlp(StreamDataset(dataset), batch_size=2, accumulation=4)
     torch.testing.assert_close(streamed, reference, rtol=1e-5, atol=1e-6)
     assert streamed_losses == pytest.approx(reference_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize(
-    "clip", [{"gradient_clip_norm": 0.05}, {"gradient_clip_value": 0.01}, {"gradient_clip_norm": 0.05, "gradient_clip_value": 0.002}]
+    "clip",
+    [
+        {"gradient_clip_norm": 0.05},
+        {"gradient_clip_value": 0.01},
+        {"gradient_clip_norm": 0.05, "gradient_clip_value": 0.002},
+    ],
 )
 def test_clipping_runs_once_per_update_on_the_accumulated_gradients(clip):
     dataset = regression_dataset(16)
@@ -65,10 +85,11 @@ def test_clipping_runs_once_per_update_on_the_accumulated_gradients(clip):
 def test_one_cycle_placeholders_span_the_run_exactly_with_accumulation_and_a_partial_batch():
     # 21 samples, batch 2: 11 micro-batches (the last holds 1 sample) -> 3 updates per epoch with accumulation 4.
     factory = functools.partial(
-        torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1,
+        torch.optim.lr_scheduler.OneCycleLR,
+        max_lr=0.1,
         epochs=TrainerPlaceholderValues.NUM_EPOCHS,
         steps_per_epoch=TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH,
-    )  # fmt: skip
+    )
     learning_rates = []
 
     class LearningRateSpy(Trainer):
@@ -77,9 +98,13 @@ def test_one_cycle_placeholders_span_the_run_exactly_with_accumulation_and_a_par
             super().optimizer_step()
 
     _, _, trainer = _train_mlp(
-        regression_dataset(21), batch_size=2, accumulation=4, num_epochs=3, create_scheduler_fn=factory,
+        regression_dataset(21),
+        batch_size=2,
+        accumulation=4,
+        num_epochs=3,
+        create_scheduler_fn=factory,
         trainer_class=LearningRateSpy,
-    )  # fmt: skip
+    )
     assert trainer.scheduler.total_steps == 9 and len(learning_rates) == 9
     assert max(learning_rates) == pytest.approx(0.1, rel=0.05)  # the peak is reached...
     assert learning_rates[-1] == pytest.approx(0.1 / 25 / 1e4, rel=1e-3)  # ...and the last update uses the final lr

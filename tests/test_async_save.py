@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import assert_bitwise_equal
 from test_training_state import Crash, CrashAt, _final_state, _run, damage_file
 
-from conftest import assert_bitwise_equal
 from pytorch_accel_trainer.state import async_save, training_state
 from pytorch_accel_trainer.state.files import file_digest
 from pytorch_accel_trainer.state.training_state import (
@@ -52,7 +52,9 @@ def test_a_crash_then_an_asynchronous_resume_is_bitwise_equal_to_an_uninterrupte
 
 
 @pytest.mark.parametrize("point", ["write:optimizer.pt", "hash:model.safetensors", "manifest", "rename"])
-def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_last_good_state(tmp_path, reference, monkeypatch, point):
+def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_last_good_state(
+    tmp_path, reference, monkeypatch, point
+):
     failed = []
 
     def fail(name):  # once, in the background thread, when earlier states exist that it must not damage
@@ -61,7 +63,10 @@ def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_l
             raise Crash(name)
 
     monkeypatch.setattr(training_state, "_crash_point", fail)
-    with pytest.raises(CheckpointError, match=r"The asynchronous save of a training state failed \(Crash: .*\); the states saved before it are intact") as raised:  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"The asynchronous save of a training state failed \(Crash: .*\); the states saved before it are intact",
+    ) as raised:
         _run(tmp_path, max_checkpoints=4, asynchronous=True)
     assert failed == [point] and isinstance(raised.value.__cause__, Crash)
     assert not async_save.saver.pending
@@ -86,7 +91,10 @@ def _as_format(folder, version):
     algorithm = OLD_FORMATS[version][0]
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     manifest["format_version"] = version
-    manifest["files"] = {name: {"size": entry["size"], algorithm: file_digest(folder / name, algorithm=algorithm)[1]} for name, entry in manifest["files"].items()}  # fmt: skip
+    manifest["files"] = {
+        name: {"size": entry["size"], algorithm: file_digest(folder / name, algorithm=algorithm)[1]}
+        for name, entry in manifest["files"].items()
+    }
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 

@@ -31,17 +31,40 @@ from pytorch_accel_trainer.callbacks import (
 #: The public names pytorch-accelerated 0.1.61 defines in its callbacks.py (its classes, functions and module
 #: constants, read from its AST), and the names it imports that its users import from there (ModelEma).
 PEER_CALLBACKS_NAMES = (
-    "logger", "get_default_callbacks", "StopTrainingError", "CallbackMethodNotImplementedError", "TrainerCallback",
-    "CallbackHandler", "LogMetricsCallback", "ProgressBarCallback", "PrintProgressCallback", "SaveBestModelCallback",
-    "EarlyStoppingCallback", "TerminateOnNaNCallback", "MoveModulesToDeviceCallback", "LimitBatchesCallback",
-    "ModelEmaCallback", "ConvertSyncBatchNormCallback", "StepBasedEvaluationCallback", "LimitEvalStepsCallback",
-    "SaveTrainingStateCallback", "WSDCheckpointCallback", "ModelEma",
-)  # fmt: skip
+    "logger",
+    "get_default_callbacks",
+    "StopTrainingError",
+    "CallbackMethodNotImplementedError",
+    "TrainerCallback",
+    "CallbackHandler",
+    "LogMetricsCallback",
+    "ProgressBarCallback",
+    "PrintProgressCallback",
+    "SaveBestModelCallback",
+    "EarlyStoppingCallback",
+    "TerminateOnNaNCallback",
+    "MoveModulesToDeviceCallback",
+    "LimitBatchesCallback",
+    "ModelEmaCallback",
+    "ConvertSyncBatchNormCallback",
+    "StepBasedEvaluationCallback",
+    "LimitEvalStepsCallback",
+    "SaveTrainingStateCallback",
+    "WSDCheckpointCallback",
+    "ModelEma",
+)
 
 HOOKS_WITH_EVENTS = (
-    "training_run_start", "train_epoch_start", "train_epoch_end", "eval_epoch_start", "eval_epoch_end",
-    "training_run_epoch_end", "training_run_end", "evaluation_run_start", "evaluation_run_end",
-)  # fmt: skip
+    "training_run_start",
+    "train_epoch_start",
+    "train_epoch_end",
+    "eval_epoch_start",
+    "eval_epoch_end",
+    "training_run_epoch_end",
+    "training_run_end",
+    "evaluation_run_start",
+    "evaluation_run_end",
+)
 
 
 def test_every_event_has_a_documented_no_op_and_every_hook_its_on_twin():
@@ -65,7 +88,9 @@ def test_every_name_of_pytorch_accelerated_callbacks_is_here():
 
 def test_get_default_callbacks_is_the_trainers_default_with_or_without_the_bar():
     assert get_default_callbacks() == get_default_callbacks(progress_bar=True) == DEFAULT_CALLBACKS
-    assert get_default_callbacks(progress_bar=False) == tuple(cb for cb in DEFAULT_CALLBACKS if cb is not ProgressBarCallback)
+    assert get_default_callbacks(progress_bar=False) == tuple(
+        cb for cb in DEFAULT_CALLBACKS if cb is not ProgressBarCallback
+    )
 
 
 def test_every_event_takes_pytorch_acceleraterated_call_forms():
@@ -86,7 +111,9 @@ def test_every_event_takes_pytorch_acceleraterated_call_forms():
 
 def test_a_missing_callback_attribute_is_a_callback_method_not_implemented_error():
     callback = TrainerCallback()
-    with pytest.raises(CallbackMethodNotImplementedError, match="'TrainerCallback' object has no attribute 'on_my_event'"):
+    with pytest.raises(
+        CallbackMethodNotImplementedError, match="'TrainerCallback' object has no attribute 'on_my_event'"
+    ):
         callback.on_my_event(None)
     assert issubclass(CallbackMethodNotImplementedError, AttributeError)
     assert not hasattr(callback, "verify_train_batch") and getattr(callback, "verify_train_batch", None) is None
@@ -118,7 +145,9 @@ def test_a_custom_event_reaches_the_callbacks_that_handle_it():
 
 def test_an_undeclared_event_that_no_callback_handles_is_an_error():
     handler = CallbackHandler([RecordingCallback])
-    with pytest.raises(ValueError, match=r"Unknown callback event 'verify_train_batch': .*register_events\('verify_train_batch'\)"):
+    with pytest.raises(
+        ValueError, match=r"Unknown callback event 'verify_train_batch': .*register_events\('verify_train_batch'\)"
+    ):
         handler.call_event("verify_train_batch", trainer=None)
     handler.register_events("verify_train_batch")
     handler.call_event("verify_train_batch", trainer=None)  # declared: nobody handles it, nothing happens
@@ -131,7 +160,9 @@ def test_an_on_prefixed_custom_event_must_be_declared_before_its_callbacks_are_a
         def on_my_event(self, trainer, value, **kwargs):
             seen.append(value)
 
-    with pytest.raises(ValueError, match=r"defines 'on_my_event', which is not a callback event.*events=\['on_my_event'\]"):
+    with pytest.raises(
+        ValueError, match=r"defines 'on_my_event', which is not a callback event.*events=\['on_my_event'\]"
+    ):
         CallbackHandler([OnMyEvent])
     handler = CallbackHandler([OnMyEvent, RecordingCallback], events=["on_my_event"])
     handler.call_event("on_my_event", None, value=3)
@@ -162,7 +193,9 @@ def test_every_callback_ends_its_run_even_when_an_earlier_one_raised(caplog):
 
 def test_an_unknown_event_is_an_error():
     handler = CallbackHandler([RecordingCallback])
-    with pytest.raises(ValueError, match=r"Unknown callback event 'on_train_epoch_ends' \(did you mean 'on_train_epoch_end'\?\)"):
+    with pytest.raises(
+        ValueError, match=r"Unknown callback event 'on_train_epoch_ends' \(did you mean 'on_train_epoch_end'\?\)"
+    ):
         handler.call_event("on_train_epoch_ends", None)
 
 
@@ -171,7 +204,10 @@ def test_a_typo_in_a_callback_method_is_an_error():
         def on_train_epcoh_end(self, trainer, **kwargs):
             pass
 
-    with pytest.raises(ValueError, match=r"defines 'on_train_epcoh_end' \(did you mean 'on_train_epoch_end'\?\), which is not a callback event"):
+    with pytest.raises(
+        ValueError,
+        match=r"defines 'on_train_epcoh_end' \(did you mean 'on_train_epoch_end'\?\), which is not a callback event",
+    ):
         make_trainer(make_linear(), callbacks=[Typo])
 
 
@@ -201,8 +237,12 @@ def test_callbacks_are_called_in_order_and_can_be_removed():
 
 def test_default_callbacks_print_progress_and_metrics(capsys):
     assert DEFAULT_CALLBACKS == (
-        MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback, ProgressBarCallback, LogMetricsCallback,
-    )  # fmt: skip
+        MoveModulesToDeviceCallback,
+        TerminateOnNaNCallback,
+        PrintProgressCallback,
+        ProgressBarCallback,
+        LogMetricsCallback,
+    )
     assert PrintMetricsCallback is LogMetricsCallback
     trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
     trainer.train(linear_dataset(8), num_epochs=2, eval_dataset=linear_dataset(4), per_device_batch_size=4)
@@ -239,7 +279,9 @@ def test_move_modules_to_device_moves_extra_modules_but_not_the_model():
             self.metric_module = Spy()
 
     model = make_linear()
-    trainer = WithMetricModule(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[MoveModulesToDeviceCallback])
+    trainer = WithMetricModule(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[MoveModulesToDeviceCallback]
+    )
     trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=4)
     trainer.evaluate(linear_dataset(4))
     assert moved == [(trainer.device,), (trainer.device,)]
@@ -262,7 +304,9 @@ def test_terminate_on_nan_stops_at_the_next_check_and_the_run_ends_cleanly():
     callback = TerminateOnNaNCallback(check_every_n_steps=5, raise_on_nan=False)
     recorder = RecordingCallback()
     model = make_linear()
-    trainer = _NaNAfter(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[callback, recorder])
+    trainer = _NaNAfter(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[callback, recorder]
+    )
     trainer.train(linear_dataset(40), num_epochs=3, per_device_batch_size=2)
     assert callback.triggered and callback.error.steps == (0, 4)
     assert recorder.events.count("on_train_step_start") == 5  # the NaN at step 4 is seen at the step-5 check
@@ -273,14 +317,20 @@ def test_terminate_on_nan_stops_at_the_next_check_and_the_run_ends_cleanly():
 
 def test_a_diverging_run_raises_non_finite_loss_error_once_every_callback_ended_it(capsys):
     recorder = RecordingCallback()
-    trainer = make_trainer(make_linear(), lr=3.0, callbacks=[TerminateOnNaNCallback(check_every_n_steps=8), PrintProgressCallback, recorder])
+    trainer = make_trainer(
+        make_linear(),
+        lr=3.0,
+        callbacks=[TerminateOnNaNCallback(check_every_n_steps=8), PrintProgressCallback, recorder],
+    )
     with pytest.raises(NonFiniteLossError) as raised:
         trainer.train(linear_dataset(64), num_epochs=20, per_device_batch_size=2)  # lr 3 on y = 2x + 3 diverges
     error = raised.value
     assert isinstance(error, RuntimeError) and not isinstance(error, StopTrainingError)
     assert error.metric == "train_loss_epoch" and not math.isfinite(error.value)
     assert error.epoch == 1 and error.steps[1] - error.steps[0] == 7 and (error.steps[1] + 1) % 8 == 0
-    assert str(error).startswith(f"The loss recorded as 'train_loss_epoch' became {error.value} in epoch 1, between steps")
+    assert str(error).startswith(
+        f"The loss recorded as 'train_loss_epoch' became {error.value} in epoch 1, between steps"
+    )
     assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]  # after TerminateOnNaN's
     assert "Finished 0 epochs in " in capsys.readouterr().out
 
@@ -292,7 +342,9 @@ def test_a_diverged_evaluation_raises_it_too():
             return {**output, "loss": output["loss"] * float("inf")}
 
     model = make_linear()
-    trainer = NaNEval(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[TerminateOnNaNCallback])
+    trainer = NaNEval(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=[TerminateOnNaNCallback]
+    )
     with pytest.raises(NonFiniteLossError, match="'eval_loss_epoch' became inf in epoch 1, between steps 0 and 1"):
         trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(8), per_device_batch_size=4)
     with pytest.raises(NonFiniteLossError, match="'evaluation_loss' became inf in epoch 1"):

@@ -18,7 +18,9 @@ class ScoredTrainer(Trainer):
     def training_run_epoch_end(self):
         self.run_history.update_metric("score", self.scores.pop(0))
         self.weights_by_epoch = getattr(self, "weights_by_epoch", {})
-        self.weights_by_epoch[self.run_history.current_epoch] = {k: v.clone() for k, v in self.get_model().state_dict().items()}
+        self.weights_by_epoch[self.run_history.current_epoch] = {
+            k: v.clone() for k, v in self.get_model().state_dict().items()
+        }
 
 
 def _train_scored(callback, scores, lr=0.1):
@@ -47,7 +49,9 @@ def test_saves_each_improvement_and_loads_the_best_at_the_end(tmp_path):
 
 def test_greater_is_better_and_load_saved_checkpoint_false_keeps_the_last_weights(tmp_path):
     path = tmp_path / "best.pt"
-    callback = SaveBestModelCallback(path, watch_metric="score", greater_is_better=True, load_saved_checkpoint=False, save_optimizer=False)
+    callback = SaveBestModelCallback(
+        path, watch_metric="score", greater_is_better=True, load_saved_checkpoint=False, save_optimizer=False
+    )
     trainer = _train_scored(callback, [0.2, 0.9, 0.5])
     checkpoint = torch.load(path, weights_only=True)
     assert (checkpoint["score"], checkpoint["epoch"], callback.best_metric_epoch) == (0.9, 2, 2)
@@ -65,7 +69,10 @@ def test_watches_eval_loss_epoch_by_default_on_a_real_run(tmp_path):
 
 def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist(tmp_path):
     trainer = make_trainer(make_linear(), callbacks=[SaveBestModelCallback(tmp_path / "m.pt", watch_metric="accuracy")])
-    with pytest.raises(ValueError, match=r"watches 'accuracy', which is not in the run history; the metrics recorded are \['eval_loss_epoch', 'train_loss_epoch'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"watches 'accuracy', which is not in the run history; the metrics recorded are \['eval_loss_epoch', 'train_loss_epoch'\]",
+    ):
         trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
 
 

@@ -52,7 +52,10 @@ def test_the_environment_variable_adds_the_callback(monkeypatch):
     trainer = make_trainer(make_linear(), callbacks=[recorder], trainer_class=EnvTrainer)
     trainer.train(linear_dataset(64), num_epochs=1, per_device_batch_size=4)
     assert recorder.events.count("on_train_step_start") == 2
-    assert trainer.callback_handler.callback_list == ["LimitBatchesCallback", "RecordingCallback"]  # first, as pytorch-accelerated
+    assert trainer.callback_handler.callback_list == [
+        "LimitBatchesCallback",
+        "RecordingCallback",
+    ]  # first, as pytorch-accelerated
 
 
 def test_the_environment_variable_adds_nothing_when_unset_empty_or_already_there(monkeypatch):
@@ -68,7 +71,9 @@ def test_the_environment_variable_adds_nothing_when_unset_empty_or_already_there
 @pytest.mark.parametrize("value", ["two", "0", "-3", "1.5"])
 def test_an_invalid_environment_variable_is_an_error(monkeypatch, value):
     monkeypatch.setenv(LIMIT_BATCHES_ENV_VAR, value)
-    with pytest.raises(ValueError, match=f"The environment variable PT_ACC_LIMIT_BATCHES is '{value}', not a positive whole number"):
+    with pytest.raises(
+        ValueError, match=f"The environment variable PT_ACC_LIMIT_BATCHES is '{value}', not a positive whole number"
+    ):
         with_limit_batches_from_env([])
 
 

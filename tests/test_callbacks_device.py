@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from conftest import make_trainer, regression_dataset
 from torch import nn
 
-from conftest import regression_dataset, make_trainer
 from pytorch_accel_trainer.callbacks import ConvertSyncBatchNormCallback
 
 

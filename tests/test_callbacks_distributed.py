@@ -8,7 +8,6 @@ import pathlib
 import subprocess
 
 import pytest
-
 from conftest import CPU_PROCESSES_ENV, launcher
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_callbacks.py"
@@ -18,8 +17,11 @@ def _run(tmp_path, name, command, per_device_batch_size):
     output, tracking = tmp_path / f"{name}.json", tmp_path / f"{name}_runs"
     completed = subprocess.run(
         [*command, str(SCRIPT), str(output), str(per_device_batch_size), str(tracking)],
-        env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip; a rank waiting forever on the other would hit the timeout
+        env=CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # a rank waiting forever on the other would hit the timeout
     assert completed.returncode == 0, completed.stderr[-3000:]
     with open(tracking / "run" / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))

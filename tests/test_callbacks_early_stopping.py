@@ -25,7 +25,9 @@ class ScriptedScoreTrainer(Trainer):
 
 def _run_scored(callback, scores, trainer=None):
     """Train one epoch per score; return the trainer, the epochs run and whether the run was stopped."""
-    trainer = trainer or make_trainer(make_linear(), callbacks=[callback, RecordingCallback], trainer_class=ScriptedScoreTrainer)
+    trainer = trainer or make_trainer(
+        make_linear(), callbacks=[callback, RecordingCallback], trainer_class=ScriptedScoreTrainer
+    )
     recorder = trainer.callback_handler.callbacks[-1]
     recorder.events.clear()
     trainer.scores = list(scores)
@@ -64,7 +66,10 @@ def test_a_real_run_that_cannot_learn_stops_after_patience_epochs():
 
 def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist():
     trainer = make_trainer(make_linear(), callbacks=[EarlyStoppingCallback()])
-    with pytest.raises(ValueError, match=r"watches 'eval_loss_epoch', which is not in the run history; the metrics recorded are \['train_loss_epoch'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"watches 'eval_loss_epoch', which is not in the run history; the metrics recorded are \['train_loss_epoch'\]",
+    ):
         trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4)
 
 

@@ -59,7 +59,9 @@ def test_the_ema_follows_every_optimizer_step_under_accumulation_and_a_partial_w
 def test_evaluating_the_ema_records_prefixed_metrics_and_leaves_training_unchanged(tmp_path):
     def run(callbacks):
         trainer = make_trainer(make_mlp(), lr=0.05, callbacks=callbacks)
-        trainer.train(regression_dataset(32), num_epochs=3, eval_dataset=regression_dataset(16, seed=1), per_device_batch_size=4)
+        trainer.train(
+            regression_dataset(32), num_epochs=3, eval_dataset=regression_dataset(16, seed=1), per_device_batch_size=4
+        )
         return trainer
 
     metrics = MetricCollectionCallback({"mse": MeanSquaredError()})
@@ -87,10 +89,14 @@ def test_evaluating_the_ema_records_prefixed_metrics_and_leaves_training_unchang
 def test_the_arguments_are_pytorch_accelerateds_in_its_order_with_its_defaults():
     parameters = inspect.signature(ModelEmaCallback).parameters
     assert [(name, p.default) for name, p in parameters.items()] == [
-        ("decay", 0.99), ("evaluate_during_training", True), ("save_path", "ema_model.pt"),
-        ("watch_metric", "ema_model_eval_loss_epoch"), ("greater_is_better", False), ("model_ema", ModelEma),
+        ("decay", 0.99),
+        ("evaluate_during_training", True),
+        ("save_path", "ema_model.pt"),
+        ("watch_metric", "ema_model_eval_loss_epoch"),
+        ("greater_is_better", False),
+        ("model_ema", ModelEma),
         ("callbacks", ()),
-    ]  # fmt: skip
+    ]
 
 
 def test_model_ema_is_the_class_that_keeps_the_average(tmp_path):
@@ -122,7 +128,9 @@ def test_model_ema_is_the_class_that_keeps_the_average(tmp_path):
 
 def test_evaluating_during_training_needs_an_eval_dataset():
     trainer = make_trainer(make_linear(), callbacks=[ModelEmaCallback()])
-    with pytest.raises(ValueError, match="ModelEmaCallback evaluates during training, but train\\(\\) was given no eval_dataset"):
+    with pytest.raises(
+        ValueError, match="ModelEmaCallback evaluates during training, but train\\(\\) was given no eval_dataset"
+    ):
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
 
 
@@ -148,7 +156,9 @@ def test_the_state_round_trips_through_a_weights_only_checkpoint_and_seeds_the_n
 
     resumed = ModelEmaCallback(decay=0.5, evaluate_during_training=False, save_path=tmp_path / "b.pt")
     resumed.load_state_dict(state)
-    make_trainer(make_linear(seed=3), callbacks=[resumed, SnapshotAtStart]).train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
+    make_trainer(make_linear(seed=3), callbacks=[resumed, SnapshotAtStart]).train(
+        linear_dataset(16), num_epochs=1, per_device_batch_size=4
+    )
     for name, value in state["ema_state_dict"].items():
         assert torch.equal(seen_at_start[name], value)  # the EMA resumed, not restarted from the new model
     assert resumed.num_updates == 8
@@ -180,9 +190,12 @@ def test_a_crashed_run_resumed_from_its_training_state_ends_with_the_same_ema(tm
         saving = SaveTrainingStateCallback(tmp_path / save_dir, save_every_n_steps=2, save_on_signals=())
         trainer = make_trainer(make_mlp(), lr=0.05, callbacks=[ema, saving, *([crash] if crash else [])])
         trainer.train(
-            regression_dataset(16), num_epochs=3, eval_dataset=regression_dataset(8, seed=1), per_device_batch_size=4,
+            regression_dataset(16),
+            num_epochs=3,
+            eval_dataset=regression_dataset(8, seed=1),
+            per_device_batch_size=4,
             resume_from=tmp_path / save_dir,
-        )  # fmt: skip
+        )
         return ema, trainer.run_history
 
     uninterrupted, history = run("straight")
@@ -192,5 +205,10 @@ def test_a_crashed_run_resumed_from_its_training_state_ends_with_the_same_ema(tm
     assert resumed.num_updates == uninterrupted.num_updates == 12
     for name, value in uninterrupted.ema_model.module.state_dict().items():
         assert torch.equal(resumed.ema_model.module.state_dict()[name], value), name
-    assert resumed_history.get_metric_values("ema_model_eval_loss_epoch") == history.get_metric_values("ema_model_eval_loss_epoch")
-    assert (resumed.best_metric, resumed.best_metric_epoch) == (uninterrupted.best_metric, uninterrupted.best_metric_epoch)
+    assert resumed_history.get_metric_values("ema_model_eval_loss_epoch") == history.get_metric_values(
+        "ema_model_eval_loss_epoch"
+    )
+    assert (resumed.best_metric, resumed.best_metric_epoch) == (
+        uninterrupted.best_metric,
+        uninterrupted.best_metric_epoch,
+    )

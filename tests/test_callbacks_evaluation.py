@@ -83,12 +83,20 @@ def test_an_intermediate_evaluation_fires_the_evaluation_events_between_two_step
     step_ends = [i for i, event in enumerate(recorder.events) if event == "on_train_step_end"]
     step_starts = [i for i, event in enumerate(recorder.events) if event == "on_train_step_start"]
     between = recorder.events[step_ends[14] + 1 : step_starts[15]]  # after the 15th batch, before the 16th
-    assert between == ["on_optimizer_step_end", "on_eval_epoch_start", *["on_eval_step_start", "on_eval_step_end"] * 8, "on_eval_epoch_end"]
+    assert between == [
+        "on_optimizer_step_end",
+        "on_eval_epoch_start",
+        *["on_eval_step_start", "on_eval_step_end"] * 8,
+        "on_eval_epoch_end",
+    ]
 
 
 def test_needs_an_eval_dataset_and_a_positive_interval():
     trainer = make_trainer(make_linear(), callbacks=[StepBasedEvaluationCallback(2)])
-    with pytest.raises(ValueError, match=r"StepBasedEvaluationCallback evaluates during training, but train\(\) was given no eval_dataset"):
+    with pytest.raises(
+        ValueError,
+        match=r"StepBasedEvaluationCallback evaluates during training, but train\(\) was given no eval_dataset",
+    ):
         trainer.train(TRAIN, num_epochs=1, per_device_batch_size=4)
     with pytest.raises(ValueError, match="eval_every_n_steps is 0; pass a positive whole number"):
         StepBasedEvaluationCallback(0)
@@ -112,7 +120,10 @@ def test_limit_eval_steps_limits_intermediate_evaluations_only_by_default():
 
 def test_limit_eval_steps_can_limit_every_evaluation_including_evaluate():
     recorder = RecordingCallback()
-    trainer = _train([LimitEvalStepsCallback(3, limit_intermediate_only=False), StepBasedEvaluationCallback(8), recorder], num_epochs=1)
+    trainer = _train(
+        [LimitEvalStepsCallback(3, limit_intermediate_only=False), StepBasedEvaluationCallback(8), recorder],
+        num_epochs=1,
+    )
     trainer.evaluate(EVAL, per_device_batch_size=4)
     assert _eval_steps_per_epoch(recorder) == [3, 3, 3]
     assert len(trainer._eval_dataloader) == 8  # the full dataloader is back after the run

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import linear_dataset, make_linear, make_trainer
 from torch import nn
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
-from conftest import linear_dataset, make_linear, make_trainer
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import MetricCollectionCallback, StepBasedEvaluationCallback
 
@@ -32,7 +32,9 @@ def test_an_evaluation_run_and_intermediate_evaluations_record_it_too():
     trainer.evaluate(linear_dataset(8, seed=1), per_device_batch_size=8)
     history = trainer.run_history
     assert len(history.get_metric_values("intermediate_eval_MeanSquaredError")) == 1  # after update 2 of 4
-    assert history.get_metric_values("eval_MeanSquaredError")[-1] == pytest.approx(history.get_latest_metric("evaluation_loss"))
+    assert history.get_metric_values("eval_MeanSquaredError")[-1] == pytest.approx(
+        history.get_latest_metric("evaluation_loss")
+    )
 
 
 def test_predictions_and_targets_come_from_a_configurable_function():

@@ -21,7 +21,6 @@ from pytorch_accel_trainer.callbacks import (
     TrainerCallback,
 )
 
-
 CONSOLE_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "console_run.py"
 
 
@@ -71,18 +70,24 @@ def test_shows_the_learning_rate_of_every_parameter_group():
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.01}], lr=0.1)
     bar = ProgressBarCallback(refresh_every_n_steps=2)
     probe = PostfixProbe(bar)
-    Trainer(model, torch.nn.MSELoss(), optimizer, callbacks=[bar, probe]).train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
+    Trainer(model, torch.nn.MSELoss(), optimizer, callbacks=[bar, probe]).train(
+        linear_dataset(8), num_epochs=1, per_device_batch_size=4
+    )
     assert probe.postfixes[-1]["lr"] == "0.1,0.01"
 
 
 def test_refreshing_every_step_makes_no_host_device_sync(monkeypatch):
-    trainer, reads = make_sync_counting_trainer(monkeypatch, make_linear(), callbacks=[ProgressBarCallback(refresh_every_n_steps=1)])
+    trainer, reads = make_sync_counting_trainer(
+        monkeypatch, make_linear(), callbacks=[ProgressBarCallback(refresh_every_n_steps=1)]
+    )
     trainer.train(linear_dataset(64), num_epochs=2, per_device_batch_size=4)
     assert trainer.num_update_steps_completed == 32 and reads == []
 
 
 def test_an_intermediate_evaluation_gets_its_own_bar_and_the_epochs_bar_counts_its_evaluation(capsys):
-    trainer = make_trainer(make_linear(), callbacks=[StepBasedEvaluationCallback(3), ProgressBarCallback(refresh_every_n_steps=2)])
+    trainer = make_trainer(
+        make_linear(), callbacks=[StepBasedEvaluationCallback(3), ProgressBarCallback(refresh_every_n_steps=2)]
+    )
     trainer.train(linear_dataset(32), num_epochs=1, eval_dataset=linear_dataset(8), per_device_batch_size=4)
     err = capsys.readouterr().err
     assert "epoch 1/1:   0%|          | 0/10" in err  # 8 training and 2 evaluation batches on one bar
@@ -130,24 +135,32 @@ def test_the_default_callbacks_print_a_start_line_one_summary_line_per_epoch_and
     epochs = [EPOCH_LINE.match(line) for line in lines[1:4]]
     assert all(epochs) and [int(match[1]) for match in epochs] == [1, 2, 3]
     history = trainer.run_history
-    for match, train_loss, eval_loss in zip(epochs, history.get_metric_values("train_loss_epoch"), history.get_metric_values("eval_loss_epoch")):
+    for match, train_loss, eval_loss in zip(
+        epochs, history.get_metric_values("train_loss_epoch"), history.get_metric_values("eval_loss_epoch")
+    ):
         assert (match[2], match[3]) == (f"{train_loss:.4g}", f"{eval_loss:.4g}")  # 4 significant digits
     assert re.match(r"^Finished 3 epochs in [\d.e+-]+s \(24 updates\)$", lines[4]) and len(lines) == 5
 
 
 def test_the_end_line_gives_the_best_monitored_value_and_an_evaluation_run_prints_one_line(capsys):
-    trainer = make_trainer(make_linear(), callbacks=(*DEFAULT_CALLBACKS, EarlyStoppingCallback(early_stopping_patience=5)))
+    trainer = make_trainer(
+        make_linear(), callbacks=(*DEFAULT_CALLBACKS, EarlyStoppingCallback(early_stopping_patience=5))
+    )
     trainer.train(linear_dataset(32), num_epochs=2, eval_dataset=linear_dataset(16), per_device_batch_size=8)
     best = min(trainer.run_history.get_metric_values("eval_loss_epoch"))
     assert capsys.readouterr().out.splitlines()[-1].endswith(f"· best eval_loss_epoch: {best:.4g}")
     trainer.evaluate(linear_dataset(16), per_device_batch_size=8)
     loss = trainer.run_history.get_latest_metric("evaluation_loss")
-    assert re.fullmatch(rf"evaluation · [\d.e+-]+s · evaluation_loss: {re.escape(f'{loss:.4g}')}\n", capsys.readouterr().out)
+    assert re.fullmatch(
+        rf"evaluation · [\d.e+-]+s · evaluation_loss: {re.escape(f'{loss:.4g}')}\n", capsys.readouterr().out
+    )
 
 
 def test_verbose_callbacks_print_pytorch_accelerateds_lines(capsys):
     verbose = [PrintProgressCallback(verbose=True), LogMetricsCallback(verbose=True)]
-    make_trainer(make_linear(), callbacks=verbose).train(linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8)
+    make_trainer(make_linear(), callbacks=verbose).train(
+        linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8
+    )
     out = capsys.readouterr().out
     assert "Starting training run" in out and "Starting epoch 2" in out and "Finishing training run" in out
     assert _printed_metric_names(out) == ["train_loss_epoch", "eval_loss_epoch"] * 2
@@ -163,16 +176,18 @@ def test_a_log_metrics_override_gets_the_same_calls_as_in_pytorch_accelerated(ca
             self.calls.append(sorted(metrics))
 
     collect = Collect()
-    make_trainer(make_linear(), callbacks=[collect]).train(linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8)
+    make_trainer(make_linear(), callbacks=[collect]).train(
+        linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8
+    )
     assert collect.calls == [["train_loss_epoch"], ["eval_loss_epoch"]] * 2
     assert all(line.startswith("epoch ") and "loss" not in line for line in capsys.readouterr().out.splitlines())
 
 
 def test_outside_a_notebook_the_bar_is_tqdms_text_bar():
-    from pytorch_accel_trainer.callbacks.progress import progress_bar_class
-
     import tqdm.notebook
     import tqdm.std
+
+    from pytorch_accel_trainer.callbacks.progress import progress_bar_class
 
     chosen = progress_bar_class()  # outside a notebook: the text bar, never the widget
     assert issubclass(chosen, tqdm.std.tqdm) and not issubclass(chosen, tqdm.notebook.tqdm_notebook)
@@ -183,7 +198,13 @@ def test_outside_a_notebook_the_bar_is_tqdms_text_bar():
 def test_two_processes_print_each_line_once(tmp_path):
     outputs = []
     for num_processes in (1, 2):
-        completed = subprocess.run([*launcher(num_processes), str(CONSOLE_SCRIPT)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
+        completed = subprocess.run(
+            [*launcher(num_processes), str(CONSOLE_SCRIPT)],
+            env=CPU_PROCESSES_ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert completed.returncode == 0, completed.stderr[-3000:]
         outputs.append([line for line in completed.stdout.splitlines() if not line.startswith("[")])
     single, double = outputs
@@ -198,4 +219,8 @@ def test_get_default_callbacks_verbose_gives_the_earlier_output(capsys):
     trainer = make_trainer(make_linear(), callbacks=get_default_callbacks(verbose=True))
     trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     captured = capsys.readouterr()
-    assert "Starting epoch 1" in captured.out and "\ntrain_loss_epoch: " in captured.out and "epoch 1 train: 100%" in captured.err
+    assert (
+        "Starting epoch 1" in captured.out
+        and "\ntrain_loss_epoch: " in captured.out
+        and "epoch 1 train: 100%" in captured.err
+    )

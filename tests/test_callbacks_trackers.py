@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import pathlib
 import random
 import re
-import os
 import subprocess
 
 import numpy as np
 import pytest
 import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
+from sync_counter import make_sync_counting_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
 from pytorch_accel_trainer.callbacks import CSVTracker, ExperimentTrackingCallback, JSONLinesTracker, TrainerCallback
-from sync_counter import make_sync_counting_trainer
 
 
 class LossRecorder(TrainerCallback):
@@ -53,7 +53,9 @@ def test_json_lines_hold_step_values_every_n_updates_and_every_epoch_metric(trac
     epoch_records = [r for r in records if "epoch" in r]
     history = trainer.run_history
     assert [(r["step"], r["epoch"]) for r in epoch_records] == [(16, 1), (32, 2)]
-    assert [r["train_loss_epoch"] for r in epoch_records] == pytest.approx(history.get_metric_values("train_loss_epoch"))
+    assert [r["train_loss_epoch"] for r in epoch_records] == pytest.approx(
+        history.get_metric_values("train_loss_epoch")
+    )
     assert [r["eval_loss_epoch"] for r in epoch_records] == pytest.approx(history.get_metric_values("eval_loss_epoch"))
     steps = [r["step"] for r in records]
     assert steps == sorted(steps)  # one increasing step, as W&B needs
@@ -61,7 +63,9 @@ def test_json_lines_hold_step_values_every_n_updates_and_every_epoch_metric(trac
     assert stored["lr"] == 0.05  # the callback's config, with the run config of every run
     assert stored["run_config.num_update_steps_per_epoch"] == trainer.run_config.num_update_steps_per_epoch
     assert stored["run_config.max_num_train_steps"] == trainer.run_config.max_num_train_steps
-    assert stored["run_config.train_dl_kwargs.worker_init_fn"] == "pytorch_accel_trainer.utils.seed_worker"  # by name, not address
+    assert (
+        stored["run_config.train_dl_kwargs.worker_init_fn"] == "pytorch_accel_trainer.utils.seed_worker"
+    )  # by name, not address
 
 
 def test_the_csv_holds_one_row_per_value(tracked_run):
@@ -77,10 +81,19 @@ def test_tensorboard_holds_the_expected_scalar_series(tracked_run):
     trainer, _, run_dir = tracked_run
     events = EventAccumulator(str(run_dir))
     events.Reload()
-    assert {"train_loss_step", "lr_group_0", "samples_per_second", "train_loss_epoch", "eval_loss_epoch", "epoch"} <= set(events.Tags()["scalars"])
+    assert {
+        "train_loss_step",
+        "lr_group_0",
+        "samples_per_second",
+        "train_loss_epoch",
+        "eval_loss_epoch",
+        "epoch",
+    } <= set(events.Tags()["scalars"])
     epoch_losses = events.Scalars("eval_loss_epoch")
     assert [event.step for event in epoch_losses] == [16, 32]
-    assert [event.value for event in epoch_losses] == pytest.approx(trainer.run_history.get_metric_values("eval_loss_epoch"))
+    assert [event.value for event in epoch_losses] == pytest.approx(
+        trainer.run_history.get_metric_values("eval_loss_epoch")
+    )
     assert [event.step for event in events.Scalars("train_loss_step")] == list(range(4, 33, 4))
 
 
@@ -114,7 +127,9 @@ def test_unknown_and_missing_trackers_are_errors():
         ExperimentTrackingCallback(["tensorbord"])
     available = {str(tracker) for tracker in get_available_trackers()}
     missing = next(name for name in LOGGER_TYPE_TO_CLASS if name not in available)
-    with pytest.raises(ImportError, match=f"The tracker '{missing}' needs its package, which is not installed: pip install {missing}"):
+    with pytest.raises(
+        ImportError, match=f"The tracker '{missing}' needs its package, which is not installed: pip install {missing}"
+    ):
         ExperimentTrackingCallback([missing])
     with pytest.raises(ValueError, match="log_every_n_steps is 0; pass a positive whole number"):
         ExperimentTrackingCallback(log_every_n_steps=0)

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import make_mlp, make_trainer, regression_dataset
+
 from pytorch_accel_trainer import Trainer, checkpointing
 from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
 
@@ -42,7 +42,9 @@ def test_round_trip_then_evaluate_gives_the_same_loss(tmp_path):
 
     assert extras["epoch"] == 2 and extras["note"] == "best" and torch.equal(extras["values"][1], torch.ones(2))
     assert set(extras[MODEL_KEY]) == set(fresh.model.state_dict())  # the whole checkpoint, as pytorch-accelerated
-    assert fresh.run_history.get_latest_metric("evaluation_loss") == trainer.run_history.get_latest_metric("evaluation_loss")
+    assert fresh.run_history.get_latest_metric("evaluation_loss") == trainer.run_history.get_latest_metric(
+        "evaluation_loss"
+    )
     assert fresh.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
 
 
@@ -67,7 +69,10 @@ def test_scheduler_state_round_trips_once_the_trainer_has_a_scheduler(tmp_path):
 
 def test_values_that_need_pickle_are_refused_before_writing(tmp_path):
     trainer = _trained_trainer()
-    with pytest.raises(TypeError, match=r"checkpoint_kwargs\['config'\]\['fn'\] is a builtin_function_or_method, which cannot be loaded back without pickle"):
+    with pytest.raises(
+        TypeError,
+        match=r"checkpoint_kwargs\['config'\]\['fn'\] is a builtin_function_or_method, which cannot be loaded back without pickle",
+    ):
         trainer.save_checkpoint(tmp_path / "model.pt", checkpoint_kwargs={"config": {"fn": print}})
     with pytest.raises(ValueError, match="uses the key 'model_state_dict'"):
         trainer.save_checkpoint(tmp_path / "model.pt", checkpoint_kwargs={"model_state_dict": {}})
@@ -158,10 +163,14 @@ def _temporaries(folder):
 
 def test_a_later_save_removes_the_temporaries_of_killed_saves_and_never_a_live_ones(tmp_path):
     trainer = _trained_trainer()
-    live = subprocess.Popen([sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "live.pt"), "live"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    live = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "live.pt"), "live"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert live.stdout.readline().strip() == "writing"
-        killed = subprocess.run([sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "killed.pt"), "kill"], capture_output=True, text=True)  # fmt: skip
+        killed = subprocess.run(
+            [sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "killed.pt"), "kill"], capture_output=True, text=True
+        )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         (live_temporary,) = [name for name in _temporaries(tmp_path) if name.startswith(".live.pt.tmp-")]
         assert [name for name in _temporaries(tmp_path) if name.startswith(".killed.pt.tmp-")]
@@ -189,7 +198,9 @@ def test_a_full_disk_is_an_enospc_error_naming_the_file_and_leaves_the_old_one(t
             write(obj, full)
 
     monkeypatch.setattr(torch, "save", write_to_full_device)
-    with pytest.raises(OSError, match=rf"no space left on {re.escape(str(path))}: the checkpoint was not written") as raised:
+    with pytest.raises(
+        OSError, match=rf"no space left on {re.escape(str(path))}: the checkpoint was not written"
+    ) as raised:
         trainer.save_checkpoint(path, checkpoint_kwargs={"version": 2})
     assert raised.value.errno == errno.ENOSPC
     monkeypatch.undo()
@@ -212,7 +223,9 @@ def test_torchs_enforce_fail_on_a_full_disk_becomes_the_same_enospc_error(tmp_pa
 
     monkeypatch.setattr(torch, "save", fail)
     monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
-    with pytest.raises(OSError, match=r"no space left on .*model\.pt: .*RuntimeError: \[enforce fail at inline_container\.cc"):
+    with pytest.raises(
+        OSError, match=r"no space left on .*model\.pt: .*RuntimeError: \[enforce fail at inline_container\.cc"
+    ):
         trainer.save_checkpoint(tmp_path / "model.pt")
     assert os.listdir(tmp_path) == []  # the partial temporary is removed
 
@@ -234,18 +247,24 @@ def test_a_truncated_or_empty_file_is_a_clear_error(tmp_path, damage):
     _trained_trainer().save_checkpoint(tmp_path / "model.pt")
     data = (tmp_path / "model.pt").read_bytes()
     (tmp_path / "model.pt").write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
-    with pytest.raises(ValueError, match=r"model\.pt' is not a readable checkpoint \(.*\): pass a file written by Trainer\.save_checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.pt' is not a readable checkpoint \(.*\): pass a file written by Trainer\.save_checkpoint",
+    ):
         load_checkpoint_file(tmp_path / "model.pt")
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_earlier_states_stay(tmp_path, monkeypatch, asynchronous):
+def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_earlier_states_stay(
+    tmp_path, monkeypatch, asynchronous
+):
     """The optimizer file's write goes to /dev/full, so the kernel's own ENOSPC reaches the save (synchronous, and
     the background writer of an asynchronous one); the partial state folder is removed, the earlier state resumes."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    from pytorch_accel_trainer.state import async_save, files as state_files, training_state
     from pytorch_accel_trainer.loop import persistence
+    from pytorch_accel_trainer.state import async_save, training_state
+    from pytorch_accel_trainer.state import files as state_files
 
     trainer = _trained_trainer()
     first = trainer.save_training_state(tmp_path, name="before")
@@ -260,9 +279,13 @@ def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_ear
     for module in (training_state, async_save):
         monkeypatch.setattr(module, "save_tensors_file", optimizer_to_full_device)
     position = trainer.run_state.position(None)
-    with pytest.raises(OSError, match=r"no space left on \S*after: the training state was not written .*the earlier states in") as raised:
+    with pytest.raises(
+        OSError, match=r"no space left on \S*after: the training state was not written .*the earlier states in"
+    ) as raised:
         if asynchronous:  # what the background thread runs
-            staged = async_save.stage_training_state(trainer, tmp_path, position, persistence.run_facts(trainer), name="after")
+            staged = async_save.stage_training_state(
+                trainer, tmp_path, position, persistence.run_facts(trainer), name="after"
+            )
             async_save.write_staged_state(staged)
         else:
             trainer.save_training_state(tmp_path, name="after")

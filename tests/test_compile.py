@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_mlp, make_trainer
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils.data import TensorDataset
 
-from conftest import make_mlp, make_trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 
 AOT_EAGER = {"backend": "aot_eager"}
@@ -161,9 +161,12 @@ def test_a_compiled_run_resumes_from_a_training_state_exactly(tmp_path):
 
     resumed = make_trainer(make_mlp(seed=1), lr=0.2, torch_compile=AOT_EAGER)
     resumed.train(
-        regression_dataset(48), num_epochs=3, eval_dataset=regression_dataset(16, seed=1), per_device_batch_size=8,
+        regression_dataset(48),
+        num_epochs=3,
+        eval_dataset=regression_dataset(16, seed=1),
+        per_device_batch_size=8,
         resume_from=tmp_path / "states",
-    )  # fmt: skip
+    )
 
     assert resumed.run_history.get_metric_values("train_loss_epoch") == (
         uninterrupted.run_history.get_metric_values("train_loss_epoch")

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 import yaml
+from conftest import CPU_PROCESSES_ENV
 from safetensors.torch import load_file
 
-from conftest import CPU_PROCESSES_ENV
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
 from pytorch_accel_trainer.cli import console_main, create_parser, main
 from pytorch_accel_trainer.cli.config import ConfigError
@@ -25,12 +25,14 @@ CONFIG = {
     "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3, "out_features": 1}},
     "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}},
     "loss_func": "torch.nn.functional.mse_loss",
-    "scheduler": {"import_path": "torch.optim.lr_scheduler.OneCycleLR",
-                  "arguments": {"max_lr": 0.1, "total_steps": "NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS"}},
+    "scheduler": {
+        "import_path": "torch.optim.lr_scheduler.OneCycleLR",
+        "arguments": {"max_lr": 0.1, "total_steps": "NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS"},
+    },
     "data": {"train": "config_data.tiny.train_dataset", "eval": "config_data.tiny.eval_dataset"},
     "train": {"num_epochs": 3, "per_device_batch_size": 8, "gradient_clip_norm": 1.0},
     "default_callbacks": False,
-}  # fmt: skip
+}
 
 
 @pytest.fixture
@@ -49,10 +51,28 @@ def test_a_config_file_with_flags_trains_and_flags_win(config_file):
 
 
 def test_the_run_folder_holds_what_reproduces_the_run_and_its_config_reruns_it_exactly(config_file, tmp_path):
-    main(["fit", "--config", str(config_file), "--output_dir", str(tmp_path / "runs"), "--run_name", "first",
-          "--save_training_states", "true"])  # fmt: skip
+    main(
+        [
+            "fit",
+            "--config",
+            str(config_file),
+            "--output_dir",
+            str(tmp_path / "runs"),
+            "--run_name",
+            "first",
+            "--save_training_states",
+            "true",
+        ]
+    )
     folder = tmp_path / "runs" / "first"
-    assert {p.name for p in folder.iterdir()} >= {"config.yaml", "run_config.json", "history.csv", "history.png", "model.safetensors", "training_states"}
+    assert {p.name for p in folder.iterdir()} >= {
+        "config.yaml",
+        "run_config.json",
+        "history.csv",
+        "history.png",
+        "model.safetensors",
+        "training_states",
+    }
     assert json.loads((folder / "run_config.json").read_text())["num_epochs"] == 3
     assert (folder / "training_states" / "final").is_dir()
     main(["fit", "--config", str(folder / "config.yaml")])  # the same run again, from its folder alone
@@ -96,8 +116,10 @@ def test_evaluate_loads_the_weights_of_a_run_folder_or_a_checkpoint_and_returns_
 
 
 def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):
-    callback = {"class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
-                "init_args": {"trackers": ["jsonl"], "logging_dir": str(tmp_path / "logs"), "run_name": "tracked"}}  # fmt: skip
+    callback = {
+        "class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
+        "init_args": {"trackers": ["jsonl"], "logging_dir": str(tmp_path / "logs"), "run_name": "tracked"},
+    }
     main(["fit", "--config", str(config_file), "--callbacks", json.dumps([callback])])
     values = json.loads((tmp_path / "logs" / "tracked" / "config.json").read_text())
     assert values["train.num_epochs"] == 3 and values["model.class_path"] == "torch.nn.Linear"
@@ -105,10 +127,25 @@ def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):
 
 
 def test_the_trackers_run_is_named_as_the_run_folder_unless_the_config_names_it(config_file, tmp_path):
-    callback = {"class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
-                "init_args": {"trackers": ["csv"], "logging_dir": str(tmp_path / "logs")}}  # fmt: skip
-    main(["fit", "--config", str(config_file), "--callbacks", json.dumps([callback]), "--train.num_epochs", "1",
-          "--output_dir", str(tmp_path / "runs"), "--run_name", "named"])  # fmt: skip
+    callback = {
+        "class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
+        "init_args": {"trackers": ["csv"], "logging_dir": str(tmp_path / "logs")},
+    }
+    main(
+        [
+            "fit",
+            "--config",
+            str(config_file),
+            "--callbacks",
+            json.dumps([callback]),
+            "--train.num_epochs",
+            "1",
+            "--output_dir",
+            str(tmp_path / "runs"),
+            "--run_name",
+            "named",
+        ]
+    )
     assert (tmp_path / "logs" / "named" / "metrics.csv").is_file()
 
 
@@ -116,8 +153,19 @@ def test_a_trainer_subclass_and_its_own_arguments_are_given_by_import_path(confi
     import config_data.tiny as tiny
 
     tiny.TaggedTrainer.instances.clear()
-    main(["fit", "--config", str(config_file), "--trainer_class", "config_data.tiny.TaggedTrainer",
-          "--trainer_arguments", '{"tag": "x"}', "--train.num_epochs", "1"])  # fmt: skip
+    main(
+        [
+            "fit",
+            "--config",
+            str(config_file),
+            "--trainer_class",
+            "config_data.tiny.TaggedTrainer",
+            "--trainer_arguments",
+            '{"tag": "x"}',
+            "--train.num_epochs",
+            "1",
+        ]
+    )
     [trainer] = tiny.TaggedTrainer.instances  # the run's trainer was the subclass, built with its own argument
     assert trainer.tag == "x" and trainer.num_update_steps_completed == 8
 
@@ -129,7 +177,9 @@ def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_method_arguments(Trainer, "train", "train", skip={"train_dataset", "eval_dataset"})
-    parsed = parser.parse_args(["--train.num_epochs", "2", "--train.gradient_clip_norm", "1.0", "--train.gradient_clip_value", "3"])
+    parsed = parser.parse_args(
+        ["--train.num_epochs", "2", "--train.gradient_clip_norm", "1.0", "--train.gradient_clip_value", "3"]
+    )
     assert "gradient_clip_norm: 1.0" in parser.dump(parsed) and "gradient_clip_value: 3" in parser.dump(parsed)
 
 
@@ -139,18 +189,36 @@ def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--train.num_epoch", "3"], r"did you mean 'train.num_epochs'\?.*unrecognized arguments: --train.num_epoch 3.*--help"),
+        (
+            ["--train.num_epoch", "3"],
+            r"did you mean 'train.num_epochs'\?.*unrecognized arguments: --train.num_epoch 3.*--help",
+        ),
         (["--train.num_epochs", "three"], r'Parser key "train.num_epochs".*Given value: three'),
         (["--model", "torch.nn.Linnear"], r"Parser key \"model\".*'torch.nn.Linnear'.*has no attribute 'Linnear'"),
         (["--data.train", "config_data.tiny.nope"], r'Parser key "data.train".*has no attribute \'nope\''),
-        (["--scheduler.import_path", "torch.optim.lr_scheduler.Nope"], r"scheduler.import_path: 'torch.optim.lr_scheduler.Nope' does not import"),
-        (["--scheduler.arguments.max_lrr", "0.1"], r"scheduler.arguments: .* do not fit torch.optim.lr_scheduler.OneCycleLR .*unexpected keyword argument 'max_lrr'.*its arguments are \['max_lr'"),
-        (["--scheduler.arguments.total_steps", "NUM_EPOCHS ** 2"], r"'NUM_EPOCHS \*\* 2' is not a placeholder expression"),
-        (["--optimizer", "null"], r"optimizer is missing: `fit` needs it. Set it in the config file or with --optimizer"),
+        (
+            ["--scheduler.import_path", "torch.optim.lr_scheduler.Nope"],
+            r"scheduler.import_path: 'torch.optim.lr_scheduler.Nope' does not import",
+        ),
+        (
+            ["--scheduler.arguments.max_lrr", "0.1"],
+            r"scheduler.arguments: .* do not fit torch.optim.lr_scheduler.OneCycleLR .*unexpected keyword argument 'max_lrr'.*its arguments are \['max_lr'",
+        ),
+        (
+            ["--scheduler.arguments.total_steps", "NUM_EPOCHS ** 2"],
+            r"'NUM_EPOCHS \*\* 2' is not a placeholder expression",
+        ),
+        (
+            ["--optimizer", "null"],
+            r"optimizer is missing: `fit` needs it. Set it in the config file or with --optimizer",
+        ),
         (["--train.num_epochs", "null"], r"train.num_epochs and train.max_num_train_steps are both null"),
-        (["--trainer_class", "torch.nn.Linear"], r'Parser key "trainer_class".*type\[pytorch_accel_trainer.trainer.Trainer\]'),
+        (
+            ["--trainer_class", "torch.nn.Linear"],
+            r'Parser key "trainer_class".*type\[pytorch_accel_trainer.trainer.Trainer\]',
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_bad_config_is_one_error_naming_the_key_and_the_fix(config_file, flags, message):
     with pytest.raises(ConfigError, match=f"(?s){message}"):
         main(["fit", "--config", str(config_file), *flags])
@@ -158,7 +226,9 @@ def test_each_bad_config_is_one_error_naming_the_key_and_the_fix(config_file, fl
 
 def test_a_missing_required_value_and_an_unknown_key_in_the_file_are_named(config_file, tmp_path):
     partial = tmp_path / "partial.yaml"
-    partial.write_text(yaml.safe_dump({**CONFIG, "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3}}}))
+    partial.write_text(
+        yaml.safe_dump({**CONFIG, "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3}}})
+    )
     with pytest.raises(ConfigError, match=r"(?s)Parser key \"model\".*required: out_features"):
         main(["fit", "--config", str(partial)])
     unknown = tmp_path / "unknown.yaml"
@@ -178,8 +248,12 @@ def test_the_console_script_prints_one_error_line_and_exits_2(config_file, capsy
 def test_the_config_reaches_trackers_as_plain_values():
     values = {"a": {"b": 1, "c": None}, "d": [1, 2], "e": "x", "f": plain_hyperparameters}
     assert plain_hyperparameters(values) == {
-        "a.b": 1, "a.c": "null", "d": "[1, 2]", "e": "x", "f": "pytorch_accel_trainer.callbacks.trackers.plain_hyperparameters",
-    }  # fmt: skip
+        "a.b": 1,
+        "a.c": "null",
+        "d": "[1, 2]",
+        "e": "x",
+        "f": "pytorch_accel_trainer.callbacks.trackers.plain_hyperparameters",
+    }
 
 
 def test_the_parser_has_fit_and_evaluate():
@@ -190,14 +264,26 @@ def test_the_parser_has_fit_and_evaluate():
 
 
 def _digits_command(tmp_path, launcher_prefix):
-    return [*launcher_prefix, "fit", "--config", "examples/digits.yaml", "--train.num_epochs", "2",
-            "--output_dir", str(tmp_path), "--run_name", "digits"]  # fmt: skip
+    return [
+        *launcher_prefix,
+        "fit",
+        "--config",
+        "examples/digits.yaml",
+        "--train.num_epochs",
+        "2",
+        "--output_dir",
+        str(tmp_path),
+        "--run_name",
+        "digits",
+    ]
 
 
 @pytest.mark.slow
 def test_the_digits_yaml_trains_from_the_console_script(tmp_path):
     script = pathlib.Path(sys.executable).parent / "pytorch-accel-trainer"
-    completed = subprocess.run(_digits_command(tmp_path, [str(script)]), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        _digits_command(tmp_path, [str(script)]), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     history = (tmp_path / "digits" / "history.csv").read_text().splitlines()
     assert len(history) == 3 and "accuracy" in history[0]
@@ -206,9 +292,27 @@ def test_the_digits_yaml_trains_from_the_console_script(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_digits_yaml_trains_under_a_2_process_launch(tmp_path):
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", "-m", "pytorch_accel_trainer"]  # fmt: skip
-    completed = subprocess.run(_digits_command(tmp_path, launch), cwd=ROOT, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+        "-m",
+        "pytorch_accel_trainer",
+    ]
+    completed = subprocess.run(
+        _digits_command(tmp_path, launch), cwd=ROOT, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["digits"]  # one run folder, chosen by the main process
     run_config = json.loads((tmp_path / "digits" / "run_config.json").read_text())
@@ -218,7 +322,19 @@ def test_the_digits_yaml_trains_under_a_2_process_launch(tmp_path):
 @pytest.mark.slow
 def test_the_digits_config_is_the_python_example_run_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    main(["fit", "--config", "examples/digits.yaml", "--train.num_epochs", "2", "--output_dir", str(tmp_path), "--run_name", "cli"])
+    main(
+        [
+            "fit",
+            "--config",
+            "examples/digits.yaml",
+            "--train.num_epochs",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+            "--run_name",
+            "cli",
+        ]
+    )
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import train_digits

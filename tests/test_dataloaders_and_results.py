@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, make_mlp, make_trainer, regression_dataset
 from torch.utils.data import DataLoader
 
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer import TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from pytorch_accel_trainer.loop.run_state import TrainResult
@@ -28,11 +28,18 @@ def test_a_dataloader_trains_exactly_as_its_dataset_with_the_same_arguments():
     by_dataset = make_trainer(make_mlp())
     by_dataset.train(regression_dataset(20), num_epochs=3, eval_dataset=regression_dataset(9), per_device_batch_size=4)
     by_loader = make_trainer(make_mlp())
-    by_loader.train(DataLoader(regression_dataset(20), batch_size=4, shuffle=True), num_epochs=3,
-                    eval_dataset=DataLoader(regression_dataset(9), batch_size=4))  # fmt: skip
+    by_loader.train(
+        DataLoader(regression_dataset(20), batch_size=4, shuffle=True),
+        num_epochs=3,
+        eval_dataset=DataLoader(regression_dataset(9), batch_size=4),
+    )
     assert_bitwise_equal(by_loader.model.state_dict(), by_dataset.model.state_dict())  # same seeded shuffle order
-    assert by_loader.run_history.get_metric_values("eval_loss_epoch") == by_dataset.run_history.get_metric_values("eval_loss_epoch")
-    assert by_loader.run_config.train_per_device_batch_size == 4 and by_loader.run_config.num_update_steps_per_epoch == 5
+    assert by_loader.run_history.get_metric_values("eval_loss_epoch") == by_dataset.run_history.get_metric_values(
+        "eval_loss_epoch"
+    )
+    assert (
+        by_loader.run_config.train_per_device_batch_size == 4 and by_loader.run_config.num_update_steps_per_epoch == 5
+    )
 
 
 def test_a_dataloader_keeps_its_own_collate_function_and_batch_size():
@@ -87,7 +94,9 @@ def test_two_processes_shard_a_dataloader_and_train_as_one_process_on_the_global
 
 def test_train_returns_the_runs_metrics_best_value_counts_and_speed():
     trainer = make_trainer(make_mlp(), callbacks=[EarlyStoppingCallback(early_stopping_patience=50)])
-    result = trainer.train(regression_dataset(20), num_epochs=3, eval_dataset=regression_dataset(8), per_device_batch_size=4)
+    result = trainer.train(
+        regression_dataset(20), num_epochs=3, eval_dataset=regression_dataset(8), per_device_batch_size=4
+    )
     assert isinstance(result, TrainResult)
     history = trainer.run_history
     assert result.metrics == {name: history.get_latest_metric(name) for name in ("eval_loss_epoch", "train_loss_epoch")}
@@ -100,17 +109,24 @@ def test_train_returns_the_runs_metrics_best_value_counts_and_speed():
 
 def test_a_run_a_callback_stops_says_so_and_counts_only_the_epochs_completed():
     trainer = make_trainer(make_mlp(), lr=10.0, callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
-    result = trainer.train(regression_dataset(20), num_epochs=30, eval_dataset=regression_dataset(8), per_device_batch_size=4)
+    result = trainer.train(
+        regression_dataset(20), num_epochs=30, eval_dataset=regression_dataset(8), per_device_batch_size=4
+    )
     assert result.stopped_early and result.num_epochs < 30
     assert result.num_epochs == len(trainer.run_history.get_metric_values("train_loss_epoch"))  # the last one included
-    assert make_trainer(make_mlp()).train(regression_dataset(8), num_epochs=None, max_num_train_steps=3).stopped_early is False
+    assert (
+        make_trainer(make_mlp()).train(regression_dataset(8), num_epochs=None, max_num_train_steps=3).stopped_early
+        is False
+    )
 
 
 def test_a_resumed_run_returns_what_it_ran(tmp_path):
     first = make_trainer(make_mlp())
     first.train(regression_dataset(16), num_epochs=2, per_device_batch_size=4)
     first.save_training_state(tmp_path, name="end2")
-    result = make_trainer(make_mlp()).train(regression_dataset(16), num_epochs=3, per_device_batch_size=4, resume_from=tmp_path / "end2")
+    result = make_trainer(make_mlp()).train(
+        regression_dataset(16), num_epochs=3, per_device_batch_size=4, resume_from=tmp_path / "end2"
+    )
     assert (result.num_epochs, result.num_update_steps, result.num_samples) == (1, 12, 16)
     assert set(result.metrics) == {"train_loss_epoch"}
 
@@ -136,8 +152,13 @@ class LearningRates(TrainerCallback):
 def _rates(scheduler_interval, factory, num_epochs=4):
     rates = LearningRates()
     trainer = make_trainer(make_mlp(), lr=1.0, callbacks=[rates])
-    trainer.train(regression_dataset(20), num_epochs=num_epochs, per_device_batch_size=4, create_scheduler_fn=factory,
-                  scheduler_interval=scheduler_interval)  # fmt: skip
+    trainer.train(
+        regression_dataset(20),
+        num_epochs=num_epochs,
+        per_device_batch_size=4,
+        create_scheduler_fn=factory,
+        scheduler_interval=scheduler_interval,
+    )
     return rates.rates, trainer
 
 
@@ -151,13 +172,18 @@ def test_an_epoch_interval_steps_the_scheduler_once_per_epoch():
 
 def test_a_cosine_over_num_epochs_stepped_per_update_warns_and_the_epoch_interval_follows_it():
     factory = functools.partial(torch.optim.lr_scheduler.CosineAnnealingLR, T_max=TrainerPlaceholderValues.NUM_EPOCHS)
-    with pytest.warns(UserWarning, match=r"CosineAnnealingLR\(T_max=4\) equals num_epochs, but the scheduler steps after "
-                                         r"each of the run's 20 optimizer updates.*scheduler_interval='epoch'"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"CosineAnnealingLR\(T_max=4\) equals num_epochs, but the scheduler steps after "
+        r"each of the run's 20 optimizer updates.*scheduler_interval='epoch'",
+    ):
         _rates("step", factory)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rates, _ = _rates("epoch", factory)
-    assert rates == pytest.approx([(1 + math.cos(math.pi * epoch / 4)) / 2 for epoch in range(4)])  # one cosine over the run
+    assert rates == pytest.approx(
+        [(1 + math.cos(math.pi * epoch / 4)) / 2 for epoch in range(4)]
+    )  # one cosine over the run
 
 
 def test_a_bad_scheduler_interval_is_refused_with_the_choices():

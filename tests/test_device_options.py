@@ -7,8 +7,8 @@ import sys
 
 import pytest
 from accelerate.utils import ProjectConfiguration
-
 from conftest import linear_dataset, make_linear, make_trainer
+
 from pytorch_accel_trainer.validation import MIXED_PRECISION_ALIASES, mixed_precision_name
 
 
@@ -27,7 +27,9 @@ def test_cpu_true_sets_accelerate_up_for_the_cpu_from_code():
 
 def test_accelerator_kwargs_reach_the_accelerator(tmp_path):
     config = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=False)
-    trainer = make_trainer(make_linear(), accelerator_kwargs={"project_config": config, "step_scheduler_with_optimizer": False})
+    trainer = make_trainer(
+        make_linear(), accelerator_kwargs={"project_config": config, "step_scheduler_with_optimizer": False}
+    )
     assert trainer.accelerator.project_dir == str(tmp_path)
     assert trainer.accelerator.step_scheduler_with_optimizer is False
     assert trainer.accelerator.dataloader_config.use_seedable_sampler  # the trainer's own arguments are kept
@@ -36,12 +38,18 @@ def test_accelerator_kwargs_reach_the_accelerator(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mixed_precision": "bf16"}, r"accelerator_kwargs sets 'mixed_precision', which the trainer sets itself: use Trainer\(mixed_precision=...\)"),
+        (
+            {"mixed_precision": "bf16"},
+            r"accelerator_kwargs sets 'mixed_precision', which the trainer sets itself: use Trainer\(mixed_precision=...\)",
+        ),
         ({"cpu": True}, r"accelerator_kwargs sets 'cpu', which the trainer sets itself: use Trainer\(cpu=True\)"),
         ({"gradient_accumulation_steps": 2}, r"use train\(gradient_accumulation_steps=...\)"),
-        ({"log_witth": "tensorboard"}, r"accelerator_kwargs has \['log_witth'\], which accelerate.Accelerator does not take; it takes \[.*'log_with'"),
+        (
+            {"log_witth": "tensorboard"},
+            r"accelerator_kwargs has \['log_witth'\], which accelerate.Accelerator does not take; it takes \[.*'log_with'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_accelerator_kwargs_the_trainer_sets_or_accelerate_lacks_are_refused_with_the_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_trainer(make_linear(), accelerator_kwargs=kwargs)
@@ -49,7 +57,18 @@ def test_accelerator_kwargs_the_trainer_sets_or_accelerate_lacks_are_refused_wit
         make_trainer(make_linear(), accelerator_kwargs=["cpu"])
 
 
-@pytest.mark.parametrize(("name", "expected"), [("full", "no"), ("FP32", "no"), ("32-true", "no"), ("bf16-mixed", "bf16"), ("bfloat16", "bf16"), ("16-mixed", "fp16"), ("no", "no")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("full", "no"),
+        ("FP32", "no"),
+        ("32-true", "no"),
+        ("bf16-mixed", "bf16"),
+        ("bfloat16", "bf16"),
+        ("16-mixed", "fp16"),
+        ("no", "no"),
+    ],
+)
 def test_other_trainers_precision_names_map_to_accelerates(name, expected):
     assert mixed_precision_name(name) == expected
     assert set(MIXED_PRECISION_ALIASES.values()) <= {"no", "bf16", "fp16"}
@@ -60,5 +79,8 @@ def test_hezars_full_precision_trains_in_float32_and_an_unknown_name_is_refused_
     assert trainer.mixed_precision == "no"
     trainer.train(linear_dataset(8), num_epochs=1)
     assert trainer.run_config.mixed_precision == "no"
-    with pytest.raises(ValueError, match=r"mixed_precision='tf32' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) \(or a name of another trainer for them: \[.*'full'"):
+    with pytest.raises(
+        ValueError,
+        match=r"mixed_precision='tf32' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) \(or a name of another trainer for them: \[.*'full'",
+    ):
         make_trainer(make_linear(), mixed_precision="tf32")

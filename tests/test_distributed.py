@@ -10,9 +10,7 @@ import sys
 
 import pytest
 import torch
-
 from conftest import CPU_PROCESSES_ENV, launcher
-
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
@@ -21,8 +19,11 @@ def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1
     output = tmp_path / f"{name}.json"
     completed = subprocess.run(
         [*launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), str(accumulation), loss_kind],
-        env=env or CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        env=env or CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(output.read_text()), completed
 
@@ -37,7 +38,9 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     assert double["num_processes"] == 2 and double["ranks_agree"]
     assert single["updates"] == accumulated["updates"] == double["updates"] == 12
     for other in (accumulated, double):
-        torch.testing.assert_close(torch.tensor(other["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(other["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6
+        )
         assert other["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
         assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
     assert completed.stdout.count("Training 3 epochs") == 1 and completed.stdout.count("Finished 3 epochs") == 1  # once
@@ -57,11 +60,15 @@ def test_token_level_losses_do_not_depend_on_how_the_global_batch_is_split(tmp_p
     double, _ = _launch(tmp_path, "double", 2, per_device_batch_size=4, loss_kind="tokens")
     assert double["num_processes"] == 2 and double["ranks_agree"]
     for other in (accumulated, double):
-        torch.testing.assert_close(torch.tensor(other["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(other["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6
+        )
         assert other["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
         assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
     # without num_items_in_batch the micro-batch means are averaged as equals: the split changes the training
-    unweighted, _ = _launch(tmp_path, "unweighted", 1, per_device_batch_size=4, accumulation=2, loss_kind="tokens_unweighted")
+    unweighted, _ = _launch(
+        tmp_path, "unweighted", 1, per_device_batch_size=4, accumulation=2, loss_kind="tokens_unweighted"
+    )
     assert not torch.allclose(torch.tensor(unweighted["parameters"]), torch.tensor(single["parameters"]), rtol=1e-4)
 
 
@@ -77,12 +84,16 @@ def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp
     else:
         output = tmp_path / "torchrun.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
-        completed = subprocess.run([*command, str(output), "4", "1"], env=env, capture_output=True, text=True, timeout=240)
+        completed = subprocess.run(
+            [*command, str(output), "4", "1"], env=env, capture_output=True, text=True, timeout=240
+        )
         assert completed.returncode == 0, completed.stderr[-3000:]
         double = json.loads(output.read_text())
     single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8)
     assert double["num_processes"] == 2 and double["ranks_agree"]
-    torch.testing.assert_close(torch.tensor(double["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(double["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_accelerate_set_up_for_one_process_under_a_multi_process_launch_is_a_clear_error():
@@ -98,5 +109,8 @@ def test_accelerate_set_up_for_one_process_under_a_multi_process_launch_is_a_cle
     env = {key: value for key, value in os.environ.items() if key not in ("ACCELERATE_USE_CPU", "WORLD_SIZE")}
     completed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert completed.returncode != 0
-    assert "RuntimeError: The launcher started 2 processes, but Accelerate was set up before the trainer was created" in completed.stderr
+    assert (
+        "RuntimeError: The launcher started 2 processes, but Accelerate was set up before the trainer was created"
+        in completed.stderr
+    )
     assert "Set ACCELERATE_USE_CPU=1" in completed.stderr

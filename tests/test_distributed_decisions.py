@@ -8,7 +8,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import CPU_PROCESSES_ENV, launcher
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_decisions.py"
@@ -17,9 +16,19 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_decisions.py"
 def _launch(tmp_path, modes):
     output = tmp_path / "decisions"
     started = time.monotonic()
-    completed = subprocess.run([*launcher(2), str(SCRIPT), modes, str(output)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
+    completed = subprocess.run(
+        [*launcher(2), str(SCRIPT), modes, str(output)],
+        env=CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     elapsed = time.monotonic() - started
-    ranks = [json.loads(pathlib.Path(f"{output}.rank{r}").read_text()) for r in range(2) if pathlib.Path(f"{output}.rank{r}").exists()]
+    ranks = [
+        json.loads(pathlib.Path(f"{output}.rank{r}").read_text())
+        for r in range(2)
+        if pathlib.Path(f"{output}.rank{r}").exists()
+    ]
     return completed, ranks, elapsed
 
 

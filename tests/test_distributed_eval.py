@@ -8,10 +8,9 @@ import subprocess
 
 import pytest
 import torch
+from conftest import CPU_PROCESSES_ENV, launcher, make_trainer
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
-
-from conftest import CPU_PROCESSES_ENV, launcher, make_trainer
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_eval.py"
 

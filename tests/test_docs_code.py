@@ -118,9 +118,14 @@ def test_the_python_blocks_of_each_page_run_as_one_script(page, tmp_path):
     script.write_text(page_script(fenced_blocks(page.read_text())))
 
     result = subprocess.run(
-        [sys.executable, str(script)], check=False, cwd=tmp_path, env=_environment(), capture_output=True, text=True,
+        [sys.executable, str(script)],
+        check=False,
+        cwd=tmp_path,
+        env=_environment(),
+        capture_output=True,
+        text=True,
         timeout=PAGE_TIMEOUT,
-    )  # fmt: skip
+    )
 
     if result.returncode != 0:
         pytest.fail(

@@ -30,20 +30,50 @@ PACKAGE = "pytorch_accel_trainer"
 #: Modules whose every public name must be in the reference: the names of their ``__all__``, else every name a
 #: top-level ``def``, ``class`` or assignment of the module defines without a leading underscore.
 PUBLIC_MODULES = (
-    "", "trainer", "callbacks", "tracking", "plotting", "run_config", "loop.run_state", "placeholders", "schedulers",
-    "finetuning", "utils", "state.training_state", "state.checkpointing", "cli.config", "cli", "cli.commands",
-    "cli.run_folder", "errors",
-)  # fmt: skip
+    "",
+    "trainer",
+    "callbacks",
+    "tracking",
+    "plotting",
+    "run_config",
+    "loop.run_state",
+    "placeholders",
+    "schedulers",
+    "finetuning",
+    "utils",
+    "state.training_state",
+    "state.checkpointing",
+    "cli.config",
+    "cli",
+    "cli.commands",
+    "cli.run_folder",
+    "errors",
+)
 #: Implementation modules that also hold a few public names (imported from there by users and the guide pages).
 PUBLIC_NAMES_OF_OTHER_MODULES = {"parallel.distributed": ("create_accelerator", "ProcessAgreement")}
 #: Implementation modules: the subpackages' helpers (the Trainer's mixins' methods are the Trainer's, in its
 #: reference), the families re-exported by the callbacks and schedulers packages, and the other import paths of
 #: moved modules (the same module objects). A new module goes in one of these places: whether it is public is decided.
 INTERNAL_MODULES = (
-    "__main__", "validation", "loop", "loop.*", "state", "state.*", "parallel", "parallel.*", "callbacks.*",
-    "schedulers.*", "checkpointing", "training_state", "run_state", "distributed", "sharded", "config", "run_folder",
+    "__main__",
+    "validation",
+    "loop",
+    "loop.*",
+    "state",
+    "state.*",
+    "parallel",
+    "parallel.*",
+    "callbacks.*",
+    "schedulers.*",
+    "checkpointing",
+    "training_state",
+    "run_state",
+    "distributed",
+    "sharded",
+    "config",
+    "run_folder",
     "freezing",
-)  # fmt: skip
+)
 
 _DIRECTIVE = re.compile(r"^::: *(?P<path>[\w.]+) *$")
 

@@ -15,7 +15,6 @@ def _import_example(name: str):
     return load_module_from(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
-
 def test_train_digits_eval_set_splits_evenly_over_processes():
     train_digits = _import_example("train_digits")
     train_dataset, eval_dataset = train_digits.create_datasets()
@@ -46,4 +45,3 @@ def test_docs_index_shows_the_quickstart_as_it_is():
     quickstart = (EXAMPLES / "quickstart.py").read_text().rstrip()
     index = (ROOT / "docs" / "index.md").read_text()
     assert f"```python\n{quickstart}\n```" in index
-

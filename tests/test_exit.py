@@ -22,7 +22,10 @@ LAUNCHES = 12
 def test_the_readme_quickstart_on_two_processes_exits_0_every_time(launcher):
     """examples/quickstart.py (the README's, no teardown at its end), launched as users launch it. Before the fix,
     1 in 30 accelerate launches and 2 in 30 torchrun launches aborted at interpreter exit (SIGABRT)."""
-    results = [launch(launchers()[launcher], str(ROOT / "examples" / "quickstart.py"), slow_gloo=False) for _ in range(LAUNCHES)]
+    results = [
+        launch(launchers()[launcher], str(ROOT / "examples" / "quickstart.py"), slow_gloo=False)
+        for _ in range(LAUNCHES)
+    ]
     failed = [(status, stderr) for status, _, stderr in results if status != 0]
     assert not failed, f"{len(failed)} of {LAUNCHES} launches failed; the first: exit {failed[0][0]}\n{failed[0][1]}"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, linear_dataset, make_linear
 from torch import nn
 
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, linear_dataset, make_linear
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.state.training_state import CheckpointError, list_complete_states, verify_folder
@@ -28,7 +28,9 @@ class RecordingSGD(torch.optim.SGD):
         self.seen_gradients = []
 
     def step(self, closure=None):
-        self.seen_gradients.append([parameter.grad.clone() for group in self.param_groups for parameter in group["params"]])  # fmt: skip
+        self.seen_gradients.append(
+            [parameter.grad.clone() for group in self.param_groups for parameter in group["params"]]
+        )
         return super().step(closure)
 
 
@@ -45,7 +47,9 @@ class CriticTrainer(Trainer):
     """
 
     def __init__(self, model, critic, critic_optimizer, teacher=None, leave_gradients_on_critic=False, **kwargs):
-        super().__init__(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), **{"callbacks": (), **kwargs})
+        super().__init__(
+            model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), **{"callbacks": (), **kwargs}
+        )
         self.add_model("critic", critic, critic_optimizer)
         if teacher is not None:
             self.add_model("teacher", teacher)
@@ -63,7 +67,9 @@ class CriticTrainer(Trainer):
         return super().calculate_train_batch_loss(batch)
 
 
-def make_critic_trainer(seed: int = 0, critic_optimizer=torch.optim.Adam, with_teacher: bool = False, **kwargs) -> CriticTrainer:  # fmt: skip
+def make_critic_trainer(
+    seed: int = 0, critic_optimizer=torch.optim.Adam, with_teacher: bool = False, **kwargs
+) -> CriticTrainer:
     torch.manual_seed(seed)
     critic = nn.Sequential(nn.Linear(1, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 1))  # dropout: uses the RNG
     teacher = nn.Linear(1, 1) if with_teacher else None
@@ -110,7 +116,11 @@ class RecordPreparedExtras(TrainerCallback):
 def test_extras_are_prepared_with_the_trainers_model_in_each_run_and_given_back_after_it():
     recorder = RecordPreparedExtras()
     trainer = make_critic_trainer(with_teacher=True, callbacks=[recorder])
-    critic, teacher, critic_optimizer = trainer.extra_models["critic"], trainer.extra_models["teacher"], trainer.extra_optimizers["critic"]  # fmt: skip
+    critic, teacher, critic_optimizer = (
+        trainer.extra_models["critic"],
+        trainer.extra_models["teacher"],
+        trainer.extra_optimizers["critic"],
+    )
 
     trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
     trainer.evaluate(linear_dataset(8), per_device_batch_size=4)
@@ -123,7 +133,9 @@ def test_extras_are_prepared_with_the_trainers_model_in_each_run_and_given_back_
     assert trainer.get_extra_model("critic") is critic
 
 
-@pytest.mark.parametrize("clipping", [{}, {"gradient_clip_value": 0.05}, {"gradient_clip_norm": 0.05}], ids=["none", "value", "norm"])  # fmt: skip
+@pytest.mark.parametrize(
+    "clipping", [{}, {"gradient_clip_value": 0.05}, {"gradient_clip_norm": 0.05}], ids=["none", "value", "norm"]
+)
 def test_an_update_steps_on_the_losss_own_gradients_clipped_as_the_run_clips(clipping):
     dataset = linear_dataset(8)
     torch.manual_seed(1)
@@ -132,7 +144,9 @@ def test_an_update_steps_on_the_losss_own_gradients_clipped_as_the_run_clips(cli
     optimizer = RecordingSGD(critic.parameters(), lr=1.0)
     trainer = CriticTrainer(make_linear(), critic, optimizer, leave_gradients_on_critic=True)
 
-    trainer.train(dataset, num_epochs=1, per_device_batch_size=8, train_dataloader_kwargs={"shuffle": False}, **clipping)
+    trainer.train(
+        dataset, num_epochs=1, per_device_batch_size=8, train_dataloader_kwargs={"shuffle": False}, **clipping
+    )
 
     # by hand: the gradients of this loss alone (not those another backward pass left), clipped as torch clips
     gradients = torch.autograd.grad(critic_loss(start, dataset.tensors), list(start.parameters()))
@@ -189,10 +203,16 @@ def test_a_checkpoint_must_hold_exactly_the_registered_extras_and_nothing_is_loa
     with_critic = make_critic_trainer(seed=0)
     weights_before = final_states(with_critic)
 
-    with pytest.raises(ValueError, match=r"holds the extra models \[\], but this trainer has \['critic'\]: 'critic' is not in it .*Register the same extra models"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"holds the extra models \[\], but this trainer has \['critic'\]: 'critic' is not in it .*Register the same extra models",
+    ):
         with_critic.load_checkpoint(tmp_path / "plain.pt")
     assert_bitwise_equal(final_states(with_critic), weights_before)  # refused before anything was loaded
-    with pytest.raises(ValueError, match=r"holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered \(its saved state would be dropped\).*torch.load"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered \(its saved state would be dropped\).*torch.load",
+    ):
         plain.load_checkpoint(tmp_path / "critic.pt")
 
 
@@ -202,7 +222,10 @@ def test_a_checkpoint_whose_extra_has_no_optimizer_state_loads_with_load_optimiz
     untrained_critic.save_checkpoint(tmp_path / "run.pt")
     trainer = make_critic_trainer(seed=0)
 
-    with pytest.raises(ValueError, match=r"holds the extra optimizers \[\], but this trainer has \['critic'\].*pass load_optimizer=False to load the weights alone"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"holds the extra optimizers \[\], but this trainer has \['critic'\].*pass load_optimizer=False to load the weights alone",
+    ):
         trainer.load_checkpoint(tmp_path / "run.pt")
     trainer.load_checkpoint(tmp_path / "run.pt", load_optimizer=False)
 
@@ -239,17 +262,25 @@ def run_with_states(save_dir, crash=None, accumulation=1, asynchronous=False) ->
     callbacks = [SaveTrainingStateCallback(save_dir, save_every_n_steps=1, asynchronous=asynchronous)]
     trainer = make_critic_trainer(callbacks=callbacks + ([crash] if crash else []))
     trainer.train(
-        linear_dataset(22), num_epochs=3, per_device_batch_size=4, gradient_accumulation_steps=accumulation,
-        gradient_clip_norm=1.0, resume_from=save_dir,
-    )  # fmt: skip
+        linear_dataset(22),
+        num_epochs=3,
+        per_device_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        gradient_clip_norm=1.0,
+        resume_from=save_dir,
+    )
     return trainer
 
 
 @pytest.mark.parametrize(
     ("accumulation", "asynchronous"), [(1, False), (2, False), (1, True)], ids=["sync", "sync-accumulation", "async"]
 )
-def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit_for_both_models_and_optimizers(tmp_path, accumulation, asynchronous):  # fmt: skip
-    reference = final_states(run_with_states(tmp_path / "reference", accumulation=accumulation, asynchronous=asynchronous))
+def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit_for_both_models_and_optimizers(
+    tmp_path, accumulation, asynchronous
+):
+    reference = final_states(
+        run_with_states(tmp_path / "reference", accumulation=accumulation, asynchronous=asynchronous)
+    )
 
     with pytest.raises(Crash):  # in a window of 2 the critic has stepped on batches the saved state has not seen
         run_with_states(tmp_path / "states", CrashAtStep(epoch=2, step=3), accumulation, asynchronous)
@@ -275,19 +306,27 @@ def test_the_extras_files_are_verified_by_the_manifest(tmp_path):
 def test_a_state_must_hold_exactly_the_registered_extras(tmp_path):
     run_with_states(tmp_path / "critic")
     plain = make_plain_trainer()
-    with pytest.raises(CheckpointError, match=r"does not fit this trainer: it holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered.*add_model"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not fit this trainer: it holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered.*add_model",
+    ):
         plain.load_training_state(tmp_path / "critic")
 
     plain.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
     plain.save_training_state(tmp_path / "plain")
-    with pytest.raises(CheckpointError, match=r"holds the extra models \[\], but this trainer has \['critic'\]: 'critic' is not in it"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=r"holds the extra models \[\], but this trainer has \['critic'\]: 'critic' is not in it"
+    ):
         make_critic_trainer().load_training_state(tmp_path / "plain")
 
 
 def test_a_state_refuses_an_extra_optimizer_of_another_class(tmp_path):
     run_with_states(tmp_path)
     trainer = make_critic_trainer(critic_optimizer=torch.optim.SGD)
-    with pytest.raises(CheckpointError, match=r"extra_optimizer-critic.pt does not fit the optimizer of the extra model 'critic': it was saved by the optimizer Adam, but this trainer's optimizer is SGD"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"extra_optimizer-critic.pt does not fit the optimizer of the extra model 'critic': it was saved by the optimizer Adam, but this trainer's optimizer is SGD",
+    ):
         trainer.load_training_state(tmp_path)
 
 
@@ -299,18 +338,38 @@ def test_a_state_refuses_an_extra_optimizer_of_another_class(tmp_path):
 def _add_model_errors():
     linear = nn.Linear(1, 1)
     return [
-        (lambda t: t.add_model(3, nn.Linear(1, 1)), TypeError, r"add_model\(name=3\): the name is a int; pass a string"),
+        (
+            lambda t: t.add_model(3, nn.Linear(1, 1)),
+            TypeError,
+            r"add_model\(name=3\): the name is a int; pass a string",
+        ),
         (lambda t: t.add_model("my critic", nn.Linear(1, 1)), ValueError, "not a Python identifier"),
         (lambda t: t.add_model("model", nn.Linear(1, 1)), ValueError, "'model' is the trainer's own model"),
-        (lambda t: t.add_model("critic", nn.Linear(1, 1)), ValueError, r"already registered under 'critic' \(registered: \['critic'\]\)"),  # fmt: skip
+        (
+            lambda t: t.add_model("critic", nn.Linear(1, 1)),
+            ValueError,
+            r"already registered under 'critic' \(registered: \['critic'\]\)",
+        ),
         (lambda t: t.add_model("other", "net"), TypeError, "the model is a str; pass a torch.nn.Module"),
         (lambda t: t.add_model("other", t.model), ValueError, "already the trainer's model"),
         (lambda t: t.add_model("other", t.extra_models["critic"]), ValueError, "already registered as 'critic'"),
         (lambda t: t.add_model("other", linear, "sgd"), TypeError, "the optimizer is a str"),
         (lambda t: t.add_model("other", linear, t.optimizer), ValueError, "already the trainer's optimizer"),
-        (lambda t: t.add_model("other", linear, torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)), ValueError, r"2 of the optimizer's parameters are not the model's.*SGD\(model.parameters\(\)"),  # fmt: skip
-        (lambda t: t.update_extra_model("critc", torch.ones(1, requires_grad=True)), ValueError, r"no extra model is registered under 'critc'; the registered ones are \['critic'\]"),  # fmt: skip
-        (lambda t: t.update_extra_model("critic", torch.ones(1, requires_grad=True)), RuntimeError, "outside a training run"),  # fmt: skip
+        (
+            lambda t: t.add_model("other", linear, torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)),
+            ValueError,
+            r"2 of the optimizer's parameters are not the model's.*SGD\(model.parameters\(\)",
+        ),
+        (
+            lambda t: t.update_extra_model("critc", torch.ones(1, requires_grad=True)),
+            ValueError,
+            r"no extra model is registered under 'critc'; the registered ones are \['critic'\]",
+        ),
+        (
+            lambda t: t.update_extra_model("critic", torch.ones(1, requires_grad=True)),
+            RuntimeError,
+            "outside a training run",
+        ),
     ]
 
 
@@ -326,7 +385,9 @@ def test_update_extra_model_needs_an_optimizer_and_a_loss_with_gradients():
         loss_transform = staticmethod(lambda loss: loss)
 
         def calculate_train_batch_loss(self, batch):
-            self.update_extra_model(self.updated, self.loss_transform(critic_loss(self.extra_models[self.updated], batch)))
+            self.update_extra_model(
+                self.updated, self.loss_transform(critic_loss(self.extra_models[self.updated], batch))
+            )
             return Trainer.calculate_train_batch_loss(self, batch)
 
     trainer = make_critic_trainer(with_teacher=True)
@@ -350,7 +411,9 @@ def test_add_model_during_a_run_is_refused():
     torch.manual_seed(0)
     critic = nn.Linear(1, 1)
     trainer = LateRegistration(make_linear(), critic, torch.optim.SGD(critic.parameters(), lr=0.1))
-    with pytest.raises(RuntimeError, match=r"add_model\('late', ...\) was called during a training run.*before train\(\)"):
+    with pytest.raises(
+        RuntimeError, match=r"add_model\('late', ...\) was called during a training run.*before train\(\)"
+    ):
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
 
 

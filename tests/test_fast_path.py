@@ -6,8 +6,8 @@ import functools
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
-
 from conftest import make_mlp, regression_dataset
+
 from pytorch_accel_trainer import Trainer
 
 
@@ -19,10 +19,14 @@ def _run(trainer_class, optimizer_cls):
     model = make_mlp()
     trainer = trainer_class(model, torch.nn.MSELoss(), optimizer_cls(model.parameters()), callbacks=())
     trainer.train(
-        regression_dataset(30), num_epochs=3, eval_dataset=regression_dataset(10, seed=1), per_device_batch_size=4,
-        gradient_accumulation_steps=3, gradient_clip_norm=0.5,
+        regression_dataset(30),
+        num_epochs=3,
+        eval_dataset=regression_dataset(10, seed=1),
+        per_device_batch_size=4,
+        gradient_accumulation_steps=3,
+        gradient_clip_norm=0.5,
         create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5),
-    )  # fmt: skip
+    )
     return trainer
 
 

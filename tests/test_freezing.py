@@ -70,7 +70,10 @@ def test_unfreeze_returns_the_parameters_it_unfroze_by_group():
 
 def test_an_index_out_of_range_and_a_model_without_groups_are_errors():
     freezer = ModelFreezer(make_model())
-    with pytest.raises(IndexError, match="Layer group index 4 is out of range: the model has 4 layer groups, so pass an index from -4 to 3"):
+    with pytest.raises(
+        IndexError,
+        match="Layer group index 4 is out of range: the model has 4 layer groups, so pass an index from -4 to 3",
+    ):
         freezer.freeze(to_index=4)
     with pytest.raises(ValueError, match=r"The model \(Linear\) has no child modules"):
         ModelFreezer(nn.Linear(2, 2))
@@ -79,13 +82,19 @@ def test_an_index_out_of_range_and_a_model_without_groups_are_errors():
 def test_finetuning_is_the_public_module_of_the_one_freezer():
     assert ModelFreezer is freezing.ModelFreezer and (Layer, LayerGroup) == (freezing.Layer, freezing.LayerGroup)
     assert Layer._fields == LayerGroup._fields == ("layer_group_idx", "module", "is_frozen")
-    assert [_module_is_batch_norm(m) for m in (nn.BatchNorm1d(2), nn.SyncBatchNorm(2), nn.LayerNorm(2))] == [True, True, False]
+    assert [_module_is_batch_norm(m) for m in (nn.BatchNorm1d(2), nn.SyncBatchNorm(2), nn.LayerNorm(2))] == [
+        True,
+        True,
+        False,
+    ]
     assert BN_MODULES == (nn.modules.batchnorm._BatchNorm,)
 
 
 def test_convert_idxs_orders_and_makes_indexes_positive_and_freeze_bn_is_the_option():
     freezer = ModelFreezer(make_model(), freeze_batch_norms=True)
-    assert [freezer._convert_idxs(*pair) for pair in [(0, 3), (3, 0), (-2, -1), (-1, -2), (0, -1)]] == [(0, 3)] * 2 + [(2, 3)] * 2 + [(0, 3)]
+    assert [freezer._convert_idxs(*pair) for pair in [(0, 3), (3, 0), (-2, -1), (-1, -2), (0, -1)]] == [(0, 3)] * 2 + [
+        (2, 3)
+    ] * 2 + [(0, 3)]
     assert freezer.freeze_bn is True
     freezer.freeze_bn = False
     assert freezer.freeze_batch_norms is False
@@ -98,11 +107,19 @@ def test_freezing_into_eval_mode_freezes_and_unfreezing_without_training_mode_un
     freezer = ModelFreezer(model, freeze_batch_norms=True)
     freezer.freeze(from_index=0, to_index=2, set_modules_as_eval=True)
     assert freezer.get_trainable_parameters() == list(model[3].parameters())
-    assert [m.training for m in (model[0], model[1], model[2][0], model[2][1], model[3])] == [False, False, False, False, True]
+    assert [m.training for m in (model[0], model[1], model[2][0], model[2][1], model[3])] == [
+        False,
+        False,
+        False,
+        False,
+        True,
+    ]
     unfrozen = freezer.unfreeze(set_modules_as_training=False)
     assert sorted(unfrozen) == [0, 1, 2] and freezer.get_trainable_parameters() == list(model.parameters())
     assert not model[0].training  # mode left as it was
-    assert all(not layer.is_frozen for layer in freezer.get_layers() if next(layer.module.parameters(), None) is not None)
+    assert all(
+        not layer.is_frozen for layer in freezer.get_layers() if next(layer.module.parameters(), None) is not None
+    )
 
 
 class OwnParameterAndChild(nn.Module):
@@ -118,7 +135,11 @@ def test_a_module_with_parameters_of_its_own_and_children_is_a_layer_too():
     freezer = ModelFreezer(model)
     freezer.freeze()
     assert freezer.get_trainable_parameters() == list(model[1].parameters())
-    assert [type(layer.module).__name__ for layer in freezer.get_layers()] == ["OwnParameterAndChild", "Linear", "Linear"]
+    assert [type(layer.module).__name__ for layer in freezer.get_layers()] == [
+        "OwnParameterAndChild",
+        "Linear",
+        "Linear",
+    ]
 
 
 class EpochSnapshots(TrainerCallback):
@@ -152,7 +173,12 @@ def test_parameters_the_optimizer_lacks_are_added_as_a_group_with_the_given_opti
     freezer = ModelFreezer(model)
     freezer.freeze()
     optimizer = torch.optim.SGD(freezer.get_trainable_parameters(), lr=0.05)
-    _train(model, [GradualUnfreezingCallback(freezer, {2: 0}, new_param_group_kwargs={"lr": 0.01})], optimizer, num_epochs=2)
+    _train(
+        model,
+        [GradualUnfreezingCallback(freezer, {2: 0}, new_param_group_kwargs={"lr": 0.01})],
+        optimizer,
+        num_epochs=2,
+    )
     assert [group["lr"] for group in optimizer.param_groups] == [0.05, 0.01]
     assert optimizer.param_groups[1]["params"] == [model[0].weight, model[0].bias, model[2][0].weight, model[2][0].bias]
 
@@ -163,8 +189,13 @@ def test_adding_a_group_that_a_scheduler_would_not_know_is_refused_before_traini
     freezer.freeze()
     optimizer = torch.optim.SGD(freezer.get_trainable_parameters(), lr=0.05)
     scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)
-    with pytest.raises(ValueError, match="which the learning-rate scheduler does not know. Create the optimizer over all of model.parameters"):
-        _train(model, [GradualUnfreezingCallback(freezer, {2: 0})], optimizer, num_epochs=2, create_scheduler_fn=scheduler)
+    with pytest.raises(
+        ValueError,
+        match="which the learning-rate scheduler does not know. Create the optimizer over all of model.parameters",
+    ):
+        _train(
+            model, [GradualUnfreezingCallback(freezer, {2: 0})], optimizer, num_epochs=2, create_scheduler_fn=scheduler
+        )
 
 
 def test_a_freezer_of_another_model_and_a_bad_schedule_are_refused():

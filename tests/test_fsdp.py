@@ -15,10 +15,8 @@ import sys
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import launcher
-
+from torch import nn
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
 TIMEOUT_S = 240
@@ -120,9 +118,23 @@ def test_fsdp_plugin_on_cpu_falls_back_to_ddp_and_says_so(tmp_path):
 def test_deepspeed_steps_once_per_update_and_refuses_what_it_would_ignore(tmp_path):
     pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
     launcher = [
-        sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes",
-        "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--use_deepspeed",
+        "--zero_stage",
+        "2",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    ]
     deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
     plain = _launch(tmp_path / "plain", "plain", [sys.executable])
 

@@ -67,7 +67,9 @@ def test_both_models_train_and_a_second_run_prepares_the_discriminator_again(tra
 
         assert _all_changed(generator_before, generator), f"run {run}: the generator did not train"
         assert _all_changed(discriminator_before, discriminator), f"run {run}: the discriminator did not train"
-        assert trainer.discriminator is trainer.extra_models["discriminator"] is discriminator  # unwrapped after the run
+        assert (
+            trainer.discriminator is trainer.extra_models["discriminator"] is discriminator
+        )  # unwrapped after the run
         discriminator_optimizer = trainer.extra_optimizers["discriminator"]
         assert type(discriminator_optimizer) is torch.optim.Adam  # out of Accelerate's wrapper
         assert discriminator_optimizer.state  # the Adam state was built by real steps
@@ -75,8 +77,14 @@ def test_both_models_train_and_a_second_run_prepares_the_discriminator_again(tra
 
     trainer.save_checkpoint(tmp_path / "gan.pt")  # the discriminator and its Adam are in the file
     checkpoint = torch.load(tmp_path / "gan.pt", weights_only=True)
-    assert all(torch.equal(checkpoint["extra_model_state_dicts"]["discriminator"][name], value) for name, value in discriminator.state_dict().items())  # fmt: skip
-    assert checkpoint["extra_optimizer_state_dicts"]["discriminator"]["state"].keys() == discriminator_optimizer.state_dict()["state"].keys()  # fmt: skip
+    assert all(
+        torch.equal(checkpoint["extra_model_state_dicts"]["discriminator"][name], value)
+        for name, value in discriminator.state_dict().items()
+    )
+    assert (
+        checkpoint["extra_optimizer_state_dicts"]["discriminator"]["state"].keys()
+        == discriminator_optimizer.state_dict()["state"].keys()
+    )
 
 
 def test_main_uses_the_command_line_arguments(train_gan):
@@ -85,7 +93,11 @@ def test_main_uses_the_command_line_arguments(train_gan):
     assert len(trainer.run_history.get_metric_values("ring_distance")) == 2
     assert trainer.run_config.train_per_device_batch_size == 32
     assert trainer.run_config.num_update_steps_per_epoch == 256 // 32
-    assert trainer.optimizer.param_groups[0]["lr"] == trainer.extra_optimizers["discriminator"].param_groups[0]["lr"] == 1e-3
+    assert (
+        trainer.optimizer.param_groups[0]["lr"]
+        == trainer.extra_optimizers["discriminator"].param_groups[0]["lr"]
+        == 1e-3
+    )
 
 
 def test_runs_as_a_script_and_prints_the_history(monkeypatch, capsys):

@@ -11,10 +11,10 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import RecordingCallback, linear_dataset, make_linear, make_trainer, regression_dataset
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from conftest import RecordingCallback, linear_dataset, make_linear, make_trainer, regression_dataset
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import PrintProgressCallback, TrainerCallback
 
@@ -64,7 +64,9 @@ def test_frozen_parameters_may_be_left_out_and_extra_parameters_may_be_held():
     model[0].requires_grad_(False)
     frozen, head = _parameters(model[0]), _parameters(model[2])
     optimizer = torch.optim.SGD([*model[2].parameters(), *extra.parameters()], lr=0.1)
-    Trainer(model, nn.MSELoss(), optimizer, callbacks=()).train(regression_dataset(8), num_epochs=1, per_device_batch_size=4)
+    Trainer(model, nn.MSELoss(), optimizer, callbacks=()).train(
+        regression_dataset(8), num_epochs=1, per_device_batch_size=4
+    )
     assert _unchanged(frozen, model[0]) and not _unchanged(head, model[2])
 
 
@@ -92,13 +94,19 @@ class OneEvent(TrainerCallback):
 @pytest.mark.parametrize(
     ("callback", "message"),
     [
-        (log_epoch, r"callbacks received the function log_epoch, which is not a callback and would never be called: "
-         r"put its code in an event method of a TrainerCallback subclass"),
-        (NotACallback, r"NotACallback is not a callback: it has none of the TrainerCallback events.*Subclass "
-         r"TrainerCallback"),
+        (
+            log_epoch,
+            r"callbacks received the function log_epoch, which is not a callback and would never be called: "
+            r"put its code in an event method of a TrainerCallback subclass",
+        ),
+        (
+            NotACallback,
+            r"NotACallback is not a callback: it has none of the TrainerCallback events.*Subclass "
+            r"TrainerCallback",
+        ),
         (NotACallback(), r"NotACallback\(\) is not a callback: it has none of the TrainerCallback events"),
     ],
-)  # fmt: skip
+)
 def test_a_function_or_an_object_without_events_is_refused_as_a_callback(callback, message):
     with pytest.raises(TypeError, match=message):
         make_trainer(make_linear(), callbacks=[PrintProgressCallback, callback])
@@ -112,13 +120,19 @@ def test_an_on_method_that_is_no_event_is_still_named_with_a_suggestion():
 @pytest.mark.parametrize(
     ("callbacks", "message"),
     [
-        (OneEvent, r"callbacks=OneEvent is a single callback, not a list of them: pass callbacks=\[OneEvent\] \(or "
-         r"callbacks=\[\*DEFAULT_CALLBACKS, OneEvent\]"),
-        (OneEvent(), r"callbacks=OneEvent\(\) is a single callback, not a list of them: pass callbacks=\[OneEvent\(\)\]"),
+        (
+            OneEvent,
+            r"callbacks=OneEvent is a single callback, not a list of them: pass callbacks=\[OneEvent\] \(or "
+            r"callbacks=\[\*DEFAULT_CALLBACKS, OneEvent\]",
+        ),
+        (
+            OneEvent(),
+            r"callbacks=OneEvent\(\) is a single callback, not a list of them: pass callbacks=\[OneEvent\(\)\]",
+        ),
         (log_epoch, r"callbacks=log_epoch is a function, not a list of callbacks"),
         (3, r"callbacks=3 is not a list of callbacks: pass a list of TrainerCallback classes or instances"),
     ],
-)  # fmt: skip
+)
 def test_a_single_callback_where_a_list_is_expected_is_refused(callbacks, message):
     with pytest.raises(TypeError, match=message):
         make_trainer(make_linear(), callbacks=callbacks)
@@ -146,19 +160,27 @@ def test_a_batch_size_that_contradicts_the_dataloader_is_refused_with_the_fix():
         match=r"train_dataset is a DataLoader of batch size 4, but per_device_batch_size=16: the DataLoader's batch "
         r"size is used. Leave per_device_batch_size out, or build the DataLoader with batch_size=16.",
     ):
-        make_trainer(make_linear()).train(DataLoader(linear_dataset(8), batch_size=4), num_epochs=1, per_device_batch_size=16)
+        make_trainer(make_linear()).train(
+            DataLoader(linear_dataset(8), batch_size=4), num_epochs=1, per_device_batch_size=16
+        )
 
 
 def test_a_collate_fn_no_dataloader_would_use_is_refused_but_one_for_a_dataset_beside_a_dataloader_is_used():
     collate = torch.utils.data.default_collate
-    with pytest.raises(ValueError, match=r"collate_fn=.* would be ignored: train_dataset is a DataLoader, used as it is"):
+    with pytest.raises(
+        ValueError, match=r"collate_fn=.* would be ignored: train_dataset is a DataLoader, used as it is"
+    ):
         make_trainer(make_linear()).train(DataLoader(linear_dataset(8), batch_size=4), num_epochs=1, collate_fn=collate)
     with pytest.raises(ValueError, match=r"collate_fn=.* would be ignored: dataset is a DataLoader"):
         make_trainer(make_linear()).evaluate(DataLoader(linear_dataset(8)), collate_fn=collate)
     calls = []
     trainer = make_trainer(make_linear())
-    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=DataLoader(linear_dataset(8), batch_size=4),
-                  collate_fn=lambda samples: calls.append(len(samples)) or collate(samples))  # fmt: skip
+    trainer.train(
+        linear_dataset(8),
+        num_epochs=1,
+        eval_dataset=DataLoader(linear_dataset(8), batch_size=4),
+        collate_fn=lambda samples: calls.append(len(samples)) or collate(samples),
+    )
     assert calls and trainer.run_config.eval_per_device_batch_size == 4
 
 
@@ -187,8 +209,11 @@ def test_save_training_state_before_any_train_says_to_train_first_or_save_weight
 def test_a_loss_class_instead_of_an_instance_is_refused_at_construction():
     model = make_linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match=r"loss_func=nn.MSELoss is a class, not a loss function: pass an instance, "
-                       r"loss_func=nn.MSELoss\(\)"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"loss_func=nn.MSELoss is a class, not a loss function: pass an instance, "
+        r"loss_func=nn.MSELoss\(\)",
+    ):
         Trainer(model, nn.MSELoss, optimizer)
     trainer = Trainer(model, "mse", optimizer, callbacks=())  # a stand-in is refused where the trainer prepares it
     with pytest.raises(TypeError, match=r"loss_func='mse' is not callable"):
@@ -283,7 +308,9 @@ def test_the_first_eval_batch_check_changes_nothing_a_run_with_it_equals_one_wit
     checked, checked_state, checked_events = run(Trainer)
     unchecked, unchecked_state, unchecked_events = run(OwnEvalHookTrainer)
     assert torch.equal(checked_state.rng[0], unchecked_state.rng[0])
-    assert np.array_equal(checked_state.rng[1], unchecked_state.rng[1]) and checked_state.rng[2] == unchecked_state.rng[2]
+    assert (
+        np.array_equal(checked_state.rng[1], unchecked_state.rng[1]) and checked_state.rng[2] == unchecked_state.rng[2]
+    )
     assert checked_state.modes == unchecked_state.modes and checked_state.modes[2] is False
     assert checked_events.events == unchecked_events.events
     assert all(torch.equal(a, b) for a, b in zip(checked.model.parameters(), unchecked.model.parameters()))
@@ -303,8 +330,11 @@ def test_a_collate_fn_returning_none_is_named_at_the_first_batch():
     model = make_linear()
     before = _parameters(model)
     trainer = make_trainer(model)
-    with pytest.raises(TypeError, match=r"collate_fn=collate_without_return returned None for a list of 4 samples; "
-                       r"it must return the batch.*ends with a return statement"):  # fmt: skip
+    with pytest.raises(
+        TypeError,
+        match=r"collate_fn=collate_without_return returned None for a list of 4 samples; "
+        r"it must return the batch.*ends with a return statement",
+    ):
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4, collate_fn=collate_without_return)
     assert _unchanged(before, model) and trainer.num_update_steps_completed == 0
     with pytest.raises(TypeError, match=r"collate_fn=3 is not callable"):
@@ -316,7 +346,9 @@ def test_a_collate_fn_returning_none_is_named_at_the_first_batch():
 
 @pytest.mark.parametrize("seed", ["42", 4.2, True, np.int64(42)])
 def test_a_seed_that_is_not_an_int_is_refused_at_construction(seed):
-    with pytest.raises(TypeError, match=re.escape(f"seed={seed!r} is a {type(seed).__name__}, not an int: pass a whole")):
+    with pytest.raises(
+        TypeError, match=re.escape(f"seed={seed!r} is a {type(seed).__name__}, not an int: pass a whole")
+    ):
         make_trainer(make_linear(), seed=seed)
 
 
@@ -349,10 +381,16 @@ def test_create_accelerator_accepts_cpu_true_from_code():
 
 def test_a_dataloader_without_batch_size_or_with_a_distributed_sampler_and_an_iterator_are_refused_with_the_fix():
     dataset = linear_dataset(8)
-    with pytest.raises(ValueError, match=r"train_dataset is a DataLoader without a batch size .* build it with batch_size="):
+    with pytest.raises(
+        ValueError, match=r"train_dataset is a DataLoader without a batch size .* build it with batch_size="
+    ):
         make_trainer(make_linear()).train(DataLoader(dataset, batch_size=None), num_epochs=1)
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=0)
-    with pytest.raises(ValueError, match=r"eval_dataset is a DataLoader with a DistributedSampler, which Accelerate would shard"):
+    with pytest.raises(
+        ValueError, match=r"eval_dataset is a DataLoader with a DistributedSampler, which Accelerate would shard"
+    ):
         make_trainer(make_linear()).train(dataset, num_epochs=1, eval_dataset=DataLoader(dataset, sampler=sampler))
-    with pytest.raises(TypeError, match=r"train_dataset is an iterator \(generator\).*override create_train_dataloader"):
+    with pytest.raises(
+        TypeError, match=r"train_dataset is an iterator \(generator\).*override create_train_dataloader"
+    ):
         make_trainer(make_linear()).train((sample for sample in dataset), num_epochs=1)

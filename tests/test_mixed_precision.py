@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-
 from conftest import linear_dataset, make_linear, make_trainer
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "mixed_precision_run.py"

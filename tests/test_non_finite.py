@@ -6,9 +6,9 @@ import functools
 import math
 
 import torch
+from conftest import RecordingCallback, make_mlp, regression_dataset
 from torch import nn
 
-from conftest import RecordingCallback, make_mlp, regression_dataset
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
@@ -46,9 +46,12 @@ def _train(nan_calls, callbacks, **kwargs):
     trainer_class = type("T", (NaNOnCalls,), {"nan_calls": set(nan_calls)})
     trainer = trainer_class(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
     trainer.train(
-        regression_dataset(16), num_epochs=2, per_device_batch_size=2,
-        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.9), **kwargs,
-    )  # fmt: skip
+        regression_dataset(16),
+        num_epochs=2,
+        per_device_batch_size=2,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.9),
+        **kwargs,
+    )
     return trainer
 
 
@@ -87,7 +90,9 @@ def test_without_the_callback_the_nan_spreads_and_terminate_on_nan_stops_the_run
 def test_bad_policy_arguments_are_refused_with_the_fix():
     import pytest
 
-    with pytest.raises(ValueError, match=r"max_consecutive_skips is 0; pass a positive whole number of skipped updates"):
+    with pytest.raises(
+        ValueError, match=r"max_consecutive_skips is 0; pass a positive whole number of skipped updates"
+    ):
         SkipNonFiniteStepsCallback(max_consecutive_skips=0)
     with pytest.raises(ValueError, match=r"max_retries=-1 is not valid"):
         SkipNonFiniteStepsCallback(max_retries=-1)
@@ -110,7 +115,9 @@ def test_under_accumulation_a_retry_reruns_the_whole_window_and_ends_where_a_cle
     assert retried.run_history.get_metric_values("non_finite_steps_skipped") == [0, 0]
     for retried_parameter, clean_parameter in zip(retried.model.parameters(), clean.model.parameters()):
         assert torch.equal(retried_parameter, clean_parameter)  # no dropout: the rerun window gives the same update
-    assert retried.run_history.get_metric_values("train_loss_epoch") == clean.run_history.get_metric_values("train_loss_epoch")
+    assert retried.run_history.get_metric_values("train_loss_epoch") == clean.run_history.get_metric_values(
+        "train_loss_epoch"
+    )
     assert recorder.events.count("on_train_step_end") == 16 and recorder.events.count("on_optimizer_step_end") == 8
 
 

@@ -86,22 +86,32 @@ def test_output_problems_finds_what_a_reader_should_not_see():
         return new_code_cell("x", outputs=list(outputs))
 
     progress = "epoch 1:   0%|          | 0/8 [00:00<?, ?batch/s]\repoch 1: 100%|##########| 8/8 [00:00<00:00]\n"
-    clean = new_notebook(cells=[
-        cell_with(new_output("stream", name="stdout", text="y = 2.000x + 3.000\n")),
-        cell_with(new_output("stream", name="stderr", text=progress)),
-    ])  # fmt: skip
+    clean = new_notebook(
+        cells=[
+            cell_with(new_output("stream", name="stdout", text="y = 2.000x + 3.000\n")),
+            cell_with(new_output("stream", name="stderr", text=progress)),
+        ]
+    )
     assert execute_script.output_problems(clean) == []
 
-    bad = new_notebook(cells=[
-        cell_with(new_output("stream", name="stderr", text="TqdmWarning: IProgress not found.\n")),
-        cell_with(new_output("execute_result", data={"text/plain": "Traceback (most recent call last)"})),
-        cell_with(new_output("error", ename="ValueError", evalue="bad", traceback=[])),
-        cell_with(new_output("stream", name="stderr", text="some log line\n")),
-        cell_with(new_output("stream", name="stdout", text=f"saved to {execute_script.ROOT}/x.pt\n")),
-    ])  # fmt: skip
+    bad = new_notebook(
+        cells=[
+            cell_with(new_output("stream", name="stderr", text="TqdmWarning: IProgress not found.\n")),
+            cell_with(new_output("execute_result", data={"text/plain": "Traceback (most recent call last)"})),
+            cell_with(new_output("error", ename="ValueError", evalue="bad", traceback=[])),
+            cell_with(new_output("stream", name="stderr", text="some log line\n")),
+            cell_with(new_output("stream", name="stdout", text=f"saved to {execute_script.ROOT}/x.pt\n")),
+        ]
+    )
     problems = execute_script.output_problems(bad)
-    expected = ["shows a warning", "writes to stderr", "shows a traceback", "raised ValueError: bad",
-                "writes to stderr", "shows the path"]  # fmt: skip
+    expected = [
+        "shows a warning",
+        "writes to stderr",
+        "shows a traceback",
+        "raised ValueError: bad",
+        "writes to stderr",
+        "shows the path",
+    ]
     assert len(problems) == len(expected)
     for problem, what in zip(problems, expected):
         assert what in problem

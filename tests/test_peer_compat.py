@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import linear_dataset, make_linear
 from torch import nn
 
-from conftest import linear_dataset, make_linear
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback
+from pytorch_accel_trainer.state.training_state import find_resumable_state
 from pytorch_accel_trainer.tracking import InMemoryRunHistory, LossTracker
 from pytorch_accel_trainer.trainer import replace_trainer_placeholder_values
-from pytorch_accel_trainer.state.training_state import find_resumable_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,9 @@ def _trainer(**kwargs):
 
 
 def test_a_stand_in_model_is_accepted_until_the_trainer_prepares_it():
-    trainer = Trainer("irrelevant", "irrelevant", "irrelevant", callbacks=())  # as pytorch-accelerated's tests build one
+    trainer = Trainer(
+        "irrelevant", "irrelevant", "irrelevant", callbacks=()
+    )  # as pytorch-accelerated's tests build one
     with pytest.raises(TypeError, match="model is a str; pass a torch.nn.Module"):
         trainer.train(linear_dataset(8), num_epochs=1)
 
@@ -50,8 +52,13 @@ def test_the_loop_calls_an_overridden_perform_forward_and_backward_passes_once_p
 def test_create_run_config_takes_train_arguments_by_keyword_as_pytorch_accelerated():
     trainer = _trainer()
     trainer.train(linear_dataset(12), num_epochs=1, per_device_batch_size=4)
-    config = trainer._create_run_config(per_device_batch_size=4, num_epochs=5, gradient_accumulation_steps=1,
-                                        max_num_train_steps=None, gradient_clip_value=None)  # fmt: skip
+    config = trainer._create_run_config(
+        per_device_batch_size=4,
+        num_epochs=5,
+        gradient_accumulation_steps=1,
+        max_num_train_steps=None,
+        gradient_clip_value=None,
+    )
     assert (config.num_epochs, config.num_update_steps_per_epoch, config.max_num_train_steps) == (5, 3, 15)
 
 
@@ -124,8 +131,12 @@ def test_a_state_name_that_is_not_a_plain_folder_name_is_refused(tmp_path):
 
 
 def test_the_peer_suite_runner_script_documents_its_command():
-    completed = subprocess.run([sys.executable, str(ROOT / "tests" / "peer" / "run_peer_suite.py"), "--help"],
-                               capture_output=True, text=True, check=True)  # fmt: skip
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "peer" / "run_peer_suite.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "run_peer_suite.py" in completed.stdout and "--sdist" in completed.stdout
 
 
@@ -147,10 +158,20 @@ def test_trainer_with_timm_scheduler_counts_updates_of_the_run_and_steps_each_ep
 
     model = make_linear()
     trainer = TrainerWithTimmScheduler(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
-    trainer.train(linear_dataset(12), num_epochs=2, per_device_batch_size=2, gradient_accumulation_steps=2,
-                  create_scheduler_fn=_TimmLikeScheduler)  # fmt: skip
+    trainer.train(
+        linear_dataset(12),
+        num_epochs=2,
+        per_device_batch_size=2,
+        gradient_accumulation_steps=2,
+        create_scheduler_fn=_TimmLikeScheduler,
+    )
     epoch_of_updates = [("step_update", n) for n in (1, 2, 3)]
-    assert trainer.scheduler.calls == [*epoch_of_updates, ("step", 1), *[("step_update", n) for n in (4, 5, 6)], ("step", 2)]
+    assert trainer.scheduler.calls == [
+        *epoch_of_updates,
+        ("step", 1),
+        *[("step_update", n) for n in (4, 5, 6)],
+        ("step", 2),
+    ]
     assert trainer.num_updates == 6
 
 

@@ -77,7 +77,10 @@ BLOCKS = {
     ("schedulers.rst", 2): "schedulers_step_wd.py",
 }
 #: The typos in the peer's docs that stop a snippet from running anywhere, and their corrections.
-DOC_TYPOS = {"from functools import Partial": "from functools import partial", "TrainerPlaceHolderValues": "TrainerPlaceholderValues"}  # fmt: skip
+DOC_TYPOS = {
+    "from functools import Partial": "from functools import partial",
+    "TrainerPlaceHolderValues": "TrainerPlaceholderValues",
+}
 MNIST_BATCHES = 2
 
 
@@ -169,7 +172,12 @@ def eval_accuracy(model, dataset) -> float:
 def printed_metric_names(output: str) -> list:
     """The metric names printed, in order: from the epoch summary lines (``epoch 2/8 · 0.1s · train_loss_epoch: 0.5 · ...``)
     and the evaluation line of the default console."""
-    return [part.split(": ")[0] for line in output.splitlines() for part in line.split(" · ") if ": " in part and not part.startswith("best ")]
+    return [
+        part.split(": ")[0]
+        for line in output.splitlines()
+        for part in line.split(" · ")
+        if ": " in part and not part.startswith("best ")
+    ]
 
 
 @pytest.fixture
@@ -204,7 +212,9 @@ def test_every_code_block_of_the_docs_is_vendored_unchanged_or_named_a_fragment(
     assert sorted(blocks) == sorted(BLOCKS)
     for key, name in BLOCKS.items():
         if name.endswith(".py"):
-            assert snippet_text(name).rstrip("\n") == blocks[key].replace("pytorch_accelerated", "pytorch_accel_trainer"), key  # fmt: skip
+            assert snippet_text(name).rstrip("\n") == blocks[key].replace(
+                "pytorch_accelerated", "pytorch_accel_trainer"
+            ), key
 
 
 # --- quickstart.rst and README.md ---------------------------------------------------------------------------------
@@ -234,7 +244,9 @@ def test_the_classification_metrics_callback_records_its_metrics(names, capsys):
     run_snippet("callbacks_classification_metrics.py", names)
     metrics = names["ClassificationMetricsCallback"](num_classes=peer_prelude.NUM_CLASSES)
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(metrics, *DEFAULT_CALLBACKS))
-    trainer.train(train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=3, per_device_batch_size=8)  # fmt: skip
+    trainer.train(
+        train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=3, per_device_batch_size=8
+    )
     for metric in ("accuracy", "precision", "recall"):
         assert len(trainer.run_history.get_metric_values(metric)) == 3
     final_accuracy = eval_accuracy(names["model"], names["eval_dataset"])
@@ -255,21 +267,32 @@ def mlflow(monkeypatch):
 
 def test_the_azureml_logger_sends_every_epochs_metrics(names, mlflow):
     run_snippet("callbacks_azureml_logger.py", names)
-    trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),))  # fmt: skip
-    trainer.train(train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=2, per_device_batch_size=8)  # fmt: skip
+    trainer = Trainer(
+        names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),)
+    )
+    trainer.train(
+        train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=2, per_device_batch_size=8
+    )
     assert mlflow.tracking_uris == ["file:./mlruns"]
     assert len(mlflow.tags) == 1 and mlflow.tags[0]["num_epochs"] == 2
     history = trainer.run_history
-    train_losses, eval_losses = history.get_metric_values("train_loss_epoch"), history.get_metric_values("eval_loss_epoch")  # fmt: skip
+    train_losses, eval_losses = (
+        history.get_metric_values("train_loss_epoch"),
+        history.get_metric_values("eval_loss_epoch"),
+    )
     assert mlflow.logged_metrics == [
-        {"train_loss_epoch": train_losses[0]}, {"eval_loss_epoch": eval_losses[0]},
-        {"train_loss_epoch": train_losses[1]}, {"eval_loss_epoch": eval_losses[1]},
-    ]  # fmt: skip
+        {"train_loss_epoch": train_losses[0]},
+        {"eval_loss_epoch": eval_losses[0]},
+        {"train_loss_epoch": train_losses[1]},
+        {"eval_loss_epoch": eval_losses[1]},
+    ]
 
 
 def test_the_azureml_logger_sends_every_epochs_metrics_after_an_evaluation_run(names, mlflow):
     run_snippet("callbacks_azureml_logger.py", names)
-    trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),))  # fmt: skip
+    trainer = Trainer(
+        names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),)
+    )
     datasets = {"train_dataset": names["train_dataset"], "eval_dataset": names["eval_dataset"]}
     trainer.train(**datasets, num_epochs=2, per_device_batch_size=8)
     trainer.evaluate(dataset=names["eval_dataset"], per_device_batch_size=8)
@@ -282,8 +305,12 @@ def test_the_save_predictions_callback_writes_the_evaluation_predictions(names, 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()  # the callback's default './outputs/valid_predictions.csv'; pandas makes no folders
     run_snippet("callbacks_save_predictions.py", names)
-    trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(names["SavePredictionsCallback"](),))  # fmt: skip
-    trainer.train(train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=1, per_device_batch_size=8)  # fmt: skip
+    trainer = Trainer(
+        names["model"], names["loss_func"], names["optimizer"], callbacks=(names["SavePredictionsCallback"](),)
+    )
+    trainer.train(
+        train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=1, per_device_batch_size=8
+    )
     saved = pd.read_csv(tmp_path / "outputs" / "valid_predictions.csv")
     images, labels = names["eval_dataset"].tensors
     with torch.no_grad():
@@ -324,7 +351,12 @@ def test_the_step_lr_factory_steps_after_every_batch(names):
     run_snippet("trainer_step_lr.py", names, text=with_doc_typos_fixed("trainer_step_lr.py"))
     rates = LearningRates()
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(rates,))
-    trainer.train(train_dataset=names["train_dataset"], num_epochs=2, per_device_batch_size=8, create_scheduler_fn=names["create_scheduler_fn"])  # fmt: skip
+    trainer.train(
+        train_dataset=names["train_dataset"],
+        num_epochs=2,
+        per_device_batch_size=8,
+        create_scheduler_fn=names["create_scheduler_fn"],
+    )
     lr = peer_prelude.LEARNING_RATE
     assert rates.values == pytest.approx([lr] * 7 + [lr * 0.1] * 7 + [lr * 0.01] * 2)
 
@@ -334,7 +366,12 @@ def test_the_placeholder_step_size_counts_epochs(names):
     run_snippet("trainer_step_lr_placeholder.py", names, text=with_doc_typos_fixed("trainer_step_lr_placeholder.py"))
     rates = LearningRates()
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(rates,))
-    trainer.train(train_dataset=names["train_dataset"], num_epochs=8, per_device_batch_size=8, create_scheduler_fn=names["create_scheduler_fn"])  # fmt: skip
+    trainer.train(
+        train_dataset=names["train_dataset"],
+        num_epochs=8,
+        per_device_batch_size=8,
+        create_scheduler_fn=names["create_scheduler_fn"],
+    )
     assert trainer.scheduler.step_size == 56
     lr = peer_prelude.LEARNING_RATE
     assert rates.values == pytest.approx([lr] * 56 + [lr * 0.1] * 8)
@@ -370,15 +407,24 @@ def test_the_trainer_with_metrics_snippet_predates_torchmetrics_0_11(names):
         names["TrainerWithMetrics"](peer_prelude.NUM_CLASSES, names["model"], names["loss_func"], names["optimizer"])
 
 
-def test_the_trainer_with_metrics_records_its_metrics_with_the_torchmetrics_it_was_written_for(names, monkeypatch, capsys):  # fmt: skip
+def test_the_trainer_with_metrics_records_its_metrics_with_the_torchmetrics_it_was_written_for(
+    names, monkeypatch, capsys
+):
     monkeypatch.setitem(sys.modules, "torchmetrics", peer_prelude.torchmetrics_before_0_11())
     run_snippet("trainer_with_metrics.py", names)
-    trainer = names["TrainerWithMetrics"](peer_prelude.NUM_CLASSES, names["model"], names["loss_func"], names["optimizer"])  # fmt: skip
-    trainer.train(train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=3, per_device_batch_size=8)  # fmt: skip
+    trainer = names["TrainerWithMetrics"](
+        peer_prelude.NUM_CLASSES, names["model"], names["loss_func"], names["optimizer"]
+    )
+    trainer.train(
+        train_dataset=names["train_dataset"], eval_dataset=names["eval_dataset"], num_epochs=3, per_device_batch_size=8
+    )
     for metric in ("accuracy", "precision", "recall"):
         assert len(trainer.run_history.get_metric_values(metric)) == 3
     final_accuracy = eval_accuracy(names["model"], names["eval_dataset"])
-    assert trainer.run_history.get_latest_metric("accuracy").item() == pytest.approx(final_accuracy) and final_accuracy > 0.9  # fmt: skip
+    assert (
+        trainer.run_history.get_latest_metric("accuracy").item() == pytest.approx(final_accuracy)
+        and final_accuracy > 0.9
+    )
     assert printed_metric_names(capsys.readouterr().out).count("recall") == 3
 
 
@@ -397,7 +443,7 @@ def pseudocode_calls(name: str, loops: dict) -> list:
 
             return record
 
-    exec(compile(snippet_text(name), str(SNIPPETS / name), "exec"), {}, Recorder(num_epochs=loops["num_epochs"]))  # noqa: S102  # fmt: skip
+    exec(compile(snippet_text(name), str(SNIPPETS / name), "exec"), {}, Recorder(num_epochs=loops["num_epochs"]))  # noqa: S102
     return calls
 
 
@@ -433,12 +479,20 @@ def test_a_training_run_calls_the_hooks_and_events_in_the_documented_order(names
     trainer = recording_trainer(names, set(expected), calls)
     train_dataset, eval_dataset = peer_prelude.image_dataset(24, seed=1), peer_prelude.image_dataset(16, seed=2)
     scheduler_fn = partial(lr_scheduler.StepLR, step_size=1)
-    trainer.train(train_dataset=train_dataset, eval_dataset=eval_dataset, num_epochs=2, per_device_batch_size=8, create_scheduler_fn=scheduler_fn)  # fmt: skip
+    trainer.train(
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        num_epochs=2,
+        per_device_batch_size=8,
+        create_scheduler_fn=scheduler_fn,
+    )
     assert calls == expected
 
 
 def test_an_evaluation_run_calls_the_hooks_and_events_in_the_documented_order(names):
-    expected = pseudocode_calls("trainer_evaluation_run_pseudocode.py", {"num_epochs": None, "create_eval_dataloader": range(3)})  # fmt: skip
+    expected = pseudocode_calls(
+        "trainer_evaluation_run_pseudocode.py", {"num_epochs": None, "create_eval_dataloader": range(3)}
+    )
     calls = []
     trainer = recording_trainer(names, set(expected), calls)
     trainer.evaluate(dataset=peer_prelude.image_dataset(24, seed=2), per_device_batch_size=8)
@@ -487,7 +541,9 @@ def test_the_milestone_scheduler_counts_epochs_in_the_trainer(names):
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(rates,))
     scheduler_class = with_state_dict(names["MilestoneLrScheduler"])
     scheduler_fn = partial(scheduler_class, num_steps_per_epoch=TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH)
-    trainer.train(train_dataset=names["train_dataset"], num_epochs=6, per_device_batch_size=8, create_scheduler_fn=scheduler_fn)  # fmt: skip
+    trainer.train(
+        train_dataset=names["train_dataset"], num_epochs=6, per_device_batch_size=8, create_scheduler_fn=scheduler_fn
+    )
     milestones = (16, 32, 40)  # epochs 2, 4 and 5 of 8 updates; step s runs after s scheduler steps (num_updates s - 1)
     expected = [peer_prelude.LEARNING_RATE * 0.5 ** sum(m <= s - 1 for m in milestones) for s in range(48)]
     assert rates.values == pytest.approx(expected)

@@ -19,7 +19,12 @@ import pytest
 from pytorch_accel_trainer.utils import LIMIT_BATCHES_ENV_VAR
 
 EXAMPLES = pathlib.Path(__file__).parent / "peer_examples"
-VENDORED = ("custom_callback_event.py", "train_mnist.py", "train_with_metrics_in_callback.py", "train_with_metrics_in_loop.py")  # fmt: skip
+VENDORED = (
+    "custom_callback_event.py",
+    "train_mnist.py",
+    "train_with_metrics_in_callback.py",
+    "train_with_metrics_in_loop.py",
+)
 #: pytorch-accelerated 0.1.61's examples/core, where an unpacked sdist has them (set PEER_EXAMPLES_DIR to compare).
 PEER_SOURCE = os.environ.get("PEER_EXAMPLES_DIR", "/tmp/pa-sdist/pytorch_accelerated-0.1.61/examples/core")
 BATCHES = 3
@@ -39,7 +44,12 @@ def _load(name: str) -> dict:
 def _printed_metric_names(output: str) -> list:
     """The metric names printed, in order: from the epoch summary lines (``epoch 2/8 · 0.1s · train_loss_epoch: 0.5 · ...``)
     and the evaluation line of the default console."""
-    return [part.split(": ")[0] for line in output.splitlines() for part in line.split(" · ") if ": " in part and not part.startswith("best ")]
+    return [
+        part.split(": ")[0]
+        for line in output.splitlines()
+        for part in line.split(" · ")
+        if ": " in part and not part.startswith("best ")
+    ]
 
 
 def test_only_the_imports_and_the_data_differ_from_pytorch_accelerated():
@@ -92,8 +102,15 @@ def test_custom_callback_event(quick, capsys, monkeypatch):
 def test_the_custom_callback_event_example_runs_as_a_script():
     env = {**os.environ, LIMIT_BATCHES_ENV_VAR: "2"}
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "custom_callback_event.py")], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(EXAMPLES / "custom_callback_event.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [line.split(" · ")[0] for line in result.stdout.splitlines() if line.startswith("epoch ")] == [f"epoch {k}/8" for k in range(1, 9)]
+    assert [line.split(" · ")[0] for line in result.stdout.splitlines() if line.startswith("epoch ")] == [
+        f"epoch {k}/8" for k in range(1, 9)
+    ]
     assert "Finished 8 epochs in " in result.stdout

@@ -64,7 +64,12 @@ def test_placeholder_text_of_a_config_file_becomes_the_same_placeholders_without
     from pytorch_accel_trainer.placeholders import placeholder_from_text, resolve_placeholders
 
     values = {P.NUM_EPOCHS: 4, P.NUM_UPDATE_STEPS_PER_EPOCH: 5}
-    cases = {"NUM_EPOCHS": 4, "NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS + 10": 30, "2 * NUM_EPOCHS": 8, "10 - NUM_EPOCHS // 2": 8}
+    cases = {
+        "NUM_EPOCHS": 4,
+        "NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS + 10": 30,
+        "2 * NUM_EPOCHS": 8,
+        "10 - NUM_EPOCHS // 2": 8,
+    }
     for text, expected in cases.items():
         assert resolve_placeholders(functools.partial(dict, x=placeholder_from_text(text)), values)() == {"x": expected}
     assert placeholder_from_text("cos") == "cos" and placeholder_from_text("a b") == "a b"  # plain strings stay

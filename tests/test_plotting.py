@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 import pytest
+from conftest import linear_dataset, make_linear, make_trainer
 from PIL import Image
 
-from conftest import linear_dataset, make_linear, make_trainer
 from pytorch_accel_trainer.plotting import plot_run_history
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -36,7 +36,10 @@ def test_writes_a_valid_png_with_one_panel_per_numeric_metric(tmp_path, history)
 def test_plots_the_metrics_asked_for_and_refuses_unknown_ones(tmp_path, history):
     figure = plot_run_history(history, tmp_path / "one.svg", metric_names=["eval_loss_epoch"])
     assert [ax.get_title() for ax in figure.axes] == ["eval_loss_epoch"]
-    with pytest.raises(ValueError, match=r"No metric named 'accuracy' in the run history; the metrics recorded are \['eval_loss_epoch', 'per_class', 'train_loss_epoch'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"No metric named 'accuracy' in the run history; the metrics recorded are \['eval_loss_epoch', 'per_class', 'train_loss_epoch'\]",
+    ):
         plot_run_history(history, metric_names=["accuracy"])
     with pytest.raises(ValueError, match=r"None of the metrics \['per_class'\] holds numbers to plot"):
         plot_run_history(history, metric_names=["per_class"])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher
+
 from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
@@ -24,7 +24,9 @@ def _command(config, num_processes):
 
 
 def _launch(config, num_processes=1, timeout=240):
-    return subprocess.run(_command(config, num_processes), env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        _command(config, num_processes), env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _result(path):
@@ -61,7 +63,11 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "interruption"), CASES, ids=["sigkill-window-workers", "sigkill-eval", "sigkill-in-rename", "sigkill-in-write"])
+@pytest.mark.parametrize(
+    ("config", "interruption"),
+    CASES,
+    ids=["sigkill-window-workers", "sigkill-eval", "sigkill-in-rename", "sigkill-in-write"],
+)
 def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
     reference = _reference(tmp_path, config)
     resumed, states, _ = _interrupted_then_resumed(tmp_path, config, interruption)
@@ -76,7 +82,9 @@ def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
     folder = tmp_path / "random"
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
-    process = subprocess.Popen(_command(config, 1), env=CPU_PROCESSES_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        _command(config, 1), env=CPU_PROCESSES_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     started = time.monotonic()
     while not list_complete_states(folder / "states") if (folder / "states").exists() else True:
         time.sleep(0.01)
@@ -113,7 +121,9 @@ def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
     config = {"accumulation": 1, "shuffle": True}
     reference = _reference(tmp_path, config)
     interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}}
-    resumed, states, stopped = _interrupted_then_resumed(tmp_path, config, interruption, expected_codes=(1, -signal.SIGINT, 130))
+    resumed, states, stopped = _interrupted_then_resumed(
+        tmp_path, config, interruption, expected_codes=(1, -signal.SIGINT, 130)
+    )
     assert "KeyboardInterrupt" in stopped.stderr
     assert_bitwise_equal(resumed, reference)
 
@@ -125,11 +135,15 @@ def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_p
     reference = _reference(tmp_path, config, num_processes=2)
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
     (tmp_path / "kill").mkdir()
-    resumed, _, _ = _interrupted_then_resumed(tmp_path / "kill", config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,))
+    resumed, _, _ = _interrupted_then_resumed(
+        tmp_path / "kill", config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,)
+    )
     assert_bitwise_equal(resumed, reference)
     term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}  # one rank only
     (tmp_path / "term").mkdir()
-    resumed, _, stopped = _interrupted_then_resumed(tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)))
+    resumed, _, stopped = _interrupted_then_resumed(
+        tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256))
+    )
     assert_bitwise_equal(resumed, reference)
     # both processes stopped at the next update boundary (step 4 of epoch 1: 4 updates), with one saved state
     assert "Stopped by signal 15" in stopped.stdout

@@ -9,11 +9,24 @@ import pytest
 from pytorch_accel_trainer.run_config import TrainerRunConfig, count_update_steps, plan_run_length
 
 PYTORCH_ACCELERATED_FIELDS = {
-    "num_epochs", "train_per_device_batch_size", "train_dl_kwargs", "eval_per_device_batch_size", "eval_dl_kwargs",
-    "gradient_accumulation_steps", "train_total_batch_size", "eval_total_batch_size", "num_update_steps_per_epoch",
-    "num_local_update_steps_per_epoch", "max_num_train_steps", "is_local_process_zero", "is_world_process_zero",
-    "is_distributed", "mixed_precision", "gradient_clip_value", "num_processes",
-}  # fmt: skip
+    "num_epochs",
+    "train_per_device_batch_size",
+    "train_dl_kwargs",
+    "eval_per_device_batch_size",
+    "eval_dl_kwargs",
+    "gradient_accumulation_steps",
+    "train_total_batch_size",
+    "eval_total_batch_size",
+    "num_update_steps_per_epoch",
+    "num_local_update_steps_per_epoch",
+    "max_num_train_steps",
+    "is_local_process_zero",
+    "is_world_process_zero",
+    "is_distributed",
+    "mixed_precision",
+    "gradient_clip_value",
+    "num_processes",
+}
 
 
 @pytest.mark.parametrize(("batches", "accumulation", "expected"), [(10, 1, 10), (10, 4, 3), (8, 4, 2), (None, 2, None)])

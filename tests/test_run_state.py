@@ -6,12 +6,20 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import (
+    RecordingCallback,
+    StreamDataset,
+    linear_dataset,
+    make_linear,
+    make_mlp,
+    make_trainer,
+    regression_dataset,
+)
 from torch import nn
 
-from conftest import RecordingCallback, StreamDataset, linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer.callbacks import StopTrainingError, TrainerCallback
-from pytorch_accel_trainer.run_config import TrainOptions
 from pytorch_accel_trainer.loop.run_state import RunState
+from pytorch_accel_trainer.run_config import TrainOptions
 
 
 class UpdateLog(TrainerCallback):
@@ -85,8 +93,10 @@ def test_train_options_are_validated_when_created_with_the_fix_in_the_message():
 def test_the_position_of_a_save_is_the_next_batch_inside_an_epoch_or_the_next_epoch_between_epochs():
     state = RunState(epoch=3)
     assert (state.position(5).loop_epoch, state.position(5).batches_seen, state.position(5).rng_restore_point) == (
-        3, 5, "after_iterator",
-    )  # fmt: skip
+        3,
+        5,
+        "after_iterator",
+    )
     assert (state.position(None).batches_seen, state.position(None).rng_restore_point) == (0, "before_iterator")
 
 

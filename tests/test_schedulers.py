@@ -35,7 +35,6 @@ from torch import nn
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
-from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
 from pytorch_accel_trainer.schedulers import (
     CosineLrScheduler,
     SchedulerArgumentError,
@@ -43,6 +42,7 @@ from pytorch_accel_trainer.schedulers import (
     create_stepped_once,
     estimate_checkpoint_steps,
 )
+from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
 from pytorch_accel_trainer.state.training_state import find_resumable_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -94,9 +94,12 @@ def wsd_factory(**kwargs):
 def train_linear(callbacks=(), num_epochs=4, per_device_batch_size=4, accumulation=1, **kwargs) -> Trainer:
     trainer = make_trainer(make_linear(), lr=0.1, callbacks=list(callbacks))
     trainer.train(
-        linear_dataset(16), num_epochs=num_epochs, per_device_batch_size=per_device_batch_size,
-        gradient_accumulation_steps=accumulation, **{"create_scheduler_fn": wsd_factory(), **kwargs},
-    )  # fmt: skip
+        linear_dataset(16),
+        num_epochs=num_epochs,
+        per_device_batch_size=per_device_batch_size,
+        gradient_accumulation_steps=accumulation,
+        **{"create_scheduler_fn": wsd_factory(), **kwargs},
+    )
     return trainer
 
 
@@ -115,9 +118,12 @@ def test_cosine_gives_each_update_its_learning_rate_also_with_accumulation(batch
     )
     trainer = make_trainer(make_linear(), lr=0.1, callbacks=[recorder])
     trainer.train(
-        linear_dataset(16), num_epochs=3, per_device_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+        linear_dataset(16),
+        num_epochs=3,
+        per_device_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
         create_scheduler_fn=factory,
-    )  # fmt: skip
+    )
     cosine = [0.01 + 0.09 * (1 + math.cos(math.pi * t / 4)) / 2 for t in range(4)]
     assert recorder.sequence() == pytest.approx([0.0, 0.025, 0.05, 0.075, *cosine, 0.01, 0.01, 0.01, 0.01], rel=1e-12)
     assert type(trainer.scheduler) is CosineLrScheduler  # stepped by the trainer itself, never by Accelerate's wrapper
@@ -168,9 +174,13 @@ def _resumable_run(save_dir, scheduler, recorder, crash=None, **save_kwargs) -> 
     callbacks += [crash] if crash is not None else []
     trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
     trainer.train(
-        regression_dataset(16), num_epochs=3, per_device_batch_size=2, gradient_accumulation_steps=2,
-        create_scheduler_fn=SCHEDULERS[scheduler], resume_from=save_dir,
-    )  # fmt: skip
+        regression_dataset(16),
+        num_epochs=3,
+        per_device_batch_size=2,
+        gradient_accumulation_steps=2,
+        create_scheduler_fn=SCHEDULERS[scheduler],
+        resume_from=save_dir,
+    )
     return trainer
 
 
@@ -223,9 +233,14 @@ def test_a_deleted_scheduler_is_freed():
 
 @pytest.mark.parametrize(
     ("total_steps", "num_checkpoints", "expected"),
-    [(100, 1, [100]), (100_000, 2, [50_000, 100_000]), (200_000, 3, [50_000, 100_000, 200_000]),
-     (200_000, 4, [25_000, 50_000, 100_000, 200_000]), (50, 3, [12, 25, 50])],
-)  # fmt: skip
+    [
+        (100, 1, [100]),
+        (100_000, 2, [50_000, 100_000]),
+        (200_000, 3, [50_000, 100_000, 200_000]),
+        (200_000, 4, [25_000, 50_000, 100_000, 200_000]),
+        (50, 3, [12, 25, 50]),
+    ],
+)
 def test_checkpoints_double_and_the_last_ends_the_schedule(total_steps, num_checkpoints, expected):
     assert estimate_checkpoint_steps(total_steps, num_checkpoints) == expected
 
@@ -239,8 +254,12 @@ def _launch(tmp_path, name: str, num_processes: int, per_device_batch_size: int,
     output = tmp_path / f"{name}.json"
     completed = subprocess.run(
         [*launcher(num_processes), __file__, str(output), str(per_device_batch_size), str(accumulation)],
-        env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240, check=False,
-    )  # fmt: skip
+        env=CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(output.read_text())
 
@@ -262,9 +281,11 @@ def test_two_processes_use_the_learning_rates_of_one_process(tmp_path):
 def _train_on_processes(output_path: str, per_device_batch_size: int, accumulation: int) -> None:
     recorder = LearningRateRecorder()
     trainer = train_linear(
-        [recorder], per_device_batch_size=per_device_batch_size, accumulation=accumulation,
+        [recorder],
+        per_device_batch_size=per_device_batch_size,
+        accumulation=accumulation,
         train_dataloader_kwargs={"shuffle": False},
-    )  # fmt: skip
+    )
     lrs = torch.tensor(recorder.sequence() + [float(trainer.scheduler.get_current_step())], dtype=torch.float64)
     gathered = trainer.gather(lrs.unsqueeze(0))
     parameters = torch.cat([p.detach().flatten() for p in trainer.get_model().parameters()])
@@ -301,9 +322,11 @@ def test_wsd_callback_saves_a_state_before_each_decay_and_an_export_after_it(tmp
 
     saved = sorted(path.name for path in tmp_path.iterdir())
     assert saved == [
-        "checkpoint_12_wsd_pre_decay", "checkpoint_16_wsd_post_decay.pt", "checkpoint_4_wsd_pre_decay",
+        "checkpoint_12_wsd_pre_decay",
+        "checkpoint_16_wsd_post_decay.pt",
+        "checkpoint_4_wsd_pre_decay",
         "checkpoint_8_wsd_post_decay.pt",
-    ]  # fmt: skip
+    ]
     for step in (4, 12):
         state = find_resumable_state(tmp_path / f"checkpoint_{step}_wsd_pre_decay")
         assert state.manifest["num_update_steps_completed"] == step
@@ -358,9 +381,11 @@ def test_an_interrupted_continuation_resumes_exactly_without_loading_its_initial
 
     def continuation(save_dir, recorder, crash=()):
         callbacks = [
-            WSDCheckpointCallback(tmp_path / "second", initial_checkpoint=pre_decay), recorder, *crash,
+            WSDCheckpointCallback(tmp_path / "second", initial_checkpoint=pre_decay),
+            recorder,
+            *crash,
             SaveTrainingStateCallback(save_dir, save_every_n_steps=1, save_on_signals=()),
-        ]  # fmt: skip
+        ]
         factory = wsd_factory(is_continuation_from_checkpoint=True)
         return train_linear(callbacks, num_epochs=2, create_scheduler_fn=factory, resume_from=save_dir)
 

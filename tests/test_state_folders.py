@@ -15,9 +15,9 @@ import textwrap
 
 import pytest
 import torch
+from conftest import regression_dataset
 from torch import nn
 
-from conftest import regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.state.files import CHECKSUM, file_digest
@@ -93,14 +93,29 @@ def _link_folder(folder, secret):
 
 
 DAMAGES = {
-    "position is a list": (lambda f, s: _edit_manifest(f, lambda m: m.update(position=[])), r"damaged manifest: position is \[\]; it must be a dict"),
-    "world_size of 10**10": (lambda f, s: _edit_manifest(f, lambda m: m.update(world_size=10**10)), r"world_size is 10000000000; it must be a whole number from 1 to the 1 rank file"),
-    "a name going up": (lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, "../../secret")), r"lists '\.\./\.\./secret', which is not a plain file name inside"),
-    "an absolute name": (lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, str(s))), r"lists '/.*secret', which is not a plain file name inside"),
-    "a linked file": (_link_file, r"optimizer\.pt: a symbolic link; a state's files must be regular files in its folder"),
+    "position is a list": (
+        lambda f, s: _edit_manifest(f, lambda m: m.update(position=[])),
+        r"damaged manifest: position is \[\]; it must be a dict",
+    ),
+    "world_size of 10**10": (
+        lambda f, s: _edit_manifest(f, lambda m: m.update(world_size=10**10)),
+        r"world_size is 10000000000; it must be a whole number from 1 to the 1 rank file",
+    ),
+    "a name going up": (
+        lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, "../../secret")),
+        r"lists '\.\./\.\./secret', which is not a plain file name inside",
+    ),
+    "an absolute name": (
+        lambda f, s: _edit_manifest(f, lambda m: _list_outside(m, s, str(s))),
+        r"lists '/.*secret', which is not a plain file name inside",
+    ),
+    "a linked file": (
+        _link_file,
+        r"optimizer\.pt: a symbolic link; a state's files must be regular files in its folder",
+    ),
     "a linked manifest": (_link_manifest, r"manifest\.json: a symbolic link"),
     "a linked state folder": (_link_folder, r"step_4: a symbolic link; states are read only from folders inside"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -108,7 +123,9 @@ def test_a_damaged_newest_state_is_skipped_with_a_warning_naming_it_for_the_newe
     newest = states / "step_4"
     apply, problem = DAMAGES[damage]
     apply(newest, states.parent / "secret")
-    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*step_3\): \S*step_4[:/]") as warned:  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"Skipped a damaged training state \(resuming from \S*step_3\): \S*step_4[:/]"
+    ) as warned:
         resumed = _run(states, num_epochs=2)
     assert any(re.search(problem, str(warning.message)) for warning in warned)
     assert not any(str(SECRET_SIZE) in str(warning.message) or "bytes" in str(warning.message) for warning in warned)
@@ -120,7 +137,10 @@ def test_a_name_outside_the_folder_gets_the_same_answer_whatever_its_size_or_has
     """No oracle: a guessed size or hash of an outside file changes nothing in what the loader says."""
     folder, secret = states / "step_4", states.parent / "secret"
     messages = set()
-    for entry in [{"size": SECRET_SIZE, CHECKSUM: file_digest(secret, algorithm=CHECKSUM)[1]}, {"size": SECRET_SIZE, CHECKSUM: "0" * 32}]:
+    for entry in [
+        {"size": SECRET_SIZE, CHECKSUM: file_digest(secret, algorithm=CHECKSUM)[1]},
+        {"size": SECRET_SIZE, CHECKSUM: "0" * 32},
+    ]:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
         manifest["files"]["../../secret"] = entry
         (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -135,15 +155,35 @@ BAD_FIELDS = [
     ("world_size", True, r"world_size is True"),
     ("world_size", 2, r"world_size is 2; it must be a whole number from 1 to the 1 rank file"),
     ("num_update_steps_completed", "4", r"num_update_steps_completed is '4'; it must be a whole number >= 0"),
-    ("position", {"loop_epoch": -1, "batches_seen": 0, "rng_restore_point": "before_iterator"}, r"position\['loop_epoch'\] is -1"),
-    ("position", {"loop_epoch": 0, "batches_seen": 2, "rng_restore_point": "later"}, r"position\['rng_restore_point'\] is 'later'; it must be one of \('before_iterator', 'after_iterator'\)"),
-    ("kinds", ["forever"], r"kinds is \['forever'\]; it must be a non-empty list of \('rolling', 'permanent', 'best'\)"),
+    (
+        "position",
+        {"loop_epoch": -1, "batches_seen": 0, "rng_restore_point": "before_iterator"},
+        r"position\['loop_epoch'\] is -1",
+    ),
+    (
+        "position",
+        {"loop_epoch": 0, "batches_seen": 2, "rng_restore_point": "later"},
+        r"position\['rng_restore_point'\] is 'later'; it must be one of \('before_iterator', 'after_iterator'\)",
+    ),
+    (
+        "kinds",
+        ["forever"],
+        r"kinds is \['forever'\]; it must be a non-empty list of \('rolling', 'permanent', 'best'\)",
+    ),
     ("run_facts", None, r"run_facts is None; it must be a dict"),
     ("files", [], r"files is a list; it must map each file name to its size and xxh3_128"),
-    ("files", {"model.safetensors": {"size": -1, "xxh3_128": "0" * 32}}, r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}"),
+    (
+        "files",
+        {"model.safetensors": {"size": -1, "xxh3_128": "0" * 32}},
+        r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}",
+    ),
     ("files", {"model.safetensors": {"size": 1, "xxh3_128": "xyz"}}, r"files\['model.safetensors'\] is .*'xyz'"),
-    ("files", {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}}, r"files lists no model.safetensors, which every training state holds"),
-]  # fmt: skip
+    (
+        "files",
+        {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}},
+        r"files lists no model.safetensors, which every training state holds",
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "value", "problem"), BAD_FIELDS, ids=lambda value: str(value)[:20])
@@ -164,7 +204,10 @@ def test_a_pickle_planted_as_model_safetensors_is_a_checkpoint_error_and_never_r
 
     (folder / "model.safetensors").write_bytes(pickle.dumps(Hostile()))
     _rehash(folder, "model.safetensors")  # a forged manifest: the file checks out, so it is read
-    with pytest.raises(CheckpointError, match=r"step_4/model\.safetensors: not a safetensors file \(.*\); the state was damaged or altered"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_4/model\.safetensors: not a safetensors file \(.*\); the state was damaged or altered",
+    ):
         _run(states, num_epochs=2)
     assert not marker.exists()
 
@@ -174,7 +217,10 @@ def test_resuming_from_an_export_checkpoint_file_says_it_is_one_and_what_to_use(
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
     trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=2)
     trainer.save_checkpoint(tmp_path / "model.pt")
-    with pytest.raises(CheckpointError, match=r"resume_from='.*model\.pt' is a file, not a training-state folder\. A file written by save_checkpoint is an export checkpoint .*trainer\.load_checkpoint\(path\).*resume_from needs a training-state folder"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"resume_from='.*model\.pt' is a file, not a training-state folder\. A file written by save_checkpoint is an export checkpoint .*trainer\.load_checkpoint\(path\).*resume_from needs a training-state folder",
+    ):
         trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=tmp_path / "model.pt")
     assert trainer.num_update_steps_completed == 4  # nothing was loaded or trained
 
@@ -184,7 +230,10 @@ def test_resuming_into_another_optimizer_is_refused_naming_both_before_any_step(
         def on_train_step_start(self, trainer, **kwargs):
             raise AssertionError("training resumed")
 
-    with pytest.raises(CheckpointError, match=r"optimizer\.pt does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this trainer's optimizer is Adam\. Resume with the optimizer the state was saved with"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer\.pt does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this trainer's optimizer is Adam\. Resume with the optimizer the state was saved with",
+    ):
         _run(states, optimizer=torch.optim.Adam, num_epochs=2, crash=NoStep())
 
 
@@ -199,7 +248,10 @@ def test_a_state_without_the_optimizer_class_still_resumes_and_is_checked_by_str
     model = nn.Linear(4, 1)
     two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.01)
     trainer = Trainer(model, nn.MSELoss(), two_groups, callbacks=())
-    with pytest.raises(CheckpointError, match=r"its parameter groups hold \[2\] parameters, but those of this trainer's SGD hold \[1, 1\]"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"its parameter groups hold \[2\] parameters, but those of this trainer's SGD hold \[1, 1\]",
+    ):
         trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=states)
     assert _run(states, num_epochs=2).num_update_steps_completed == 8
 
@@ -234,10 +286,14 @@ _STOPPED_SAVE = textwrap.dedent(
 
 def test_a_later_save_removes_the_temporary_folders_of_killed_saves_and_never_a_live_ones(tmp_path):
     parent = tmp_path / "states"
-    live = subprocess.Popen([sys.executable, "-c", _STOPPED_SAVE, str(parent), "live", "9"], stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_SAVE, str(parent), "live", "9"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert live.stdout.readline().strip() == "writing"
-        killed = subprocess.run([sys.executable, "-c", _STOPPED_SAVE, str(parent), "kill", "6"], capture_output=True, text=True)
+        killed = subprocess.run(
+            [sys.executable, "-c", _STOPPED_SAVE, str(parent), "kill", "6"], capture_output=True, text=True
+        )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         assert {path.name for path in parent.iterdir()} == {".tmp-checkpoint-00000006", ".tmp-checkpoint-00000009"}
         assert _run(parent).num_update_steps_completed == 4  # saves after updates 1 to 4
@@ -261,7 +317,9 @@ def test_a_symlinked_parent_or_state_never_ends_a_run_nor_is_deleted_through(tmp
     outside.mkdir()
     shutil.move(real / "step_3", outside / "step_3")
     (real / "step_3").symlink_to(outside / "step_3", target_is_directory=True)
-    with pytest.warns(UserWarning, match=r"Skipped a damaged training state \(resuming from \S*step_4\): \S*step_3: a symbolic link"):  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"Skipped a damaged training state \(resuming from \S*step_4\): \S*step_3: a symbolic link"
+    ):
         _run(tmp_path / "link", num_epochs=2, max_checkpoints=2)
     assert verify_folder(outside / "step_3")  # the link's target is never pruned
     assert (real / "step_3").is_symlink()
@@ -277,7 +335,9 @@ def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_o
             (parent / "step_1").symlink_to(outside, target_is_directory=True)
 
     monkeypatch.setattr(training_state, "_crash_point", swap_for_a_link)
-    with pytest.warns(UserWarning, match=r"Could not prune the training state \S*step_1 \(.*symbolic link.*\); it is left in place"):  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=r"Could not prune the training state \S*step_1 \(.*symbolic link.*\); it is left in place"
+    ):
         trainer = _run(parent, max_checkpoints=2)
     assert trainer.num_update_steps_completed == 4 and verify_folder(outside)
     with pytest.warns(UserWarning, match=r"step_1: a symbolic link"):  # left in place, never read through
@@ -300,5 +360,8 @@ def test_a_folder_of_another_kind_of_state_is_refused_rather_than_restarted(tmp_
     model = nn.Linear(1, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
     data = torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, 1))
-    with pytest.raises(CheckpointError, match=r"holds \['random_states_0.pkl', 'model.safetensors'\] but no training state of this trainer"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds \['random_states_0.pkl', 'model.safetensors'\] but no training state of this trainer",
+    ):
         trainer.train(data, num_epochs=1, resume_from=folder)

@@ -8,10 +8,10 @@ import subprocess
 
 import pytest
 import torch
+from conftest import CPU_PROCESSES_ENV, launcher
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from conftest import CPU_PROCESSES_ENV, launcher
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
@@ -55,20 +55,27 @@ class BatchAccuracies(TrainerCallback):
 def make_trainer(callbacks=(), trainer_class=AccuracyTrainer, **kwargs) -> Trainer:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    return trainer_class(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.5), callbacks=callbacks, **kwargs)
+    return trainer_class(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.5), callbacks=callbacks, **kwargs
+    )
 
 
 def test_extra_scalars_are_recorded_as_the_sample_weighted_mean_of_each_epoch():
     batches = BatchAccuracies()
     trainer = make_trainer([batches])
-    trainer.train(classification_dataset(30), num_epochs=2, eval_dataset=classification_dataset(30), per_device_batch_size=8)
+    trainer.train(
+        classification_dataset(30), num_epochs=2, eval_dataset=classification_dataset(30), per_device_batch_size=8
+    )
     history = trainer.run_history
     expected = [sum(a * n for a, n in epoch) / sum(n for _, n in epoch) for epoch in batches.batches]
     assert [len(epoch) for epoch in batches.batches] == [4, 4]  # 8 + 8 + 8 + 6: weights differ
     assert history.get_metric_values("train_accuracy_epoch") == pytest.approx(expected, rel=1e-6)
     assert history.get_metric_values("train_ones_epoch") == [1.0, 1.0]
     assert len(history.get_metric_values("eval_accuracy_epoch")) == 2
-    assert not {"train_flag_epoch", "train_per_sample_epoch", "train_tag_epoch", "train_batch_size_epoch"} & history.get_metric_names()
+    assert (
+        not {"train_flag_epoch", "train_per_sample_epoch", "train_tag_epoch", "train_batch_size_epoch"}
+        & history.get_metric_names()
+    )
     assert history.get_metric_values("train_accuracy_epoch")[-1] > 0.7  # the model learns the rule
 
 
@@ -88,8 +95,13 @@ def test_step_metrics_are_the_same_under_gradient_accumulation():
     runs = []
     for batch_size, accumulation in ((8, 1), (4, 2)):
         trainer = make_trainer()
-        trainer.train(classification_dataset(32), num_epochs=1, per_device_batch_size=batch_size,
-                      gradient_accumulation_steps=accumulation, train_dataloader_kwargs={"shuffle": False})  # fmt: skip
+        trainer.train(
+            classification_dataset(32),
+            num_epochs=1,
+            per_device_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            train_dataloader_kwargs={"shuffle": False},
+        )
         runs.append(trainer.run_history.get_metric_values("train_ones_epoch"))
     assert runs[0] == runs[1] == [1.0]
 
@@ -103,7 +115,9 @@ def test_a_step_metric_resumes_exactly_from_a_state_taken_inside_an_epoch(tmp_pa
     full = make_trainer([SaveAtStep()])
     full.train(classification_dataset(40), num_epochs=2, per_device_batch_size=8)
     resumed = make_trainer()
-    resumed.train(classification_dataset(40), num_epochs=2, per_device_batch_size=8, resume_from=tmp_path / "states" / "mid")
+    resumed.train(
+        classification_dataset(40), num_epochs=2, per_device_batch_size=8, resume_from=tmp_path / "states" / "mid"
+    )
     for name in ("train_accuracy_epoch", "train_loss_epoch"):
         assert resumed.run_history.get_metric_values(name) == full.run_history.get_metric_values(name)
 
@@ -138,7 +152,9 @@ def test_the_tracker_takes_numbers_and_0_d_tensors_only():
 @pytest.mark.slow
 def test_two_processes_record_the_mean_over_every_sample_even_for_a_metric_one_process_lacks(tmp_path):
     output = tmp_path / "metrics.json"
-    completed = subprocess.run([*launcher(2), str(SCRIPT), str(output)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [*launcher(2), str(SCRIPT), str(output)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(output.read_text())
     assert result["train_index_epoch"] == pytest.approx([sum(range(24)) / 24])  # every sample once, over both processes

@@ -22,8 +22,8 @@ def test_public_names_match_pytorch_accelerated():
         assert hasattr(pytorch_accel_trainer, name)
     for module in ("trainer", "callbacks", "tracking", "run_config"):
         importlib.import_module(f"pytorch_accel_trainer.{module}")
-    from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer, TrainerPlaceholderValues  # noqa: F401
     from pytorch_accel_trainer.tracking import InMemoryRunHistory, RunHistory  # noqa: F401
+    from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer, TrainerPlaceholderValues  # noqa: F401
 
 
 def _runtime_imports_of(path: pathlib.Path) -> set:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import collections
 import sys
-import torch
 
+import torch
 from conftest import linear_dataset, make_linear
+
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 
@@ -47,7 +48,12 @@ def test_two_hundred_steps_make_no_sync_outside_the_check_interval_and_epoch_end
         monkeypatch.setattr(torch.Tensor, name, counting)
 
     model = make_linear()
-    trainer = MarkingTrainer(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=[StepMarker, *DEFAULT_CALLBACKS])
+    trainer = MarkingTrainer(
+        model,
+        torch.nn.MSELoss(),
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        callbacks=[StepMarker, *DEFAULT_CALLBACKS],
+    )
     trainer.train(linear_dataset(800), num_epochs=1, per_device_batch_size=4)
 
     assert trainer.num_update_steps_completed == 200

@@ -16,9 +16,9 @@ import psutil
 import pytest
 import torch
 import yaml
+from conftest import linear_dataset, make_linear, make_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import linear_dataset, make_linear, make_trainer
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, TrainerCallback
 from pytorch_accel_trainer.callbacks.trackers import run_config_hyperparameters
 

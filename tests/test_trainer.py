@@ -7,9 +7,17 @@ import functools
 
 import pytest
 import torch
+from conftest import (
+    RecordingCallback,
+    StreamDataset,
+    linear_dataset,
+    make_linear,
+    make_mlp,
+    make_trainer,
+    regression_dataset,
+)
 from torch import nn
 
-from conftest import RecordingCallback, StreamDataset, linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
 from pytorch_accel_trainer.callbacks import StopTrainingError, TrainerCallback
 from pytorch_accel_trainer.run_config import TrainerRunConfig
@@ -73,22 +81,29 @@ def _shared_log_callback(log):
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_training_run_follows_documented_hook_and_event_order(accumulation):
     log: list = []
-    trainer = make_trainer(make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log))
+    trainer = make_trainer(
+        make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log)
+    )
     assert log == ["on_init_end"]
     log.clear()
 
     trainer.train(
-        linear_dataset(6), num_epochs=2, eval_dataset=linear_dataset(4), per_device_batch_size=2,
+        linear_dataset(6),
+        num_epochs=2,
+        eval_dataset=linear_dataset(4),
+        per_device_batch_size=2,
         gradient_accumulation_steps=accumulation,
         create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1),
-    )  # fmt: skip
+    )
 
     assert log == _documented_training_run(2, train_batches=3, eval_batches=2, accumulation=accumulation)
 
 
 def test_evaluation_run_follows_documented_order():
     log: list = []
-    trainer = make_trainer(make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log))
+    trainer = make_trainer(
+        make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log)
+    )
     log.clear()
     trainer.evaluate(linear_dataset(5), per_device_batch_size=2)
     expected = ["create_eval_dataloader", "evaluation_run_start", "on_evaluation_run_start", "eval_epoch_start"]
@@ -128,7 +143,9 @@ def test_train_mode_and_eval_mode_are_set_by_epoch_start_hooks(recorder):
     ("num_epochs", "max_steps", "expected_steps", "expected_epochs"),
     [(10, 5, 5, 2), (1, 100, 3, 1), (None, 7, 7, 3), (2, None, 6, 2)],
 )
-def test_whichever_of_num_epochs_and_max_steps_comes_first_ends_the_run(num_epochs, max_steps, expected_steps, expected_epochs):
+def test_whichever_of_num_epochs_and_max_steps_comes_first_ends_the_run(
+    num_epochs, max_steps, expected_steps, expected_epochs
+):
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(6), num_epochs=num_epochs, per_device_batch_size=2, max_num_train_steps=max_steps)
     assert trainer.num_update_steps_completed == expected_steps
@@ -148,11 +165,15 @@ def test_dataset_without_len_trains_with_max_steps():
 def test_dataset_without_len_refuses_a_placeholder_that_needs_its_length():
     trainer = make_trainer(make_linear())
     factory = functools.partial(
-        torch.optim.lr_scheduler.OneCycleLR, max_lr=0.1, epochs=2,
+        torch.optim.lr_scheduler.OneCycleLR,
+        max_lr=0.1,
+        epochs=2,
         steps_per_epoch=TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH,
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match="NUM_UPDATE_STEPS_PER_EPOCH, whose value is unknown"):
-        trainer.train(StreamDataset(linear_dataset(10)), num_epochs=2, per_device_batch_size=4, create_scheduler_fn=factory)
+        trainer.train(
+            StreamDataset(linear_dataset(10)), num_epochs=2, per_device_batch_size=4, create_scheduler_fn=factory
+        )
 
 
 def test_stop_training_error_ends_the_run_cleanly():
@@ -291,7 +312,9 @@ def test_evaluate_without_a_dataset_keeps_the_collate_function_of_train():
         return torch.utils.data.default_collate(samples)
 
     trainer = make_trainer(make_linear())
-    trainer.train(linear_dataset(4), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4, collate_fn=collate)
+    trainer.train(
+        linear_dataset(4), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4, collate_fn=collate
+    )
     collated.clear()
     trainer.evaluate(per_device_batch_size=2)
     assert collated == [2, 2]

@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 import torch
+from conftest import assert_bitwise_equal, regression_dataset
 from torch import nn
 
-from conftest import assert_bitwise_equal, regression_dataset
 from pytorch_accel_trainer import Trainer, training_state
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
 from pytorch_accel_trainer.state.files import CHECKSUM, file_digest
@@ -40,12 +40,25 @@ class CrashAt(TrainerCallback):
         self.eval_steps = 0
 
     def on_eval_step_end(self, trainer, **kwargs):
-        if self.event == "eval_step" and (trainer.run_history.current_epoch, self.eval_steps) == (self.epoch, self.step):
+        if self.event == "eval_step" and (trainer.run_history.current_epoch, self.eval_steps) == (
+            self.epoch,
+            self.step,
+        ):
             raise Crash()
         self.eval_steps += 1
 
 
-def _run(save_dir, crash=None, accumulation=1, shuffle=True, scheduler=True, num_epochs=3, size=22, batch_size=2, **callback_kwargs):
+def _run(
+    save_dir,
+    crash=None,
+    accumulation=1,
+    shuffle=True,
+    scheduler=True,
+    num_epochs=3,
+    size=22,
+    batch_size=2,
+    **callback_kwargs,
+):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
     callbacks = [SaveTrainingStateCallback(save_dir, **{"save_every_n_steps": 1, **callback_kwargs})]
@@ -53,11 +66,17 @@ def _run(save_dir, crash=None, accumulation=1, shuffle=True, scheduler=True, num
         callbacks.append(crash)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
     trainer.train(
-        regression_dataset(size), num_epochs=num_epochs, eval_dataset=regression_dataset(6, seed=1),
-        per_device_batch_size=batch_size, gradient_accumulation_steps=accumulation,
-        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8) if scheduler else None,
-        train_dataloader_kwargs={"shuffle": shuffle}, resume_from=save_dir,
-    )  # fmt: skip
+        regression_dataset(size),
+        num_epochs=num_epochs,
+        eval_dataset=regression_dataset(6, seed=1),
+        per_device_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8)
+        if scheduler
+        else None,
+        train_dataloader_kwargs={"shuffle": shuffle},
+        resume_from=save_dir,
+    )
     return trainer
 
 
@@ -113,11 +132,21 @@ def test_resume_continues_the_epoch_and_adds_no_epoch(tmp_path):
 @pytest.mark.parametrize(
     "point",
     [
-        "write:rank_00000.pt", "write:model.safetensors", "write:optimizer.pt", "write:scheduler.pt",
-        "write:trainer_state.pt", "hash:model.safetensors", "manifest", "rename", "latest", "prune:step_5",
+        "write:rank_00000.pt",
+        "write:model.safetensors",
+        "write:optimizer.pt",
+        "write:scheduler.pt",
+        "write:trainer_state.pt",
+        "hash:model.safetensors",
+        "manifest",
+        "rename",
+        "latest",
+        "prune:step_5",
     ],
-)  # fmt: skip
-def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exactly(tmp_path, references, monkeypatch, point):
+)
+def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exactly(
+    tmp_path, references, monkeypatch, point
+):
     crashed = []
 
     def crash(name):  # once, when earlier states exist that the crash must not damage
@@ -152,14 +181,18 @@ def damage_file(path, damage: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize(
+    "name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"]
+)
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, name, damage):
     folder = _saved_state(tmp_path, max_checkpoints=1)
     damage_file(folder / name, damage)
     with pytest.raises(CheckpointError, match=rf"{name}: .*(XXH3-128 does not match|truncated)"):
         verify_folder(folder)
-    with pytest.raises(CheckpointError, match=rf"none can be trusted, so the run was not restarted from scratch:\n.*{name}"):
+    with pytest.raises(
+        CheckpointError, match=rf"none can be trusted, so the run was not restarted from scratch:\n.*{name}"
+    ):
         _run(tmp_path, num_epochs=2)
 
 
@@ -199,12 +232,21 @@ def test_empty_missing_and_damaged_folders(tmp_path, capsys):
 
 def test_a_changed_setup_is_refused_with_each_difference_unless_allowed(tmp_path):
     _run(tmp_path, num_epochs=1)
-    with pytest.raises(CheckpointError, match=r"(?s)gradient_accumulation_steps: saved 1, now 2.*per_device_batch_size: saved 2, now 4.*train_dataset_length: saved 22, now 20.*allow_resume_changes=True"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)gradient_accumulation_steps: saved 1, now 2.*per_device_batch_size: saved 2, now 4.*train_dataset_length: saved 22, now 20.*allow_resume_changes=True",
+    ):
         _run(tmp_path, num_epochs=2, accumulation=2, batch_size=4, size=20)
     model = nn.Linear(4, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
     with pytest.raises(CheckpointError, match="model.safetensors does not fit this model"):
-        trainer.train(regression_dataset(22), num_epochs=2, per_device_batch_size=2, resume_from=tmp_path, allow_resume_changes=True)
+        trainer.train(
+            regression_dataset(22),
+            num_epochs=2,
+            per_device_batch_size=2,
+            resume_from=tmp_path,
+            allow_resume_changes=True,
+        )
 
 
 def test_allowing_changes_resumes_with_another_batch_size(tmp_path):
@@ -213,15 +255,26 @@ def test_allowing_changes_resumes_with_another_batch_size(tmp_path):
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
     trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=())
     trainer.train(
-        regression_dataset(22), num_epochs=2, per_device_batch_size=4, resume_from=tmp_path, allow_resume_changes=True,
+        regression_dataset(22),
+        num_epochs=2,
+        per_device_batch_size=4,
+        resume_from=tmp_path,
+        allow_resume_changes=True,
         create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
-    )  # fmt: skip
+    )
     assert trainer.num_update_steps_completed == 11 + 6
     assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == 2
 
 
 def test_rolling_permanent_and_best_states_are_kept_as_asked(tmp_path):
-    _run(tmp_path, num_epochs=3, save_every_n_steps=2, max_checkpoints=2, keep_every_n_steps=10, watch_metric="eval_loss_epoch")
+    _run(
+        tmp_path,
+        num_epochs=3,
+        save_every_n_steps=2,
+        max_checkpoints=2,
+        keep_every_n_steps=10,
+        watch_metric="eval_loss_epoch",
+    )
     states = list_complete_states(tmp_path)
     kinds = {state.folder.name: state.kinds for state in states}
     rolling = [name for name, k in kinds.items() if "rolling" in k and "permanent" not in k and "best" not in k]
@@ -285,7 +338,9 @@ def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_pa
     def run(crash=None):
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
-        callbacks = [SaveTrainingStateCallback(tmp_path, save_every_n_steps=1, max_checkpoints=1)] + ([crash] if crash else [])
+        callbacks = [SaveTrainingStateCallback(tmp_path, save_every_n_steps=1, max_checkpoints=1)] + (
+            [crash] if crash else []
+        )
         trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=callbacks)
         trainer.train(CountingDataset(), num_epochs=1, per_device_batch_size=2, resume_from=tmp_path)
 
@@ -302,9 +357,16 @@ def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_pa
 @pytest.mark.parametrize("scheduler", [True, False])
 @pytest.mark.parametrize(
     "crash",
-    [("train_step", 1, 0), ("train_step", 1, 5), ("train_step", 2, 1), ("train_step", 2, 10), ("eval_step", 1, 0),
-     ("eval_step", 3, 2), ("train_step", 3, 7)],
-)  # fmt: skip
+    [
+        ("train_step", 1, 0),
+        ("train_step", 1, 5),
+        ("train_step", 2, 1),
+        ("train_step", 2, 10),
+        ("eval_step", 1, 0),
+        ("eval_step", 3, 2),
+        ("train_step", 3, 7),
+    ],
+)
 def test_exhaustive_resume_matrix(tmp_path, references, shuffle, accumulation, scheduler, crash):
     config = {"shuffle": shuffle, "accumulation": accumulation, "scheduler": scheduler}
     with pytest.raises(Crash):
@@ -330,14 +392,23 @@ def test_a_resumed_epoch_starts_its_progress_bar_at_the_saved_step(tmp_path):
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
     trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=[bar, spy])
     trainer.train(
-        regression_dataset(22), num_epochs=3, eval_dataset=regression_dataset(6, seed=1), per_device_batch_size=2,
-        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8), resume_from=tmp_path,
-    )  # fmt: skip
+        regression_dataset(22),
+        num_epochs=3,
+        eval_dataset=regression_dataset(6, seed=1),
+        per_device_batch_size=2,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
+        resume_from=tmp_path,
+    )
     assert spy.starts == [(2, 6, 6), (3, 0, 0)]
 
 
 def test_bad_save_intervals_are_refused_with_the_fix(tmp_path):
-    with pytest.raises(ValueError, match=r"save_every_n_steps is 0; pass a positive whole number of updates, e.g. save_every_n_steps=100"):
+    with pytest.raises(
+        ValueError,
+        match=r"save_every_n_steps is 0; pass a positive whole number of updates, e.g. save_every_n_steps=100",
+    ):
         SaveTrainingStateCallback(tmp_path, save_every_n_steps=0)
-    with pytest.raises(ValueError, match=r"max_checkpoints is -1; pass a positive whole number of states, e.g. max_checkpoints=3"):
+    with pytest.raises(
+        ValueError, match=r"max_checkpoints is -1; pass a positive whole number of states, e.g. max_checkpoints=3"
+    ):
         SaveTrainingStateCallback(tmp_path, max_checkpoints=-1)

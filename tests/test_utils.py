@@ -91,7 +91,9 @@ def test_model_ema_follows_a_wrapped_model_by_name():
     expected = {name: 0.5 * value + 0.5 for name, value in ModelEma(make_mlp()).module.state_dict().items()}
     for name, value in ema.module.state_dict().items():
         torch.testing.assert_close(value, expected[name])
-    with pytest.raises(ValueError, match=r"The model does not have the tensors of the model the EMA was made from: it lacks \['0.bias'"):
+    with pytest.raises(
+        ValueError, match=r"The model does not have the tensors of the model the EMA was made from: it lacks \['0.bias'"
+    ):
         ema.update(make_linear())
 
 
@@ -126,7 +128,9 @@ def test_model_ema_casts_to_its_own_dtype_and_follows_tensors_replaced_between_u
     ema.update(model)
     assert ema.module[0].weight.dtype == torch.float64
     torch.testing.assert_close(ema.module[0].weight, 0.25 * initial + 0.25 * 1.0 + 0.5 * 3.0)
-    torch.testing.assert_close(ema.module[1].running_mean, torch.full((2,), 2.0, dtype=torch.float64))  # 0, then 0, then 4
+    torch.testing.assert_close(
+        ema.module[1].running_mean, torch.full((2,), 2.0, dtype=torch.float64)
+    )  # 0, then 0, then 4
 
 
 def test_an_overridden_update_fn_is_used_and_set_copies_the_weights():
@@ -156,7 +160,9 @@ def test_model_ema_decay_must_be_from_zero_to_one(decay):
 
 
 def _has_limit(trainer: Trainer, num_batches: int) -> bool:
-    return any(isinstance(c, LimitBatchesCallback) and c.num_batches == num_batches for c in trainer.callback_handler.callbacks)
+    return any(
+        isinstance(c, LimitBatchesCallback) and c.num_batches == num_batches for c in trainer.callback_handler.callbacks
+    )
 
 
 def test_limit_batches_adds_the_callback_and_restores_the_environment(monkeypatch):
@@ -264,7 +270,14 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_utils.py"
 @pytest.mark.slow
 def test_on_two_processes_the_decorators_order_the_calls_and_an_error_on_the_main_process_hangs_no_one(tmp_path):
     output = tmp_path / "utils"
-    completed = subprocess.run([*launcher(2), str(SCRIPT), str(output)], check=False, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
+    completed = subprocess.run(
+        [*launcher(2), str(SCRIPT), str(output)],
+        check=False,
+        env=CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     first, second = (json.loads(output.with_suffix(f".rank{rank}").read_text()) for rank in range(2))
     assert output.with_suffix(".log").read_text() == "rank 0\nrank 1\n"  # local_process_zero_first: rank 0 first

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import linear_dataset, make_linear, make_trainer
 from torch.utils.data import TensorDataset
 
-from conftest import linear_dataset, make_linear, make_trainer
 from pytorch_accel_trainer import Trainer
 
 
@@ -68,7 +67,11 @@ class _BadLossTrainer(Trainer):
 @pytest.mark.parametrize(
     ("batch_output_fn", "error", "message"),
     [
-        (lambda out: {**out, "loss": out["loss"].expand(3)}, ValueError, r"returned a loss of shape \(3,\); the trainer needs a scalar"),
+        (
+            lambda out: {**out, "loss": out["loss"].expand(3)},
+            ValueError,
+            r"returned a loss of shape \(3,\); the trainer needs a scalar",
+        ),
         (lambda out: {k: v for k, v in out.items() if k != "loss"}, ValueError, r"missing \['loss'\]"),
         (lambda out: {k: v for k, v in out.items() if k != "batch_size"}, ValueError, r"missing \['batch_size'\]"),
         (lambda out: out["loss"], TypeError, r"calculate_train_batch_loss returned Tensor; it must return a dict"),
@@ -77,7 +80,9 @@ class _BadLossTrainer(Trainer):
 )
 def test_a_bad_batch_output_is_refused_at_the_first_step(batch_output_fn, error, message):
     model = make_linear()
-    trainer = _BadLossTrainer(batch_output_fn, model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
+    trainer = _BadLossTrainer(
+        batch_output_fn, model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=()
+    )
     with pytest.raises(error, match=message):
         _train(trainer)
     assert trainer.num_update_steps_completed == 0

@@ -30,13 +30,29 @@ ABORT = "terminate called without an active exception"
 def _shim() -> str:
     library = pathlib.Path(tempfile.gettempdir()) / "pytorch_accel_trainer_slow_wakeup.so"
     if not library.exists():
-        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(library), str(HERE / "slow_wakeup.c"), "-ldl"], check=True)
+        subprocess.run(
+            ["gcc", "-shared", "-fPIC", "-O2", "-o", str(library), str(HERE / "slow_wakeup.c"), "-ldl"], check=True
+        )
     return str(library)
 
 
 def launchers() -> dict:
-    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]  # fmt: skip
+    accelerate = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     return {"accelerate launch": accelerate, "torchrun": torchrun}
 
@@ -68,8 +84,10 @@ def main() -> int:
             if status != 0:
                 print(f"--- a {name} launch exited {status}; the end of its stderr:\n{stderr}")
         failures += failed
-        print(f"{name}{' (slow gloo)' if args.slow_gloo else ''}: {args.launches - failed}/{args.launches} exited 0; "
-              f"{failed} failed, {aborted} with a C++ abort")  # fmt: skip
+        print(
+            f"{name}{' (slow gloo)' if args.slow_gloo else ''}: {args.launches - failed}/{args.launches} exited 0; "
+            f"{failed} failed, {aborted} with a C++ abort"
+        )
     return 1 if failures else 0
 
 

@@ -40,13 +40,19 @@ def main(precision: str) -> int:
     y = (x[:, :8] ** 2).sum(dim=1, keepdim=True)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1))
     trainer = EpochEndOutsideSteps(
-        model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=1e-3),
-        callbacks=(SyncsAreErrorsInSteps, *DEFAULT_CALLBACKS), mixed_precision=precision,
-    )  # fmt: skip
+        model,
+        nn.MSELoss(),
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        callbacks=(SyncsAreErrorsInSteps, *DEFAULT_CALLBACKS),
+        mixed_precision=precision,
+    )
     trainer.train(
-        TensorDataset(x, y), num_epochs=3, eval_dataset=TensorDataset(x[:512], y[:512]), per_device_batch_size=64,
+        TensorDataset(x, y),
+        num_epochs=3,
+        eval_dataset=TensorDataset(x[:512], y[:512]),
+        per_device_batch_size=64,
         train_dataloader_kwargs={"pin_memory": True},
-    )  # fmt: skip
+    )
     losses = trainer.run_history.get_metric_values("train_loss_epoch")
     ok = losses[-1] < losses[0] and trainer.run_config.mixed_precision == precision
     scaler = trainer._accelerator.scaler

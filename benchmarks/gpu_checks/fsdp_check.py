@@ -125,7 +125,7 @@ def run(output: Path) -> None:
         "eval_loss": trainer.run_history.get_metric_values("eval_loss_epoch"),
         "gradient_norm_type": type(trainer.last_gradient_norm).__name__,
         "parameters": exported_parameters(trainer, output / "weights.safetensors"),
-    }  # fmt: skip
+    }
     trainer.save_checkpoint(output / "model.pt", save_optimizer=not deepspeed)
     if not deepspeed:
         trainer.load_checkpoint(output / "model.pt")

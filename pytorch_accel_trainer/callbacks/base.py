@@ -298,7 +298,11 @@ class CallbackHandler:
             # Callbacks that keep the base no-op are left out, so an event nobody listens to costs nothing.
             base_method = getattr(TrainerCallback, event)
             methods = [getattr(cb, event, None) for cb in self.callbacks]
-            listeners = [_taking_only_its_arguments(m) for m in methods if callable(m) and getattr(m, "__func__", m) is not base_method]
+            listeners = [
+                _taking_only_its_arguments(m)
+                for m in methods
+                if callable(m) and getattr(m, "__func__", m) is not base_method
+            ]
         else:
             listeners = [m for m in (getattr(cb, event, None) for cb in self.callbacks) if callable(m)]
             if not listeners and event not in self.custom_events:
@@ -324,7 +328,11 @@ def _taking_only_its_arguments(method: Any) -> Any:
         return method
     if any(parameter.kind is parameter.VAR_KEYWORD for parameter in parameters):
         return method
-    names = {parameter.name for parameter in parameters if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+    names = {
+        parameter.name
+        for parameter in parameters
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+    }
 
     @functools.wraps(method)
     def call(*args, **kwargs):

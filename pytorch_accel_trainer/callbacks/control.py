@@ -251,4 +251,7 @@ def with_limit_batches_from_env(callbacks: Iterable) -> list:
             f"The environment variable {LIMIT_BATCHES_ENV_VAR} is {value!r}, not a positive whole number of batches; "
             f"set it to e.g. {LIMIT_BATCHES_ENV_VAR}=2, or unset it for full epochs."
         )
-    return [LimitBatchesCallback(int(value)), *callbacks]  # first, as in pytorch-accelerated: it slices the data for the others
+    return [
+        LimitBatchesCallback(int(value)),
+        *callbacks,
+    ]  # first, as in pytorch-accelerated: it slices the data for the others

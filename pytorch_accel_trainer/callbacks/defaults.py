@@ -22,6 +22,12 @@ def get_default_callbacks(progress_bar: bool = True, verbose: bool = False) -> t
     """
     if verbose:
         bar = (ProgressBarCallback(verbose=True),) if progress_bar else ()
-        return (MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback(verbose=True), *bar, LogMetricsCallback(verbose=True))  # fmt: skip
+        return (
+            MoveModulesToDeviceCallback,
+            TerminateOnNaNCallback,
+            PrintProgressCallback(verbose=True),
+            *bar,
+            LogMetricsCallback(verbose=True),
+        )
     bar = (ProgressBarCallback,) if progress_bar else ()
     return (MoveModulesToDeviceCallback, TerminateOnNaNCallback, PrintProgressCallback, *bar, LogMetricsCallback)

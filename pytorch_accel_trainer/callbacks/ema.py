@@ -69,7 +69,9 @@ class ModelEmaCallback(SaveBestModelCallback):
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay < 1:
             raise ValueError(f"decay is {decay!r}; pass a number between 0 and 1, e.g. decay=0.999.")
         if not callable(model_ema):
-            raise TypeError(f"model_ema is a {type(model_ema).__name__}; pass a class such as ModelEma, called as model_ema(model, decay=decay).")
+            raise TypeError(
+                f"model_ema is a {type(model_ema).__name__}; pass a class such as ModelEma, called as model_ema(model, decay=decay)."
+            )
         super().__init__(
             save_path=save_path,
             watch_metric=watch_metric,
@@ -132,7 +134,9 @@ class ModelEmaCallback(SaveBestModelCallback):
         if not (self.evaluate_during_training and self._in_training_run) or is_intermediate_evaluation(trainer):
             return  # evaluate() runs, and the extra evaluations within an epoch, use the model itself
         trainer.print("\nRunning evaluation on EMA model")
-        trainer.run_extra_eval_epoch(self.ema_model.module, callbacks=self.callback_handler, metric_name_prefix=EMA_METRIC_PREFIX)
+        trainer.run_extra_eval_epoch(
+            self.ema_model.module, callbacks=self.callback_handler, metric_name_prefix=EMA_METRIC_PREFIX
+        )
 
     def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
         with self._ema_weights_in(trainer):

@@ -37,7 +37,6 @@ def progress_bar_class() -> type:
     if _TQDM_CLASS is None:
         try:
             import ipywidgets  # noqa: F401  (only whether it imports)
-
             from tqdm.auto import tqdm as chosen
         except ImportError:
             from tqdm.std import tqdm as chosen
@@ -95,9 +94,14 @@ class PrintProgressCallback(TrainerCallback):
             return
         config = trainer.run_config
         epochs = "until max_num_train_steps" if config.num_epochs is None else f"{config.num_epochs} epochs"
-        per_epoch = "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
+        per_epoch = (
+            "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
+        )
         processes = f"{config.num_processes} processes" if config.num_processes > 1 else "1 process"
-        _print(trainer, f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} ({processes}, {trainer.device.type})")
+        _print(
+            trainer,
+            f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} ({processes}, {trainer.device.type})",
+        )
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
         if self.verbose:
@@ -195,7 +199,9 @@ class ProgressBarCallback(TrainerCallback):
             eval_batches = 0 if trainer.eval_dataloader is None else dataloader_length(trainer.eval_dataloader)
             total = None if train_batches is None or eval_batches is None else train_batches + eval_batches
             description = epoch_label(trainer)
-        self.pbar = self._create_bar(trainer, total, description, initial=trainer.epoch_first_step)  # a resumed epoch continues
+        self.pbar = self._create_bar(
+            trainer, total, description, initial=trainer.epoch_first_step
+        )  # a resumed epoch continues
         self._refresh_every = self.refresh_every_n_steps or max(1, min(50, (train_batches or 500) // 10))
         self._loss.reset()
         self._postfix, self._samples = {}, 0
@@ -335,7 +341,9 @@ class LogMetricsCallback(TrainerCallback):
         seconds = time.perf_counter() - self._epoch_start
         samples = trainer.run_state.samples_seen - self._samples_before_epoch
         speed = ""
-        if isinstance(samples, int) and samples and seconds > 0:  # tensor sizes (a hook's own) would need a sync to read
+        if (
+            isinstance(samples, int) and samples and seconds > 0
+        ):  # tensor sizes (a hook's own) would need a sync to read
             speed = f" · {samples * trainer.run_config.num_processes / seconds:.0f} samples/s"
         metrics = f" · {format_metrics(self._pending)}" if self._pending else ""
         _print(trainer, f"{epoch_label(trainer)} · {seconds:.2g}s{speed}{metrics}")

@@ -124,8 +124,14 @@ _RUN_NAME_KEYWORDS = {"wandb": "name", "mlflow": "run_name", "trackio": "name", 
 
 #: The keyword that names the project in a tracker's own arguments: given in ``tracker_kwargs``, it wins over
 #: ``project_name`` for that tracker (an MLflow experiment path with '/', say).
-_PROJECT_KEYWORDS = {"wandb": "project", "mlflow": "experiment_name", "trackio": "project", "swanlab": "project",
-                     "comet_ml": "project_name", "clearml": "project_name"}  # fmt: skip
+_PROJECT_KEYWORDS = {
+    "wandb": "project",
+    "mlflow": "experiment_name",
+    "trackio": "project",
+    "swanlab": "project",
+    "comet_ml": "project_name",
+    "clearml": "project_name",
+}
 
 
 def _create_run_name() -> str:
@@ -358,7 +364,9 @@ class ExperimentTrackingCallback(TrainerCallback):
         self._log_arrived_step_values()  # the previous copy, before its buffer is reused
         norm = trainer.last_gradient_norm  # computed by clipping by norm; the same on every process
         norm = self._loss.total.new_tensor(float("nan")) if norm is None else norm.detach().float().reshape(())
-        totals = torch.stack([self._loss.total, self._loss.total.new_tensor(float(self._loss.count)), norm.to(self._loss.total.device)])
+        totals = torch.stack(
+            [self._loss.total, self._loss.total.new_tensor(float(self._loss.count)), norm.to(self._loss.total.device)]
+        )
         if trainer.run_config.num_processes > 1:
             totals = trainer.accelerator.reduce(totals, "sum")  # a collective, not a host sync
         if self._is_writer:

@@ -109,7 +109,9 @@ class SaveTrainingStateCallback(TrainerCallback):
             self._save(trainer, {"best"}, f"epoch_{trainer.run_history.current_epoch}")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        if self.save_at_end:  # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
+        if (
+            self.save_at_end
+        ):  # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
             self._save(trainer, {"rolling"}, "final")
 
     def _step_kinds(self, done: int) -> set:

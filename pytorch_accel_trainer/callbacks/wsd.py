@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
-from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
 from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_model_state_dict, load_full_optimizer_state_dict
+from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
 from pytorch_accel_trainer.state.files import MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, TRAINER_FILE
 from pytorch_accel_trainer.state.training_state import ResumePlan, find_resumable_state, load_tensors_file
 

@@ -33,12 +33,16 @@ def create_parser() -> ArgumentParser:
     """Return the parser of the command line: one subcommand per entry of :data:`COMMANDS`, each taking every key of
     :class:`TrainingConfig` as a flag (``--train.num_epochs 5``) and ``--config`` files; ``parser.command_parsers``
     holds the parser of each subcommand."""
-    parser = ArgumentParser(prog="pytorch-accel-trainer", description=__doc__.splitlines()[0], exit_on_error=False, allow_abbrev=False)
+    parser = ArgumentParser(
+        prog="pytorch-accel-trainer", description=__doc__.splitlines()[0], exit_on_error=False, allow_abbrev=False
+    )
     subcommands = parser.add_subcommands(dest="command", required=True)
     parser.command_parsers = {}
     for command, description in COMMANDS.items():
         subparser = ArgumentParser(description=description, exit_on_error=False, allow_abbrev=False)
-        subparser.add_argument("--config", action=ActionConfigFile, help="a YAML config file; flags after it override it")
+        subparser.add_argument(
+            "--config", action=ActionConfigFile, help="a YAML config file; flags after it override it"
+        )
         subparser.add_class_arguments(TrainingConfig, None, fail_untyped=True)
         subcommands.add_subcommand(command, subparser, help=description)
         parser.command_parsers[command] = subparser

@@ -19,9 +19,9 @@ import safetensors.torch
 import torch
 
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.run_config import OptionalNumber
-from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
 
 
@@ -168,10 +168,12 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
             "pytorch_accel_trainer.Trainer or of a subclass of it, e.g. my_package.training.MyTrainer."
         )
     needed = {  # what each command needs: (key, value, a flag that sets it)
-        "fit": (("data.train", config.data.train, "--data.train my_package.data.train_dataset"),
-                ("optimizer", config.optimizer, "--optimizer torch.optim.AdamW --optimizer.lr 0.001")),
+        "fit": (
+            ("data.train", config.data.train, "--data.train my_package.data.train_dataset"),
+            ("optimizer", config.optimizer, "--optimizer torch.optim.AdamW --optimizer.lr 0.001"),
+        ),
         "evaluate": (("data.eval", config.data.eval, "--data.eval my_package.data.eval_dataset"),),
-    }  # fmt: skip
+    }
     for key, value, example in needed[command]:
         if value is None:
             raise ConfigError(f"{key} is missing: `{command}` needs it. Set it in the config file or with {example}.")
@@ -222,7 +224,9 @@ def import_object(path: str, key: str) -> Any:
 # ------------------------------------------------------------------------------------------------
 
 
-def create_trainer(config: TrainingConfig, config_text: Optional[str] = None, hyperparameters: Optional[dict] = None) -> Trainer:
+def create_trainer(
+    config: TrainingConfig, config_text: Optional[str] = None, hyperparameters: Optional[dict] = None
+) -> Trainer:
     """Return the trainer that ``config`` describes, with its callbacks, the checkpoint's weights loaded, and (with
     ``output_dir``) its run folder chosen.
 
@@ -239,10 +243,16 @@ def create_trainer(config: TrainingConfig, config_text: Optional[str] = None, hy
             callback.config = {**hyperparameters, **(callback.config or {})}
     settings = config.trainer
     trainer = config.trainer_class(
-        model, config.loss_func, optimizer, callbacks=callbacks, seed=settings.seed,
-        mixed_precision=settings.mixed_precision, torch_compile=settings.torch_compile, cpu=settings.cpu,
+        model,
+        config.loss_func,
+        optimizer,
+        callbacks=callbacks,
+        seed=settings.seed,
+        mixed_precision=settings.mixed_precision,
+        torch_compile=settings.torch_compile,
+        cpu=settings.cpu,
         **config.trainer_arguments,
-    )  # fmt: skip
+    )
     if config.checkpoint is not None and str(config.checkpoint).endswith(".safetensors"):  # a run folder's weights
         safetensors.torch.load_model(trainer.model, config.checkpoint)
     elif config.checkpoint is not None:  # a file of save_checkpoint
@@ -255,13 +265,18 @@ def create_trainer(config: TrainingConfig, config_text: Optional[str] = None, hy
             if isinstance(callback, ExperimentTrackingCallback):
                 callback.use_run_name(folder.name)
         if config.save_training_states:
-            trainer.callback_handler.add_callback(SaveTrainingStateCallback(save_dir=folder / "training_states", save_every_n_epochs=1))
+            trainer.callback_handler.add_callback(
+                SaveTrainingStateCallback(save_dir=folder / "training_states", save_every_n_epochs=1)
+            )
     return trainer
 
 
 def run_training_config(
-    config: TrainingConfig, command: str = "fit", config_text: Optional[str] = None, hyperparameters: Optional[dict] = None
-) -> tuple[Trainer, Union[Any, dict]]:  # fmt: skip
+    config: TrainingConfig,
+    command: str = "fit",
+    config_text: Optional[str] = None,
+    hyperparameters: Optional[dict] = None,
+) -> tuple[Trainer, Union[Any, dict]]:
     """Run ``command`` (``fit``: ``train()``; ``evaluate``: ``evaluate()``) as ``config`` describes; return the trainer
     and what the run returned (a ``TrainResult``, or the evaluation's metrics)."""
     validate_training_config(config, command)
@@ -270,16 +285,28 @@ def run_training_config(
     trainer = create_trainer(config, config_text, hyperparameters)
     train = config.train
     if command == "evaluate":
-        return trainer, trainer.evaluate(eval_dataset, per_device_batch_size=train.per_device_batch_size,
-                                         dataloader_kwargs=train.eval_dataloader_kwargs, collate_fn=train.collate_fn)  # fmt: skip
+        return trainer, trainer.evaluate(
+            eval_dataset,
+            per_device_batch_size=train.per_device_batch_size,
+            dataloader_kwargs=train.eval_dataloader_kwargs,
+            collate_fn=train.collate_fn,
+        )
     scheduler = None if config.scheduler is None else create_scheduler_factory(config.scheduler)
     result = trainer.train(
-        data.train(**arguments), num_epochs=train.num_epochs, eval_dataset=eval_dataset,
-        per_device_batch_size=train.per_device_batch_size, max_num_train_steps=train.max_num_train_steps,
-        gradient_accumulation_steps=train.gradient_accumulation_steps, gradient_clip_value=train.gradient_clip_value,
-        gradient_clip_norm=train.gradient_clip_norm, create_scheduler_fn=scheduler,
-        train_dataloader_kwargs=train.train_dataloader_kwargs, eval_dataloader_kwargs=train.eval_dataloader_kwargs,
-        collate_fn=train.collate_fn, resume_from=None if train.resume_from is None else Path(train.resume_from),
-        allow_resume_changes=train.allow_resume_changes, scheduler_interval=train.scheduler_interval,
-    )  # fmt: skip
+        data.train(**arguments),
+        num_epochs=train.num_epochs,
+        eval_dataset=eval_dataset,
+        per_device_batch_size=train.per_device_batch_size,
+        max_num_train_steps=train.max_num_train_steps,
+        gradient_accumulation_steps=train.gradient_accumulation_steps,
+        gradient_clip_value=train.gradient_clip_value,
+        gradient_clip_norm=train.gradient_clip_norm,
+        create_scheduler_fn=scheduler,
+        train_dataloader_kwargs=train.train_dataloader_kwargs,
+        eval_dataloader_kwargs=train.eval_dataloader_kwargs,
+        collate_fn=train.collate_fn,
+        resume_from=None if train.resume_from is None else Path(train.resume_from),
+        allow_resume_changes=train.allow_resume_changes,
+        scheduler_interval=train.scheduler_interval,
+    )
     return trainer, result

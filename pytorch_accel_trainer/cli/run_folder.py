@@ -20,8 +20,12 @@ if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
 
 CONFIG_FILE, RUN_CONFIG_FILE, HISTORY_FILE, PLOT_FILE, WEIGHTS_FILE = (
-    "config.yaml", "run_config.json", "history.csv", "history.png", "model.safetensors",
-)  # fmt: skip
+    "config.yaml",
+    "run_config.json",
+    "history.csv",
+    "history.png",
+    "model.safetensors",
+)
 
 
 def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
@@ -76,7 +80,9 @@ class RunFolderCallback(TrainerCallback):
             return
         if self.config_text is not None:
             (folder / CONFIG_FILE).write_text(self.config_text)
-        run_config = json.dumps(trainer.run_config.to_dict(), indent=2, sort_keys=True, default=repr)  # functions by name
+        run_config = json.dumps(
+            trainer.run_config.to_dict(), indent=2, sort_keys=True, default=repr
+        )  # functions by name
         (folder / RUN_CONFIG_FILE).write_text(run_config + "\n")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):

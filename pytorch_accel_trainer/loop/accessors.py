@@ -20,7 +20,9 @@ from pytorch_accel_trainer.utils import remove_padding
 class TrainerUtilitiesMixin:
     """Public utilities of a :class:`~pytorch_accel_trainer.trainer.Trainer`."""
 
-    def run_extra_eval_epoch(self, model: Optional[torch.nn.Module] = None, callbacks=None, metric_name_prefix: str = "") -> None:  # fmt: skip
+    def run_extra_eval_epoch(
+        self, model: Optional[torch.nn.Module] = None, callbacks=None, metric_name_prefix: str = ""
+    ) -> None:
         """Run one more evaluation epoch now, during a training run, over its evaluation data.
 
         For callbacks that evaluate between updates (``StepBasedEvaluationCallback``) or other weights

@@ -70,9 +70,12 @@ def normalise_by_items_in_window(state: RunState, accelerator: Accelerator, mode
 
 
 def clip_gradients(
-    accelerator: Accelerator, model: torch.nn.Module, clip_norm: Optional[Number], clip_value: Optional[Number],
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    clip_norm: Optional[Number],
+    clip_value: Optional[Number],
     track_norm: bool,
-) -> Optional[torch.Tensor]:  # fmt: skip
+) -> Optional[torch.Tensor]:
     """Clip the accumulated gradients by norm and/or value; once per update. Return their total norm (before
     clipping) when clipping by norm or ``track_norm``, else ``None``.
 

@@ -48,7 +48,12 @@ def batch_size_for(given_dataloader: Optional[DataLoader], per_device_batch_size
 def given_dataloader_kwargs(dataloader: DataLoader) -> dict:
     """The arguments of a DataLoader the user built, as the run config records the trainer's own."""
     kwargs = {"batch_size": dataloader_batch_size(dataloader), "shuffle": isinstance(dataloader.sampler, RandomSampler)}
-    return {**kwargs, "num_workers": dataloader.num_workers, "drop_last": dataloader.drop_last, "pin_memory": dataloader.pin_memory}
+    return {
+        **kwargs,
+        "num_workers": dataloader.num_workers,
+        "drop_last": dataloader.drop_last,
+        "pin_memory": dataloader.pin_memory,
+    }
 
 
 def with_own_generator_and_checked_collate(dataloader: Any, collate_fn: Optional[Callable]) -> Any:

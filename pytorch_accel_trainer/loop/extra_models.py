@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
 from pytorch_accel_trainer.parallel.sharded import is_deepspeed, is_fsdp
+from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
 from pytorch_accel_trainer.state.files import describe_extras_difference, inner_optimizer
 
 #: Names an extra model cannot take: the trainer's own model is ``model`` (in checkpoints and states alike).
@@ -160,7 +160,11 @@ class ExtraModelsMixin:
                 f"add_model({name!r}, model, optimizer={optimizer!r}): the optimizer is a {type(optimizer).__name__}; "
                 "pass a torch.optim.Optimizer over the model's parameters, or None for a model that is not trained."
             )
-        if any(inner_optimizer(optimizer) is inner_optimizer(other) for other in (self.optimizer, *self.extra_optimizers.values()) if other is not None):  # fmt: skip
+        if any(
+            inner_optimizer(optimizer) is inner_optimizer(other)
+            for other in (self.optimizer, *self.extra_optimizers.values())
+            if other is not None
+        ):
             raise ValueError(
                 f"add_model({name!r}, model, optimizer): this optimizer is already the trainer's optimizer or another "
                 "extra model's. Give each model an optimizer of its own, built from its parameters."
@@ -197,7 +201,9 @@ class ExtraModelsMixin:
                 "training hook, e.g. calculate_train_batch_loss."
             )
         if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"update_extra_model({name!r}, loss={loss!r}): the loss is a {type(loss).__name__}; pass the loss tensor itself, not loss.item().")  # fmt: skip
+            raise TypeError(
+                f"update_extra_model({name!r}, loss={loss!r}): the loss is a {type(loss).__name__}; pass the loss tensor itself, not loss.item()."
+            )
         if not loss.requires_grad:  # an attribute read, no sync
             raise ValueError(
                 f"update_extra_model({name!r}, loss): the loss does not require gradients (requires_grad=False), so "
@@ -291,7 +297,9 @@ class ExtraModelsMixin:
         if self.extra_models:
             entries[EXTRA_MODELS_KEY] = {name: self.get_extra_model(name).state_dict() for name in self.extra_models}
         if save_optimizer and self.extra_optimizers:
-            entries[EXTRA_OPTIMIZERS_KEY] = {name: inner_optimizer(optimizer).state_dict() for name, optimizer in self.extra_optimizers.items()}  # fmt: skip
+            entries[EXTRA_OPTIMIZERS_KEY] = {
+                name: inner_optimizer(optimizer).state_dict() for name, optimizer in self.extra_optimizers.items()
+            }
         return entries
 
     def _validate_extra_checkpoint_entries(self, checkpoint: dict, checkpoint_path, load_optimizer: bool) -> None:
@@ -303,10 +311,14 @@ class ExtraModelsMixin:
         for kind, key, registered in kinds:
             saved = checkpoint.get(key, {})
             if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
-                raise ValueError(f"{str(checkpoint_path)!r}: its {key!r} entry is not a dict of state dicts; pass a file written by Trainer.save_checkpoint.")  # fmt: skip
+                raise ValueError(
+                    f"{str(checkpoint_path)!r}: its {key!r} entry is not a dict of state dicts; pass a file written by Trainer.save_checkpoint."
+                )
             mismatch = describe_extras_difference(kind, saved, registered)
             if mismatch is not None:
-                weights_alone = " (or pass load_optimizer=False to load the weights alone)" if kind == "optimizers" else ""
+                weights_alone = (
+                    " (or pass load_optimizer=False to load the weights alone)" if kind == "optimizers" else ""
+                )
                 raise ValueError(
                     f"{str(checkpoint_path)!r} does not fit this trainer: {mismatch}. Register the same extra models "
                     f"and optimizers with add_model(name, model, optimizer) before load_checkpoint{weights_alone}; to "

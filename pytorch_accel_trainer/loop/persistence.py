@@ -16,18 +16,8 @@ from typing import TYPE_CHECKING, Iterable, Optional
 import torch
 from accelerate import skip_first_batches
 
-from pytorch_accel_trainer.state import async_save
-from pytorch_accel_trainer.state.checkpointing import (
-    MODEL_KEY,
-    OPTIMIZER_KEY,
-    SCHEDULER_KEY,
-    build_checkpoint,
-    load_checkpoint_file,
-    save_checkpoint_file,
-)
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
-from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
@@ -38,6 +28,17 @@ from pytorch_accel_trainer.parallel.sharded import (
     load_full_optimizer_state_dict,
     writes_on_this_process,
 )
+from pytorch_accel_trainer.state import async_save
+from pytorch_accel_trainer.state.checkpointing import (
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    SCHEDULER_KEY,
+    build_checkpoint,
+    load_checkpoint_file,
+    save_checkpoint_file,
+)
+from pytorch_accel_trainer.state.files import validate_state_name
+from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
     ResumePosition,
@@ -48,7 +49,6 @@ from pytorch_accel_trainer.state.training_state import (
     write_training_state,
 )
 from pytorch_accel_trainer.utils import dataset_length
-from pytorch_accel_trainer.state.files import validate_state_name
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -59,7 +59,9 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------------------------------------
 
 
-def load_resume_plan(trainer: "Trainer", stored: Optional[StoredState], resume_from, allow_changes: bool) -> Optional[ResumePlan]:  # fmt: skip
+def load_resume_plan(
+    trainer: "Trainer", stored: Optional[StoredState], resume_from, allow_changes: bool
+) -> Optional[ResumePlan]:
     """Load ``stored`` into the trainer (weights, optimizer, scheduler, history, callbacks) and return what the
     run still has to restore as it reaches the saved position; ``None`` when there is nothing to resume."""
     if resume_from is None:
@@ -168,18 +170,31 @@ def run_facts(trainer: "Trainer") -> dict:
     }
 
 
-def write_state(trainer: "Trainer", parent: Path, position: ResumePosition, kinds=("rolling",), checkpoint_kwargs=None, max_rolling=None, asynchronous=False, name=None) -> Path:  # fmt: skip
+def write_state(
+    trainer: "Trainer",
+    parent: Path,
+    position: ResumePosition,
+    kinds=("rolling",),
+    checkpoint_kwargs=None,
+    max_rolling=None,
+    asynchronous=False,
+    name=None,
+) -> Path:
     """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
 
     A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
     state is copied to host memory and written in the background; the folder it will have is returned."""
     async_save.saver.wait()
     if asynchronous:
-        staged = async_save.stage_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name)  # fmt: skip
+        staged = async_save.stage_training_state(
+            trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
+        )
         async_save.saver.submit(staged)
         trainer.print(f"Saving training state {staged.final} in the background")
         return staged.final
-    folder = write_training_state(trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name)
+    folder = write_training_state(
+        trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
+    )
     trainer.print(f"Saved training state {folder}")
     return folder
 
@@ -204,7 +219,9 @@ def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterab
     if state.preemption_save_dir is not None and state.preemption_save_dir not in saved_to:
         write_state(trainer, state.preemption_save_dir, state.position(step))
     async_save.saver.wait()  # a state being written in the background is complete before the process exits
-    trainer.print(f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}.")
+    trainer.print(
+        f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}."
+    )
     sys.exit(128 + signal_number)
 
 
@@ -240,7 +257,9 @@ class PersistenceMixin:
     # Training state: saves between optimizer updates, resume, preemption
     # ------------------------------------------------------------------------------------------------
 
-    def skip_non_finite_steps(self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0) -> NonFinitePolicy:
+    def skip_non_finite_steps(
+        self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0
+    ) -> NonFinitePolicy:
         """For the rest of this training run, skip each optimizer update whose gradients are not finite.
 
         A skipped update leaves the weights, the optimizer and the scheduler untouched, and its loss out of
@@ -253,7 +272,9 @@ class PersistenceMixin:
             max_retries: first re-run the update's accumulation window (each of its micro-batches) this many times;
                 a retry fires no event (``on_train_step_end`` fired once, for the first try).
         """
-        self.run_state.non_finite_policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
+        self.run_state.non_finite_policy = NonFinitePolicy(
+            max_consecutive_skips=max_consecutive_skips, max_retries=max_retries
+        )
         return self.run_state.non_finite_policy
 
     def enable_preemption(self, save_dir, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
@@ -276,7 +297,15 @@ class PersistenceMixin:
         """
         self.run_state.preemption_signal = signal_number
 
-    def save_training_state(self, output_dir, checkpoint_kwargs: Optional[dict] = None, kinds=("rolling",), max_checkpoints: Optional[int] = None, asynchronous: bool = False, name: Optional[str] = None) -> Optional[Path]:  # fmt: skip
+    def save_training_state(
+        self,
+        output_dir,
+        checkpoint_kwargs: Optional[dict] = None,
+        kinds=("rolling",),
+        max_checkpoints: Optional[int] = None,
+        asynchronous: bool = False,
+        name: Optional[str] = None,
+    ) -> Optional[Path]:
         """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
 
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
@@ -321,7 +350,9 @@ class PersistenceMixin:
         if asynchronous:
             async_save.validate_asynchronous_save(self.accelerator)
         if not self.run_state.in_training_run:
-            return write_state(self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints, name=name)
+            return write_state(
+                self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints, name=name
+            )
         self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints, asynchronous, name)
         return None
 
@@ -334,7 +365,9 @@ class PersistenceMixin:
         """
         stored = find_resumable_state(Path(input_dir))
         if stored is None:
-            raise FileNotFoundError(f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state.")
+            raise FileNotFoundError(
+                f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state."
+            )
         plan = read_training_state(self, stored, None, allow_changes=True)
         self.run_state.num_update_steps_completed = plan.num_update_steps_completed
         return plan.checkpoint_kwargs
@@ -434,7 +467,9 @@ class PersistenceMixin:
         """
         self.accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
-        self._validate_extra_checkpoint_entries(checkpoint, checkpoint_path, load_optimizer)  # before anything is loaded
+        self._validate_extra_checkpoint_entries(
+            checkpoint, checkpoint_path, load_optimizer
+        )  # before anything is loaded
         if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
             load_full_model_state_dict(self.accelerator, self.model, checkpoint[MODEL_KEY])
         else:

@@ -16,14 +16,14 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DataLoaderConfiguration
 
-from pytorch_accel_trainer.loop import persistence
-from pytorch_accel_trainer.loop.batches import batches_need_placing
 from pytorch_accel_trainer.callbacks import CallbackHandler, with_limit_batches_from_env
 from pytorch_accel_trainer.callbacks.base import validate_callback_list
+from pytorch_accel_trainer.loop import persistence
+from pytorch_accel_trainer.loop.batches import batches_need_placing
 from pytorch_accel_trainer.parallel.distributed import create_accelerator, release_prepared, wrappers_only_call_torch
+from pytorch_accel_trainer.parallel.sharded import prepare_components
 from pytorch_accel_trainer.placeholders import placeholder_values, resolve_placeholders
 from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions, build_run_config
-from pytorch_accel_trainer.parallel.sharded import prepare_components
 from pytorch_accel_trainer.utils import dataset_length, worker_init_fn
 from pytorch_accel_trainer.validation import overrides, validate_model_and_loss
 
@@ -134,14 +134,18 @@ class SetupMixin:
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
         # the extra models (add_model) in the same call: Accelerate places them and their optimizers together
         extras = self._unwrapped_extras() if model_and_optimizer else []
-        components = prepare_components(self.accelerator, components + extras, device_placement=placement + [None] * len(extras))  # fmt: skip
+        components = prepare_components(
+            self.accelerator, components + extras, device_placement=placement + [None] * len(extras)
+        )
         if dataloaders:
             self.train_dataloader, self.eval_dataloader = components[2:4]
         if not model_and_optimizer:
             return
         self.model, self.optimizer = components[:2]
         # where Accelerate's optimizer wrapper and backward() would only call torch, call torch (100 us a step)
-        self.calls_torch_directly = not self.always_use_accelerate_wrappers and wrappers_only_call_torch(self.accelerator)
+        self.calls_torch_directly = not self.always_use_accelerate_wrappers and wrappers_only_call_torch(
+            self.accelerator
+        )
         if self.calls_torch_directly and isinstance(self.optimizer, AcceleratedOptimizer):
             self.optimizer = self.optimizer.optimizer
         self._store_prepared_extras(components[4:])
@@ -157,7 +161,10 @@ class SetupMixin:
         """
         if options is None:
             options = TrainOptions(**train_arguments)
-        dataloaders, kwargs = (self.train_dataloader, self.eval_dataloader), (self._train_dl_kwargs, self._eval_dl_kwargs)
+        dataloaders, kwargs = (
+            (self.train_dataloader, self.eval_dataloader),
+            (self._train_dl_kwargs, self._eval_dl_kwargs),
+        )
         return build_run_config(options, self._accelerator, dataloaders, kwargs, self.train_dataset, self.seed)
 
     def _check_eval_batch_size(self) -> None:
@@ -186,7 +193,9 @@ class SetupMixin:
         """Load the training state to resume from, if any, and start the run state at its position."""
         state = self.run_state
         options = state.options
-        state.resume = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
+        state.resume = persistence.load_resume_plan(
+            self, stored_state, options.resume_from, options.allow_resume_changes
+        )
         if state.resume is not None:
             state.num_update_steps_completed = state.resume.num_update_steps_completed
             state.epoch = state.resume.position.loop_epoch

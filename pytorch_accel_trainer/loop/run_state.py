@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
+from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
-    from pytorch_accel_trainer.state.preemption import SignalCatcher
     from pytorch_accel_trainer.run_config import TrainOptions
+    from pytorch_accel_trainer.state.preemption import SignalCatcher
 
 
 @dataclass
@@ -94,11 +94,26 @@ class RunState:
             return ResumePosition(self.epoch, 0, "before_iterator")
         return ResumePosition(self.epoch, step, "after_iterator")
 
-    def request_save(self, parent: Path, kinds, checkpoint_kwargs: Optional[dict], max_rolling: Optional[int], asynchronous: bool = False, name: Optional[str] = None) -> None:  # fmt: skip
+    def request_save(
+        self,
+        parent: Path,
+        kinds,
+        checkpoint_kwargs: Optional[dict],
+        max_rolling: Optional[int],
+        asynchronous: bool = False,
+        name: Optional[str] = None,
+    ) -> None:
         """Queue a training state under ``parent``; requests for one folder before a safe point merge into one
         (asynchronous only when each of them is; named as the first that gives a name)."""
         request = self.save_requests.setdefault(
-            parent, {"kinds": set(), "checkpoint_kwargs": {}, "max_rolling": max_rolling, "asynchronous": asynchronous, "name": name}
+            parent,
+            {
+                "kinds": set(),
+                "checkpoint_kwargs": {},
+                "max_rolling": max_rolling,
+                "asynchronous": asynchronous,
+                "name": name,
+            },
         )
         request["name"] = request["name"] or name
         request["asynchronous"] = request["asynchronous"] and asynchronous

@@ -13,11 +13,11 @@ from typing import Iterable
 
 from accelerate.utils import gather_object
 
+from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
+from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.loop import accumulation, persistence
 from pytorch_accel_trainer.loop.batches import NO_TRAIN_BATCH
-from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.loop.non_finite import retry_or_skip_non_finite_update
-from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.loop.run_state import TrainResult
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker, metric_counts, metrics_recorded_since
 from pytorch_accel_trainer.utils import require_batches, with_last_flag
@@ -32,7 +32,11 @@ class LoopSupportMixin:
     def _clip_gradients(self) -> None:
         """Clip by norm and/or value as set in ``train()``; keep the norm in ``last_gradient_norm`` (no sync)."""
         config = self.run_config
-        clip_norm, clip_value, track_norm = config.gradient_clip_norm, config.gradient_clip_value, self.track_gradient_norm
+        clip_norm, clip_value, track_norm = (
+            config.gradient_clip_norm,
+            config.gradient_clip_value,
+            self.track_gradient_norm,
+        )
         if clip_norm is None and clip_value is None and not track_norm:
             return  # nothing asked for: the default run
         norm = accumulation.clip_gradients(self._accelerator, self.model, clip_norm, clip_value, track_norm)
@@ -41,7 +45,9 @@ class LoopSupportMixin:
 
     def _record_epoch_loss(self, tracker: LossTracker, metric_name: str) -> None:
         one_process = self._accelerator.num_processes == 1  # nothing to sum over
-        average = tracker.reduce_average(lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device)
+        average = tracker.reduce_average(
+            lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device
+        )
         if average is not None:
             self.run_history.update_metric(metric_name, average)
 
@@ -51,7 +57,9 @@ class LoopSupportMixin:
         if self._accelerator.num_processes > 1:  # a process may have seen a metric the others did not
             names = sorted(set().union(*gather_object([names])))  # one small collective per epoch
         one_process = self._accelerator.num_processes == 1
-        averages = tracker.reduce_averages(lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device, names)
+        averages = tracker.reduce_averages(
+            lambda tensor: tensor if one_process else self._accelerator.reduce(tensor, "sum"), self.device, names
+        )
         for name, average in averages.items():
             self.run_history.update_metric(name_format.format(name), average)
 
@@ -85,8 +93,12 @@ class LoopSupportMixin:
         wall_time = time.perf_counter() - state.started_at
         num_samples = int(state.samples_seen) * config.num_processes  # the processes run the same steps
         monitor = next((callback for callback in self.callback_handler if isinstance(callback, MonitorCallback)), None)
-        epochs = metric_counts(self.run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get("train_loss_epoch", 0)
-        finished = state.reached_max_steps() or (config.num_epochs is not None and state.first_epoch + epochs >= config.num_epochs)
+        epochs = metric_counts(self.run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get(
+            "train_loss_epoch", 0
+        )
+        finished = state.reached_max_steps() or (
+            config.num_epochs is not None and state.first_epoch + epochs >= config.num_epochs
+        )
         return TrainResult(
             metrics=metrics_recorded_since(self.run_history, state.metric_counts_at_start),
             best_metric_name=None if monitor is None else monitor.watch_metric,

@@ -19,6 +19,7 @@ from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
 # Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
 _PLAIN_TORCH_STEP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
+
 # Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
 def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
     """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
@@ -176,7 +177,6 @@ class ProcessAgreement:
             else:  # a collective itself: the first agreement point is the same on every process
                 self._group = torch.distributed.new_group(backend="gloo")
         return self._group
-
 
 
 def release_prepared(accelerator: Accelerator) -> None:

@@ -23,9 +23,15 @@ from pytorch_accel_trainer.schedulers.scheduler_base import (
 
 #: The settings in :meth:`CosineLrScheduler.state_dict`, each an attribute of the same name.
 _SETTING_KEYS = (
-    "total_iterations", "lr_min_ratio", "lr_min", "warmup_iterations", "warmup_lr_init", "warmup_lr_ratio", "k_decay",
+    "total_iterations",
+    "lr_min_ratio",
+    "lr_min",
+    "warmup_iterations",
+    "warmup_lr_init",
+    "warmup_lr_ratio",
+    "k_decay",
     "num_cooldown_iterations",
-)  # fmt: skip
+)
 _STATE_KEYS = (*_SETTING_KEYS, "num_updates", "base_lr_values")
 
 
@@ -94,12 +100,17 @@ class CosineLrScheduler(StatefulSchedulerBase):
                 the schedule.
         """
         _validate_cosine_arguments(
-            allow_placeholder=False, total_num_epochs=total_num_epochs,
-            num_update_steps_per_epoch=num_update_steps_per_epoch, k_decay=k_decay, lr_min=lr_min,
-            min_lr_ratio=min_lr_ratio, num_warmup_epochs=num_warmup_epochs,
-            warmup_starting_lr=warmup_starting_lr, warmup_starting_lr_ratio=warmup_starting_lr_ratio,
+            allow_placeholder=False,
+            total_num_epochs=total_num_epochs,
+            num_update_steps_per_epoch=num_update_steps_per_epoch,
+            k_decay=k_decay,
+            lr_min=lr_min,
+            min_lr_ratio=min_lr_ratio,
+            num_warmup_epochs=num_warmup_epochs,
+            warmup_starting_lr=warmup_starting_lr,
+            warmup_starting_lr_ratio=warmup_starting_lr_ratio,
             num_cooldown_epochs=num_cooldown_epochs,
-        )  # fmt: skip
+        )
         if num_warmup_epochs + num_cooldown_epochs > total_num_epochs:
             raise SchedulerArgumentError(
                 f"num_warmup_epochs={num_warmup_epochs} and num_cooldown_epochs={num_cooldown_epochs} are longer than "
@@ -166,11 +177,16 @@ class CosineLrScheduler(StatefulSchedulerBase):
                           create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1))
         """
         arguments = {
-            "total_num_epochs": total_num_epochs, "num_update_steps_per_epoch": num_update_steps_per_epoch,
-            "k_decay": k_decay, "lr_min": lr_min, "min_lr_ratio": min_lr_ratio, "num_warmup_epochs": num_warmup_epochs,
-            "warmup_starting_lr": warmup_starting_lr, "warmup_starting_lr_ratio": warmup_starting_lr_ratio,
+            "total_num_epochs": total_num_epochs,
+            "num_update_steps_per_epoch": num_update_steps_per_epoch,
+            "k_decay": k_decay,
+            "lr_min": lr_min,
+            "min_lr_ratio": min_lr_ratio,
+            "num_warmup_epochs": num_warmup_epochs,
+            "warmup_starting_lr": warmup_starting_lr,
+            "warmup_starting_lr_ratio": warmup_starting_lr_ratio,
             "num_cooldown_epochs": num_cooldown_epochs,
-        }  # fmt: skip
+        }
         _validate_cosine_arguments(allow_placeholder=True, **arguments)
         return partial(create_stepped_once, cls, **arguments)
 

@@ -31,9 +31,15 @@ def is_placeholder(value: Any) -> bool:
 
 
 def validate_number(
-    name: str, value: Any, minimum: float = 0, maximum: float | None = None, whole: bool = False,
-    above_minimum: bool = False, allow_none: bool = False, allow_placeholder: bool = False,
-) -> None:  # fmt: skip
+    name: str,
+    value: Any,
+    minimum: float = 0,
+    maximum: float | None = None,
+    whole: bool = False,
+    above_minimum: bool = False,
+    allow_none: bool = False,
+    allow_placeholder: bool = False,
+) -> None:
     """Refuse ``value`` for the argument ``name`` unless it is a number in ``[minimum, maximum]``.
 
     Args:

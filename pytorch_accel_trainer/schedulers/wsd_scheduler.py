@@ -24,15 +24,26 @@ from pytorch_accel_trainer.schedulers.scheduler_base import (
 
 #: The settings that shape the schedule, each an attribute of the same name; a continuation keeps the saved ones.
 _SHAPE_KEYS = (
-    "num_warmup_steps", "decay_phase_ratio", "lr_min", "warmup_starting_lr", "use_inverse_sqrt_decay",
-    "num_checkpoints", "base_lr_values", "param_group_field",
-)  # fmt: skip
+    "num_warmup_steps",
+    "decay_phase_ratio",
+    "lr_min",
+    "warmup_starting_lr",
+    "use_inverse_sqrt_decay",
+    "num_checkpoints",
+    "base_lr_values",
+    "param_group_field",
+)
 #: The keys of :meth:`WSDLrScheduler.state_dict` (``checkpoint_steps`` and ``checkpoint_decay_info`` are
 #: recomputed from the settings when loaded).
 _STATE_KEYS = (
-    *_SHAPE_KEYS, "total_steps", "is_continuation_from_checkpoint", "previous_checkpoint_step", "checkpoint_steps",
-    "checkpoint_decay_info", "num_updates",
-)  # fmt: skip
+    *_SHAPE_KEYS,
+    "total_steps",
+    "is_continuation_from_checkpoint",
+    "previous_checkpoint_step",
+    "checkpoint_steps",
+    "checkpoint_decay_info",
+    "num_updates",
+)
 
 
 def estimate_checkpoint_steps(total_steps: int, num_checkpoints: int = 3) -> list[int]:
@@ -159,11 +170,18 @@ class WSDLrScheduler(StatefulSchedulerBase):
             SchedulerArgumentError: an argument is out of range (the message says which and how to fix it).
         """
         _validate_wsd_arguments(
-            allow_placeholder=False, num_epochs=num_epochs, num_update_steps_per_epoch=num_update_steps_per_epoch,
-            total_steps=total_steps, num_warmup_steps=num_warmup_steps, decay_phase_ratio=decay_phase_ratio,
-            lr_min=lr_min, warmup_starting_lr=warmup_starting_lr, use_inverse_sqrt_decay=use_inverse_sqrt_decay,
-            num_checkpoints=num_checkpoints, is_continuation_from_checkpoint=is_continuation_from_checkpoint,
-        )  # fmt: skip
+            allow_placeholder=False,
+            num_epochs=num_epochs,
+            num_update_steps_per_epoch=num_update_steps_per_epoch,
+            total_steps=total_steps,
+            num_warmup_steps=num_warmup_steps,
+            decay_phase_ratio=decay_phase_ratio,
+            lr_min=lr_min,
+            warmup_starting_lr=warmup_starting_lr,
+            use_inverse_sqrt_decay=use_inverse_sqrt_decay,
+            num_checkpoints=num_checkpoints,
+            is_continuation_from_checkpoint=is_continuation_from_checkpoint,
+        )
         total_steps = _resolve_total_steps(num_epochs, num_update_steps_per_epoch, total_steps)
         if num_warmup_steps is None:
             num_warmup_steps = int(0.01 * total_steps)
@@ -364,11 +382,15 @@ class WSDLrScheduler(StatefulSchedulerBase):
                           create_scheduler_fn=WSDLrScheduler.create_scheduler_fn(num_warmup_epochs=1))
         """
         arguments = {
-            "num_epochs": total_num_epochs, "num_update_steps_per_epoch": num_update_steps_per_epoch,
-            "decay_phase_ratio": decay_phase_ratio, "lr_min": lr_min, "warmup_starting_lr": warmup_starting_lr,
-            "use_inverse_sqrt_decay": use_inverse_sqrt_decay, "num_checkpoints": num_checkpoints,
+            "num_epochs": total_num_epochs,
+            "num_update_steps_per_epoch": num_update_steps_per_epoch,
+            "decay_phase_ratio": decay_phase_ratio,
+            "lr_min": lr_min,
+            "warmup_starting_lr": warmup_starting_lr,
+            "use_inverse_sqrt_decay": use_inverse_sqrt_decay,
+            "num_checkpoints": num_checkpoints,
             "is_continuation_from_checkpoint": is_continuation_from_checkpoint,
-        }  # fmt: skip
+        }
         _validate_wsd_arguments(allow_placeholder=True, num_warmup_epochs=num_warmup_epochs, **arguments)
         num_warmup_steps = None if num_warmup_epochs is None else num_update_steps_per_epoch * num_warmup_epochs
         return partial(create_stepped_once, cls, num_warmup_steps=num_warmup_steps, **arguments)

@@ -21,13 +21,25 @@ from typing import Any, Optional
 
 import torch
 
+from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import training_state
 from pytorch_accel_trainer.state.checkpointing import reporting_out_of_space, validate_plain
-from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state.files import (
-    MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, TRAINER_FILE, default_state_name, inner_optimizer, rank_file,
-    save_tensors_file, unused_folder_name, write_bytes_file, extra_model_file, extra_optimizer_classes, extra_optimizer_file,
-)  # fmt: skip
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    TRAINER_FILE,
+    default_state_name,
+    extra_model_file,
+    extra_optimizer_classes,
+    extra_optimizer_file,
+    inner_optimizer,
+    rank_file,
+    save_tensors_file,
+    unused_folder_name,
+    write_bytes_file,
+)
 
 
 def validate_asynchronous_save(accelerator) -> None:
@@ -126,9 +138,15 @@ def _extra_contents(trainer) -> dict:
 
 
 def stage_training_state(
-    trainer, parent: Path, position, run_facts: dict, kinds=("rolling",), checkpoint_kwargs: Optional[dict] = None,
-    max_rolling: Optional[int] = None, name: Optional[str] = None,
-) -> StagedState:  # fmt: skip
+    trainer,
+    parent: Path,
+    position,
+    run_facts: dict,
+    kinds=("rolling",),
+    checkpoint_kwargs: Optional[dict] = None,
+    max_rolling: Optional[int] = None,
+    name: Optional[str] = None,
+) -> StagedState:
     """Copy the trainer's training state to host memory (a single process); the loop stalls only for this."""
     accelerator = trainer.accelerator
     validate_asynchronous_save(accelerator)
@@ -180,7 +198,9 @@ def write_staged_state(staged: StagedState) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     temporary = training_state.begin_save(final)
     checksums = {}
-    with reporting_out_of_space(temporary, final, "the training state", f"the earlier states in {final.parent} are unchanged"):
+    with reporting_out_of_space(
+        temporary, final, "the training state", f"the earlier states in {final.parent} are unchanged"
+    ):
         for name, content in staged.files.items():  # the rank file first, the trainer file last, as a synchronous save
             training_state._crash_point(f"write:{name}")
             if isinstance(content, SafetensorsContent):

@@ -153,7 +153,9 @@ def reporting_out_of_space(temporary: Path, target: Path, what: str, kept: str):
         if not _is_out_of_space(error, temporary.parent):
             raise
         if temporary.is_dir() and not temporary.is_symlink():
-            shutil.rmtree(temporary, ignore_errors=True)  # before measuring: the partial files are not the user's to free
+            shutil.rmtree(
+                temporary, ignore_errors=True
+            )  # before measuring: the partial files are not the user's to free
         else:
             temporary.unlink(missing_ok=True)
         raise OSError(
@@ -202,7 +204,9 @@ def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
     """Load a checkpoint on the CPU, without ever unpickling arbitrary objects."""
     path = Path(checkpoint_path)
     if not path.is_file():
-        raise FileNotFoundError(f"No checkpoint file at {str(path)!r}: check the path (a file written by save_checkpoint).")
+        raise FileNotFoundError(
+            f"No checkpoint file at {str(path)!r}: check the path (a file written by save_checkpoint)."
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -221,4 +225,3 @@ def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
             "Trainer.save_checkpoint."
         )
     return checkpoint
-

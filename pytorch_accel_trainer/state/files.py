@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import zlib
 import re
 import stat
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -101,7 +101,13 @@ def default_state_name(num_update_steps_completed: int) -> str:
 
 def validate_state_name(name: str) -> None:
     """Refuse a state folder name that is not one plain folder name (a path, a temporary's or ``latest``)."""
-    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..", LATEST_NAME) or name.startswith(TEMPORARY_PREFIX):
+    if (
+        not isinstance(name, str)
+        or not name
+        or Path(name).name != name
+        or name in (".", "..", LATEST_NAME)
+        or name.startswith(TEMPORARY_PREFIX)
+    ):
         raise ValueError(
             f"name={name!r} is not a training-state folder name: pass one plain folder name (no '/', not "
             f"{LATEST_NAME!r}, not starting with {TEMPORARY_PREFIX!r}), e.g. 'epoch_5'; the folder is made under output_dir."
@@ -112,9 +118,10 @@ def state_folders(parent: Path) -> list[Path]:
     """The folders of ``parent`` that are training states: named as the trainer names them, or holding a manifest
     (a state saved under a name of the user's); links to folders included (to report them)."""
     return sorted(
-        path for path in parent.iterdir()
+        path
+        for path in parent.iterdir()
         if path.is_dir() and (is_state_name(path.name) or (path / MANIFEST_NAME).is_file())
-    )  # fmt: skip
+    )
 
 
 def temporary_folder(final_folder: Path) -> Path:
@@ -256,7 +263,9 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
         descriptor = os.open(path, _OPEN_FLAGS)
     except OSError as error:
         if os.path.islink(path):
-            raise DamagedStateError(f"{path}: a symbolic link; a state's files must be regular files in its folder") from error
+            raise DamagedStateError(
+                f"{path}: a symbolic link; a state's files must be regular files in its folder"
+            ) from error
         raise
     status = os.fstat(descriptor)
     if not stat.S_ISREG(status.st_mode):
@@ -396,7 +405,9 @@ def validate_position(position) -> None:
 
 def _validate_files(files, algorithm: str = "sha256") -> None:
     if not isinstance(files, dict):
-        raise DamagedStateError(f"files is a {type(files).__name__}; it must map each file name to its size and {algorithm}")
+        raise DamagedStateError(
+            f"files is a {type(files).__name__}; it must map each file name to its size and {algorithm}"
+        )
     pattern = _DIGEST_PATTERNS[algorithm]
     for name, entry in files.items():
         validate_file_name(name)
@@ -535,9 +546,11 @@ def write_extra_files(models: dict, optimizers: dict, folder: Path) -> dict:
         save_model(model, str(folder / extra_model_file(name)))
         fsync_path(folder / extra_model_file(name))
     return {
-        extra_optimizer_file(name): save_tensors_file(inner_optimizer(optimizer).state_dict(), folder / extra_optimizer_file(name))
+        extra_optimizer_file(name): save_tensors_file(
+            inner_optimizer(optimizer).state_dict(), folder / extra_optimizer_file(name)
+        )
         for name, optimizer in optimizers.items()
-    }  # fmt: skip
+    }
 
 
 def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
@@ -547,7 +560,9 @@ def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
     if saved == registered:
         return None
     lost = [f"{name!r} is not in it (it would keep its current state)" for name in registered if name not in saved]
-    lost += [f"{name!r} is not registered (its saved state would be dropped)" for name in saved if name not in registered]
+    lost += [
+        f"{name!r} is not registered (its saved state would be dropped)" for name in saved if name not in registered
+    ]
     return f"it holds the extra {kind} {saved}, but this trainer has {registered}: {'; '.join(lost)}"
 
 

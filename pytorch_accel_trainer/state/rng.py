@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 
-
 def capture_rng_state() -> dict:
     """Return the state of every RNG of this process: torch, CUDA, numpy and ``random``."""
     numpy_state = np.random.get_state()

@@ -17,27 +17,58 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 import shutil
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
 
-from pytorch_accel_trainer.state.checkpointing import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
 from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
-from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
+from pytorch_accel_trainer.state.checkpointing import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
 from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names are re-exported: they were always here)
-    CHECKSUM, CHECKSUM_NAMES, CHECKSUMS, FORMAT_VERSION, LATEST_NAME, READABLE_FORMAT_VERSIONS, MANIFEST_NAME, MODEL_FILE, OPTIMIZER_FILE, SCALER_FILE, SCHEDULER_FILE, STATE_PREFIX,
-    TEMPORARY_PREFIX, TRAINER_FILE, WRITER_MARKER_PREFIX, DamagedStateError, StoredState, chunked_crc32, describe_changes,
-    describe_optimizer_mismatch, file_digest, folder_writer, fsync_path, inner_optimizer, is_real_directory, rank_file,
-    describe_extras_mismatch, extra_optimizer_classes, load_extra_files, write_extra_files,
-    read_small_text, save_tensors_file, default_state_name, state_folders, temporary_folder, unused_folder_name, validate_manifest,
+    CHECKSUM,
+    CHECKSUM_NAMES,
+    CHECKSUMS,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    READABLE_FORMAT_VERSIONS,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    STATE_PREFIX,
+    TEMPORARY_PREFIX,
+    TRAINER_FILE,
+    WRITER_MARKER_PREFIX,
+    DamagedStateError,
+    StoredState,
+    chunked_crc32,
+    default_state_name,
+    describe_changes,
+    describe_extras_mismatch,
+    describe_optimizer_mismatch,
+    extra_optimizer_classes,
+    file_digest,
+    folder_writer,
+    fsync_path,
+    inner_optimizer,
+    is_real_directory,
+    load_extra_files,
+    rank_file,
+    read_small_text,
+    save_tensors_file,
+    state_folders,
+    temporary_folder,
+    unused_folder_name,
+    validate_manifest,
+    write_extra_files,
     write_text_atomically,
-)  # fmt: skip
-
+)
+from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
 
 #: Reads back the checksum of a file another library wrote, while this thread writes the next (threads start lazily).
 _CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-crc")
@@ -115,7 +146,10 @@ def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, chec
             continue
         _crash_point(f"hash:{path.name}")
         known = checksums.get(path.name)
-        size, digest = file_digest(path, algorithm=CHECKSUM) if known is None else getattr(known, "result", lambda: known)()
+        if known is None:
+            size, digest = file_digest(path, algorithm=CHECKSUM)
+        else:  # a (size, digest) pair, or a future of one
+            size, digest = known.result() if hasattr(known, "result") else known
         files[path.name] = {"size": size, CHECKSUM: digest}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
     _crash_point("manifest")
@@ -204,9 +238,13 @@ def _file_problem(path: Path, expected: dict, algorithm: str, check) -> Optional
     except OSError as error:
         return _chained(CheckpointError(f"{path}: cannot be read ({error.strerror})."), error)
     if size != expected["size"]:
-        return CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
+        return CheckpointError(
+            f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered)."
+        )
     if digest != expected[algorithm]:
-        return CheckpointError(f"{path}: its {CHECKSUM_NAMES[algorithm]} does not match the manifest (the file is corrupted or altered).")
+        return CheckpointError(
+            f"{path}: its {CHECKSUM_NAMES[algorithm]} does not match the manifest (the file is corrupted or altered)."
+        )
     return None
 
 
@@ -306,7 +344,9 @@ def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] 
     try:
         states = list_complete_states(parent)
     except OSError as error:
-        warnings.warn(f"Could not list {parent} to prune its training states ({error}); none was deleted.", stacklevel=2)
+        warnings.warn(
+            f"Could not list {parent} to prune its training states ({error}); none was deleted.", stacklevel=2
+        )
         return []
     rolling = [state for state in states if "rolling" in state.kinds]
     best = [state for state in states if "best" in state.kinds]
@@ -326,7 +366,9 @@ def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] 
             try:
                 shutil.rmtree(state.folder)  # refuses a link, and never follows one inside the folder
             except OSError as error:
-                warnings.warn(f"Could not prune the training state {state.folder} ({error}); it is left in place.", stacklevel=2)
+                warnings.warn(
+                    f"Could not prune the training state {state.folder} ({error}); it is left in place.", stacklevel=2
+                )
                 continue
             deleted.append(state.folder)
     return deleted
@@ -341,7 +383,9 @@ def load_tensors_file(path: Path) -> Any:
     except pickle.UnpicklingError as error:
         raise CheckpointError(f"{path}: holds objects that only pickle can rebuild; refused ({error}).") from error
     except (RuntimeError, EOFError, ValueError) as error:
-        raise CheckpointError(f"{path}: not a readable torch file ({error}); the state was damaged or altered.") from error
+        raise CheckpointError(
+            f"{path}: not a readable torch file ({error}); the state was damaged or altered."
+        ) from error
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,9 +433,15 @@ def _callback_states(callbacks: Iterable) -> dict:
 
 
 def write_training_state(
-    trainer, parent: Path, position: ResumePosition, run_facts: dict, kinds: Iterable[str] = ("rolling",),
-    checkpoint_kwargs: Optional[dict] = None, max_rolling: Optional[int] = None, name: Optional[str] = None,
-) -> Path:  # fmt: skip
+    trainer,
+    parent: Path,
+    position: ResumePosition,
+    run_facts: dict,
+    kinds: Iterable[str] = ("rolling",),
+    checkpoint_kwargs: Optional[dict] = None,
+    max_rolling: Optional[int] = None,
+    name: Optional[str] = None,
+) -> Path:
     """Write the trainer's full training state under ``parent`` (as ``name``, if given, else
     ``checkpoint-<updates>``; ``-2``... when taken); every process must call this.
 
@@ -403,8 +453,12 @@ def write_training_state(
     """
     from safetensors.torch import save_file, save_model
 
-    from pytorch_accel_trainer.parallel.sharded import get_full_model_state_dict, get_full_optimizer_state_dict, is_fsdp
-    from pytorch_accel_trainer.parallel.sharded import validate_training_state_supported
+    from pytorch_accel_trainer.parallel.sharded import (
+        get_full_model_state_dict,
+        get_full_optimizer_state_dict,
+        is_fsdp,
+        validate_training_state_supported,
+    )
 
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
@@ -428,9 +482,15 @@ def write_training_state(
         begin_save(final)
     accelerator.wait_for_everyone()
     temporary = temporary_folder(final)
-    with reporting_out_of_space(temporary, final, "the training state", f"the earlier states in {parent} are unchanged"):
+    with reporting_out_of_space(
+        temporary, final, "the training state", f"the earlier states in {parent} are unchanged"
+    ):
         _crash_point(f"write:{rank_file(accelerator.process_index)}")
-        checksums = {rank_file(accelerator.process_index): save_tensors_file(rank_state, temporary / rank_file(accelerator.process_index))}
+        checksums = {
+            rank_file(accelerator.process_index): save_tensors_file(
+                rank_state, temporary / rank_file(accelerator.process_index)
+            )
+        }
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             _crash_point(f"write:{MODEL_FILE}")
@@ -445,7 +505,13 @@ def write_training_state(
             _crash_point(f"write:{OPTIMIZER_FILE}")
             optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
             checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
-            checksums.update(write_extra_files({name: trainer.get_extra_model(name) for name in trainer.extra_models}, trainer.extra_optimizers, temporary))  # fmt: skip
+            checksums.update(
+                write_extra_files(
+                    {name: trainer.get_extra_model(name) for name in trainer.extra_models},
+                    trainer.extra_optimizers,
+                    temporary,
+                )
+            )
             if trainer.scheduler is not None:
                 _crash_point(f"write:{SCHEDULER_FILE}")
                 scheduler_state = trainer.scheduler.state_dict()
@@ -466,7 +532,10 @@ def write_training_state(
                 },
                 temporary / TRAINER_FILE,
             )
-            manifest_fields = {"num_update_steps_completed": trainer.num_update_steps_completed, "position": asdict(position)}
+            manifest_fields = {
+                "num_update_steps_completed": trainer.num_update_steps_completed,
+                "position": asdict(position),
+            }
             manifest_fields.update(world_size=accelerator.num_processes, kinds=sorted(set(kinds)), run_facts=run_facts)
             finish_save(temporary, final, manifest_fields, checksums)
             prune_states(parent, max_rolling, keep=[final])
@@ -485,13 +554,19 @@ def _load_trainer_file(stored: StoredState) -> dict:
         stored.manifest["position"],
         stored.manifest["num_update_steps_completed"],
     ) or not (isinstance(shared["run_facts"], dict) and isinstance(shared["checkpoint_kwargs"], dict)):
-        raise CheckpointError(f"{path}: its position, update count or settings disagree with {MANIFEST_NAME}; it was altered.")
+        raise CheckpointError(
+            f"{path}: its position, update count or settings disagree with {MANIFEST_NAME}; it was altered."
+        )
     return shared
 
 
 def _load_rank_file(path: Path) -> dict:
     rank_state = load_tensors_file(path)
-    if not isinstance(rank_state, dict) or not isinstance(rank_state.get("callbacks"), dict) or not {"rng", "train_loss_tracker"} <= set(rank_state):  # fmt: skip
+    if (
+        not isinstance(rank_state, dict)
+        or not isinstance(rank_state.get("callbacks"), dict)
+        or not {"rng", "train_loss_tracker"} <= set(rank_state)
+    ):
         raise CheckpointError(f"{path}: not a process's state (rng, train_loss_tracker, callbacks); it was altered.")
     return rank_state
 
@@ -527,7 +602,11 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         run_facts: the current run's settings, compared with the saved ones; ``None`` skips the comparison.
         allow_changes: resume even when a setting differs.
     """
-    from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_optimizer_state_dict, validate_training_state_supported
+    from pytorch_accel_trainer.parallel.sharded import (
+        is_fsdp,
+        load_full_optimizer_state_dict,
+        validate_training_state_supported,
+    )
 
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
@@ -543,11 +622,17 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
             )
     rank = accelerator.process_index
     if rank_file(rank) not in listed:
-        raise CheckpointError(f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes).")
+        raise CheckpointError(
+            f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes)."
+        )
     rank_state = _load_rank_file(folder / rank_file(rank))
-    extras_mismatch = describe_extras_mismatch(listed, trainer.extra_models, trainer.extra_optimizers)  # before any load
+    extras_mismatch = describe_extras_mismatch(
+        listed, trainer.extra_models, trainer.extra_optimizers
+    )  # before any load
     if extras_mismatch is not None:
-        raise CheckpointError(f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was saved with (add_model, before train()), or start a new run.")  # fmt: skip
+        raise CheckpointError(
+            f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was saved with (add_model, before train()), or start a new run."
+        )
     _load_weights(trainer, folder / MODEL_FILE)
     has_scheduler_file = SCHEDULER_FILE in listed
     if run_facts is None and trainer.scheduler is None:
@@ -567,9 +652,16 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         )
     load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
     try:  # the extra models of add_model, and their optimizers
-        load_extra_files(folder, {name: trainer.get_extra_model(name) for name in trainer.extra_models}, trainer.extra_optimizers, shared.get("extra_optimizer_classes"))  # fmt: skip
+        load_extra_files(
+            folder,
+            {name: trainer.get_extra_model(name) for name in trainer.extra_models},
+            trainer.extra_optimizers,
+            shared.get("extra_optimizer_classes"),
+        )
     except ValueError as error:  # DamagedStateError included
-        raise CheckpointError(f"{error}; resume with the extra models and optimizers the state was saved with.") from error
+        raise CheckpointError(
+            f"{error}; resume with the extra models and optimizers the state was saved with."
+        ) from error
     if has_scheduler_file:
         trainer.scheduler.load_state_dict(load_tensors_file(folder / SCHEDULER_FILE))
     if SCALER_FILE in listed and accelerator.scaler is not None:

@@ -24,7 +24,19 @@ REQUIRED_PASS_RATE = 0.90
 
 def download_sdist(folder):
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", PEER, "-d", str(folder)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            PEER,
+            "-d",
+            str(folder),
+        ],
         check=True,
     )
     return next(Path(folder).glob("pytorch_accelerated-*.tar.gz"))
@@ -49,9 +61,24 @@ def main():
         sdist = args.sdist or download_sdist(folder)
         root = renamed_test_folder(sdist, folder)
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rf", "--rootdir", str(root),
-             "-c", "/dev/null", "test", *pytest_args],
-            cwd=root, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "-rf",
+                "--rootdir",
+                str(root),
+                "-c",
+                "/dev/null",
+                "test",
+                *pytest_args,
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
         )
     print(result.stdout[-20000:], result.stderr[-5000:], sep="\n")
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

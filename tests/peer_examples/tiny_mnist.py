@@ -21,7 +21,7 @@ _STORED_IMAGES = 1000
 class MNIST(Dataset):
     """Takes torchvision's ``MNIST`` arguments; ``root`` and ``download`` are ignored (nothing is read or fetched)."""
 
-    classes: ClassVar[list] = ["0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight", "9 - nine"]  # fmt: skip
+    classes: ClassVar[list] = ["0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven", "8 - eight", "9 - nine"]
 
     def __init__(self, root=None, train: bool = True, transform=None, target_transform=None, download: bool = False):
         generator = torch.Generator().manual_seed(0 if train else 1)

@@ -11,4 +11,9 @@ torch.manual_seed(0)
 model = nn.Linear(1, 1)
 trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1))
 batch_size = 8 // trainer.accelerator.num_processes  # the same global batch of 8
-trainer.train(TensorDataset(x, 2 * x + 3), num_epochs=2, eval_dataset=TensorDataset(x, 2 * x + 3), per_device_batch_size=batch_size)
+trainer.train(
+    TensorDataset(x, 2 * x + 3),
+    num_epochs=2,
+    eval_dataset=TensorDataset(x, 2 * x + 3),
+    per_device_batch_size=batch_size,
+)

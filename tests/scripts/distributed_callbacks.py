@@ -35,15 +35,23 @@ def main(output_path: str, per_device_batch_size: int, tracking_dir: str) -> Non
     ]
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.02), callbacks=callbacks)
     trainer.train(
-        _data(32, 0), num_epochs=30, eval_dataset=_data(16, 1), per_device_batch_size=per_device_batch_size,
+        _data(32, 0),
+        num_epochs=30,
+        eval_dataset=_data(16, 1),
+        per_device_batch_size=per_device_batch_size,
         train_dataloader_kwargs={"shuffle": False},
-    )  # fmt: skip
+    )
     epochs_run = len(trainer.run_history.get_metric_values("eval_loss_epoch"))
     epochs_by_rank = trainer.gather(torch.tensor([epochs_run])).tolist()
 
     torch.manual_seed(0)
     bn_model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
-    bn_trainer = Trainer(bn_model, nn.MSELoss(), torch.optim.SGD(bn_model.parameters(), lr=0.02), callbacks=[ConvertSyncBatchNormCallback])
+    bn_trainer = Trainer(
+        bn_model,
+        nn.MSELoss(),
+        torch.optim.SGD(bn_model.parameters(), lr=0.02),
+        callbacks=[ConvertSyncBatchNormCallback],
+    )
     try:
         bn_trainer.train(_data(32, 0), num_epochs=1, per_device_batch_size=per_device_batch_size)
         sync_batch_norm_error = None
@@ -57,7 +65,9 @@ def main(output_path: str, per_device_batch_size: int, tracking_dir: str) -> Non
             "eval_loss": trainer.run_history.get_metric_values("eval_loss_epoch"),
             "mse": trainer.run_history.get_metric_values("mse"),
             "sync_batch_norm_error": sync_batch_norm_error,
-            "batch_norm_types": sorted({type(m).__name__ for m in bn_trainer.model.modules() if "BatchNorm" in type(m).__name__}),
+            "batch_norm_types": sorted(
+                {type(m).__name__ for m in bn_trainer.model.modules() if "BatchNorm" in type(m).__name__}
+            ),
         }
         with open(output_path, "w") as handle:
             json.dump(result, handle)

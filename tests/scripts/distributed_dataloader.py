@@ -38,11 +38,15 @@ def main(output_path, batch_size):
     result = trainer.train(DataLoader(dataset, batch_size=batch_size, shuffle=False), num_epochs=2)
     if trainer.accelerator.is_main_process:
         per_epoch = [torch.cat(batches).tolist() for batches in seen.epochs]
-        json.dump({
-            "indices_seen": len(per_epoch[0]), "distinct_per_epoch": [len(set(epoch)) for epoch in per_epoch],
-            "weights": trainer.model.weight.flatten().tolist() + trainer.model.bias.tolist(),
-            "num_samples": result.num_samples,
-        }, open(output_path, "w"))  # fmt: skip
+        json.dump(
+            {
+                "indices_seen": len(per_epoch[0]),
+                "distinct_per_epoch": [len(set(epoch)) for epoch in per_epoch],
+                "weights": trainer.model.weight.flatten().tolist() + trainer.model.bias.tolist(),
+                "num_samples": result.num_samples,
+            },
+            open(output_path, "w"),
+        )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ class OnOneRank(TrainerCallback):
         self.mode, self.rank, self.after_updates = mode, rank, after_updates
 
     def _due(self, trainer):
-        return trainer._accelerator.process_index == self.rank and trainer.num_update_steps_completed >= self.after_updates
+        return (
+            trainer._accelerator.process_index == self.rank and trainer.num_update_steps_completed >= self.after_updates
+        )
 
     def on_train_step_end(self, trainer, **kwargs):
         if self.mode == "stop_step" and self._due(trainer):
@@ -53,9 +55,13 @@ def run(mode):
     trainer_class = NaNOnOneRank if mode == "nan" else Trainer
     trainer = trainer_class(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=callbacks)
     trainer.train(
-        TensorDataset(x, y), num_epochs=3, eval_dataset=TensorDataset(x, y), per_device_batch_size=4,
-        max_num_train_steps=7 if mode == "max_steps" else None, train_dataloader_kwargs={"shuffle": False},
-    )  # fmt: skip
+        TensorDataset(x, y),
+        num_epochs=3,
+        eval_dataset=TensorDataset(x, y),
+        per_device_batch_size=4,
+        max_num_train_steps=7 if mode == "max_steps" else None,
+        train_dataloader_kwargs={"shuffle": False},
+    )
     parameters = torch.cat([p.detach().flatten() for p in trainer.get_model().parameters()])
     return {
         "num_processes": trainer.run_config.num_processes,

@@ -56,7 +56,9 @@ def main(output_path):
         model.weight.copy_(torch.tensor([[1.0, 0.5]]))
         model.bias.zero_()
     gather_rows = GatherRows()
-    metrics = MetricCollectionCallback({"mae": MeanAbsoluteError()}, lambda batch, out: (out["model_outputs"], batch[1]))
+    metrics = MetricCollectionCallback(
+        {"mae": MeanAbsoluteError()}, lambda batch, out: (out["model_outputs"], batch[1])
+    )
     trainer = Trainer(model, nn.MSELoss(), optimizer=None, callbacks=[gather_rows, metrics])
     results = {}
     for kind in KINDS:

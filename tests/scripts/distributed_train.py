@@ -48,11 +48,17 @@ def main(output_path: str, per_device_batch_size: int, accumulation: int, loss_k
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     trainer_class = Trainer if loss_kind == "samples" else TokenTrainer
     TokenTrainer.with_items = loss_kind == "tokens"  # "tokens_unweighted": the same loss without the key
-    trainer = trainer_class(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=DEFAULT_CALLBACKS)
+    trainer = trainer_class(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=DEFAULT_CALLBACKS
+    )
     trainer.train(
-        dataset, num_epochs=3, eval_dataset=dataset, per_device_batch_size=per_device_batch_size,
-        gradient_accumulation_steps=accumulation, train_dataloader_kwargs={"shuffle": False},
-    )  # fmt: skip
+        dataset,
+        num_epochs=3,
+        eval_dataset=dataset,
+        per_device_batch_size=per_device_batch_size,
+        gradient_accumulation_steps=accumulation,
+        train_dataloader_kwargs={"shuffle": False},
+    )
     trainer.save_checkpoint(output_path + ".pt")
     parameters = torch.cat([p.detach().flatten() for p in trainer.get_model().parameters()])
     gathered = trainer.gather(parameters.unsqueeze(0))

@@ -60,9 +60,13 @@ def main(config: dict) -> None:
     critic_optimizer = torch.optim.SGD(critic.parameters(), lr=0.05, momentum=0.9)
     trainer = CriticTrainer(model, critic, critic_optimizer, callbacks=callbacks)
     trainer.train(
-        dataset, num_epochs=3, per_device_batch_size=config["batch_size"], gradient_clip_norm=0.5,
-        train_dataloader_kwargs={"shuffle": False}, resume_from=config.get("save_dir"),
-    )  # fmt: skip
+        dataset,
+        num_epochs=3,
+        per_device_batch_size=config["batch_size"],
+        gradient_clip_norm=0.5,
+        train_dataloader_kwargs={"shuffle": False},
+        resume_from=config.get("save_dir"),
+    )
     parameters = torch.cat([p.detach().flatten() for p in critic.parameters()])
     gathered = trainer.gather(parameters.unsqueeze(0))
     result = {

@@ -144,9 +144,12 @@ def run_plugin_on_cpu(output: Path) -> dict:
 def run_single_process(output: Path, accumulation: int, clip_norm) -> dict:
     trainer = make_trainer(Trainer, seed=0)
     trainer.train(
-        make_data(), num_epochs=2, per_device_batch_size=8 // accumulation, gradient_accumulation_steps=accumulation,
+        make_data(),
+        num_epochs=2,
+        per_device_batch_size=8 // accumulation,
+        gradient_accumulation_steps=accumulation,
         gradient_clip_norm=clip_norm,
-    )  # fmt: skip
+    )
     engine = getattr(trainer._accelerator, "deepspeed_engine_wrapped", None)
     return {
         "distributed_type": trainer._accelerator.distributed_type.value,

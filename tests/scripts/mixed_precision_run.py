@@ -49,8 +49,13 @@ def regression_data(num_samples: int, seed: int) -> TensorDataset:
 def make_trainer(mixed_precision, callbacks=()) -> Trainer:
     torch.manual_seed(0)
     model = RecordingMLP()
-    return Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=callbacks,
-                   mixed_precision=mixed_precision)  # fmt: skip
+    return Trainer(
+        model,
+        nn.MSELoss(),
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        callbacks=callbacks,
+        mixed_precision=mixed_precision,
+    )
 
 
 def train_and_describe(trainer: Trainer, recorder: RecordDtypes) -> dict:

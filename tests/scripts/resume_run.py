@@ -99,7 +99,9 @@ def main(config):
     model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     callbacks = [
-        SaveTrainingStateCallback(config["save_dir"], save_every_n_steps=config.get("save_every", 1), max_checkpoints=3),
+        SaveTrainingStateCallback(
+            config["save_dir"], save_every_n_steps=config.get("save_every", 1), max_checkpoints=3
+        ),
         Kill(config.get("kill")),
     ]
     if config.get("sample_log"):
