@@ -226,7 +226,8 @@ def summarize_paired(paired_runs: dict) -> dict:
 
 def paired_table(summaries: dict) -> str:
     lines = [
-        "| row (same process as torch_loop) | × torch_loop, median of pairs | min–max | row µs/step | torch_loop µs/step | trained |",
+        "| row (same process as torch_loop) | × torch_loop, median of pairs | min–max "
+        "| row µs/step | torch_loop µs/step | trained |",
         "|---|---:|---:|---:|---:|:---:|",
     ]
     for row, summary in summaries.items():
@@ -236,8 +237,9 @@ def paired_table(summaries: dict) -> str:
         ratio, ours, base = summary["ratio"], summary["row_us_per_step"], summary["baseline_us_per_step"]
         digits = _step_digits(base["median"])
         lines.append(
-            f"| {row} | **{ratio['median']:.3f}** | {ratio['min']:.2f}–{ratio['max']:.2f} | {_fmt(ours['median'], digits)} "
-            f"| {_fmt(base['median'], digits)} | {'yes' if summary['trained'] else 'FAIL'} |"
+            f"| {row} | **{ratio['median']:.3f}** | {ratio['min']:.2f}–{ratio['max']:.2f} "
+            f"| {_fmt(ours['median'], digits)} | {_fmt(base['median'], digits)} "
+            f"| {'yes' if summary['trained'] else 'FAIL'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -175,7 +175,8 @@ def _validate_accelerator_kwargs(accelerator_kwargs: Any) -> None:
     for name in accelerator_kwargs:
         if name in TRAINER_ACCELERATOR_ARGUMENTS:
             raise ValueError(
-                f"accelerator_kwargs sets {name!r}, which the trainer sets itself: use {TRAINER_ACCELERATOR_ARGUMENTS[name]}."
+                f"accelerator_kwargs sets {name!r}, which the trainer sets itself: "
+                f"use {TRAINER_ACCELERATOR_ARGUMENTS[name]}."
             )
     accepted = set(inspect.signature(Accelerator).parameters)
     unknown = sorted(set(accelerator_kwargs) - accepted)
@@ -212,13 +213,15 @@ def validate_given_dataloaders(
             )
         if given and isinstance(item.sampler, DistributedSampler):
             raise ValueError(
-                f"{name} is a DataLoader with a DistributedSampler, which Accelerate would shard a second time (each "
-                "process would see 1/N of its share): build it with shuffle=True or a plain sampler; the trainer shards it."
+                f"{name} is a DataLoader with a DistributedSampler, which Accelerate would shard a second time "
+                "(each process would see 1/N of its share): build it with shuffle=True or a plain sampler; "
+                "the trainer shards it."
             )
         if given and kwargs is not None:
             raise ValueError(
-                f"{name} is a DataLoader, which is used as it is, so {kwargs_name}={kwargs!r} would be ignored: build "
-                f"the DataLoader with these arguments, or pass {name}=your_dataloader.dataset for the trainer to build one."
+                f"{name} is a DataLoader, which is used as it is, so {kwargs_name}={kwargs!r} would be ignored: "
+                f"build the DataLoader with these arguments, or pass {name}=your_dataloader.dataset "
+                "for the trainer to build one."
             )
     if collate_fn is not None and all(given or item is None for item, given in zip(data, is_dataloader)):
         raise ValueError(
@@ -228,9 +231,9 @@ def validate_given_dataloaders(
     batch_size = dataloader_batch_size(data[0]) if is_dataloader[0] else None
     if is_dataloader[0] and per_device_batch_size not in (DEFAULT_BATCH_SIZE, batch_size):
         raise ValueError(
-            f"{names[0]} is a DataLoader of batch size {batch_size}, but per_device_batch_size={per_device_batch_size}: "
-            f"the DataLoader's batch size is used. Leave per_device_batch_size out, or build the DataLoader with "
-            f"batch_size={per_device_batch_size}."
+            f"{names[0]} is a DataLoader of batch size {batch_size}, "
+            f"but per_device_batch_size={per_device_batch_size}: the DataLoader's batch size is used. "
+            f"Leave per_device_batch_size out, or build the DataLoader with batch_size={per_device_batch_size}."
         )
 
 
@@ -306,8 +309,9 @@ def validate_optimizer_parameters(optimizer: Any, model: torch.nn.Module) -> Non
 
     A parameter with ``requires_grad=False`` need not be held (``GradualUnfreezingCallback`` adds the ones it
     unfreezes), and the optimizer may hold more than the model's (a second model a subclass updates with it; a
-    second model with its own optimizer is registered with ``add_model``). An optimizer prepared by an earlier run is not checked again: DeepSpeed holds
-    flattened copies of the parameters. Compares parameter identities on the host: no device work.
+    second model with its own optimizer is registered with ``add_model``). An optimizer prepared by an earlier run is
+    not checked again: DeepSpeed holds flattened copies of the parameters. Compares parameter identities on the host:
+    no device work.
     """
     if isinstance(optimizer, AcceleratedOptimizer) or not hasattr(optimizer, "param_groups"):
         return  # prepared by an earlier run, when it was checked; or not a torch optimizer

@@ -71,7 +71,8 @@ def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist(tmp_
     trainer = make_trainer(make_linear(), callbacks=[SaveBestModelCallback(tmp_path / "m.pt", watch_metric="accuracy")])
     with pytest.raises(
         ValueError,
-        match=r"watches 'accuracy', which is not in the run history; the metrics recorded are \['eval_loss_epoch', 'train_loss_epoch'\]",
+        match=r"watches 'accuracy', which is not in the run history; "
+        r"the metrics recorded are \['eval_loss_epoch', 'train_loss_epoch'\]",
     ):
         trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
 

@@ -68,7 +68,8 @@ def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist():
     trainer = make_trainer(make_linear(), callbacks=[EarlyStoppingCallback()])
     with pytest.raises(
         ValueError,
-        match=r"watches 'eval_loss_epoch', which is not in the run history; the metrics recorded are \['train_loss_epoch'\]",
+        match=r"watches 'eval_loss_epoch', which is not in the run history; "
+        r"the metrics recorded are \['train_loss_epoch'\]",
     ):
         trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4)
 

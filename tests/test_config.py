@@ -202,7 +202,8 @@ def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
         ),
         (
             ["--scheduler.arguments.max_lrr", "0.1"],
-            r"scheduler.arguments: .* do not fit torch.optim.lr_scheduler.OneCycleLR .*unexpected keyword argument 'max_lrr'.*its arguments are \['max_lr'",
+            r"scheduler.arguments: .* do not fit torch.optim.lr_scheduler.OneCycleLR "
+            r".*unexpected keyword argument 'max_lrr'.*its arguments are \['max_lr'",
         ),
         (
             ["--scheduler.arguments.total_steps", "NUM_EPOCHS ** 2"],

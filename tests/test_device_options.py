@@ -18,7 +18,8 @@ def test_cpu_true_sets_accelerate_up_for_the_cpu_from_code():
         "from accelerate import PartialState\n"
         "from pytorch_accel_trainer import Trainer\n"
         "model = torch.nn.Linear(1, 1)\n"
-        "trainer = Trainer(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=(), cpu=True)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "trainer = Trainer(model, torch.nn.MSELoss(), optimizer, callbacks=(), cpu=True)\n"
         "assert PartialState()._cpu is True and trainer.device.type == 'cpu', PartialState()._cpu\n"
     )  # a fresh process: Accelerate's state is set up once per process, by its first Accelerator
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -40,13 +41,15 @@ def test_accelerator_kwargs_reach_the_accelerator(tmp_path):
     [
         (
             {"mixed_precision": "bf16"},
-            r"accelerator_kwargs sets 'mixed_precision', which the trainer sets itself: use Trainer\(mixed_precision=...\)",
+            r"accelerator_kwargs sets 'mixed_precision', which the trainer sets itself: "
+            r"use Trainer\(mixed_precision=...\)",
         ),
         ({"cpu": True}, r"accelerator_kwargs sets 'cpu', which the trainer sets itself: use Trainer\(cpu=True\)"),
         ({"gradient_accumulation_steps": 2}, r"use train\(gradient_accumulation_steps=...\)"),
         (
             {"log_witth": "tensorboard"},
-            r"accelerator_kwargs has \['log_witth'\], which accelerate.Accelerator does not take; it takes \[.*'log_with'",
+            r"accelerator_kwargs has \['log_witth'\], which accelerate.Accelerator does not take; "
+            r"it takes \[.*'log_with'",
         ),
     ],
 )
@@ -81,6 +84,7 @@ def test_hezars_full_precision_trains_in_float32_and_an_unknown_name_is_refused_
     assert trainer.run_config.mixed_precision == "no"
     with pytest.raises(
         ValueError,
-        match=r"mixed_precision='tf32' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) \(or a name of another trainer for them: \[.*'full'",
+        match=r"mixed_precision='tf32' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) "
+        r"\(or a name of another trainer for them: \[.*'full'",
     ):
         make_trainer(make_linear(), mixed_precision="tf32")

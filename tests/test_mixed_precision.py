@@ -139,8 +139,8 @@ def test_fp8_without_a_backend_is_an_error_that_leaves_the_process_usable(tmp_pa
 def test_an_unknown_mixed_precision_names_the_choices():
     with pytest.raises(
         ValueError,
-        match=r"^mixed_precision='fp64' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) \(or a name of another "
-        r"trainer for them: \[.*\]\), or None to take",
+        match=r"^mixed_precision='fp64' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) "
+        r"\(or a name of another trainer for them: \[.*\]\), or None to take",
     ):
         make_trainer(make_linear(), mixed_precision="fp64")
 

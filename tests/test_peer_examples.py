@@ -42,8 +42,11 @@ def _load(name: str) -> dict:
 
 
 def _printed_metric_names(output: str) -> list:
-    """The metric names printed, in order: from the epoch summary lines (``epoch 2/8 · 0.1s · train_loss_epoch: 0.5 · ...``)
-    and the evaluation line of the default console."""
+    """The metric names printed, in order.
+
+    From the epoch summary lines (``epoch 2/8 · 0.1s · train_loss_epoch: 0.5 · ...``) and the evaluation line of the
+    default console.
+    """
     return [
         part.split(": ")[0]
         for line in output.splitlines()

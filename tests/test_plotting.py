@@ -38,7 +38,8 @@ def test_plots_the_metrics_asked_for_and_refuses_unknown_ones(tmp_path, history)
     assert [ax.get_title() for ax in figure.axes] == ["eval_loss_epoch"]
     with pytest.raises(
         ValueError,
-        match=r"No metric named 'accuracy' in the run history; the metrics recorded are \['eval_loss_epoch', 'per_class', 'train_loss_epoch'\]",
+        match=r"No metric named 'accuracy' in the run history; "
+        r"the metrics recorded are \['eval_loss_epoch', 'per_class', 'train_loss_epoch'\]",
     ):
         plot_run_history(history, metric_names=["accuracy"])
     with pytest.raises(ValueError, match=r"None of the metrics \['per_class'\] holds numbers to plot"):

@@ -70,7 +70,8 @@ class ModelEmaCallback(SaveBestModelCallback):
             raise ValueError(f"decay is {decay!r}; pass a number between 0 and 1, e.g. decay=0.999.")
         if not callable(model_ema):
             raise TypeError(
-                f"model_ema is a {type(model_ema).__name__}; pass a class such as ModelEma, called as model_ema(model, decay=decay)."
+                f"model_ema is a {type(model_ema).__name__}; pass a class such as ModelEma, "
+                "called as model_ema(model, decay=decay)."
             )
         super().__init__(
             save_path=save_path,

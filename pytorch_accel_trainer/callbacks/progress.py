@@ -100,7 +100,8 @@ class PrintProgressCallback(TrainerCallback):
         processes = f"{config.num_processes} processes" if config.num_processes > 1 else "1 process"
         _print(
             trainer,
-            f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} ({processes}, {trainer.device.type})",
+            f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} "
+            f"({processes}, {trainer.device.type})",
         )
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):

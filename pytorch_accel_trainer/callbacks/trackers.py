@@ -144,7 +144,10 @@ def _create_run_name() -> str:
 
 
 def run_config_hyperparameters(run_config: Any) -> dict:
-    """The fields of a ``TrainerRunConfig`` as ``run_config.<field>`` hyperparameters (see :func:`plain_hyperparameters`)."""
+    """The fields of a ``TrainerRunConfig`` as ``run_config.<field>`` hyperparameters.
+
+    See :func:`plain_hyperparameters`.
+    """
     return plain_hyperparameters(run_config.to_dict(), "run_config.")
 
 

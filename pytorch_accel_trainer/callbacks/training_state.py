@@ -21,8 +21,8 @@ class SaveTrainingStateCallback(TrainerCallback):
     optimizer updates) and ``final``. Both counts continue across a resume, and a name already taken gets a
     ``-2``, ``-3``... suffix (a second run's ``final`` is ``final-2``), so no state is ever overwritten. Pass
     ``save_dir`` to ``train(resume_from=...)`` to continue from the newest state, or one state's folder
-    (``"training_states/epoch_5"``) to continue from it. On SIGTERM, SIGINT or SIGUSR1 (``save_on_signals``) the run finishes its current update,
-    saves, and exits with code ``128 + signal``.
+    (``"training_states/epoch_5"``) to continue from it. On SIGTERM, SIGINT or SIGUSR1 (``save_on_signals``) the
+    run finishes its current update, saves, and exits with code ``128 + signal``.
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to

@@ -1,8 +1,8 @@
 """The command line: ``pytorch-accel-trainer fit|evaluate --config run.yaml --train.num_epochs 5``.
 
 Parses a :class:`~pytorch_accel_trainer.cli.config.TrainingConfig` from YAML files and flags with jsonargparse (later
-ones win), then runs it with :func:`~pytorch_accel_trainer.cli.config.run_training_config`. ``--print_config`` prints the
-complete, reloadable config instead of running. The same works as ``python -m pytorch_accel_trainer``, and under
+ones win), then runs it with :func:`~pytorch_accel_trainer.cli.config.run_training_config`. ``--print_config`` prints
+the complete, reloadable config instead of running. The same works as ``python -m pytorch_accel_trainer``, and under
 ``accelerate launch`` or ``torchrun`` like any script. See ``docs/config.md``.
 """
 
@@ -97,8 +97,9 @@ def explain_parse_error(error: ArgumentError, parser: ArgumentParser) -> str:
     hints = [f"did you mean {match!r}?" for name in unknown for match in difflib.get_close_matches(name, known, n=1)]
     hint = f" ({'; '.join(hints)})" if hints else ""
     return (
-        f"The configuration is not valid{hint}:\n{message}\nFix the key named above: `pytorch-accel-trainer fit --help` "
-        "lists every key with its type, and `pytorch-accel-trainer fit --print_config` prints a complete config to edit."
+        f"The configuration is not valid{hint}:\n{message}\nFix the key named above: "
+        "`pytorch-accel-trainer fit --help` lists every key with its type, "
+        "and `pytorch-accel-trainer fit --print_config` prints a complete config to edit."
     )
 
 

@@ -201,7 +201,8 @@ def create_scheduler_factory(settings: SchedulerSettings) -> Callable:
         names = [name for name in inspect.signature(scheduler_class).parameters if name != "optimizer"]
         raise ConfigError(
             f"scheduler.arguments: {settings.arguments!r} do not fit {settings.import_path} ({error}); its arguments "
-            f"are {names}. Fix the names, or give the missing ones (e.g. --scheduler.arguments.{names[0] if names else 'x'} ...)."
+            f"are {names}. Fix the names, or give the missing ones "
+            f"(e.g. --scheduler.arguments.{names[0] if names else 'x'} ...)."
         ) from None
     return functools.partial(scheduler_class, **arguments)
 

@@ -29,7 +29,10 @@ CONFIG_FILE, RUN_CONFIG_FILE, HISTORY_FILE, PLOT_FILE, WEIGHTS_FILE = (
 
 
 def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
-    """``output_dir/run_name`` (the start time by default), with ``-2``, ``-3``, ... if taken: never an earlier run's."""
+    """``output_dir/run_name`` (the start time by default), with ``-2``, ``-3``, ... if taken.
+
+    Never an earlier run's folder.
+    """
     name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
     folder, number = output_dir / name, 1
     while folder.exists():

@@ -4,7 +4,8 @@
 
 It downloads 0.1.61's source distribution from the package index (or takes ``--sdist``), copies its
 ``test/`` folder into a temporary folder, renames ``pytorch_accelerated`` to ``pytorch_accel_trainer``
-in every file, and runs pytest there with this interpreter (its tests need pytest-mock, in the ``test`` extra). Nothing of the peer is installed or imported.
+in every file, and runs pytest there with this interpreter (its tests need pytest-mock, in the ``test`` extra).
+Nothing of the peer is installed or imported.
 The tests expected to fail here (private internals this trainer does differently) are listed in
 docs/differences.md; the script prints the pass rate and exits non-zero below 90%.
 """
