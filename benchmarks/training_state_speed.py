@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from pytorch_accel_trainer import Trainer, persistence
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.loop import persistence
 
 
 def _model(width: int, layers: int) -> nn.Module:
@@ -124,17 +125,13 @@ def main() -> None:
     print(f"| torch.save + fsync | {m['torch_save']:.3f} | 1 |")
     print(f"| save_training_state | {m['state_save']:.3f} | {m['state_save'] / m['torch_save']:.2f}x torch.save |")
     print(f"| torch.load + load_state_dict | {m['torch_load']:.3f} | 1 |")
-    print(
-        f"| load_training_state (verify + load) | {m['state_load']:.3f} | {m['state_load'] / m['torch_load']:.2f}x torch.load |"
-    )
+    load_ratio = m["state_load"] / m["torch_load"]
+    print(f"| load_training_state (verify + load) | {m['state_load']:.3f} | {load_ratio:.2f}x torch.load |")
     print(f"| stall of a synchronous save | {m['sync_stall']:.3f} | 1 |")
     if "async_stall" in m:
-        print(
-            f"| stall of an asynchronous save | {m['async_stall']:.3f} | {m['async_stall'] / m['sync_stall']:.2f}x synchronous |"
-        )
-        print(
-            f"| asynchronous save, until written | {m['async_total']:.3f} | {m['async_total'] / m['sync_stall']:.2f}x synchronous |"
-        )
+        stall_ratio, total_ratio = m["async_stall"] / m["sync_stall"], m["async_total"] / m["sync_stall"]
+        print(f"| stall of an asynchronous save | {m['async_stall']:.3f} | {stall_ratio:.2f}x synchronous |")
+        print(f"| asynchronous save, until written | {m['async_total']:.3f} | {total_ratio:.2f}x synchronous |")
     else:
         print("| stall of an asynchronous save | n/a | n/a |")
     print(json.dumps(result))

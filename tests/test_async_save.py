@@ -1,17 +1,15 @@
-"""Asynchronous training-state saves, and the checksums of states (XXH3-128 now, CRC32 in format 2, SHA-256 in 1)."""
+"""Asynchronous training-state saves: the same state as a synchronous save, written in the background."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import assert_bitwise_equal
-from test_training_state import Crash, CrashAt, _final_state, _run, damage_file
+from test_training_state import Crash, CrashAt, _final_state, _run
 
 from pytorch_accel_trainer.state import async_save, training_state
-from pytorch_accel_trainer.state.files import file_digest
 from pytorch_accel_trainer.state.training_state import (
     MANIFEST_NAME,
     CheckpointError,
@@ -39,7 +37,7 @@ def test_an_asynchronous_save_writes_the_same_state_as_a_synchronous_one(tmp_pat
     assert [state.folder.name for state in sync_states] == [state.folder.name for state in async_states]
     for sync_state, async_state in zip(sync_states, async_states):
         verify_folder(async_state.folder)
-        assert async_state.manifest == sync_state.manifest  # same files, sizes and CRC32: the same bytes
+        assert async_state.manifest == sync_state.manifest  # same files, sizes and XXH3-128: the same bytes
         assert _state_files(async_state.folder) == _state_files(sync_state.folder)
 
 
@@ -81,42 +79,6 @@ def test_asynchronous_saves_of_several_processes_are_refused_naming_the_alternat
     accelerator = SimpleNamespace(num_processes=2, distributed_type="MULTI_GPU", state=None)
     with pytest.raises(ValueError, match=r"this run has 2 process\(es\).*Pass asynchronous=False"):
         async_save.validate_asynchronous_save(accelerator)
-
-
-OLD_FORMATS = {1: ("sha256", "SHA-256"), 2: ("crc32", "CRC32")}
-
-
-def _as_format(folder, version):
-    """Rewrite a state's manifest as an older version wrote it: format 1 (SHA-256 per file) or 2 (CRC32)."""
-    algorithm = OLD_FORMATS[version][0]
-    manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    manifest["format_version"] = version
-    manifest["files"] = {
-        name: {"size": entry["size"], algorithm: file_digest(folder / name, algorithm=algorithm)[1]}
-        for name, entry in manifest["files"].items()
-    }
-    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
-
-
-@pytest.mark.parametrize("version", sorted(OLD_FORMATS))
-def test_a_state_of_an_older_format_still_verifies_and_resumes_exactly(tmp_path, reference, version):
-    with pytest.raises(Crash):
-        _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=4))
-    for state in list_complete_states(tmp_path):
-        _as_format(state.folder, version)
-    assert verify_folder(find_resumable_state(tmp_path).folder).manifest["format_version"] == version
-    assert_bitwise_equal(_final_state(_run(tmp_path)), reference)
-
-
-@pytest.mark.parametrize("version", sorted(OLD_FORMATS))
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_file_of_an_older_format_state_is_named(tmp_path, damage, version):
-    _run(tmp_path, num_epochs=1, max_checkpoints=1)
-    folder = find_resumable_state(tmp_path).folder
-    _as_format(folder, version)
-    damage_file(folder / "optimizer.pt", damage)
-    with pytest.raises(CheckpointError, match=rf"optimizer.pt: .*({OLD_FORMATS[version][1]} does not match|truncated)"):
-        verify_folder(folder)
 
 
 def test_a_failure_of_the_last_background_save_is_raised_as_train_returns(tmp_path, monkeypatch):

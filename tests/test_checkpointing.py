@@ -71,7 +71,10 @@ def test_values_that_need_pickle_are_refused_before_writing(tmp_path):
     trainer = _trained_trainer()
     with pytest.raises(
         TypeError,
-        match=r"checkpoint_kwargs\['config'\]\['fn'\] is a builtin_function_or_method, which cannot be loaded back without pickle",
+        match=(
+            r"checkpoint_kwargs\['config'\]\['fn'\] is a builtin_function_or_method, which cannot be loaded back "
+            "without pickle"
+        ),
     ):
         trainer.save_checkpoint(tmp_path / "model.pt", checkpoint_kwargs={"config": {"fn": print}})
     with pytest.raises(ValueError, match="uses the key 'model_state_dict'"):

@@ -1,5 +1,6 @@
-"""Training states are input too: confined to their folder, bounded, skipped when damaged, cleaned up, never
-pruned through a link, and checked against the optimizer they are resumed into (real files, real runs)."""
+"""Training states are input too: confined to their folder, bounded, skipped when damaged, refused when of another
+format, cleaned up, never pruned through a link, and checked against the optimizer they are resumed into (real files,
+real runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from pytorch_accel_trainer.state.training_state import (
     MANIFEST_NAME,
     TRAINER_FILE,
     CheckpointError,
+    StateFormatError,
     find_resumable_state,
     list_complete_states,
     verify_folder,
@@ -54,7 +57,7 @@ def _edit_manifest(folder, edit):
 
 def _rehash(folder, name):
     """Forge the manifest entry of ``name`` so that the file's current contents check out."""
-    size, digest = file_digest(folder / name, algorithm=CHECKSUM)
+    size, digest = file_digest(folder / name)
     _edit_manifest(folder, lambda manifest: manifest["files"].__setitem__(name, {"size": size, CHECKSUM: digest}))
 
 
@@ -69,7 +72,7 @@ def states(tmp_path):
 
 
 def _list_outside(manifest, secret, name):
-    manifest["files"][name] = {"size": SECRET_SIZE, CHECKSUM: file_digest(secret, algorithm=CHECKSUM)[1]}
+    manifest["files"][name] = {"size": SECRET_SIZE, CHECKSUM: file_digest(secret)[1]}
 
 
 def _link_file(folder, secret):
@@ -138,7 +141,7 @@ def test_a_name_outside_the_folder_gets_the_same_answer_whatever_its_size_or_has
     folder, secret = states / "step_4", states.parent / "secret"
     messages = set()
     for entry in [
-        {"size": SECRET_SIZE, CHECKSUM: file_digest(secret, algorithm=CHECKSUM)[1]},
+        {"size": SECRET_SIZE, CHECKSUM: file_digest(secret)[1]},
         {"size": SECRET_SIZE, CHECKSUM: "0" * 32},
     ]:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
@@ -178,6 +181,11 @@ BAD_FIELDS = [
         r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}",
     ),
     ("files", {"model.safetensors": {"size": 1, "xxh3_128": "xyz"}}, r"files\['model.safetensors'\] is .*'xyz'"),
+    (  # a CRC32 as format 2 listed it, in a manifest that claims format 3
+        "files",
+        {"model.safetensors": {"size": 1, "crc32": "0" * 8}},
+        r"files\['model.safetensors'\] is .*'crc32'.*; it must be \{'size': .*'xxh3_128': 32 hex digits\}",
+    ),
     (
         "files",
         {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}},
@@ -219,7 +227,10 @@ def test_resuming_from_an_export_checkpoint_file_says_it_is_one_and_what_to_use(
     trainer.save_checkpoint(tmp_path / "model.pt")
     with pytest.raises(
         CheckpointError,
-        match=r"resume_from='.*model\.pt' is a file, not a training-state folder\. A file written by save_checkpoint is an export checkpoint .*trainer\.load_checkpoint\(path\).*resume_from needs a training-state folder",
+        match=(
+            r"resume_from='.*model\.pt' is a file, not a training-state folder\. A file written by save_checkpoint is "
+            r"an export checkpoint .*trainer\.load_checkpoint\(path\).*resume_from needs a training-state folder"
+        ),
     ):
         trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=tmp_path / "model.pt")
     assert trainer.num_update_steps_completed == 4  # nothing was loaded or trained
@@ -232,18 +243,15 @@ def test_resuming_into_another_optimizer_is_refused_naming_both_before_any_step(
 
     with pytest.raises(
         CheckpointError,
-        match=r"optimizer\.pt does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this trainer's optimizer is Adam\. Resume with the optimizer the state was saved with",
+        match=(
+            r"optimizer\.pt does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this "
+            r"trainer's optimizer is Adam\. Resume with the optimizer the state was saved with"
+        ),
     ):
         _run(states, optimizer=torch.optim.Adam, num_epochs=2, crash=NoStep())
 
 
-def test_a_state_without_the_optimizer_class_still_resumes_and_is_checked_by_structure(states):
-    """States written before the optimizer's class was saved: read as before; their parameter groups are compared."""
-    folder = states / "step_4"
-    shared = torch.load(folder / TRAINER_FILE, weights_only=True)
-    del shared["optimizer_class"]
-    torch.save(shared, folder / TRAINER_FILE)
-    _rehash(folder, TRAINER_FILE)
+def test_resuming_into_other_parameter_groups_of_the_same_optimizer_class_is_refused_naming_both(states):
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.01)
@@ -254,6 +262,121 @@ def test_a_state_without_the_optimizer_class_still_resumes_and_is_checked_by_str
     ):
         trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=states)
     assert _run(states, num_epochs=2).num_update_steps_completed == 8
+
+
+def test_a_trainer_file_without_the_optimizer_class_is_refused_as_altered(states):
+    folder = states / "step_4"
+    shared = torch.load(folder / TRAINER_FILE, weights_only=True)
+    del shared["optimizer_class"]  # every state of the format read stores it
+    torch.save(shared, folder / TRAINER_FILE)
+    _rehash(folder, TRAINER_FILE)
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_4/trainer_state\.pt: not a trainer state \(it must hold .*, optimizer_class\); it was altered",
+    ):
+        _run(states, num_epochs=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# States of another format version: one clear error, before anything is loaded
+# ------------------------------------------------------------------------------------------------
+
+
+def _as_format_2(folder):
+    """Rewrite a state's manifest as the development versions of format 2 wrote it: a CRC32 per file."""
+
+    def downgrade(manifest):
+        manifest["format_version"] = 2
+        manifest["files"] = {
+            name: {"size": entry["size"], "crc32": f"{zlib.crc32((folder / name).read_bytes()):08x}"}
+            for name, entry in manifest["files"].items()
+        }
+
+    _edit_manifest(folder, downgrade)
+
+
+def _format_2_refusal(folder) -> str:
+    return (
+        rf"{re.escape(str(folder))} is a training state of format version 2, which a development version of "
+        r"pytorch_accel_trainer wrote before the first release; this version reads format version 3 only\. Start the "
+        r"run again without it \(move the folder away, or pass another resume_from\), or resume it with the version "
+        r"that wrote it\. Nothing was loaded from it\."
+    )
+
+
+class _NoStep(TrainerCallback):
+    def on_train_step_start(self, trainer, **kwargs):
+        raise AssertionError("training resumed")
+
+
+def test_a_state_of_format_2_is_refused_naming_it_the_versions_and_the_fix_before_anything_is_loaded(states):
+    folder = states / "step_4"
+    _as_format_2(folder)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    initial = [parameter.detach().clone() for parameter in model.parameters()]
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=[_NoStep()])
+    with pytest.raises(StateFormatError, match=_format_2_refusal(folder)):
+        trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2, resume_from=folder)
+    with pytest.raises(StateFormatError, match=_format_2_refusal(folder)):
+        trainer.load_training_state(folder)
+    assert all(torch.equal(now, before) for now, before in zip(model.parameters(), initial))  # step_4's weights differ
+    assert trainer.num_update_steps_completed == 0
+    assert issubclass(StateFormatError, CheckpointError)  # caught as every other training-state problem
+
+
+def test_older_format_states_beside_good_ones_are_skipped_with_a_warning_that_says_so_and_never_pruned(states):
+    for name in ("step_1", "step_2"):
+        _as_format_2(states / name)
+    with pytest.warns(UserWarning) as warned:
+        resumed = _run(states, num_epochs=2, max_checkpoints=1)
+    messages = [str(warning.message) for warning in warned if "Skipped" in str(warning.message)]
+    prefix = r"Skipped a training state of another format \(resuming from \S*step_4\): "
+    assert len(messages) == 2
+    for name in ("step_1", "step_2"):
+        assert any(re.fullmatch(prefix + _format_2_refusal(states / name), message) for message in messages), messages
+    assert resumed.num_update_steps_completed == 8
+    assert (states / "step_1").is_dir() and (states / "step_2").is_dir()  # another format: left for the user
+    assert [state.folder.name for state in list_complete_states(states)] == ["step_8"]
+
+
+def test_a_folder_of_older_format_states_only_stops_listing_each_rather_than_starting_over(states):
+    for folder in list(states.iterdir()):
+        if folder.is_dir():
+            _as_format_2(folder)
+    with pytest.raises(
+        CheckpointError,
+        match=(
+            r"holds 4 training state\(s\) and none can be resumed, so the run was not restarted from scratch:\n"
+            r"(  \S*step_\d is a training state of format version 2, .*\n){4}Move those folders away to start over"
+        ),
+    ):
+        _run(states, num_epochs=2)
+
+
+@pytest.mark.parametrize(
+    ("version", "problem"),
+    [
+        (
+            4,
+            r"step_4 is a training state of format version 4, which a newer version of pytorch_accel_trainer wrote; "
+            r"this version reads format version 3 only\. Resume it with that version\. Nothing was loaded",
+        ),
+        (
+            1,
+            r"step_4 is a training state of format version 1, which a development version of pytorch_accel_trainer "
+            r"wrote before the first release; this version reads format version 3 only\. Start the run again",
+        ),
+        ("3", r"manifest\.json: damaged manifest: format_version is '3'; it must be 3\."),
+        (None, r"manifest\.json: damaged manifest: format_version is None; it must be 3\."),
+    ],
+)
+def test_any_other_format_version_is_refused_naming_it(states, version, problem):
+    folder = states / "step_4"
+    _edit_manifest(folder, lambda manifest: manifest.update(format_version=version))
+    with pytest.raises(CheckpointError, match=problem) as refused:
+        verify_folder(folder)
+    assert isinstance(refused.value, StateFormatError) == isinstance(version, int)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,7 +401,8 @@ _STOPPED_SAVE = textwrap.dedent(
     model = nn.Linear(1, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
     samples = int(sys.argv[3])
-    trainer.train(torch.utils.data.TensorDataset(torch.ones(samples, 1), torch.ones(samples, 1)), num_epochs=1, per_device_batch_size=1)
+    data = torch.utils.data.TensorDataset(torch.ones(samples, 1), torch.ones(samples, 1))
+    trainer.train(data, num_epochs=1, per_device_batch_size=1)
     trainer.save_training_state(sys.argv[1])
     """
 )
@@ -345,7 +469,7 @@ def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_o
 
 
 def test_a_folder_of_another_kind_of_state_is_refused_rather_than_restarted(tmp_path):
-    """pytorch-accelerated's training states are Accelerate save_state folders: resuming one here must not start over."""
+    """pytorch-accelerated's training states are Accelerate save_state folders: resuming one must not start over."""
     import pytest
     import torch
     from torch import nn

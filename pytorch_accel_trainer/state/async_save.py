@@ -127,7 +127,7 @@ def _model_content(model: torch.nn.Module, file_name: str = MODEL_FILE) -> Safet
 
 def _extra_contents(trainer) -> dict:
     """The extra models of ``add_model`` and their optimizers' states, copied to host memory: a file each, named and
-    written as a synchronous save writes them (``state_files.write_extra_files``)."""
+    written as a synchronous save writes them (``files.write_extra_files``)."""
     files = {}
     for name in trainer.extra_models:
         files[extra_model_file(name)] = _model_content(trainer.get_extra_model(name), extra_model_file(name))

@@ -22,7 +22,8 @@ import torch
 MODEL_KEY = "model_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 SCHEDULER_KEY = "scheduler_state_dict"
-#: The state dicts of the extra models and optimizers (``Trainer.add_model``), by name; only in files of trainers that have some.
+#: The state dicts of the extra models and optimizers (``Trainer.add_model``), by name; only in the files of trainers
+#: that have some.
 EXTRA_MODELS_KEY = "extra_model_state_dicts"
 EXTRA_OPTIMIZERS_KEY = "extra_optimizer_state_dicts"
 RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY, EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY)
@@ -152,10 +153,9 @@ def reporting_out_of_space(temporary: Path, target: Path, what: str, kept: str):
     except (OSError, RuntimeError) as error:
         if not _is_out_of_space(error, temporary.parent):
             raise
+        # removed before the free space is measured: the partial files are not the user's to free
         if temporary.is_dir() and not temporary.is_symlink():
-            shutil.rmtree(
-                temporary, ignore_errors=True
-            )  # before measuring: the partial files are not the user's to free
+            shutil.rmtree(temporary, ignore_errors=True)
         else:
             temporary.unlink(missing_ok=True)
         raise OSError(

@@ -12,12 +12,10 @@ its message names only the folder and the file, and tells nothing of what lies o
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import re
 import stat
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -25,18 +23,12 @@ from typing import Any, Optional
 import torch
 import xxhash
 
-#: Version 3 checks each file with XXH3-128 (``{"size", "xxh3_128"}``); versions 2 (CRC32, ``{"size", "crc32"}``) and 1
-#: (SHA-256, ``{"size", "sha256"}``) are still read and verified.
+#: The one format of training states, written and read: each file listed as ``{"size", "xxh3_128"}``. Formats 1
+#: (SHA-256) and 2 (CRC32) were written only by development versions, before the first release; they are not read.
 FORMAT_VERSION = 3
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
-#: The checksum each format version records per file, and the pattern of its hex digest.
-CHECKSUMS = {1: "sha256", 2: "crc32", 3: "xxh3_128"}
-#: The checksum of the states written now: XXH3-128 (xxhash) hashes at memory speed, about 7x CRC32 here.
-CHECKSUM = CHECKSUMS[FORMAT_VERSION]
-CHECKSUM_NAMES = {"sha256": "SHA-256", "crc32": "CRC32", "xxh3_128": "XXH3-128"}
-_DIGEST_LENGTHS = {"sha256": 64, "crc32": 8, "xxh3_128": 32}  # hex digits
-_DIGEST_PATTERNS = {name: re.compile(f"[0-9a-f]{{{length}}}") for name, length in _DIGEST_LENGTHS.items()}
-_CHUNK = 8 << 20
+#: The manifest's key for the checksum of each file: XXH3-128 (xxhash), which hashes at memory speed.
+CHECKSUM = "xxh3_128"
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # an XXH3-128 digest in hex
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 STATE_PREFIX = "checkpoint-"
@@ -110,7 +102,8 @@ def validate_state_name(name: str) -> None:
     ):
         raise ValueError(
             f"name={name!r} is not a training-state folder name: pass one plain folder name (no '/', not "
-            f"{LATEST_NAME!r}, not starting with {TEMPORARY_PREFIX!r}), e.g. 'epoch_5'; the folder is made under output_dir."
+            f"{LATEST_NAME!r}, not starting with {TEMPORARY_PREFIX!r}), e.g. 'epoch_5'; the folder is made under "
+            "output_dir."
         )
 
 
@@ -274,96 +267,25 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
     return descriptor, status
 
 
-def file_digest(path: Path, expected_size: Optional[int] = None, algorithm: str = "sha256") -> tuple[int, str]:
-    """The size and digest (``"sha256"``, ``"crc32"`` or ``"xxh3_128"``) of the regular file ``path``, read from the
-    file opened (not through a link); the digest is ``""``, and the file not read, when its size is not
-    ``expected_size``. XXH3-128 hashes the file mapped in memory: no copy, at memory speed.
+def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, str]:
+    """The size and XXH3-128 digest (32 hex digits) of the regular file ``path``, read from the file opened (not
+    through a link) and mapped in memory: no copy, at memory speed. The digest is ``""``, and the file not read, when
+    its size is not ``expected_size``.
 
     Raises:
         FileNotFoundError: there is no such file.
         DamagedStateError: ``path`` is a symbolic link or not a regular file.
     """
     descriptor, status = _open_regular_file(path)
-    digest = hashlib.sha256() if algorithm == "sha256" else None
-    crc = 0
-    with os.fdopen(descriptor, "rb", buffering=0) as handle:
+    try:
         if expected_size is not None and status.st_size != expected_size:
             return status.st_size, ""
-        if algorithm == "xxh3_128":
-            if status.st_size == 0:
-                return 0, xxhash.xxh3_128_hexdigest(b"")
-            with mmap.mmap(descriptor, status.st_size, access=mmap.ACCESS_READ) as mapped:
-                return status.st_size, xxhash.xxh3_128_hexdigest(mapped)
-        for chunk in iter(lambda: handle.read(_CHUNK), b""):
-            if digest is None:
-                crc = zlib.crc32(chunk, crc)  # zlib and hashlib release the GIL: files are checked in threads
-            else:
-                digest.update(chunk)
-    return status.st_size, f"{crc:08x}" if digest is None else digest.hexdigest()
-
-
-# CRC32 of a concatenation from the CRCs of its parts (zlib's crc32_combine, which Python's zlib does not expose),
-# so that a large file is checked in chunks on several threads.
-_CRC_POLY = 0xEDB88320
-
-
-def _multiply_mod_p(a: int, b: int) -> int:
-    m, product = 1 << 31, 0
-    while True:
-        if a & m:
-            product ^= b
-            if a & (m - 1) == 0:
-                return product
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-
-
-_X_2N = [1 << 30]  # x^(2^n) modulo the CRC polynomial
-for _ in range(31):
-    _X_2N.append(_multiply_mod_p(_X_2N[-1], _X_2N[-1]))
-
-
-def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
-    """The CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
-    power, k = 1 << 31, 3  # x^(8 * length2): the bits of B shift A's remainder
-    while length2:
-        if length2 & 1:
-            power = _multiply_mod_p(_X_2N[k & 31], power)
-        length2 >>= 1
-        k += 1
-    return _multiply_mod_p(power, crc1) ^ crc2
-
-
-def chunked_crc32(path: Path, expected_size: int, pool, chunk: int = 16 << 20) -> tuple[int, Any]:
-    """Start checking the regular file ``path`` (not through a link) in chunks on ``pool``; return its size and a
-    function giving its CRC32 as 8 hex digits (``""`` when the size is not ``expected_size``: nothing is read).
-
-    Raises:
-        FileNotFoundError: there is no such file.
-        DamagedStateError: ``path`` is a symbolic link or not a regular file.
-    """
-    descriptor, status = _open_regular_file(path)
-    if status.st_size != expected_size:
+        if status.st_size == 0:  # an empty file cannot be mapped
+            return 0, xxhash.xxh3_128_hexdigest(b"")
+        with mmap.mmap(descriptor, status.st_size, access=mmap.ACCESS_READ) as mapped:
+            return status.st_size, xxhash.xxh3_128_hexdigest(mapped)
+    finally:
         os.close(descriptor)
-        return status.st_size, lambda: ""
-    offsets = range(0, status.st_size, chunk)
-    parts = [pool.submit(lambda offset: zlib.crc32(os.pread(descriptor, chunk, offset)), offset) for offset in offsets]
-
-    def result() -> str:
-        try:
-            crc = 0
-            for offset, part in zip(offsets, parts):
-                crc = crc32_combine(crc, part.result(), min(chunk, status.st_size - offset))
-            return f"{crc:08x}"
-        finally:
-            for part in parts:
-                part.cancel()
-            for part in parts:
-                if not part.cancelled():
-                    part.exception()  # wait: the descriptor is closed only when no chunk is being read
-            os.close(descriptor)
-
-    return status.st_size, result
 
 
 def read_small_text(path: Path, limit: int = MAX_MANIFEST_BYTES) -> str:
@@ -403,23 +325,21 @@ def validate_position(position) -> None:
         )
 
 
-def _validate_files(files, algorithm: str = "sha256") -> None:
+def _validate_files(files) -> None:
     if not isinstance(files, dict):
         raise DamagedStateError(
-            f"files is a {type(files).__name__}; it must map each file name to its size and {algorithm}"
+            f"files is a {type(files).__name__}; it must map each file name to its size and {CHECKSUM}"
         )
-    pattern = _DIGEST_PATTERNS[algorithm]
     for name, entry in files.items():
         validate_file_name(name)
         if (
             not isinstance(entry, dict)
             or not _is_count(entry.get("size"))
-            or not isinstance(entry.get(algorithm), str)
-            or not pattern.fullmatch(entry[algorithm])
+            or not isinstance(entry.get(CHECKSUM), str)
+            or not _DIGEST.fullmatch(entry[CHECKSUM])
         ):
-            digits = f"{_DIGEST_LENGTHS[algorithm]} hex digits"
             raise DamagedStateError(
-                f"files[{name!r}] is {entry!r}; it must be {{'size': a whole number >= 0, '{algorithm}': {digits}}}"
+                f"files[{name!r}] is {entry!r}; it must be {{'size': a whole number >= 0, '{CHECKSUM}': 32 hex digits}}"
             )
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
@@ -438,22 +358,21 @@ def _validate_world_size(world_size, files: dict) -> None:
 
 
 def validate_manifest(manifest: dict) -> None:
-    """Check every field of a manifest (of a readable format version) for its type and range.
+    """Check every field of a manifest (of the format :data:`FORMAT_VERSION`) for its type and range.
 
     Raises:
         DamagedStateError: naming the first field that is missing, of the wrong type or out of range.
     """
-    if not _is_count(manifest.get("num_update_steps_completed")):
-        raise DamagedStateError(
-            f"num_update_steps_completed is {manifest.get('num_update_steps_completed')!r}; it must be a whole number >= 0"
-        )
+    updates = manifest.get("num_update_steps_completed")
+    if not _is_count(updates):
+        raise DamagedStateError(f"num_update_steps_completed is {updates!r}; it must be a whole number >= 0")
     validate_position(manifest.get("position"))
     kinds = manifest.get("kinds")
     if not isinstance(kinds, list) or not kinds or not all(isinstance(kind, str) and kind in KINDS for kind in kinds):
         raise DamagedStateError(f"kinds is {kinds!r}; it must be a non-empty list of {KINDS}")
     if not isinstance(manifest.get("run_facts"), dict):
         raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
-    _validate_files(manifest.get("files"), CHECKSUMS.get(manifest.get("format_version"), "sha256"))
+    _validate_files(manifest.get("files"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])
 
 
@@ -482,7 +401,7 @@ def describe_optimizer_mismatch(
     saved: Any, saved_class: Optional[str], optimizer: torch.optim.Optimizer, compare_parameters: bool = True
 ) -> Optional[str]:
     """Why an optimizer state (``state_dict()`` of a ``saved_class`` optimizer) cannot be loaded into ``optimizer``,
-    or ``None`` when it fits: another class (when the state names it; older states do not), and with
+    or ``None`` when it fits: another class (``saved_class=None`` compares none), and with
     ``compare_parameters`` another number of parameter groups or of parameters in a group, or other per-parameter
     state where both have some. (Under FSDP the live optimizer holds shards, whose numbering is not the saved one's.)"""
     current = inner_optimizer(optimizer)
@@ -509,7 +428,8 @@ def describe_optimizer_mismatch(
     for index, values in saved["state"].items():
         if index in current_state and (not isinstance(values, dict) or set(values) != set(current_state[index])):
             keys = sorted(values) if isinstance(values, dict) else values
-            return f"parameter {index} has the state {keys}, but this trainer's {current_class} keeps {sorted(current_state[index])}"
+            kept = sorted(current_state[index])
+            return f"parameter {index} has the state {keys}, but this trainer's {current_class} keeps {kept}"
     return None
 
 

@@ -1,16 +1,18 @@
 """Crash-safe training-state checkpoints: a folder per state, verified by a manifest.
 
 A training state is written to a temporary folder, flushed, given a manifest (format version, position,
-world size, every file with its size and XXH3-128 checksum, computed as it is written) and only then renamed into place; ``latest`` is
-updated after that, and old states are pruned last. A crash at any point leaves either the previous
-states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
+world size, every file with its size and XXH3-128 checksum, computed as it is written) and only then renamed into
+place; ``latest`` is updated after that, and old states are pruned last. A crash at any point leaves either the
+previous states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
 folder whose manifest checks out, and names the file that does not. A temporary folder left by a killed
 save is removed by a later save once its writer is gone.
 
-A state is input, and is read as such (``state_files.py``): the manifest's fields are checked for type and
+A state is input, and is read as such (``files.py``): the manifest's fields are checked for type and
 range, its file names never leave the folder, no file is read through a symbolic link, and a damaged state
 in a folder of states is skipped with a warning for the newest good one. Everything is read back without
-pickle: weights with safetensors, the rest with ``torch.load(weights_only=True)``.
+pickle: weights with safetensors, the rest with ``torch.load(weights_only=True)``. One format is read, the one
+written (:data:`FORMAT_VERSION`); a state of another is refused with :class:`StateFormatError` before anything
+is loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import os
 import shutil
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -30,14 +32,11 @@ from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users i
 from pytorch_accel_trainer.state.checkpointing import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
 from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names are re-exported: they were always here)
     CHECKSUM,
-    CHECKSUM_NAMES,
-    CHECKSUMS,
     FORMAT_VERSION,
     LATEST_NAME,
     MANIFEST_NAME,
     MODEL_FILE,
     OPTIMIZER_FILE,
-    READABLE_FORMAT_VERSIONS,
     SCALER_FILE,
     SCHEDULER_FILE,
     STATE_PREFIX,
@@ -46,7 +45,6 @@ from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names a
     WRITER_MARKER_PREFIX,
     DamagedStateError,
     StoredState,
-    chunked_crc32,
     default_state_name,
     describe_changes,
     describe_extras_mismatch,
@@ -70,8 +68,13 @@ from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names a
 )
 from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
 
-#: Reads back the checksum of a file another library wrote, while this thread writes the next (threads start lazily).
-_CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-crc")
+#: Reads back the checksum of a file another library wrote while this thread writes the next (threads start lazily).
+_CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-checksum")
+
+
+class StateFormatError(CheckpointError):
+    """A training state of a format this version does not read: written by a development version of the library
+    before its first release (formats 1 and 2), or by a newer version. Raised before anything is loaded."""
 
 
 def _crash_point(name: str) -> None:
@@ -147,7 +150,7 @@ def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, chec
         _crash_point(f"hash:{path.name}")
         known = checksums.get(path.name)
         if known is None:
-            size, digest = file_digest(path, algorithm=CHECKSUM)
+            size, digest = file_digest(path)
         else:  # a (size, digest) pair, or a future of one
             size, digest = known.result() if hasattr(known, "result") else known
         files[path.name] = {"size": size, CHECKSUM: digest}
@@ -170,7 +173,12 @@ def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, chec
 
 
 def read_manifest(folder: Path) -> dict:
-    """Return the manifest of ``folder``, or raise :class:`CheckpointError` naming what is wrong."""
+    """Return the manifest of ``folder``, or raise :class:`CheckpointError` naming what is wrong.
+
+    Raises:
+        StateFormatError: the state is of another format version than :data:`FORMAT_VERSION` (the one read).
+        CheckpointError: there is no manifest, or it is damaged.
+    """
     path = folder / MANIFEST_NAME
     try:
         manifest = json.loads(read_small_text(path))
@@ -180,12 +188,9 @@ def read_manifest(folder: Path) -> dict:
         raise CheckpointError(f"{error}: a damaged manifest.") from error
     except (OSError, ValueError, RecursionError) as error:
         raise CheckpointError(f"{path}: damaged manifest ({error}).") from error
-    if not isinstance(manifest, dict) or manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
-        version = manifest.get("format_version") if isinstance(manifest, dict) else None
-        raise CheckpointError(
-            f"{path}: format version {version!r}, but this version of pytorch_accel_trainer reads versions "
-            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))}."
-        )
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}: damaged manifest: a JSON {type(manifest).__name__}, not an object.")
+    _validate_format_version(folder, manifest.get("format_version"))
     try:
         validate_manifest(manifest)
     except DamagedStateError as error:
@@ -193,64 +198,61 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
+def _validate_format_version(folder: Path, version: Any) -> None:
+    """Refuse a state whose manifest names another format version than the one this version reads."""
+    if type(version) is not int or version < 1:  # True is no version either
+        raise CheckpointError(
+            f"{folder / MANIFEST_NAME}: damaged manifest: format_version is {version!r}; it must be {FORMAT_VERSION}."
+        )
+    if version == FORMAT_VERSION:
+        return
+    if version < FORMAT_VERSION:
+        origin = "a development version of pytorch_accel_trainer wrote before the first release"
+        fix = (
+            "Start the run again without it (move the folder away, or pass another resume_from), or resume it with "
+            "the version that wrote it"
+        )
+    else:
+        origin, fix = "a newer version of pytorch_accel_trainer wrote", "Resume it with that version"
+    raise StateFormatError(
+        f"{folder} is a training state of format version {version}, which {origin}; this version reads format "
+        f"version {FORMAT_VERSION} only. {fix}. Nothing was loaded from it."
+    )
+
+
 def verify_folder(folder: Path) -> StoredState:
-    """Check every file of a training state against its manifest (size, then XXH3-128; CRC32 in format 2, SHA-256 in 1),
-    never through a link; the files are checked in parallel threads (zlib and hashlib release the GIL).
+    """Check every file of a training state against its manifest (size, then XXH3-128), never through a link; the
+    files are hashed at once on threads (xxhash releases the GIL), each mapped in memory.
 
     Raises:
+        StateFormatError: the state is of another format version than the one read.
         CheckpointError: naming the file that is missing, truncated, altered, or a link.
     """
     manifest = read_manifest(folder)
-    algorithm = CHECKSUMS[manifest["format_version"]]
-    names = sorted(manifest["files"])
+    files = manifest["files"]
     with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
-        # every file's chunks are queued before any is awaited: all of them are read and checked at once
-        started = [_start_check(folder / name, manifest["files"][name], algorithm, pool) for name in names]
-        problems = [_file_problem(path, expected, algorithm, check) for path, expected, check in started]
-    for problem in problems:  # in name order: the first damaged file is named, whichever thread found it first
-        if problem is not None:
-            raise problem
+        checks = {name: pool.submit(file_digest, folder / name, files[name]["size"]) for name in sorted(files)}
+        # in name order: the first damaged file is named, whichever thread ends first
+        for name, check in checks.items():
+            _check_file(folder / name, files[name], check)
     return StoredState(folder, manifest)
 
 
-def _start_check(path: Path, expected: dict, algorithm: str, pool: ThreadPoolExecutor):
-    """Start checking ``path`` on ``pool``: CRC32 (format 2) in chunks, XXH3-128 and SHA-256 as one task per file."""
+def _check_file(path: Path, expected: dict, check: Future) -> None:
+    """Raise :class:`CheckpointError` when ``path`` does not match its manifest entry (its name is a plain one:
+    read_manifest refused others); ``check`` is the future of its size and digest."""
     try:
-        if algorithm == "crc32":
-            size, digest = chunked_crc32(path, expected["size"], pool)
-            return path, expected, (size, digest)
-        future = pool.submit(file_digest, path, expected["size"], algorithm)
-        return path, expected, future
-    except (OSError, DamagedStateError) as error:
-        return path, expected, error
-
-
-def _file_problem(path: Path, expected: dict, algorithm: str, check) -> Optional[CheckpointError]:
-    """Why ``path`` does not match its manifest entry, or ``None`` (a plain name: read_manifest refused others)."""
-    try:
-        if isinstance(check, BaseException):
-            raise check
-        size, digest = check.result() if hasattr(check, "result") else (check[0], check[1]())
+        size, digest = check.result()
     except FileNotFoundError as error:
-        return _chained(CheckpointError(f"{path}: missing, although the manifest lists it."), error)
+        raise CheckpointError(f"{path}: missing, although the manifest lists it.") from error
     except DamagedStateError as error:
-        return _chained(CheckpointError(f"{error}: the state is damaged or was altered."), error)
+        raise CheckpointError(f"{error}: the state is damaged or was altered.") from error
     except OSError as error:
-        return _chained(CheckpointError(f"{path}: cannot be read ({error.strerror})."), error)
+        raise CheckpointError(f"{path}: cannot be read ({error.strerror}).") from error
     if size != expected["size"]:
-        return CheckpointError(
-            f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered)."
-        )
-    if digest != expected[algorithm]:
-        return CheckpointError(
-            f"{path}: its {CHECKSUM_NAMES[algorithm]} does not match the manifest (the file is corrupted or altered)."
-        )
-    return None
-
-
-def _chained(error: CheckpointError, cause: BaseException) -> CheckpointError:
-    error.__cause__ = cause
-    return error
+        raise CheckpointError(f"{path}: {size} bytes, but the manifest says {expected['size']} (truncated or altered).")
+    if digest != expected[CHECKSUM]:
+        raise CheckpointError(f"{path}: its XXH3-128 does not match the manifest (the file is corrupted or altered).")
 
 
 def list_complete_states(parent: Path) -> list[StoredState]:
@@ -276,11 +278,13 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
     """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
 
     ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
-    complete one is used. The damaged ones are skipped, each with a warning naming it: those newer than it, and
-    those whose manifest cannot be read (so whose place in the run is unknown), or that are links.
+    complete one is used. The states that cannot be used are skipped, each with a warning naming it and why (damaged,
+    or of another format version): those newer than it, and those whose manifest cannot be read (so whose place in
+    the run is unknown: a state of another format is one), or that are links.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        StateFormatError: ``path`` is one training state, of another format version than the one read.
         CheckpointError: ``path`` is a file (e.g. an export checkpoint), or it holds training states but none
             of them checks out.
     """
@@ -308,18 +312,20 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
         try:
             candidate = _verify_state_in(folder)
         except CheckpointError as error:
-            problems.append(str(error))
+            problems.append(error)
             continue
         stored = stored or candidate
     if stored is not None:
         for problem in problems:
-            warnings.warn(f"Skipped a damaged training state (resuming from {stored.folder}): {problem}", stacklevel=2)
+            damaged = not isinstance(problem, StateFormatError)
+            kind = "damaged training state" if damaged else "training state of another format"
+            warnings.warn(f"Skipped a {kind} (resuming from {stored.folder}): {problem}", stacklevel=2)
         return stored
     if problems:
-        listed = "\n  ".join(problems)
+        listed = "\n  ".join(map(str, problems))
         raise CheckpointError(
-            f"{path} holds {len(problems)} training state(s) and none can be trusted, so the run was not restarted "
-            f"from scratch:\n  {listed}\nRemove the damaged folders to start over, or point resume_from at a good one."
+            f"{path} holds {len(problems)} training state(s) and none can be resumed, so the run was not restarted "
+            f"from scratch:\n  {listed}\nMove those folders away to start over, or point resume_from at a good one."
         )
     return None
 
@@ -500,8 +506,9 @@ def write_training_state(
                 own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
                 save_file(own_storage, str(temporary / MODEL_FILE))
             fsync_path(temporary / MODEL_FILE)
-            # safetensors writes the file itself: its checksum is read back (page cache) on a thread while the rest is written
-            checksums[MODEL_FILE] = _CHECKSUM_READER.submit(file_digest, temporary / MODEL_FILE, None, CHECKSUM)
+            # safetensors writes the file itself: its checksum is read back (from the page cache) on a thread while
+            # the rest is written
+            checksums[MODEL_FILE] = _CHECKSUM_READER.submit(file_digest, temporary / MODEL_FILE)
             _crash_point(f"write:{OPTIMIZER_FILE}")
             optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
             checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
@@ -535,8 +542,10 @@ def write_training_state(
             manifest_fields = {
                 "num_update_steps_completed": trainer.num_update_steps_completed,
                 "position": asdict(position),
+                "world_size": accelerator.num_processes,
+                "kinds": sorted(set(kinds)),
+                "run_facts": run_facts,
             }
-            manifest_fields.update(world_size=accelerator.num_processes, kinds=sorted(set(kinds)), run_facts=run_facts)
             finish_save(temporary, final, manifest_fields, checksums)
             prune_states(parent, max_rolling, keep=[final])
     accelerator.wait_for_everyone()
@@ -547,13 +556,24 @@ def _load_trainer_file(stored: StoredState) -> dict:
     """The shared part of a state (``trainer_state.pt``), checked against the manifest it was verified by."""
     path = stored.folder / TRAINER_FILE
     shared = load_tensors_file(path)
-    fields = ("position", "num_update_steps_completed", "run_history", "run_facts", "checkpoint_kwargs")
+    fields = (
+        "position",
+        "num_update_steps_completed",
+        "run_history",
+        "run_facts",
+        "checkpoint_kwargs",
+        "optimizer_class",
+    )
     if not isinstance(shared, dict) or any(name not in shared for name in fields):
         raise CheckpointError(f"{path}: not a trainer state (it must hold {', '.join(fields)}); it was altered.")
     if (shared["position"], shared["num_update_steps_completed"]) != (
         stored.manifest["position"],
         stored.manifest["num_update_steps_completed"],
-    ) or not (isinstance(shared["run_facts"], dict) and isinstance(shared["checkpoint_kwargs"], dict)):
+    ) or not (
+        isinstance(shared["run_facts"], dict)
+        and isinstance(shared["checkpoint_kwargs"], dict)
+        and isinstance(shared["optimizer_class"], str)
+    ):
         raise CheckpointError(
             f"{path}: its position, update count or settings disagree with {MANIFEST_NAME}; it was altered."
         )
@@ -617,7 +637,8 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         if changes:
             listed_changes = "\n  ".join(changes)
             raise CheckpointError(
-                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:\n  {listed_changes}\n"
+                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:"
+                f"\n  {listed_changes}\n"
                 "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway."
             )
     rank = accelerator.process_index
@@ -626,12 +647,12 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
             f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes)."
         )
     rank_state = _load_rank_file(folder / rank_file(rank))
-    extras_mismatch = describe_extras_mismatch(
-        listed, trainer.extra_models, trainer.extra_optimizers
-    )  # before any load
+    # the extra models and optimizers are compared before anything is loaded
+    extras_mismatch = describe_extras_mismatch(listed, trainer.extra_models, trainer.extra_optimizers)
     if extras_mismatch is not None:
         raise CheckpointError(
-            f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was saved with (add_model, before train()), or start a new run."
+            f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was "
+            "saved with (add_model, before train()), or start a new run."
         )
     _load_weights(trainer, folder / MODEL_FILE)
     has_scheduler_file = SCHEDULER_FILE in listed
@@ -640,11 +661,12 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
     elif has_scheduler_file != (trainer.scheduler is not None):
         raise CheckpointError(
             f"{folder} {'holds' if has_scheduler_file else 'has no'} scheduler state, but this run "
-            f"{'has no' if has_scheduler_file else 'has a'} scheduler: pass the same create_scheduler_fn as the saved run."
+            f"{'has no' if has_scheduler_file else 'has a'} scheduler: pass the create_scheduler_fn of the saved run."
         )
     optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
-    saved_class = shared.get("optimizer_class")  # None in states written before it was saved
-    mismatch = describe_optimizer_mismatch(optimizer_state, saved_class, trainer.optimizer, not is_fsdp(accelerator))
+    mismatch = describe_optimizer_mismatch(
+        optimizer_state, shared["optimizer_class"], trainer.optimizer, not is_fsdp(accelerator)
+    )
     if mismatch is not None:
         raise CheckpointError(
             f"{folder / OPTIMIZER_FILE} does not fit this trainer's optimizer: {mismatch}. Resume with the optimizer "
