@@ -1,13 +1,28 @@
-"""The Trainer: a documented skeleton of hooks and events, run on Hugging Face Accelerate."""
+"""The Trainer: a documented skeleton of hooks and events, run on Hugging Face Accelerate.
+
+The whole Trainer reads here, in the order a run calls it: construction; ``train()`` with its setup hooks, the
+preparation by Accelerate, the epochs, the training step and the update; the evaluation epoch; ``evaluate()``; the one
+way events fire and stops are agreed; the loop's named decisions; and what hooks and callbacks use. The step's parts
+that are not hooks are collaborators in ``loop/``: ``run_state.py`` (the run's state and its transitions),
+``accumulation.py`` (the accumulation window), ``non_finite.py`` (the non-finite policy), ``batches.py``,
+``recording.py``, ``persistence.py`` (safe points, resume; and :class:`PersistenceMixin`, the saving and loading
+methods) and ``extra_models.py`` (:class:`ExtraModelsMixin`, models trained beside the trainer's own).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
-from accelerate import PartialState
-from accelerate.utils import set_seed, slice_tensors
+from accelerate import Accelerator, PartialState
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DataLoaderConfiguration, set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
 from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: importable from here, as in pytorch-accelerated)
@@ -19,36 +34,56 @@ from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, L
     PrintProgressCallback,
     ProgressBarCallback,
     TerminateOnNaNCallback,
+    with_limit_batches_from_env,
 )
+from pytorch_accel_trainer.callbacks.base import validate_callback_list
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.loop import accumulation, persistence
-from pytorch_accel_trainer.loop.accessors import TrainerUtilitiesMixin
 from pytorch_accel_trainer.loop.batches import (
     NO_EVAL_BATCH,
+    NO_TRAIN_BATCH,
     batch_loss,
     batch_size_for,
+    batches_need_placing,
     dataset_and_dataloader,
     forward_batch,
     given_dataloader_kwargs,
-    loss_weight,
     merge_dataloader_kwargs,
     real_rows_in_batch,
     with_own_generator_and_checked_collate,
 )
-from pytorch_accel_trainer.loop.extra_models import ExtraModelsMixin
-from pytorch_accel_trainer.loop.persistence import PersistenceMixin
-from pytorch_accel_trainer.loop.preparation import SetupMixin
+from pytorch_accel_trainer.loop.extra_models import (
+    ExtraModelsMixin,
+    store_prepared_extras,
+    unwrap_extras,
+    unwrapped_extras,
+)
+from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
+from pytorch_accel_trainer.loop.persistence import PersistenceMixin, find_state_to_resume
+from pytorch_accel_trainer.loop.recording import create_train_result, record_epoch_values
 from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
-from pytorch_accel_trainer.loop.support import LoopSupportMixin
-from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
+from pytorch_accel_trainer.parallel.distributed import (
+    ProcessAgreement,
+    create_accelerator,
+    release_prepared,
+    wrappers_only_call_torch,
+)
 from pytorch_accel_trainer.parallel.sharded import (
+    prepare_components,
     set_deepspeed_gradient_sync,
+    unwrap_distributed_model,
     validate_sharded_run,
     warn_if_sharding_was_ignored,
 )
-from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues, replace_trainer_placeholder_values  # noqa: F401  (importable from here, as in pytorch-accelerated)
-from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions
+from pytorch_accel_trainer.placeholders import (  # noqa: F401  (importable from here, as in pytorch-accelerated)
+    TrainerPlaceholderValues,
+    placeholder_values,
+    replace_trainer_placeholder_values,
+    resolve_placeholders,
+)
+from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions, build_run_config
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
+from pytorch_accel_trainer.state.training_state import StoredState
 from pytorch_accel_trainer.tracking import (
     InMemoryRunHistory,
     LossTracker,
@@ -60,6 +95,7 @@ from pytorch_accel_trainer.tracking import (
 from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: importable from here, as in pytorch-accelerated)
     batch_size_of,
     dataloader_length,
+    dataset_length,
     remove_padding,
     require_batches,
     with_last_flag,
@@ -67,6 +103,7 @@ from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker
 )
 from pytorch_accel_trainer.validation import (
     mixed_precision_name,
+    overrides,
     validate_batch_output,
     validate_constructor_options,
     validate_datasets,
@@ -74,6 +111,7 @@ from pytorch_accel_trainer.validation import (
     validate_first_eval_batch,
     validate_given_dataloaders,
     validate_loss_requires_grad,
+    validate_model_and_loss,
     validate_optimizer_parameters,
     warn_if_schedule_is_in_epochs,
 )
@@ -86,16 +124,48 @@ DEFAULT_CALLBACKS = (
     LogMetricsCallback,
 )
 
+#: The events that a point where every process can stop together follows (``Trainer._raise_agreed_stop``): a
+#: ``StopTrainingError`` a callback raises in one of them is held until that point. In the other events (a run's
+#: start and end, ``on_init_end``, ``on_stop_training_error``) it is raised at once. See ``Trainer._call_event``.
+AGREED_STOP_EVENTS = frozenset(
+    {
+        "on_train_epoch_start",
+        "on_train_step_start",
+        "on_train_step_end",
+        "on_optimizer_step_end",
+        "on_train_epoch_end",
+        "on_eval_epoch_start",
+        "on_eval_step_start",
+        "on_eval_step_end",
+        "on_eval_epoch_end",
+        "on_training_run_epoch_end",
+    }
+)
 
-class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, TrainerUtilitiesMixin):
+
+@functools.lru_cache(maxsize=128)
+def _takes_is_update_step(function: Callable) -> bool:
+    """Whether ``function``, a ``_perform_forward_and_backward_passes``, takes ``is_update_step`` (found once)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: called as pytorch-accelerated's
+        return False
+    return any(
+        parameter.name == "is_update_step" or parameter.kind is parameter.VAR_KEYWORD for parameter in parameters
+    )
+
+
+class Trainer(ExtraModelsMixin, PersistenceMixin):
     """Trains and evaluates a model through a fixed skeleton of overridable hooks and callback events.
 
     The skeleton is the pseudocode of ``docs/inside_the_trainer.md``; each hook runs, then its ``on_*``
     event. Accelerate places the model, optimizer and data on the right devices and processes, so the
-    same script runs with ``python train.py`` or ``accelerate launch train.py``. The other factory hooks are
-    in ``setup.py``, saving and loading in ``persistence.py``, events, stops and clipping around the hooks in
-    ``loop_support.py``, and the utilities that hooks and callbacks use
-    (``gather``, ``get_model``, ``run_extra_eval_epoch``, ...) in ``accessors.py``.
+    same script runs with ``python train.py`` or ``accelerate launch train.py``. Every hook and the loop that calls
+    them are defined here, in the order they run; two features are mixins of their own, which call none of the
+    Trainer's private methods: :class:`~pytorch_accel_trainer.loop.persistence.PersistenceMixin` (``save_checkpoint``,
+    ``load_checkpoint``, ``save_training_state``, ``load_training_state``, ``save_weights``, ``enable_preemption``,
+    ``request_preemption``) and :class:`~pytorch_accel_trainer.loop.extra_models.ExtraModelsMixin` (``add_model``,
+    ``get_extra_model``, ``update_extra_model``).
 
     Args:
         model: the ``torch.nn.Module`` to train.
@@ -162,28 +232,24 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self._accelerator = self._create_accelerator()
         warn_if_sharding_was_ignored(self._accelerator)
         #: The state of the current (or last) training run: counters, epoch position, accumulation window, the
-        #: saves, stop and preemption asked for, the resume plan (see :class:`~pytorch_accel_trainer.loop.run_state.RunState`).
+        #: epoch's trackers, the saves, stop and preemption asked for, the resume plan (see
+        #: :class:`~pytorch_accel_trainer.loop.run_state.RunState`).
         self.run_state = RunState()
         #: Agrees a decision taken on one process with every process (one small host-side collective).
         self.process_agreement = ProcessAgreement()
-        self._eval_loss_tracker = LossTracker()
-        self._eval_step_metrics = StepMetricsTracker()
         #: Whether ``backward_step`` and the optimizer call torch directly, where Accelerate's wrappers would only
         #: call torch (set by each preparation; see ``always_use_accelerate_wrappers``).
         self.calls_torch_directly = False
-        #: In an evaluation epoch, the rows of this process's batch that are real samples when the rest only repeat
-        #: samples so that every process runs the same steps (the last batch of a multi-process run); else None.
-        self.eval_batch_real_rows: Optional[int] = None
         #: Keep the total norm of each update's gradients in ``last_gradient_norm`` (a device tensor, no sync),
         #: even without clipping by norm; ``ExperimentTrackingCallback`` turns it on to log it.
         self.track_gradient_norm = False
         self.last_gradient_norm: Optional[torch.Tensor] = None
         # set by train() / evaluate()
-        self.create_scheduler_fn = None
-        self.scheduler = None
-        self.collate_fn = None
-        self.train_dataset = None
-        self.eval_dataset = None
+        self.create_scheduler_fn: Optional[Callable] = None
+        self.scheduler: Any = None
+        self.collate_fn: Optional[Callable] = None
+        self.train_dataset: Any = None
+        self.eval_dataset: Any = None
         #: The prepared dataloaders of the current run; a callback may replace one (e.g. by a slice) at
         #: ``on_training_run_start`` and put it back at ``on_training_run_end``.
         self.train_dataloader: Optional[Iterable] = None
@@ -194,157 +260,36 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self._eval_dl_kwargs: Optional[dict] = None
         self.run_config: Optional[TrainerRunConfig] = None
 
-        self.callback_handler.call_event("on_init_end", self)
+        self._call_event("on_init_end")
 
     # ------------------------------------------------------------------------------------------------
-    # Hooks (the other factories, create_scheduler and get_default_*_dl_kwargs, are in setup.py)
+    # Construction: the callback handler and the Accelerator
     # ------------------------------------------------------------------------------------------------
 
-    def create_train_dataloader(self, batch_size: int, train_dl_kwargs: Optional[dict] = None) -> Iterable:
-        """Return the training dataloader over ``self.train_dataset`` (before Accelerate prepares it).
+    def _create_callback_handler(self) -> CallbackHandler:
+        """Return the :class:`CallbackHandler` that calls the trainer's callbacks (with a
+        ``LimitBatchesCallback`` added while the environment variable ``PT_ACC_LIMIT_BATCHES`` is set)."""
+        validate_callback_list(self._callbacks)  # a single callback where a list is expected is a TypeError
+        return CallbackHandler(with_limit_batches_from_env(self._callbacks), events=self.callback_events)
 
-        Runs once at the start of ``train()``. The default builds a :class:`~torch.utils.data.DataLoader`
-        from :meth:`get_default_train_dl_kwargs`, updated with ``train_dl_kwargs`` (which wins, ``batch_size``
-        included), and ``self.collate_fn`` (wrapped so that a ``None`` batch is a clear ``TypeError``). The
-        DataLoader draws its shuffle order and worker seeds from a generator of its own, not the global RNG.
+    def _create_accelerator(self) -> Accelerator:
+        """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
 
-        Args:
-            batch_size: the batch size per device.
-            train_dl_kwargs: extra DataLoader arguments.
+        Launched on several processes on a machine without GPUs (``accelerate launch --multi_gpu`` or
+        ``torchrun``), it runs one multi-process job on the CPU (gloo), where Accelerate alone would run
+        independent copies of the training.
 
-        Returns:
-            Any iterable of batches; a DataLoader is sharded across processes by Accelerate.
+        The default shuffles with Accelerate's seedable sampler: the order of epoch ``e`` depends only on
+        ``seed + e`` (``seed`` 0 when ``Trainer(seed=None)``), identical on every process, so a resumed run
+        can skip to any batch by sampler offset.
         """
-        if self._given_train_dataloader is not None:  # train() received a DataLoader: Accelerate prepares it as it is
-            self._train_dl_kwargs = given_dataloader_kwargs(self._given_train_dataloader)
-            return self._given_train_dataloader
-        self._train_dl_kwargs = merge_dataloader_kwargs(
-            self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
-        )
-        dataloader = DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
-        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
-
-    def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
-        """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
-        if self._given_eval_dataloader is not None:
-            self._eval_dl_kwargs = given_dataloader_kwargs(self._given_eval_dataloader)
-            return self._given_eval_dataloader
-        self._eval_dl_kwargs = merge_dataloader_kwargs(
-            self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
-        )
-        dataloader = DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
-        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
-
-    def training_run_start(self) -> None:
-        """Runs at the start of a training run, before ``on_training_run_start``. Default: nothing."""
-
-    def train_epoch_start(self) -> None:
-        """Runs at the start of each training epoch. Default: puts the model in training mode."""
-        self.model.train()
-
-    def calculate_train_batch_loss(self, batch) -> dict:
-        """Return the loss of one training batch, with the model outputs and the batch size.
-
-        The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``. A batch that is a dict
-        (Hugging Face style) is passed as keyword arguments, ``self.model(**batch)``, and its targets are
-        ``batch["labels"]``; without a ``loss_func``, the ``loss`` of the model output is used (transformers models
-        return one when the batch has ``labels``).
-
-        Args:
-            batch: one batch from the training dataloader.
-
-        Returns:
-            A dict with ``loss`` (a scalar tensor) and ``batch_size`` (both required), ``model_outputs`` by
-            convention, and any extra keys, which reach ``on_train_step_end``. Return the plain loss: the trainer
-            scales it for gradient accumulation itself, and logs it unscaled. For a loss averaged over items
-            other than samples (tokens), add ``num_items_in_batch``, the number of items it averages over: the
-            trainer then weights each micro-batch by it, so the update is that of the item-mean over the whole
-            global batch, however it is split over accumulation steps and processes.
-        """
-        model_outputs = forward_batch(self.model, batch)
-        loss = batch_loss(self.loss_func, model_outputs, batch)
-        return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size_of(batch)}
-
-    def backward_step(self, loss: torch.Tensor) -> None:
-        """Run the backward pass through Accelerate (which handles mixed-precision loss scaling).
-
-        Where ``Accelerator.backward`` would only divide the loss by 1 and call ``loss.backward()`` (no gradient
-        scaler, DeepSpeed or Megatron), the trainer calls ``loss.backward()`` itself: same gradients, less time.
-
-        Args:
-            loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
-                micro-batches in the current accumulation window.
-        """
-        if not loss.requires_grad:  # an attribute read, no sync: a detached loss would train nothing
-            validate_loss_requires_grad(loss, self.model)
-        if self.calls_torch_directly:
-            loss.backward()
-        else:
-            self._accelerator.backward(loss)
-
-    def optimizer_step(self) -> None:
-        """Update the parameters: ``self.optimizer.step()``. Runs once per accumulation window."""
-        self.optimizer.step()
-
-    def scheduler_step(self) -> None:
-        """Step ``self.scheduler``, if there is one. Runs after each optimizer update that was not skipped."""
-        if self.scheduler is not None:
-            self.scheduler.step()
-
-    def optimizer_zero_grad(self) -> None:
-        """Reset the gradients: ``self.optimizer.zero_grad()``. Runs after each optimizer update."""
-        self.optimizer.zero_grad()
-
-    def train_epoch_end(self) -> None:
-        """Runs at the end of each training epoch, before its loss is recorded. Default: nothing."""
-
-    def eval_epoch_start(self) -> None:
-        """Runs at the start of each evaluation epoch. Default: puts the model in evaluation mode."""
-        self.model.eval()
-
-    def calculate_eval_batch_loss(self, batch) -> dict:
-        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`.
-
-        In the last batch of a multi-process evaluation, Accelerate repeats a few samples so that every process
-        runs the same steps; the default computes the loss over the real rows only (``eval_batch_real_rows``),
-        so ``eval_loss_epoch`` equals the single-process value. ``model_outputs`` keep every row, as
-        ``gather_for_metrics`` expects.
-        """
-        with torch.no_grad():
-            model_outputs = forward_batch(self.model, batch)
-            loss, batch_size = batch_loss(self.loss_func, model_outputs, batch), batch_size_of(batch)
-            real_rows = self.eval_batch_real_rows
-            if real_rows is not None:  # a second forward pass over the real rows, once per evaluation
-                real_batch = slice_tensors(batch, slice(0, real_rows))
-                loss = (
-                    batch_loss(self.loss_func, forward_batch(self.model, real_batch), real_batch)
-                    if real_rows
-                    else torch.zeros_like(loss)
-                )
-                batch_size = real_rows
-        return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size}
-
-    def eval_epoch_end(self) -> None:
-        """Runs at the end of each evaluation epoch, before its loss is recorded. Default: nothing."""
-
-    def training_run_epoch_end(self) -> None:
-        """Runs after the training and evaluation epochs of each training-run epoch. Default: nothing."""
-
-    def training_run_end(self) -> None:
-        """Runs at the end of a training run. Default: unwraps ``self.model`` and the extra models (``add_model``)."""
-        self.model = self._unwrap_distributed_model()
-        self._unwrap_extra_models()
-
-    def evaluation_run_start(self) -> None:
-        """Runs at the start of an evaluation run, before ``on_evaluation_run_start``. Default: nothing."""
-
-    def evaluation_run_end(self) -> None:
-        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` and the extra models."""
-        self.model = self._unwrap_distributed_model()
-        self._unwrap_extra_models()
+        data_seed = self.seed if self.seed is not None else 0
+        options = {"dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)}
+        options.update(self.accelerator_kwargs)  # the user's, from Trainer(accelerator_kwargs=...)
+        return create_accelerator(mixed_precision=self.mixed_precision, cpu=self.cpu, **options)
 
     # ------------------------------------------------------------------------------------------------
-    # Entry points
+    # A training run: train(), then its setup hooks, preparation and loop, in the order they run
     # ------------------------------------------------------------------------------------------------
 
     def train(
@@ -371,7 +316,8 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         Args:
             train_dataset: the training data; a dataset without ``__len__`` (iterable, streaming) works too. A
                 ``DataLoader`` is used as it is (its batch size, sampler, workers and collate function), prepared by
-                Accelerate like the trainer's own: sharded across processes, shuffled from the trainer's seed, resumable.
+                Accelerate like the trainer's own: sharded across processes, shuffled from the trainer's seed,
+                resumable.
             num_epochs: the number of epochs; ``None`` to stop on ``max_num_train_steps`` only.
             eval_dataset: evaluated after each training epoch when given; a dataset or a ``DataLoader``.
             per_device_batch_size: the batch size on each process.
@@ -439,7 +385,7 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
             validate_optimizer_parameters(
                 self.optimizer, self.model
             )  # none of the model's trainable parameters missing
-        stored_state = persistence.find_state_to_resume(Path(resume_from)) if resume_from is not None else None
+        stored_state = find_state_to_resume(Path(resume_from)) if resume_from is not None else None
         self.run_state = RunState(options=options)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
@@ -463,7 +409,416 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, scheduler_interval)
         self._load_resume_plan(stored_state)
         self._run_training()
-        return self._create_train_result()
+        return create_train_result(self.run_state, self.run_config, self.run_history, self.callback_handler)
+
+    def create_train_dataloader(self, batch_size: int, train_dl_kwargs: Optional[dict] = None) -> Iterable:
+        """Return the training dataloader over ``self.train_dataset`` (before Accelerate prepares it).
+
+        Runs once at the start of ``train()``. The default builds a :class:`~torch.utils.data.DataLoader`
+        from :meth:`get_default_train_dl_kwargs`, updated with ``train_dl_kwargs`` (which wins, ``batch_size``
+        included), and ``self.collate_fn`` (wrapped so that a ``None`` batch is a clear ``TypeError``). The
+        DataLoader draws its shuffle order and worker seeds from a generator of its own, not the global RNG.
+
+        Args:
+            batch_size: the batch size per device.
+            train_dl_kwargs: extra DataLoader arguments.
+
+        Returns:
+            Any iterable of batches; a DataLoader is sharded across processes by Accelerate.
+        """
+        if self._given_train_dataloader is not None:  # train() received a DataLoader: Accelerate prepares it as it is
+            self._train_dl_kwargs = given_dataloader_kwargs(self._given_train_dataloader)
+            return self._given_train_dataloader
+        self._train_dl_kwargs = merge_dataloader_kwargs(
+            self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
+        )
+        dataloader = DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
+        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
+
+    def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
+        """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
+        if self._given_eval_dataloader is not None:
+            self._eval_dl_kwargs = given_dataloader_kwargs(self._given_eval_dataloader)
+            return self._given_eval_dataloader
+        self._eval_dl_kwargs = merge_dataloader_kwargs(
+            self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
+        )
+        dataloader = DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
+        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
+
+    def get_default_train_dl_kwargs(self, batch_size: int) -> dict:
+        """Return the default training DataLoader arguments.
+
+        ``num_workers`` is 0: on small in-memory data, worker processes make each step several times
+        slower. Pass ``train_dataloader_kwargs={"num_workers": 4}`` for data that is costly to load;
+        workers then persist across epochs and seed numpy per worker.
+        """
+        return {
+            "shuffle": True,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": 0,
+            "worker_init_fn": worker_init_fn,
+        }
+
+    def get_default_eval_dl_kwargs(self, batch_size: int) -> dict:
+        """Return the default evaluation DataLoader arguments: as for training, without shuffling."""
+        return {
+            "shuffle": False,
+            "pin_memory": torch.cuda.is_available(),
+            "batch_size": batch_size,
+            "num_workers": 0,
+            "worker_init_fn": worker_init_fn,
+        }
+
+    def _prepare_model_optimizer_and_dataloaders(self) -> None:
+        """Wrap the model, optimizer and dataloaders for the current devices and processes, via Accelerate.
+
+        Preparing shards each DataLoader across processes, which changes its length: the run config and
+        the scheduler are built after this. The two halves, :meth:`_prepare_model_and_optimizer` and
+        :meth:`_prepare_dataloaders` (pytorch-accelerated's documented internals), may be overridden: then each is
+        called, and Accelerate prepares the halves in two calls (DeepSpeed needs one: override this method there).
+        """
+        validate_model_and_loss(self.model, self.loss_func)  # here, not in __init__: a subclass may prepare its own
+        release_prepared(self.accelerator)  # nothing of an earlier run is kept or prepared twice
+        if overrides(self, "_prepare_model_and_optimizer") or overrides(self, "_prepare_dataloaders"):
+            self._prepare_model_and_optimizer()
+            self._prepare_dataloaders()
+        else:
+            self._prepare(model_and_optimizer=True, dataloaders=True)  # one call, as DeepSpeed needs
+
+    def _prepare_model_and_optimizer(self) -> None:
+        """Wrap the model and optimizer via Accelerate (and compile the model, with ``torch_compile``)."""
+        self._prepare(model_and_optimizer=True, dataloaders=False)
+
+    def _prepare_dataloaders(self) -> None:
+        """Wrap the dataloaders via Accelerate: shard them across processes, and place their batches."""
+        self._prepare(model_and_optimizer=False, dataloaders=True)
+
+    def _prepare(self, model_and_optimizer: bool, dataloaders: bool) -> None:
+        """Prepare the model and optimizer (with the extra models of ``add_model``) and/or the dataloaders."""
+        if model_and_optimizer:
+            self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
+            if isinstance(self.optimizer, AcceleratedOptimizer):
+                self.optimizer = self.optimizer.optimizer
+        components = [self.model, self.optimizer] if model_and_optimizer else [None, None]
+        components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
+        placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
+        # the extra models (add_model) in the same call: Accelerate places them and their optimizers together
+        extras = (
+            unwrapped_extras(self.accelerator, self.extra_models, self.extra_optimizers) if model_and_optimizer else []
+        )
+        components = prepare_components(
+            self.accelerator, components + extras, device_placement=placement + [None] * len(extras)
+        )
+        if dataloaders:
+            self.train_dataloader, self.eval_dataloader = components[2:4]
+        if not model_and_optimizer:
+            return
+        self.model, self.optimizer = components[:2]
+        # where Accelerate's optimizer wrapper and backward() would only call torch, call torch (100 us a step)
+        self.calls_torch_directly = not self.always_use_accelerate_wrappers and wrappers_only_call_torch(
+            self.accelerator
+        )
+        if self.calls_torch_directly and isinstance(self.optimizer, AcceleratedOptimizer):
+            self.optimizer = self.optimizer.optimizer
+        store_prepared_extras(self.extra_models, self.extra_optimizers, components[4:], self.calls_torch_directly)
+        if self.torch_compile is not False:  # True or a dict, even {}; compiled after the DDP wrapper, as torch advises
+            options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
+            self.model = torch.compile(self.model, **options)
+
+    def _create_run_config(self, options: Optional[TrainOptions] = None, **train_arguments) -> TrainerRunConfig:
+        """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders.
+
+        Takes the run's :class:`TrainOptions`, or, as pytorch-accelerated's method, ``train()``'s arguments by
+        keyword (``per_device_batch_size=``, ``num_epochs=``, ``gradient_accumulation_steps=``, ...).
+        """
+        if options is None:
+            options = TrainOptions(**train_arguments)
+        dataloaders, kwargs = (
+            (self.train_dataloader, self.eval_dataloader),
+            (self._train_dl_kwargs, self._eval_dl_kwargs),
+        )
+        return build_run_config(options, self._accelerator, dataloaders, kwargs, self.train_dataset, self.seed)
+
+    def _check_eval_batch_size(self) -> None:
+        """Warn when the last evaluation batch of a multi-process run repeats samples (pytorch-accelerated's check).
+
+        Accelerate fills the last batch of every process so that all run the same steps. The evaluation loss,
+        ``gather_for_metrics`` and ``gather`` count each sample once, but a hook that collects its own per-batch
+        tensors on each process sees the repeated rows: this says how many there will be.
+        """
+        config = self.run_config
+        length = dataset_length(self.eval_dataset)
+        if length is None or not config.is_distributed or not config.eval_total_batch_size:
+            return  # one process, or a stream of unknown length: no sample is repeated
+        repeated = -length % config.eval_total_batch_size
+        if repeated:
+            warnings.warn(
+                f"The evaluation dataset has {length} samples and the evaluation batch of all processes together is "
+                f"{config.eval_total_batch_size}, so the last batch repeats {repeated} samples to keep the processes "
+                "in step. The loss, gather() and gather_for_metrics() count each sample once; per-process tensors "
+                "collected in your own hooks hold the repeats (use eval_batch_real_rows to drop them). A batch size "
+                "that divides the dataset avoids it.",
+                stacklevel=2,
+            )
+
+    def create_scheduler(self) -> Any:
+        """Return the learning-rate scheduler built by ``self.create_scheduler_fn(self.optimizer)``, or ``None``
+        when ``train()`` was given no ``create_scheduler_fn``.
+
+        Runs once in ``train()``, after the dataloaders are prepared, so that
+        :class:`TrainerPlaceholderValues` in a ``functools.partial`` factory resolve to this run's values.
+        The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`. Override it to build the
+        scheduler in code: the override is called with or without a ``create_scheduler_fn``.
+        """
+        if self.create_scheduler_fn is None:
+            return None
+        values = placeholder_values(self.run_config, self.train_dataloader, self.eval_dataloader)
+        return resolve_placeholders(self.create_scheduler_fn, values)(self.optimizer)
+
+    def _load_resume_plan(self, stored_state: Optional[StoredState]) -> None:
+        """Load the training state to resume from, if any, and start the run state at its position."""
+        options = self.run_state.options
+        plan = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
+        self.run_state.begin_resume(plan)  # its update count and epoch
+
+    def _run_training(self) -> None:
+        """Run the epochs of a training run, as in the documented pseudocode."""
+        state = self.run_state
+        state.start_epochs(metric_counts(self.run_history))  # from here on, saves wait for a point between two updates
+        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
+        try:
+            self.training_run_start()
+            self._call_event("on_training_run_start")
+            for epoch in self._epochs():
+                state.epoch = epoch
+                try:
+                    self._run_train_epoch(self.train_dataloader)
+                    self._raise_agreed_stop()  # a callback's stop, asked for on any process in the epoch
+                    if self.eval_dataloader is not None:
+                        self._run_eval_epoch(self.eval_dataloader)
+                    if self._steps_scheduler_per_epoch():
+                        self.scheduler_step()  # scheduler_interval="epoch": once, after the epoch's evaluation
+                    self.training_run_epoch_end()
+                    self._call_event("on_training_run_epoch_end")
+                    self._raise_agreed_stop()
+                except StopTrainingError as error:
+                    self._stop_training(error)
+                    break
+                self.run_history._increment_epoch()
+                state.epoch = epoch + 1
+                persistence.reach_safe_point(self)  # between epochs: saves asked for during the epoch are taken here
+                if self._reached_max_steps():
+                    break  # the step limit came before the epoch limit
+            if state.save_requests:  # asked for after the last update of a run stopped mid-epoch
+                persistence.take_requested_saves(self)
+        finally:
+            state.end_epochs()  # from here on, saves are taken at once
+            persistence.end_saves_and_preemption(self)  # a save in the background is complete (or its error raised)
+            state.set_non_finite_policy(None)
+        self.training_run_end()
+        self._call_event("on_training_run_end")
+
+    def training_run_start(self) -> None:
+        """Runs at the start of a training run, before ``on_training_run_start``. Default: nothing."""
+
+    def _run_train_epoch(self, train_dl: Iterable) -> None:
+        """Run one training epoch: a step per batch, an optimizer update per accumulation window."""
+        state = self.run_state
+        self.train_epoch_start()
+        state.start_train_epoch(dataloader_length(train_dl))  # empty trackers; the length is None without __len__
+        state.epoch_first_step, batches = self._epoch_batches(train_dl)  # not 0 when resuming inside an epoch
+        self._call_event("on_train_epoch_start")
+        for step, (batch, is_last_batch) in enumerate(batches, start=state.epoch_first_step):
+            self._call_event("on_train_step_start")
+            opens_window, is_update_step = self._is_window_start(step), self._is_update_step(step, is_last_batch)
+            if opens_window:
+                persistence.reach_safe_point(self, step)  # between two optimizer updates
+            if state.non_finite_policy is not None:  # the window's batches and the epoch's loss before it, kept
+                state.non_finite_policy.remember_micro_batch(state, batch, step, opens_window)
+            self._forward_and_backward(batch, step, is_update_step)
+            if is_update_step and not self._skips_non_finite_update():
+                self._update_parameters(step)
+                if self._reached_max_steps():
+                    break  # the step limit falls inside this epoch
+            if is_update_step:
+                self._raise_agreed_stop()  # a callback's stop, asked for on any process in this window
+        self.train_epoch_end()
+        self._record_epoch_values(
+            state.train_loss_tracker, state.train_step_metrics, "train_loss_epoch", "train_{}_epoch"
+        )
+        self._call_event("on_train_epoch_end")
+
+    def train_epoch_start(self) -> None:
+        """Runs at the start of each training epoch. Default: puts the model in training mode."""
+        self.model.train()
+
+    def _perform_forward_and_backward_passes(
+        self, batch, step: int, is_update_step: Optional[bool] = None, is_retry: bool = False
+    ) -> None:
+        """Run the forward and backward passes of one micro-batch (pytorch-accelerated's name and arguments).
+
+        Inside an accumulation window the passes run under ``no_sync``; gradients sync across processes on the
+        micro-batch that closes the window. A subclass may override it with pytorch-accelerated's signature
+        ``(self, batch, step)``: the loop then calls it with those two arguments alone.
+
+        Args:
+            batch: one batch from the training dataloader.
+            step: the index of the micro-batch in the epoch, from 0.
+            is_update_step: whether the micro-batch closes its accumulation window (or the epoch), so that an update
+                follows; the loop passes it. ``None`` (an override that calls ``super()`` with ``(batch, step)``):
+                decided from ``step`` by :meth:`_is_update_step`, the epoch's last micro-batch known from the
+                dataloader's length (without ``__len__``, a last window cut short by the end of the data is then not
+                known as one).
+            is_retry: the micro-batch runs again, for a non-finite window: no event, its samples already counted.
+        """
+        if is_update_step is None:  # called with pytorch-accelerated's arguments alone
+            is_update_step = self._is_update_step(step, is_last_batch=step + 1 == self.run_state.train_epoch_length)
+        state, accumulation_steps = self.run_state, self.run_config.gradient_accumulation_steps
+        with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
+            batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
+            validate_batch_output(batch_output, "calculate_train_batch_loss")
+            state.record_train_batch(batch_output, first_try=not is_retry)  # the unscaled loss, as it is logged
+            if not is_retry:  # a step run again for non-finite gradients has had its event
+                self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
+            if not self.calls_torch_directly:  # DeepSpeed must step only at the end of a window
+                set_deepspeed_gradient_sync(self._accelerator, is_update_step)
+            loss = accumulation.scale_loss_for_accumulation(batch_output, step, accumulation_steps, state)
+            self.backward_step(loss)
+
+    def calculate_train_batch_loss(self, batch) -> dict:
+        """Return the loss of one training batch, with the model outputs and the batch size.
+
+        The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``. A batch that is a dict
+        (Hugging Face style) is passed as keyword arguments, ``self.model(**batch)``, and its targets are
+        ``batch["labels"]``; without a ``loss_func``, the ``loss`` of the model output is used (transformers models
+        return one when the batch has ``labels``).
+
+        Args:
+            batch: one batch from the training dataloader.
+
+        Returns:
+            A dict with ``loss`` (a scalar tensor) and ``batch_size`` (both required), ``model_outputs`` by
+            convention, and any extra keys, which reach ``on_train_step_end``. Return the plain loss: the trainer
+            scales it for gradient accumulation itself, and logs it unscaled. For a loss averaged over items
+            other than samples (tokens), add ``num_items_in_batch``, the number of items it averages over: the
+            trainer then weights each micro-batch by it, so the update is that of the item-mean over the whole
+            global batch, however it is split over accumulation steps and processes.
+        """
+        model_outputs = forward_batch(self.model, batch)
+        loss = batch_loss(self.loss_func, model_outputs, batch)
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size_of(batch)}
+
+    def backward_step(self, loss: torch.Tensor) -> None:
+        """Run the backward pass through Accelerate (which handles mixed-precision loss scaling).
+
+        Where ``Accelerator.backward`` would only divide the loss by 1 and call ``loss.backward()`` (no gradient
+        scaler, DeepSpeed or Megatron), the trainer calls ``loss.backward()`` itself: same gradients, less time.
+
+        Args:
+            loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
+                micro-batches in the current accumulation window.
+        """
+        if not loss.requires_grad:  # an attribute read, no sync: a detached loss would train nothing
+            validate_loss_requires_grad(loss, self.model)
+        if self.calls_torch_directly:
+            loss.backward()
+        else:
+            self._accelerator.backward(loss)
+
+    def _update_parameters(self, step: int) -> None:
+        """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
+        state, accumulation_steps = self.run_state, self.run_config.gradient_accumulation_steps
+        accumulation.complete_partial_window(step, accumulation_steps, state.train_epoch_length, self.model)
+        accumulation.normalise_by_items_in_window(state.take_window_items(), self._accelerator, self.model)
+        self._clip_gradients()
+        self.optimizer_step()
+        if not self._optimizer_step_was_skipped() and not self._steps_scheduler_per_epoch():  # fp16 overflow: skipped
+            self.scheduler_step()
+        self.optimizer_zero_grad()
+        num_update_steps_completed = state.count_update()
+        self._call_event("on_optimizer_step_end", step=step, num_update_steps_completed=num_update_steps_completed)
+
+    def optimizer_step(self) -> None:
+        """Update the parameters: ``self.optimizer.step()``. Runs once per accumulation window."""
+        self.optimizer.step()
+
+    def scheduler_step(self) -> None:
+        """Step ``self.scheduler``, if there is one. Runs after each optimizer update that was not skipped."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def optimizer_zero_grad(self) -> None:
+        """Reset the gradients: ``self.optimizer.zero_grad()``. Runs after each optimizer update."""
+        self.optimizer.zero_grad()
+
+    def train_epoch_end(self) -> None:
+        """Runs at the end of each training epoch, before its loss is recorded. Default: nothing."""
+
+    # ------------------------------------------------------------------------------------------------
+    # An evaluation epoch (of a training run or of evaluate())
+    # ------------------------------------------------------------------------------------------------
+
+    def _run_eval_epoch(self, valid_dl: Iterable, is_training: bool = True) -> None:
+        """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
+        state = self.run_state
+        self.eval_epoch_start()
+        state.start_eval_epoch()
+        self._call_event("on_eval_epoch_start")
+        for step, batch in enumerate(require_batches(valid_dl, NO_EVAL_BATCH)):
+            state.start_eval_batch(real_rows_in_batch(valid_dl, batch, self._accelerator))  # None unless rows repeat
+            self._call_event("on_eval_step_start")
+            batch_output = self.calculate_eval_batch_loss(batch)
+            validate_batch_output(batch_output, "calculate_eval_batch_loss")
+            state.record_eval_batch(batch_output)
+            self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
+        state.end_eval_epoch()
+        self.eval_epoch_end()
+        names = ("eval_loss_epoch", "eval_{}_epoch") if is_training else ("evaluation_loss", "evaluation_{}")
+        self._record_epoch_values(state.eval_loss_tracker, state.eval_step_metrics, *names)
+        self._call_event("on_eval_epoch_end")
+
+    def eval_epoch_start(self) -> None:
+        """Runs at the start of each evaluation epoch. Default: puts the model in evaluation mode."""
+        self.model.eval()
+
+    def calculate_eval_batch_loss(self, batch) -> dict:
+        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`.
+
+        In the last batch of a multi-process evaluation, Accelerate repeats a few samples so that every process
+        runs the same steps; the default computes the loss over the real rows only (``eval_batch_real_rows``),
+        so ``eval_loss_epoch`` equals the single-process value. ``model_outputs`` keep every row, as
+        ``gather_for_metrics`` expects.
+        """
+        with torch.no_grad():
+            model_outputs = forward_batch(self.model, batch)
+            loss, batch_size = batch_loss(self.loss_func, model_outputs, batch), batch_size_of(batch)
+            real_rows = self.eval_batch_real_rows
+            if real_rows is not None:  # a second forward pass over the real rows, once per evaluation
+                real_batch = slice_tensors(batch, slice(0, real_rows))
+                loss = (
+                    batch_loss(self.loss_func, forward_batch(self.model, real_batch), real_batch)
+                    if real_rows
+                    else torch.zeros_like(loss)
+                )
+                batch_size = real_rows
+        return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size}
+
+    def eval_epoch_end(self) -> None:
+        """Runs at the end of each evaluation epoch, before its loss is recorded. Default: nothing."""
+
+    def training_run_epoch_end(self) -> None:
+        """Runs after the training and evaluation epochs of each training-run epoch. Default: nothing."""
+
+    def training_run_end(self) -> None:
+        """Runs at the end of a training run. Default: unwraps ``self.model`` and the extra models (``add_model``)."""
+        self.model = self._unwrap_distributed_model()
+        unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+
+    # ------------------------------------------------------------------------------------------------
+    # An evaluation run: evaluate()
+    # ------------------------------------------------------------------------------------------------
 
     def evaluate(
         self,
@@ -477,8 +832,8 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         Unlike pytorch-accelerated, the run history is kept: the metrics of an earlier ``train()`` stay.
 
         Args:
-            dataset: the data to evaluate, or a DataLoader over it (used as it is); defaults to the ``eval_dataset`` (and
-                collate function) of the last ``train()``.
+            dataset: the data to evaluate, or a DataLoader over it (used as it is); defaults to the ``eval_dataset``
+                (and collate function) of the last ``train()``.
             per_device_batch_size: the batch size on each process.
             dataloader_kwargs: extra arguments for the DataLoader.
             collate_fn: the collate function of the DataLoader.
@@ -512,155 +867,88 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
         self._run_evaluation()
         return metrics_recorded_since(self.run_history, counts)
 
-    # ------------------------------------------------------------------------------------------------
-    # Orchestrators: the documented skeleton
-    # ------------------------------------------------------------------------------------------------
-
-    def _run_training(self) -> None:
-        """Run the epochs of a training run, as in the documented pseudocode."""
-        state = self.run_state
-        state.in_training_run = True  # from here on, saves wait for a point between two updates
-        state.start_epochs(metric_counts(self.run_history))  # for the TrainResult
-        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
-        try:
-            self.training_run_start()
-            self.callback_handler.call_event("on_training_run_start", self)
-            for epoch in self._epochs():
-                state.epoch = epoch
-                try:
-                    self._run_train_epoch(self.train_dataloader)
-                    self._raise_agreed_stop()  # a callback's stop, asked for on any process in the epoch
-                    if self.eval_dataloader is not None:
-                        self._run_eval_epoch(self.eval_dataloader)
-                    if self._steps_scheduler_per_epoch():
-                        self.scheduler_step()  # scheduler_interval="epoch": once, after the epoch's evaluation
-                    self.training_run_epoch_end()
-                    self._call_event("on_training_run_epoch_end")
-                    self._raise_agreed_stop()
-                except StopTrainingError as error:
-                    self._stop_training(error)
-                    break
-                self.run_history._increment_epoch()
-                state.epoch = epoch + 1
-                persistence.reach_safe_point(self)  # between epochs: saves asked for during the epoch are taken here
-                if state.reached_max_steps():
-                    break  # the step limit came before the epoch limit
-            if state.save_requests:  # asked for after the last update of a run stopped mid-epoch
-                persistence.take_requested_saves(self)
-        finally:
-            state.in_training_run = False  # from here on, saves are taken at once
-            persistence.end_saves_and_preemption(self)  # a save in the background is complete (or its error raised)
-            state.non_finite_policy = None
-        self.training_run_end()
-        self.callback_handler.call_event("on_training_run_end", self)
-
     def _run_evaluation(self) -> None:
         """Run the single evaluation epoch of an evaluation run."""
         self.evaluation_run_start()
-        self.callback_handler.call_event("on_evaluation_run_start", self)
+        self._call_event("on_evaluation_run_start")
         try:
             self._run_eval_epoch(self.eval_dataloader, is_training=False)
             self._raise_agreed_stop()
         except StopTrainingError as error:
             self._stop_training(error)
         self.evaluation_run_end()
-        self.callback_handler.call_event("on_evaluation_run_end", self)
+        self._call_event("on_evaluation_run_end")
 
-    def _run_train_epoch(self, train_dl: Iterable) -> None:
-        """Run one training epoch: a step per batch, an optimizer update per accumulation window."""
-        state = self.run_state
-        self.train_epoch_start()
-        state.train_loss_tracker.reset()
-        state.train_step_metrics.reset()
-        state.train_epoch_length = dataloader_length(train_dl)
-        state.epoch_first_step, batches = self._epoch_batches(train_dl)  # not 0 when resuming inside an epoch
-        self._call_event("on_train_epoch_start")
-        for step, (batch, is_last_batch) in enumerate(batches, start=state.epoch_first_step):
-            self._call_event("on_train_step_start")
-            if self._is_window_start(step):
-                persistence.reach_safe_point(self, step)  # between two optimizer updates
-            is_update_step = state.step_closes_window = self._is_update_step(step, is_last_batch)
-            self._perform_forward_and_backward_passes(batch, step)
-            if is_update_step and not self._retry_or_skip_non_finite_update(batch, step):
-                self._update_parameters(step)
-                if state.reached_max_steps():
-                    break  # the step limit falls inside this epoch
-            if is_update_step:
-                self._raise_agreed_stop()  # a callback's stop, asked for on any process in this window
-        self.train_epoch_end()
-        self._record_epoch_loss(state.train_loss_tracker, "train_loss_epoch")
-        self._record_step_metrics(state.train_step_metrics, "train_{}_epoch")
-        self._call_event("on_train_epoch_end")
+    def evaluation_run_start(self) -> None:
+        """Runs at the start of an evaluation run, before ``on_evaluation_run_start``. Default: nothing."""
 
-    def _perform_forward_and_backward_passes(self, batch, step: int, is_retry: bool = False) -> None:
-        """Forward and backward pass of one micro-batch (pytorch-accelerated's name and arguments); gradients sync
-        across processes only on the step that closes an accumulation window (``run_state.step_closes_window``)."""
-        accumulation_steps, is_update_step = (
-            self.run_config.gradient_accumulation_steps,
-            self.run_state.step_closes_window,
-        )
-        with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
-            batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
-            validate_batch_output(batch_output, "calculate_train_batch_loss")
-            weight = loss_weight(batch_output, None)
-            self.run_state.train_loss_tracker.update(batch_output["loss"], weight)
-            self.run_state.train_step_metrics.update(batch_output, weight)  # accuracy etc.: averaged like the loss
-            if not is_retry:  # a step re-run for non-finite gradients has had its event, and its samples counted
-                self.run_state.samples_seen += batch_output["batch_size"]
-                if self.run_state.non_finite_policy is not None:  # kept for a retry of the window
-                    self.run_state.non_finite_policy.remember_micro_batch(batch, step, self._is_window_start(step))
-                self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
-            if not self.calls_torch_directly:  # DeepSpeed must step only at the end of a window
-                set_deepspeed_gradient_sync(self._accelerator, is_update_step)
-            loss = accumulation.scale_loss_for_accumulation(batch_output, step, accumulation_steps, self.run_state)
-            self.backward_step(loss)
-
-    def _update_parameters(self, step: int) -> None:
-        """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
-        state, accumulation_steps = self.run_state, self.run_config.gradient_accumulation_steps
-        accumulation.complete_partial_window(step, accumulation_steps, state, self.model)
-        accumulation.normalise_by_items_in_window(state, self._accelerator, self.model)
-        self._clip_gradients()
-        self.optimizer_step()
-        if (
-            not self._optimizer_step_was_skipped() and not self._steps_scheduler_per_epoch()
-        ):  # an fp16 overflow skips the update
-            self.scheduler_step()
-        self.optimizer_zero_grad()
-        state.num_update_steps_completed += 1
-        self._call_event(
-            "on_optimizer_step_end", step=step, num_update_steps_completed=state.num_update_steps_completed
-        )
-
-    def _run_eval_epoch(self, valid_dl: Iterable, is_training: bool = True) -> None:
-        """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
-        self.eval_epoch_start()
-        self._eval_loss_tracker.reset()
-        self._eval_step_metrics.reset()
-        self._call_event("on_eval_epoch_start")
-        for step, batch in enumerate(require_batches(valid_dl, NO_EVAL_BATCH)):
-            self.eval_batch_real_rows = real_rows_in_batch(
-                valid_dl, batch, self._accelerator
-            )  # None unless samples repeat
-            self._call_event("on_eval_step_start")
-            batch_output = self.calculate_eval_batch_loss(batch)
-            validate_batch_output(batch_output, "calculate_eval_batch_loss")
-            weight = loss_weight(batch_output, self.eval_batch_real_rows)
-            self._eval_loss_tracker.update(batch_output["loss"], weight)
-            self._eval_step_metrics.update(batch_output, weight)
-            self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
-        self.eval_batch_real_rows = None
-        self.eval_epoch_end()
-        self._record_epoch_loss(self._eval_loss_tracker, "eval_loss_epoch" if is_training else "evaluation_loss")
-        self._record_step_metrics(self._eval_step_metrics, "eval_{}_epoch" if is_training else "evaluation_{}")
-        self._call_event("on_eval_epoch_end")
+    def evaluation_run_end(self) -> None:
+        """Runs at the end of an evaluation run. Default: unwraps ``self.model`` and the extra models."""
+        self.model = self._unwrap_distributed_model()
+        unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
 
     # ------------------------------------------------------------------------------------------------
-    # Named decisions and helpers of the loop
+    # Events and stops: the one way events fire, and where the processes agree to stop
     # ------------------------------------------------------------------------------------------------
 
-    def _steps_scheduler_per_epoch(self) -> bool:
-        return self.run_state.options.scheduler_interval == "epoch"
+    def _call_event(self, event: str, **kwargs: Any) -> None:
+        """Fire ``event`` on the callbacks: the one way the trainer fires its events, each right after its hook.
+
+        A ``StopTrainingError`` a callback raises is handled by one rule. In an event that a point where every process
+        can stop together follows (:data:`AGREED_STOP_EVENTS`: the events of the epochs), it is held in ``run_state``
+        until that point, ``_raise_agreed_stop()``: after the update that closes the current window, after the
+        training epoch, or after ``on_training_run_epoch_end`` (in an evaluation run, after its epoch). There the
+        processes agree and all raise it, so that no process is left waiting in a collective for one that stopped.
+        In an event that starts or ends a run, or the trainer's construction, no such point follows: it is raised at
+        once, as in pytorch-accelerated. A subclass's own events, ``self.callback_handler.call_event(name, self,
+        ...)``, call the handler directly and raise at once.
+
+        Args:
+            event: one of the events (``callbacks.base.EVENTS``).
+            **kwargs: the event's keyword arguments, after the trainer.
+        """
+        try:
+            self.callback_handler.call_event(event, self, **kwargs)
+        except StopTrainingError as error:
+            if event not in AGREED_STOP_EVENTS:
+                raise  # a run's start or end: no agreement point follows
+            self.run_state.hold_stop(error)
+
+    def _raise_agreed_stop(self) -> None:
+        """Raise the ``StopTrainingError`` a callback of any process asked for (one collective per call when
+        distributed); every process must call this at the same point."""
+        stop_request = self.run_state.stop_request
+        if stop_request is None and self._accelerator.num_processes == 1:
+            return  # nothing to agree on
+        agreed = self.process_agreement.agreed_exception(self._accelerator, stop_request)
+        if agreed is not None:
+            raise agreed
+
+    def _stop_training(self, error: StopTrainingError) -> None:
+        """End the run the agreed ``error`` stopped: forget it, print it, fire ``on_stop_training_error``."""
+        self.run_state.drop_stop()
+        self.print(error)
+        self._call_event("on_stop_training_error")
+
+    # ------------------------------------------------------------------------------------------------
+    # Named decisions and small helpers of the loop
+    # ------------------------------------------------------------------------------------------------
+
+    def _epochs(self) -> Iterable[int]:
+        """The run's epochs, from the one a resumed run continues; without ``num_epochs``, until the step limit."""
+        first = self.run_state.epoch  # 0, or the epoch a resumed run continues
+        if self.run_config.num_epochs is None:
+            return itertools.count(first)  # only max_num_train_steps ends this run
+        return range(first, self.run_config.num_epochs)
+
+    def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
+        """This epoch's first step and its batches, each with whether it is the last; resumed: from the saved step."""
+        if hasattr(train_dl, "set_epoch"):
+            train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
+        first_step, train_dl = persistence.skip_to_resume_position(self.run_state, train_dl)
+        if self.run_state.train_epoch_length == 0:
+            return first_step, with_last_flag(train_dl)  # a dataloader that says it is empty: warned at setup
+        return first_step, require_batches(with_last_flag(train_dl), NO_TRAIN_BATCH)
 
     def _is_window_start(self, step: int) -> bool:
         """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
@@ -669,6 +957,226 @@ class Trainer(SetupMixin, LoopSupportMixin, ExtraModelsMixin, PersistenceMixin, 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
         return is_last_batch or (step + 1) % self.run_config.gradient_accumulation_steps == 0
+
+    def _reached_max_steps(self) -> bool:
+        """Whether the run has made its ``max_num_train_steps`` updates."""
+        return self.run_state.reached_max_steps()
+
+    def _steps_scheduler_per_epoch(self) -> bool:
+        """Whether the scheduler steps once per epoch (``scheduler_interval="epoch"``), not after each update."""
+        return self.run_state.options.scheduler_interval == "epoch"
+
+    def _optimizer_step_was_skipped(self) -> bool:
+        """Whether the fp16 gradient scaler skipped the update that just ran, for gradients that overflowed."""
+        return self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
+
+    def _clip_gradients(self) -> None:
+        """Clip by norm and/or value as set in ``train()``; keep the norm in ``last_gradient_norm`` (no sync)."""
+        config = self.run_config
+        clip_norm, clip_value, track_norm = (
+            config.gradient_clip_norm,
+            config.gradient_clip_value,
+            self.track_gradient_norm,
+        )
+        if clip_norm is None and clip_value is None and not track_norm:
+            return  # nothing asked for: the default run
+        norm = accumulation.clip_gradients(self._accelerator, self.model, clip_norm, clip_value, track_norm)
+        if clip_norm is not None or track_norm:
+            self.last_gradient_norm = norm
+
+    def _forward_and_backward(self, batch, step: int, is_update_step: bool) -> None:
+        """Call :meth:`_perform_forward_and_backward_passes` with ``is_update_step``, or with ``(batch, step)`` alone
+        where a subclass overrides it with pytorch-accelerated's signature."""
+        passes = self._perform_forward_and_backward_passes
+        if _takes_is_update_step(getattr(passes, "__func__", passes)):
+            passes(batch, step, is_update_step=is_update_step)
+        else:
+            passes(batch, step)  # it decides from the step (see its docstring)
+
+    def _skips_non_finite_update(self) -> bool:
+        """Under a non-finite policy (``skip_non_finite_steps``), whether this update is skipped for gradients that
+        are not finite, after its retries (``loop/non_finite.py``); may raise ``StopTrainingError``."""
+        policy = self.run_state.non_finite_policy
+        if policy is None:
+            return False  # the default run checks nothing: no host read
+        return policy.skips_update(self.run_state, self.model, self.optimizer, self._replay_window)
+
+    def _replay_window(self, window: list) -> None:
+        """Run the forward and backward passes of the window's micro-batches (``(batch, step)`` pairs) again, for a
+        non-finite retry: no event; gradients sync at the window's last micro-batch only."""
+        for index, (batch, step) in enumerate(window):
+            is_last = index == len(window) - 1
+            self._perform_forward_and_backward_passes(batch, step, is_update_step=is_last, is_retry=True)
+
+    def _record_epoch_values(
+        self, loss_tracker: LossTracker, step_metrics: StepMetricsTracker, loss_name: str, metric_name_format: str
+    ) -> None:
+        """Record the epoch's mean loss and step metrics over every process (one read back per epoch)."""
+        record_epoch_values(
+            self.run_history, self._accelerator, loss_tracker, step_metrics, loss_name, metric_name_format
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # What hooks and callbacks use: device, Accelerator, run counters, model, printing, gathering
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this process, as chosen by Accelerate."""
+        return torch.device(self._accelerator.device)
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """The :class:`accelerate.Accelerator` of this trainer (read-only): its process index, ``reduce``,
+        ``prepare``."""
+        return self._accelerator
+
+    @property
+    def num_update_steps_completed(self) -> int:
+        """Optimizer updates made so far in the current training run."""
+        return self.run_state.num_update_steps_completed
+
+    @property
+    def epoch_first_step(self) -> int:
+        """The first micro-batch of the current training epoch: 0, or the batches already trained on when a resumed
+        run continues an epoch (a progress bar starts there)."""
+        return self.run_state.epoch_first_step
+
+    @property
+    def eval_batch_real_rows(self) -> Optional[int]:
+        """In an evaluation epoch, the rows of this process's batch that are real samples when the rest only repeat
+        samples so that every process runs the same steps (the last batch of a multi-process run); else ``None``."""
+        return self.run_state.eval_batch_real_rows
+
+    @property
+    def _train_dataloader(self) -> Optional[Iterable]:
+        """pytorch-accelerated's name of :attr:`train_dataloader`, kept for scripts and callbacks written for it."""
+        return self.train_dataloader
+
+    @_train_dataloader.setter
+    def _train_dataloader(self, dataloader: Optional[Iterable]) -> None:
+        self.train_dataloader = dataloader
+
+    @property
+    def _eval_dataloader(self) -> Optional[Iterable]:
+        """pytorch-accelerated's name of :attr:`eval_dataloader`."""
+        return self.eval_dataloader
+
+    @_eval_dataloader.setter
+    def _eval_dataloader(self, dataloader: Optional[Iterable]) -> None:
+        self.eval_dataloader = dataloader
+
+    def get_model(self, keep_torch_compile: bool = False) -> torch.nn.Module:
+        """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys).
+
+        ``keep_torch_compile=True`` keeps the ``torch.compile`` wrapper (the distributed ones are still removed).
+
+        Under FSDP its parameters are this process's shards: for full weights use ``save_checkpoint``,
+        ``save_weights`` or ``sharded.get_full_model_state_dict`` (on every process).
+        """
+        return self._accelerator.unwrap_model(self.model, keep_torch_compile=keep_torch_compile)
+
+    def _unwrap_distributed_model(self) -> torch.nn.Module:
+        # keeps the wrapper of a model the user compiled; the trainer's own (torch_compile=...) is made again by prepare
+        return unwrap_distributed_model(self._accelerator, self.model, keep_torch_compile=self.torch_compile is False)
+
+    def print(self, *args, **kwargs) -> None:
+        """Print once per node, like ``print``."""
+        self._accelerator.print(*args, **kwargs)
+
+    def gather(self, tensor: torch.Tensor, padding_value: Any = None) -> torch.Tensor:
+        """Concatenate ``tensor`` from every process along the first dimension.
+
+        Args:
+            tensor: the tensor of this process.
+            padding_value: if given, tensors of different lengths are padded with it before gathering, and
+                rows made only of it are removed afterwards; pick a value the data never holds. In the last batch of an
+                evaluation epoch, the rows Accelerate repeated (``eval_batch_real_rows``) are dropped first, so each
+                sample is returned once when the tensor's rows are the batch's samples. Without it, the
+                rows Accelerate repeats in the last batch of the data are dropped, as in :meth:`gather_for_metrics`.
+
+        Returns:
+            The gathered tensor, on every process.
+        """
+        if padding_value is None:
+            return self._accelerator.gather_for_metrics(tensor)
+        if self.eval_batch_real_rows is not None:  # the last evaluation batch: the rows after these repeat samples
+            tensor = tensor[: self.eval_batch_real_rows]
+        tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
+        return remove_padding(self._accelerator.gather(tensor), padding_value)
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Gather ``data`` (tensors, or any picklable objects) from every process for computing metrics.
+
+        In the last batch of the data, the rows Accelerate repeated to give every process a full batch are dropped:
+        over an evaluation epoch, the gathered rows are exactly the dataset's, in the dataset's order. Every process
+        must call it at the same step.
+        """
+        return self._accelerator.gather_for_metrics(data)
+
+    def run_extra_eval_epoch(
+        self, model: Optional[torch.nn.Module] = None, callbacks=None, metric_name_prefix: str = ""
+    ) -> None:
+        """Run one more evaluation epoch now, during a training run, over its evaluation data.
+
+        For callbacks that evaluate between updates (``StepBasedEvaluationCallback``) or other weights
+        (``ModelEmaCallback``). Each metric recorded during the epoch gets ``metric_name_prefix``
+        (``eval_loss_epoch`` becomes e.g. ``ema_model_eval_loss_epoch``), so the epoch's own are never overwritten.
+        The trainer's model, callbacks, metric prefix and the training mode of every module are restored after.
+
+        Args:
+            model: the module to evaluate in place of ``trainer.model``, e.g. an EMA copy of the weights.
+            callbacks: a :class:`CallbackHandler` or callbacks to call during this epoch instead of the trainer's.
+            metric_name_prefix: prepended to the name of every metric recorded during the epoch.
+
+        Example::
+
+            trainer.run_extra_eval_epoch(
+                model=ema_model, callbacks=[MetricCollectionCallback(...)], metric_name_prefix="ema_"
+            )
+        """
+        if self.eval_dataloader is None:
+            raise ValueError(
+                "run_extra_eval_epoch() evaluates on the eval_dataset of the training run, but this run has none: pass "
+                "train(..., eval_dataset=...), or call evaluate(dataset) outside the run."
+            )
+        history, evaluated = self.run_history, model if model is not None else self.model
+        restore = (self.model, self.callback_handler, getattr(history, "metric_name_prefix", ""))
+        modes = [(module, module.training) for module in evaluated.modules()]
+        if callbacks is not None:
+            self.callback_handler = callbacks if isinstance(callbacks, CallbackHandler) else CallbackHandler(callbacks)
+        self.model = evaluated
+        history.set_metric_name_prefix(metric_name_prefix)
+        try:
+            self._run_eval_epoch(self.eval_dataloader)
+        finally:
+            self.model, self.callback_handler = restore[:2]
+            history.set_metric_name_prefix(restore[2])
+            for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
+                module.training = training
+
+    def skip_non_finite_steps(
+        self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0
+    ) -> NonFinitePolicy:
+        """For the rest of this training run, skip each optimizer update whose gradients are not finite.
+
+        A skipped update leaves the weights, the optimizer and the scheduler untouched, and its loss out of
+        ``train_loss_epoch``. Checking reads one flag back from the device per optimizer update (never per
+        micro-batch); the default run, without a policy, reads nothing. ``SkipNonFiniteStepsCallback`` calls
+        this in ``on_training_run_start`` and records the skips in the run history. The policy is in
+        ``loop/non_finite.py``.
+
+        Args:
+            max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
+            max_retries: first re-run the update's accumulation window (each of its micro-batches) this many times;
+                a retry fires no event (``on_train_step_end`` fired once, for the first try).
+
+        Returns:
+            The policy, which counts the skips (``skipped_in_epoch``, ``skipped_in_run``).
+        """
+        policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
+        self.run_state.set_non_finite_policy(policy)
+        return policy
 
 
 class TrainerWithTimmScheduler(TimmSchedulerMixin, Trainer):

@@ -212,3 +212,77 @@ def test_the_pseudocode_page_names_only_functions_that_exist():
     named |= set(re.findall(r"^\s*# (\w+)\(", page, flags=re.MULTILINE))
     missing = sorted(name for name in named if name not in defined and name not in dir(__builtins__))
     assert not missing, f"docs/inside_the_trainer.md names what the code does not define: {missing}"
+
+
+#: The only places that assign ``trainer.model`` / ``self.model``, by file and function, each with its reason.
+MODEL_ASSIGNMENTS = {
+    ("trainer.py", "Trainer.__init__"): "the model the trainer is given",
+    ("trainer.py", "Trainer._prepare"): "preparation: unwrapped from an earlier run, prepared by Accelerate, compiled",
+    ("trainer.py", "Trainer.training_run_end"): "unwrapping at the end of a training run",
+    ("trainer.py", "Trainer.evaluation_run_end"): "unwrapping at the end of an evaluation run",
+    ("trainer.py", "Trainer.run_extra_eval_epoch"): "its swap: the model evaluated, then the trainer's put back",
+    ("callbacks/ema.py", "ModelEmaCallback._ema_weights_in"): "its swap: the EMA weights saved and evaluated, put back",
+    ("callbacks/device.py", "ConvertSyncBatchNormCallback.on_training_run_start"): "SyncBatchNorm conversion",
+    ("finetuning.py", "ModelFreezer.__init__"): "the freezer's own model attribute, not a trainer's",
+}
+
+
+def _assignment_targets(node: ast.AST):
+    """Every attribute or name a statement assigns to, unpacking tuples and lists."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    stack = list(targets)
+    while stack:
+        target = stack.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            stack.extend(target.elts)
+        elif isinstance(target, ast.Starred):
+            stack.append(target.value)
+        else:
+            yield target
+
+
+def _assignments_in(node: ast.AST, relative: str, scope: tuple = ()):
+    """``(relative, enclosing class.function, target)`` of every assignment statement under ``node``."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        scope = (*scope, node.name)
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        yield from ((relative, ".".join(scope), target) for target in _assignment_targets(node))
+    for child in ast.iter_child_nodes(node):
+        yield from _assignments_in(child, relative, scope)
+
+
+def _assignments_in_package():
+    """``(relative path, enclosing class.function, target)`` of every assignment statement of the package."""
+    for path in PACKAGE_FILES:
+        yield from _assignments_in(ast.parse(path.read_text()), path.relative_to(PACKAGE).as_posix())
+
+
+def test_run_state_has_one_writer_and_the_model_is_assigned_only_where_documented():
+    """A RunState field is assigned only in trainer.py's loop and RunState's own transitions (``state.x = ...``,
+    ``run_state.x = ...``, ``self.run_state.x = ...``); everything else calls a RunState method. ``trainer.model`` is
+    assigned only where MODEL_ASSIGNMENTS says why."""
+    import dataclasses
+
+    from pytorch_accel_trainer.loop.run_state import RunState
+
+    fields = {field.name for field in dataclasses.fields(RunState)}
+    state_writers, model_writers = set(), set()
+    for relative, scope, target in _assignments_in_package():
+        if not isinstance(target, ast.Attribute):
+            continue
+        owner = target.value
+        names_a_run_state = (isinstance(owner, ast.Name) and owner.id in ("state", "run_state")) or (
+            isinstance(owner, ast.Attribute) and owner.attr == "run_state"
+        )
+        if target.attr in fields and names_a_run_state:
+            state_writers.add((relative, scope, ast.unparse(target)))
+        if target.attr == "model" and isinstance(owner, ast.Name) and owner.id in ("self", "trainer"):
+            model_writers.add((relative, scope))
+    outside = sorted(writer for writer in state_writers if writer[0] not in ("trainer.py", "loop/run_state.py"))
+    assert not outside, f"RunState fields assigned outside trainer.py and loop/run_state.py: {outside}"
+    assert state_writers, "the check found no assignment at all: it no longer sees the loop's"
+    undocumented = sorted(model_writers - set(MODEL_ASSIGNMENTS))
+    assert not undocumented, f"trainer.model assigned where MODEL_ASSIGNMENTS does not say why: {undocumented}"
+    assert model_writers == set(MODEL_ASSIGNMENTS), (
+        f"gone, drop from MODEL_ASSIGNMENTS: {set(MODEL_ASSIGNMENTS) - model_writers}"
+    )

@@ -10,6 +10,7 @@ import torch
 from conftest import (
     RecordingCallback,
     StreamDataset,
+    assert_bitwise_equal,
     linear_dataset,
     make_linear,
     make_mlp,
@@ -327,3 +328,77 @@ def test_a_missing_optimizer_does_not_reset_the_history_first():
     with pytest.raises(ValueError, match="no optimizer"):
         trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=4)
     assert trainer.run_history.get_metric_values("train_loss_epoch")
+
+
+@pytest.mark.parametrize("dataset", [linear_dataset(10), StreamDataset(linear_dataset(10))], ids=["sized", "stream"])
+def test_overrides_of_the_forward_and_backward_step_get_the_window_flag_or_pytorch_accelerated_arguments(dataset):
+    flags, legacy_steps = [], []
+
+    class TakesTheFlag(Trainer):
+        def _perform_forward_and_backward_passes(self, batch, step, is_update_step=None, **kwargs):
+            flags.append((step, is_update_step))
+            super()._perform_forward_and_backward_passes(batch, step, is_update_step, **kwargs)
+
+    class PytorchAccelerated(Trainer):
+        def _perform_forward_and_backward_passes(self, batch, step):  # pytorch-accelerated's signature
+            legacy_steps.append(step)
+            super()._perform_forward_and_backward_passes(batch, step)
+
+    trainers = [make_trainer(make_linear(), trainer_class=cls) for cls in (Trainer, TakesTheFlag, PytorchAccelerated)]
+    for trainer in trainers:
+        trainer.train(dataset, num_epochs=1, per_device_batch_size=2, gradient_accumulation_steps=2)
+    assert flags == [(0, False), (1, True), (2, False), (3, True), (4, True)]  # the last batch closes its window
+    assert legacy_steps == [0, 1, 2, 3, 4] and trainers[2].num_update_steps_completed == 3
+    for trainer in trainers[1:]:  # same updates on one process, sized or not
+        assert_bitwise_equal(trainer.get_model().state_dict(), trainers[0].get_model().state_dict())
+
+
+@pytest.mark.parametrize(
+    "event, raised_from_train, steps_run",
+    [
+        ("on_training_run_start", True, 0),  # starts a run: no agreement point follows, raised at once
+        ("on_train_step_start", False, 2),  # inside the epochs: held until the update that closes the window
+        ("on_train_step_end", False, 2),
+        ("on_eval_epoch_end", False, 8),  # held until the end of the epoch: its 8 steps ran
+    ],
+)
+def test_a_stop_from_a_callback_is_held_until_the_processes_agree_unless_it_starts_or_ends_a_run(
+    event, raised_from_train, steps_run
+):
+    class StopAt(RecordingCallback):
+        pass
+
+    def stop(self, trainer, **kwargs):
+        self.events.append(event)
+        raise StopTrainingError(f"stop in {event}")
+
+    setattr(StopAt, event, stop)
+    callback = StopAt()
+    trainer = make_trainer(make_linear(), callbacks=[callback])
+    run = functools.partial(
+        trainer.train,
+        linear_dataset(16),
+        num_epochs=2,
+        eval_dataset=linear_dataset(4),
+        per_device_batch_size=2,
+        gradient_accumulation_steps=2,
+    )
+    if raised_from_train:
+        with pytest.raises(StopTrainingError, match=f"stop in {event}"):
+            run()
+    else:
+        run()
+        assert callback.events[-2:] == ["on_stop_training_error", "on_training_run_end"]
+    assert callback.events.count("on_train_step_start") == steps_run
+    assert trainer.run_state.stop_request is None and not trainer.run_state.in_training_run
+
+
+def test_evaluation_state_lives_in_the_run_state_and_eval_batch_real_rows_is_read_only():
+    trainer = make_trainer(make_linear())
+    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
+    assert trainer.eval_batch_real_rows is None and trainer.run_state.eval_batch_real_rows is None
+    assert float(trainer.run_state.eval_loss_tracker.average) == pytest.approx(
+        trainer.run_history.get_latest_metric("eval_loss_epoch")
+    )
+    with pytest.raises(AttributeError):
+        trainer.eval_batch_real_rows = 2

@@ -278,6 +278,8 @@ class CallbackHandler:
         least one callback, so that a misspelt event name is an error rather than a silent no-op. The
         evaluation-epoch events also receive ``is_intermediate`` (see :meth:`intermediate_evaluation`). For the
         events that end a run, every callback's method runs even when one raises; the first error is raised after.
+        An error a callback raises reaches the caller: the trainer fires its own events through
+        ``Trainer._call_event``, which holds a ``StopTrainingError`` until the processes agree to stop.
 
         Raises:
             ValueError: ``event`` is not an event: not declared, and no callback has a method of that name.

@@ -7,14 +7,14 @@ device. ``docs/inside_the_trainer.md`` explains the arithmetic ("Scaling the los
 from __future__ import annotations
 
 import contextlib
-from numbers import Number
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from accelerate import Accelerator
 
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.parallel.sharded import as_plain_tensor, clip_gradients_by_value, validate_gradients_visible
+from pytorch_accel_trainer.run_config import OptionalNumber
 
 
 def _gradients(parameters: Iterable[torch.nn.Parameter]) -> list:
@@ -39,27 +39,27 @@ def scale_loss_for_accumulation(batch_output: dict, step: int, accumulation: int
     loss = batch_output["loss"]
     if "num_items_in_batch" in batch_output:  # summed over items here, divided by the window's total at the update
         items = batch_output["num_items_in_batch"]
-        state.items_in_window = items if is_window_start(step, accumulation) else state.items_in_window + items
+        state.add_window_items(items, opens_window=is_window_start(step, accumulation))
         return loss * items
     micro_batches = micro_batches_in_window(step, accumulation, state.train_epoch_length)  # also a partial window
     return loss if micro_batches == 1 else loss / micro_batches
 
 
-def complete_partial_window(step: int, accumulation: int, state: RunState, model: torch.nn.Module) -> None:
+def complete_partial_window(step: int, accumulation: int, epoch_length: Optional[int], model: torch.nn.Module) -> None:
     """Rescale the gradients of a partial last window of an epoch of unknown length (once per epoch)."""
     micro_batches = step % accumulation + 1
-    if state.train_epoch_length is not None or micro_batches == accumulation:
+    if epoch_length is not None or micro_batches == accumulation:
         return
     torch._foreach_mul_(_gradients(model.parameters()), accumulation / micro_batches)
 
 
-def normalise_by_items_in_window(state: RunState, accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Divide the gradients of a window of item-weighted losses by its items, summed over every process.
+def normalise_by_items_in_window(items: Any, accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Divide the gradients of a window of item-weighted losses by its ``items`` (the window's ``num_items_in_batch``
+    sum on this process, ``RunState.take_window_items``), summed over every process.
 
     One small all-reduce per update in a multi-process run, kept on the device: no synchronisation. DDP has
     averaged the gradients over processes, hence the factor ``num_processes``.
     """
-    items, state.items_in_window = state.items_in_window, 0
     if isinstance(items, int) and items == 0:
         return  # the losses of this window carry no num_items_in_batch
     validate_gradients_visible(accelerator, "num_items_in_batch")
@@ -72,8 +72,8 @@ def normalise_by_items_in_window(state: RunState, accelerator: Accelerator, mode
 def clip_gradients(
     accelerator: Accelerator,
     model: torch.nn.Module,
-    clip_norm: Optional[Number],
-    clip_value: Optional[Number],
+    clip_norm: OptionalNumber,
+    clip_value: OptionalNumber,
     track_norm: bool,
 ) -> Optional[torch.Tensor]:
     """Clip the accumulated gradients by norm and/or value; once per update. Return their total norm (before
@@ -99,7 +99,8 @@ def clip_gradients(
 
 
 def gradient_sync_context(accelerator: Accelerator, model: torch.nn.Module, is_update: bool, accumulation: int):
-    """``no_sync`` inside an accumulation window, so that DDP all-reduces the gradients once, at its last micro-batch."""
+    """``no_sync`` inside an accumulation window, so that DDP all-reduces the gradients once, at its last
+    micro-batch."""
     if is_update or accumulation == 1:
         return contextlib.nullcontext()
     return accelerator.no_sync(model)

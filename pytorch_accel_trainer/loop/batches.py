@@ -135,7 +135,8 @@ def loss_weight(batch_output: dict, real_rows: Optional[int]) -> Any:
 
 
 def forward_batch(model: Any, batch: Any) -> Any:
-    """The model's output for a batch of the default hooks: ``(inputs, targets, ...)`` or a dict of keyword arguments."""
+    """The model's output for a batch of the default hooks: ``(inputs, targets, ...)``, or a dict of keyword
+    arguments."""
     if is_mapping(batch):
         return model(**batch)
     return model(batch[0])

@@ -1,29 +1,51 @@
 """Models and optimizers a trainer runs beside its own (a GAN's discriminator, a teacher, an EMA of another model).
 
-A mixin of :class:`~pytorch_accel_trainer.trainer.Trainer`. :meth:`~ExtraModelsMixin.add_model` registers an extra
-model (and its optimizer) under a name; from then on the trainer prepares it with Accelerate in each ``train()`` and
-``evaluate()``, together with its own model (same device, same processes, same mixed precision), unwraps it at the
-end of the run, and keeps it in ``save_checkpoint`` / ``load_checkpoint`` and in training states.
-:meth:`~ExtraModelsMixin.update_extra_model` makes one update of it from a loss. The files of a training state that
-hold the extras are written and read by ``training_state.py`` and ``async_save.py`` (``state_files.py`` names them).
+Two parts. :class:`ExtraModelsMixin`, a mixin of :class:`~pytorch_accel_trainer.trainer.Trainer` with the public
+methods: :meth:`~ExtraModelsMixin.add_model` registers an extra model (and its optimizer) under a name, and
+:meth:`~ExtraModelsMixin.update_extra_model` makes one update of it from a loss. And functions over the trainer's
+``extra_models`` / ``extra_optimizers`` dicts, which the trainer calls: it prepares the extras with Accelerate in each
+``train()`` and ``evaluate()``, together with its own model (same device, same processes, same mixed precision),
+unwraps them at the end of the run, and keeps them in ``save_checkpoint`` / ``load_checkpoint``. The files of a
+training state that hold the extras are written and read by ``training_state.py`` and ``async_save.py``
+(``state/files.py`` names them).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from accelerate import Accelerator
 
 from pytorch_accel_trainer.parallel.sharded import is_deepspeed, is_fsdp
 from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
 from pytorch_accel_trainer.state.files import describe_extras_difference, inner_optimizer
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.loop.run_state import RunState
+    from pytorch_accel_trainer.run_config import TrainerRunConfig
 
 #: Names an extra model cannot take: the trainer's own model is ``model`` (in checkpoints and states alike).
 RESERVED_NAMES = ("model",)
 
 
 class ExtraModelsMixin:
-    """Registers, prepares, updates, saves and restores the extra models and optimizers of a Trainer."""
+    """Registers the extra models and optimizers of a Trainer, and updates them; calls none of the Trainer's private
+    methods (the trainer prepares, unwraps, saves and loads the extras with this module's functions)."""
+
+    # What the mixin reads from the Trainer, which sets each of them (declared for type checkers).
+    extra_models: dict
+    extra_optimizers: dict
+    model: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    loss_func: Any
+    run_state: RunState
+    run_config: Optional[TrainerRunConfig]
+    calls_torch_directly: bool
+    if TYPE_CHECKING:
+
+        @property
+        def accelerator(self) -> Accelerator: ...
 
     # ------------------------------------------------------------------------------------------------
     # Public API
@@ -176,7 +198,8 @@ class ExtraModelsMixin:
             raise ValueError(
                 f"add_model({name!r}, model, optimizer={type(optimizer).__name__}): {foreign} of the optimizer's "
                 "parameters are not the model's, so they would be stepped without being prepared or saved with it. "
-                f"Build the optimizer from this model's parameters: {type(optimizer).__name__}(model.parameters(), ...)."
+                "Build the optimizer from this model's parameters: "
+                f"{type(optimizer).__name__}(model.parameters(), ...)."
             )
 
     def _validate_extras_supported(self, name: str) -> None:
@@ -202,7 +225,8 @@ class ExtraModelsMixin:
             )
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
-                f"update_extra_model({name!r}, loss={loss!r}): the loss is a {type(loss).__name__}; pass the loss tensor itself, not loss.item()."
+                f"update_extra_model({name!r}, loss={loss!r}): the loss is a {type(loss).__name__}; pass the loss "
+                "tensor itself, not loss.item()."
             )
         if not loss.requires_grad:  # an attribute read, no sync
             raise ValueError(
@@ -248,31 +272,6 @@ class ExtraModelsMixin:
             return "the trainer's model"
         return next(f"registered as {name!r}" for name in self.extra_models if model is self._registered_or_own(name))
 
-    # ------------------------------------------------------------------------------------------------
-    # Preparation and unwrapping (SetupMixin._prepare, training_run_end, evaluation_run_end)
-    # ------------------------------------------------------------------------------------------------
-
-    def _unwrapped_extras(self) -> list:
-        """The extra models, then their optimizers, in registration order, out of any earlier run's wrappers, for
-        Accelerate to prepare with the trainer's own."""
-        self._unwrap_extra_models()  # left wrapped by a run whose training_run_end was overridden: wrapped once
-        return [*self.extra_models.values(), *self.extra_optimizers.values()]
-
-    def _store_prepared_extras(self, prepared: list) -> None:
-        """Put what Accelerate made of :meth:`_unwrapped_extras` in ``extra_models`` / ``extra_optimizers``."""
-        models, optimizers = prepared[: len(self.extra_models)], prepared[len(self.extra_models) :]
-        self.extra_models.update(zip(list(self.extra_models), models))
-        if self.calls_torch_directly:  # as the trainer's own: the wrapper's step and zero_grad would only call torch
-            optimizers = [inner_optimizer(optimizer) for optimizer in optimizers]
-        self.extra_optimizers.update(zip(list(self.extra_optimizers), optimizers))
-
-    def _unwrap_extra_models(self) -> None:
-        """Put the models and optimizers passed to :meth:`add_model` back, out of the run's wrappers."""
-        for name, model in list(self.extra_models.items()):  # keeps a torch.compile wrapper the user made
-            self.extra_models[name] = self.accelerator.unwrap_model(model, keep_torch_compile=True)
-        for name, optimizer in list(self.extra_optimizers.items()):
-            self.extra_optimizers[name] = inner_optimizer(optimizer)
-
     def _clip_extra_gradients(self, model: torch.nn.Module, optimizer) -> None:
         """Clip an extra model's gradients by the run's norm and/or value (the same arithmetic as the trainer's own
         clipping, ``accumulation.clip_gradients``). Under fp16 only this optimizer's gradients are unscaled first:
@@ -287,49 +286,92 @@ class ExtraModelsMixin:
         if clip_value is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=clip_value)
 
-    # ------------------------------------------------------------------------------------------------
-    # Export checkpoints (save_checkpoint, load_checkpoint in persistence.py)
-    # ------------------------------------------------------------------------------------------------
 
-    def _extra_checkpoint_entries(self, save_optimizer: bool) -> dict:
-        """The extras' entries of an export checkpoint; ``{}`` without extras, so that such files are unchanged."""
-        entries = {}
-        if self.extra_models:
-            entries[EXTRA_MODELS_KEY] = {name: self.get_extra_model(name).state_dict() for name in self.extra_models}
-        if save_optimizer and self.extra_optimizers:
-            entries[EXTRA_OPTIMIZERS_KEY] = {
-                name: inner_optimizer(optimizer).state_dict() for name, optimizer in self.extra_optimizers.items()
-            }
-        return entries
+# ------------------------------------------------------------------------------------------------
+# Preparation and unwrapping (the Trainer's _prepare, training_run_end, evaluation_run_end)
+# ------------------------------------------------------------------------------------------------
 
-    def _validate_extra_checkpoint_entries(self, checkpoint: dict, checkpoint_path, load_optimizer: bool) -> None:
-        """Refuse a checkpoint whose extras are not exactly those registered, before anything is loaded: a registered
-        model would silently keep its weights, or a saved one be silently dropped."""
-        kinds = [("models", EXTRA_MODELS_KEY, self.extra_models)]
-        if load_optimizer and (OPTIMIZER_KEY in checkpoint or EXTRA_OPTIMIZERS_KEY in checkpoint):  # saved with them
-            kinds.append(("optimizers", EXTRA_OPTIMIZERS_KEY, self.extra_optimizers))
-        for kind, key, registered in kinds:
-            saved = checkpoint.get(key, {})
-            if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
-                raise ValueError(
-                    f"{str(checkpoint_path)!r}: its {key!r} entry is not a dict of state dicts; pass a file written by Trainer.save_checkpoint."
-                )
-            mismatch = describe_extras_difference(kind, saved, registered)
-            if mismatch is not None:
-                weights_alone = (
-                    " (or pass load_optimizer=False to load the weights alone)" if kind == "optimizers" else ""
-                )
-                raise ValueError(
-                    f"{str(checkpoint_path)!r} does not fit this trainer: {mismatch}. Register the same extra models "
-                    f"and optimizers with add_model(name, model, optimizer) before load_checkpoint{weights_alone}; to "
-                    "load only part of the file, read it with torch.load(path, weights_only=True) and load the state "
-                    "dicts you need."
-                )
 
-    def _load_extra_checkpoint_entries(self, checkpoint: dict, load_optimizer: bool) -> None:
-        """Load the extras of a checkpoint checked by :meth:`_validate_extra_checkpoint_entries`."""
-        for name, state in checkpoint.get(EXTRA_MODELS_KEY, {}).items():
-            self.get_extra_model(name).load_state_dict(state)
-        if load_optimizer:
-            for name, state in checkpoint.get(EXTRA_OPTIMIZERS_KEY, {}).items():
-                inner_optimizer(self.extra_optimizers[name]).load_state_dict(state)
+def unwrapped_extras(accelerator: Accelerator, extra_models: dict, extra_optimizers: dict) -> list:
+    """The extra models, then their optimizers, in registration order, out of any earlier run's wrappers, for
+    Accelerate to prepare with the trainer's own."""
+    unwrap_extras(accelerator, extra_models, extra_optimizers)  # left wrapped by a run whose training_run_end was
+    return [*extra_models.values(), *extra_optimizers.values()]  # overridden: wrapped once
+
+
+def store_prepared_extras(
+    extra_models: dict, extra_optimizers: dict, prepared: list, calls_torch_directly: bool
+) -> None:
+    """Put what Accelerate made of :func:`unwrapped_extras` in ``extra_models`` / ``extra_optimizers``."""
+    models, optimizers = prepared[: len(extra_models)], prepared[len(extra_models) :]
+    extra_models.update(zip(list(extra_models), models))
+    if calls_torch_directly:  # as the trainer's own: the wrapper's step and zero_grad would only call torch
+        optimizers = [inner_optimizer(optimizer) for optimizer in optimizers]
+    extra_optimizers.update(zip(list(extra_optimizers), optimizers))
+
+
+def unwrap_extras(accelerator: Accelerator, extra_models: dict, extra_optimizers: dict) -> None:
+    """Put the models and optimizers passed to ``add_model`` back, out of the run's wrappers."""
+    for name, model in list(extra_models.items()):  # keeps a torch.compile wrapper the user made
+        extra_models[name] = accelerator.unwrap_model(model, keep_torch_compile=True)
+    for name, optimizer in list(extra_optimizers.items()):
+        extra_optimizers[name] = inner_optimizer(optimizer)
+
+
+# ------------------------------------------------------------------------------------------------
+# Export checkpoints (save_checkpoint, load_checkpoint in persistence.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def extra_checkpoint_entries(
+    accelerator: Accelerator, extra_models: dict, extra_optimizers: dict, save_optimizer: bool
+) -> dict:
+    """The extras' entries of an export checkpoint; ``{}`` without extras, so that such files are unchanged."""
+    entries = {}
+    if extra_models:
+        entries[EXTRA_MODELS_KEY] = {
+            name: accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
+            for name, model in extra_models.items()
+        }
+    if save_optimizer and extra_optimizers:
+        entries[EXTRA_OPTIMIZERS_KEY] = {
+            name: inner_optimizer(optimizer).state_dict() for name, optimizer in extra_optimizers.items()
+        }
+    return entries
+
+
+def validate_extra_checkpoint_entries(
+    checkpoint: dict, checkpoint_path: Any, load_optimizer: bool, extra_models: dict, extra_optimizers: dict
+) -> None:
+    """Refuse a checkpoint whose extras are not exactly those registered, before anything is loaded: a registered
+    model would silently keep its weights, or a saved one be silently dropped."""
+    kinds = [("models", EXTRA_MODELS_KEY, extra_models)]
+    if load_optimizer and (OPTIMIZER_KEY in checkpoint or EXTRA_OPTIMIZERS_KEY in checkpoint):  # saved with them
+        kinds.append(("optimizers", EXTRA_OPTIMIZERS_KEY, extra_optimizers))
+    for kind, key, registered in kinds:
+        saved = checkpoint.get(key, {})
+        if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
+            raise ValueError(
+                f"{str(checkpoint_path)!r}: its {key!r} entry is not a dict of state dicts; pass a file written by "
+                "Trainer.save_checkpoint."
+            )
+        mismatch = describe_extras_difference(kind, saved, registered)
+        if mismatch is not None:
+            weights_alone = " (or pass load_optimizer=False to load the weights alone)" if kind == "optimizers" else ""
+            raise ValueError(
+                f"{str(checkpoint_path)!r} does not fit this trainer: {mismatch}. Register the same extra models "
+                f"and optimizers with add_model(name, model, optimizer) before load_checkpoint{weights_alone}; to "
+                "load only part of the file, read it with torch.load(path, weights_only=True) and load the state "
+                "dicts you need."
+            )
+
+
+def load_extra_checkpoint_entries(
+    checkpoint: dict, load_optimizer: bool, accelerator: Accelerator, extra_models: dict, extra_optimizers: dict
+) -> None:
+    """Load the extras of a checkpoint checked by :func:`validate_extra_checkpoint_entries`."""
+    for name, state in checkpoint.get(EXTRA_MODELS_KEY, {}).items():
+        accelerator.unwrap_model(extra_models[name], keep_torch_compile=False).load_state_dict(state)
+    if load_optimizer:
+        for name, state in checkpoint.get(EXTRA_OPTIMIZERS_KEY, {}).items():
+            inner_optimizer(extra_optimizers[name]).load_state_dict(state)

@@ -1,4 +1,10 @@
-"""Skipping (or retrying) optimizer updates whose gradients are not finite."""
+"""The non-finite gradient policy: which updates to retry or skip, and what a skipped window gives back.
+
+The whole policy is here. Under it, the trainer's loop makes two calls: :meth:`NonFinitePolicy.remember_micro_batch`
+before each micro-batch's forward pass (the window's batches, and the epoch's trackers before the window), and
+:meth:`NonFinitePolicy.skips_update` once per optimizer update, with the function that runs a window again. The
+default run has no policy and calls neither.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.loop.run_state import RunState
+
+#: Runs the forward and backward passes of a window's micro-batches again: given their ``(batch, step)`` pairs.
+ReplayWindow = Callable[[list], None]
 
 
 @dataclass
@@ -21,6 +31,10 @@ class NonFinitePolicy:
             times (every micro-batch of it): dropout draws new masks, so a transient overflow may pass. Under
             gradient accumulation the window's batches are kept until its update (``window_batches``), which holds
             up to ``gradient_accumulation_steps`` batches in memory.
+        consecutive_skips, skipped_in_epoch, skipped_in_run: the skipped updates, in a row, in the epoch (the
+            callback that records it resets it) and in the run.
+        loss_snapshot, metrics_snapshot: the epoch's training trackers before the current window: what a skipped
+            window gives back.
         window_batches: the ``(batch, step)`` of each micro-batch of the current window, kept when retrying.
     """
 
@@ -33,24 +47,59 @@ class NonFinitePolicy:
     metrics_snapshot: dict = field(default_factory=dict, repr=False)
     window_batches: list = field(default_factory=list, repr=False)
 
-    def remember_micro_batch(self, batch: Any, step: int, opens_window: bool) -> None:
-        """Keep a micro-batch of the current window, to run it again if the window's gradients are not finite."""
+    def remember_micro_batch(self, state: RunState, batch: Any, step: int, opens_window: bool) -> None:
+        """Before a micro-batch's forward pass: at the window's first, take a snapshot of the epoch's trackers (what
+        a skipped window goes back to; device copies, no sync); keep the batch if windows are retried."""
+        if opens_window:
+            self.loss_snapshot, self.metrics_snapshot = state.snapshot_train_trackers()
         if not self.max_retries:
             return  # nothing will be retried: keep no batch alive
         if opens_window:
             self.window_batches = []
         self.window_batches.append((batch, step))
 
+    def skips_update(
+        self, state: RunState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, replay_window: ReplayWindow
+    ) -> bool:
+        """Check the window's gradients; while they are not finite, run the window again (up to ``max_retries``
+        times, ``replay_window(window_batches)``) or give up. Return whether the update must be skipped.
+
+        Each failed check discards the window: the gradients are zeroed, and the epoch's trackers go back to their
+        snapshot from before the window. A retry fires no event. One read back from the device per check.
+
+        Raises:
+            StopTrainingError: ``max_consecutive_skips`` updates in a row were skipped.
+        """
+        retries = 0
+        while not gradients_are_finite(model.parameters()):
+            state.restore_train_trackers(self.loss_snapshot, self.metrics_snapshot)
+            optimizer.zero_grad(set_to_none=True)
+            if retries < self.max_retries:
+                retries += 1
+                replay_window(self.window_batches)
+                continue
+            self.record_skip()
+            if self.must_stop:
+                raise StopTrainingError(
+                    f"Stopping training after {self.consecutive_skips} consecutive updates with non-finite gradients"
+                )
+            return True
+        self.record_update()
+        return False
+
     def record_skip(self) -> None:
+        """Count a skipped update."""
         self.consecutive_skips += 1
         self.skipped_in_epoch += 1
         self.skipped_in_run += 1
 
     def record_update(self) -> None:
+        """Count an update made: the skips in a row start again from 0."""
         self.consecutive_skips = 0
 
     @property
     def must_stop(self) -> bool:
+        """Whether ``max_consecutive_skips`` updates in a row were skipped."""
         return self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips
 
 
@@ -61,38 +110,3 @@ def gradients_are_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
         return True
     norms = torch._foreach_norm(gradients)
     return bool(torch.isfinite(torch.stack(norms)).all().item())  # the host read, once per optimizer update
-
-
-def retry_or_skip_non_finite_update(
-    state: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, retry_window: Callable[[], None]
-) -> bool:
-    """Check the window's gradients under ``state.non_finite_policy``; while they are not finite, re-run the window
-    (up to ``max_retries`` times) or give up. Return whether the update must be skipped.
-
-    Each failed check discards the window: the gradients are zeroed, and the epoch's loss goes back to its value
-    before the window (``policy.loss_snapshot``, taken at the safe point that opened it). A retry fires no event.
-    One read back from the device per check.
-
-    Args:
-        state: the :class:`~pytorch_accel_trainer.loop.run_state.RunState` of the run.
-
-    Raises:
-        StopTrainingError: ``policy.max_consecutive_skips`` updates in a row were skipped.
-    """
-    policy, retries = state.non_finite_policy, 0
-    while not gradients_are_finite(model.parameters()):
-        state.train_loss_tracker.load_state_dict(policy.loss_snapshot)
-        state.train_step_metrics.load_state_dict(policy.metrics_snapshot)
-        optimizer.zero_grad(set_to_none=True)
-        if retries < policy.max_retries:
-            retries += 1
-            retry_window()
-            continue
-        policy.record_skip()
-        if policy.must_stop:
-            raise StopTrainingError(
-                f"Stopping training after {policy.consecutive_skips} consecutive updates with non-finite gradients"
-            )
-        return True
-    policy.record_update()
-    return False

@@ -3,7 +3,8 @@
 Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.loop.run_state.RunState`,
 which the loop calls at its safe points (between two optimizer updates) and when a run resumes. And
 :class:`PersistenceMixin`, the public saving and loading methods of the Trainer, thin wrappers around
-``checkpointing.py`` and ``training_state.py``; it holds no state of its own.
+``state/checkpointing.py`` and ``state/training_state.py``; it holds no state of its own and calls none of the
+Trainer's private methods (the extra models' entries come from functions of ``extra_models.py``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,17 @@ from __future__ import annotations
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 import torch
 from accelerate import skip_first_batches
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
+from pytorch_accel_trainer.loop.extra_models import (
+    extra_checkpoint_entries,
+    load_extra_checkpoint_entries,
+    validate_extra_checkpoint_entries,
+)
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
@@ -51,6 +56,10 @@ from pytorch_accel_trainer.state.training_state import (
 from pytorch_accel_trainer.utils import dataset_length
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
+    from pytorch_accel_trainer.run_config import TrainerRunConfig
     from pytorch_accel_trainer.trainer import Trainer
 
 
@@ -92,7 +101,8 @@ def find_state_to_resume(path: Path) -> Optional[StoredState]:
             f"resume_from={str(path)!r} holds {found} but no training state of this trainer (no manifest.json), so "
             "the run was not restarted from scratch: an Accelerate save_state folder (pytorch-accelerated's training "
             "states) or a run folder cannot continue a run here. Load its weights (safetensors.torch.load_model(model, "
-            "path)) and start a new run, or resume from a folder written by save_training_state / SaveTrainingStateCallback."
+            "path)) and start a new run, or resume from a folder written by save_training_state / "
+            "SaveTrainingStateCallback."
         )
     return stored
 
@@ -107,9 +117,8 @@ def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, I
     if resume is None or resume.position.loop_epoch != state.epoch:
         return 0, train_dl
     first_step = resume.position.batches_seen
-    if resume.position.rng_restore_point == "after_iterator":
-        state.train_loss_tracker.load_state_dict(resume.train_loss_tracker)
-        state.train_step_metrics.load_state_dict(resume.train_step_metrics)
+    if resume.position.rng_restore_point == "after_iterator":  # taken inside the epoch: its loss so far goes back
+        state.restore_train_trackers(resume.train_loss_tracker, resume.train_step_metrics)
     if first_step:
         train_dl = skip_first_batches(train_dl, first_step)
     _restore_rng_if_due(state, "before_iterator")
@@ -118,9 +127,9 @@ def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, I
 
 def _restore_rng_if_due(state: RunState, point: str) -> None:
     """Put back the saved RNG states where the saved run took them; this ends the resume."""
-    if state.resume is not None and state.resume.position.rng_restore_point == point:
-        restore_rng_state(state.resume.rng_state)
-        state.resume = None
+    rng_state = state.end_resume_at(point)
+    if rng_state is not None:
+        restore_rng_state(rng_state)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,17 +145,8 @@ def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
     """
     state = trainer.run_state
     _restore_rng_if_due(state, "after_iterator")
-    if state.non_finite_policy is not None:  # what the epoch's loss and metrics go back to if this window is skipped
-        state.non_finite_policy.loss_snapshot = _cloned(state.train_loss_tracker.state_dict())
-        state.non_finite_policy.metrics_snapshot = {
-            name: _cloned(tracker) for name, tracker in state.train_step_metrics.state_dict().items()
-        }
     saved_to = take_requested_saves(trainer, step) if state.save_requests else ()  # nothing to write: the common case
     _exit_if_preempted(trainer, step, saved_to)
-
-
-def _cloned(tracker_state: dict) -> dict:
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker_state.items()}
 
 
 def take_requested_saves(trainer: "Trainer", step: Optional[int] = None) -> set:
@@ -240,42 +240,33 @@ def end_saves_and_preemption(trainer: "Trainer") -> None:
         wait_for_saves(trainer)
     finally:
         async_save.host_buffers.clear()  # the host copies kept for the run's next asynchronous save
-        disable_preemption(trainer.run_state)
-
-
-def disable_preemption(state: RunState) -> None:
-    """Put back the signal handlers that ``enable_preemption`` replaced."""
-    if state.signal_catcher is not None:
-        state.signal_catcher.uninstall()
-    state.signal_catcher, state.preemption_save_dir = None, None
+        trainer.run_state.end_preemption()  # the signal handlers enable_preemption replaced are put back
 
 
 class PersistenceMixin:
     """Saving and restoring a :class:`~pytorch_accel_trainer.trainer.Trainer`; see ``docs/training_state.md``."""
 
+    # What the mixin reads from the Trainer, which sets each of them (declared for type checkers).
+    model: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    scheduler: Any
+    extra_models: dict
+    extra_optimizers: dict
+    run_state: RunState
+    run_config: Optional[TrainerRunConfig]
+    process_agreement: ProcessAgreement
+    if TYPE_CHECKING:
+
+        @property
+        def accelerator(self) -> Accelerator: ...
+
+        def get_model(self, keep_torch_compile: bool = False) -> torch.nn.Module: ...
+
+        def print(self, *args: Any, **kwargs: Any) -> None: ...
+
     # ------------------------------------------------------------------------------------------------
     # Training state: saves between optimizer updates, resume, preemption
     # ------------------------------------------------------------------------------------------------
-
-    def skip_non_finite_steps(
-        self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0
-    ) -> NonFinitePolicy:
-        """For the rest of this training run, skip each optimizer update whose gradients are not finite.
-
-        A skipped update leaves the weights, the optimizer and the scheduler untouched, and its loss out of
-        ``train_loss_epoch``. Checking reads one flag back from the device per optimizer update (never per
-        micro-batch); the default run, without a policy, reads nothing. ``SkipNonFiniteStepsCallback`` calls
-        this in ``on_training_run_start`` and records the skips in the run history.
-
-        Args:
-            max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
-            max_retries: first re-run the update's accumulation window (each of its micro-batches) this many times;
-                a retry fires no event (``on_train_step_end`` fired once, for the first try).
-        """
-        self.run_state.non_finite_policy = NonFinitePolicy(
-            max_consecutive_skips=max_consecutive_skips, max_retries=max_retries
-        )
-        return self.run_state.non_finite_policy
 
     def enable_preemption(self, save_dir, signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS) -> None:
         """For the rest of this training run, on one of ``signals``: finish the current optimizer update, save
@@ -285,17 +276,17 @@ class PersistenceMixin:
         ``SaveTrainingStateCallback`` calls this in ``on_training_run_start``.
         """
         state = self.run_state
-        disable_preemption(state)
-        state.preemption_save_dir = Path(save_dir)
-        state.signal_catcher = SignalCatcher(signals, self.request_preemption)
-        state.signal_catcher.install()
+        state.end_preemption()  # handlers of an earlier call are put back first
+        signal_catcher = SignalCatcher(signals, self.request_preemption)
+        state.start_preemption(Path(save_dir), signal_catcher)
+        signal_catcher.install()
 
     def request_preemption(self, signal_number: int) -> None:
         """Ask the run to save and exit with code ``128 + signal_number`` at the next point between updates.
 
         Safe to call from a signal handler; ``SaveTrainingStateCallback`` does it for SIGTERM, SIGINT and SIGUSR1.
         """
-        self.run_state.preemption_signal = signal_number
+        self.run_state.receive_preemption_signal(signal_number)
 
     def save_training_state(
         self,
@@ -351,7 +342,13 @@ class PersistenceMixin:
             async_save.validate_asynchronous_save(self.accelerator)
         if not self.run_state.in_training_run:
             return write_state(
-                self, parent, self.run_state.position(None), kinds, checkpoint_kwargs, max_checkpoints, name=name
+                cast("Trainer", self),
+                parent,
+                self.run_state.position(None),
+                kinds,
+                checkpoint_kwargs,
+                max_checkpoints,
+                name=name,
             )
         self.run_state.request_save(parent, kinds, checkpoint_kwargs, max_checkpoints, asynchronous, name)
         return None
@@ -369,7 +366,7 @@ class PersistenceMixin:
                 f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state."
             )
         plan = read_training_state(self, stored, None, allow_changes=True)
-        self.run_state.num_update_steps_completed = plan.num_update_steps_completed
+        self.run_state.load_update_count(plan.num_update_steps_completed)
         return plan.checkpoint_kwargs
 
     # ------------------------------------------------------------------------------------------------
@@ -384,7 +381,8 @@ class PersistenceMixin:
         save_scheduler: bool = True,
         save_per_node: bool = True,
     ) -> None:
-        """Save the model (and optimizer, scheduler, extra models of ``add_model``, extra values) as one file, atomically.
+        """Save the model (and optimizer, scheduler, extra models of ``add_model``, extra values) as one file,
+        atomically.
 
         The file loads with ``torch.load(weights_only=True)``; ``checkpoint_kwargs`` values must be tensors
         or plain Python values. Every process must call this. Under FSDP the weights and the optimizer state are
@@ -409,7 +407,9 @@ class PersistenceMixin:
             optimizer_state=optimizer_state,
             scheduler_state=scheduler.state_dict() if scheduler is not None else None,
             checkpoint_kwargs=checkpoint_kwargs,
-            extra_states=self._extra_checkpoint_entries(save_optimizer),  # the models of add_model, if any
+            extra_states=extra_checkpoint_entries(  # the models of add_model, if any
+                self.accelerator, self.extra_models, self.extra_optimizers, save_optimizer
+            ),
         )
         self.accelerator.wait_for_everyone()
         if writes_on_this_process(self.accelerator, save_per_node):
@@ -467,9 +467,9 @@ class PersistenceMixin:
         """
         self.accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
-        self._validate_extra_checkpoint_entries(
-            checkpoint, checkpoint_path, load_optimizer
-        )  # before anything is loaded
+        validate_extra_checkpoint_entries(  # before anything is loaded
+            checkpoint, checkpoint_path, load_optimizer, self.extra_models, self.extra_optimizers
+        )
         if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
             load_full_model_state_dict(self.accelerator, self.model, checkpoint[MODEL_KEY])
         else:
@@ -490,5 +490,7 @@ class PersistenceMixin:
                 )
             else:
                 self.scheduler.load_state_dict(checkpoint[SCHEDULER_KEY])
-        self._load_extra_checkpoint_entries(checkpoint, load_optimizer)
+        load_extra_checkpoint_entries(
+            checkpoint, load_optimizer, self.accelerator, self.extra_models, self.extra_optimizers
+        )
         return checkpoint

@@ -1,8 +1,9 @@
-"""The state of one training run, in one place: counters, epoch position, accumulation window, requests.
+"""The state of one training run, in one place: counters, epoch position, accumulation window, trackers, requests.
 
 A :class:`RunState` is created by each ``train()`` (``trainer.run_state``) and stays readable after the run
-(``trainer.num_update_steps_completed`` reads it). The trainer's loop is the only writer of its counters;
-callbacks and the persistence functions read it, and queue requests on it (a save, a stop, a preemption).
+(``trainer.num_update_steps_completed`` reads it). Its fields change only through its own methods (the transitions
+below) or in ``trainer.py``'s loop; callbacks and the persistence functions read them, and queue requests through
+the methods (a save, a stop, a preemption). ``tests/test_structure.py`` holds this.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+
 from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.loop.batches import loss_weight
 from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
@@ -34,11 +38,14 @@ class RunState:
         epoch_first_step: the first micro-batch of the current epoch: 0, or the batches already trained on when
             a resumed run continues an epoch.
         train_epoch_length: the micro-batches of a training epoch on this process, ``None`` when unknown.
-        step_closes_window: whether the micro-batch being run closes an accumulation window (or the epoch), so
-            that its backward pass synchronises gradients and an update follows.
         items_in_window: ``num_items_in_batch`` summed over the current accumulation window (0 when not given).
         train_loss_tracker: the running, weighted sum of this epoch's training losses, on the device.
         train_step_metrics: the same for the extra scalars ``calculate_train_batch_loss`` returns (``accuracy``, ...).
+        eval_loss_tracker, eval_step_metrics: the same for the current evaluation epoch (of ``train()``,
+            ``evaluate()`` or ``run_extra_eval_epoch``; an ``evaluate()`` uses the last run's state).
+        eval_batch_real_rows: in an evaluation epoch, the rows of this process's batch that are real samples when
+            the rest only repeat samples so that every process runs the same steps (the last batch of a
+            multi-process run); else ``None``. Read as ``trainer.eval_batch_real_rows``.
         in_training_run: between the start and the end of the epochs of ``train()``; saves then wait for the
             next point between two optimizer updates.
         stop_request: a ``StopTrainingError`` a callback raised, held until the processes agree to stop.
@@ -55,30 +62,58 @@ class RunState:
         first_epoch: ``epoch`` then: 0, or the epoch a resumed run continues.
     """
 
-    options: Optional["TrainOptions"] = None
+    options: Optional[TrainOptions] = None
     num_update_steps_completed: int = 0
     epoch: int = 0
     epoch_first_step: int = 0
     train_epoch_length: Optional[int] = None
-    step_closes_window: bool = False
     items_in_window: Any = 0
     train_loss_tracker: LossTracker = field(default_factory=LossTracker)
     train_step_metrics: StepMetricsTracker = field(default_factory=StepMetricsTracker)
+    eval_loss_tracker: LossTracker = field(default_factory=LossTracker)
+    eval_step_metrics: StepMetricsTracker = field(default_factory=StepMetricsTracker)
+    eval_batch_real_rows: Optional[int] = None
     in_training_run: bool = False
     stop_request: Optional[StopTrainingError] = None
     save_requests: dict = field(default_factory=dict)
     resume: Optional[ResumePlan] = None
     preemption_signal: Optional[int] = None
     preemption_save_dir: Optional[Path] = None
-    signal_catcher: Optional["SignalCatcher"] = None
-    non_finite_policy: Optional["NonFinitePolicy"] = None
+    signal_catcher: Optional[SignalCatcher] = None
+    non_finite_policy: Optional[NonFinitePolicy] = None
     samples_seen: Any = 0
     started_at: Optional[float] = None
     metric_counts_at_start: dict = field(default_factory=dict)
     first_epoch: int = 0
 
+    # ------------------------------------------------------------------------------------------------
+    # The run and its epochs
+    # ------------------------------------------------------------------------------------------------
+
+    def begin_resume(self, plan: Optional[ResumePlan]) -> None:
+        """Continue from a loaded training state: its update count and epoch, and what is still to restore as the
+        run reaches the saved position (nothing without one)."""
+        self.resume = plan
+        if plan is not None:
+            self.num_update_steps_completed = plan.num_update_steps_completed
+            self.epoch = plan.position.loop_epoch
+
+    def end_resume_at(self, rng_restore_point: str) -> Optional[dict]:
+        """Where the saved run took its RNG states (``"before_iterator"`` or ``"after_iterator"``): if that is
+        ``rng_restore_point``, end the resume and return those states, to be put back now; else ``None``."""
+        if self.resume is None or self.resume.position.rng_restore_point != rng_restore_point:
+            return None
+        rng_state, self.resume = self.resume.rng_state, None
+        return rng_state
+
+    def load_update_count(self, num_update_steps_completed: int) -> None:
+        """Take the update count of a training state loaded outside a run (``load_training_state``)."""
+        self.num_update_steps_completed = num_update_steps_completed
+
     def start_epochs(self, metric_counts: dict) -> None:
-        """Note when and where the epochs of this run start, and what the run history held then."""
+        """Enter the epochs of the run (saves now wait for a point between two updates); note when and where they
+        start, and what the run history held then."""
+        self.in_training_run = True
         self.started_at, self.first_epoch, self.metric_counts_at_start = time.perf_counter(), self.epoch, metric_counts
 
     def reached_max_steps(self) -> bool:
@@ -93,6 +128,88 @@ class RunState:
         if step is None:
             return ResumePosition(self.epoch, 0, "before_iterator")
         return ResumePosition(self.epoch, step, "after_iterator")
+
+    # ------------------------------------------------------------------------------------------------
+    # A training epoch: its batches, the accumulation window, the updates
+    # ------------------------------------------------------------------------------------------------
+
+    def start_train_epoch(self, epoch_length: Optional[int]) -> None:
+        """Start a training epoch of ``epoch_length`` micro-batches (``None``: unknown) with empty trackers."""
+        self.train_loss_tracker.reset()
+        self.train_step_metrics.reset()
+        self.train_epoch_length = epoch_length
+
+    def restore_train_trackers(self, loss_state: dict, metrics_state: dict) -> None:
+        """Put the epoch's training trackers back to a state of theirs: a resumed epoch's, or a non-finite
+        window's snapshot (:meth:`snapshot_train_trackers`)."""
+        self.train_loss_tracker.load_state_dict(loss_state)
+        self.train_step_metrics.load_state_dict(metrics_state)
+
+    def snapshot_train_trackers(self) -> tuple[dict, dict]:
+        """A copy of the epoch's training trackers (device tensors cloned, no sync), for
+        :meth:`restore_train_trackers`."""
+        loss_state = _cloned(self.train_loss_tracker.state_dict())
+        metrics_state = {name: _cloned(state) for name, state in self.train_step_metrics.state_dict().items()}
+        return loss_state, metrics_state
+
+    def record_train_batch(self, batch_output: dict, first_try: bool = True) -> None:
+        """Add a micro-batch's loss and step metrics to the epoch's (weighted by ``batches.loss_weight``); its
+        samples count once, on its first try (not when a non-finite window is run again)."""
+        weight = loss_weight(batch_output, None)
+        self.train_loss_tracker.update(batch_output["loss"], weight)
+        self.train_step_metrics.update(batch_output, weight)  # accuracy etc.: averaged like the loss
+        if first_try:
+            self.samples_seen += batch_output["batch_size"]
+
+    def add_window_items(self, items: Any, opens_window: bool) -> None:
+        """Add a micro-batch's ``num_items_in_batch`` to the accumulation window's (the first one starts it)."""
+        self.items_in_window = items if opens_window else self.items_in_window + items
+
+    def take_window_items(self) -> Any:
+        """Return the window's ``num_items_in_batch`` sum and start the next window at 0."""
+        items, self.items_in_window = self.items_in_window, 0
+        return items
+
+    def count_update(self) -> int:
+        """Count an optimizer update that was made; return the run's updates so far."""
+        self.num_update_steps_completed += 1
+        return self.num_update_steps_completed
+
+    # ------------------------------------------------------------------------------------------------
+    # An evaluation epoch
+    # ------------------------------------------------------------------------------------------------
+
+    def start_eval_epoch(self) -> None:
+        """Start an evaluation epoch with empty trackers."""
+        self.eval_loss_tracker.reset()
+        self.eval_step_metrics.reset()
+
+    def start_eval_batch(self, real_rows: Optional[int]) -> None:
+        """Note how many rows of this evaluation batch are real samples (``None``: all; see
+        ``batches.real_rows_in_batch``)."""
+        self.eval_batch_real_rows = real_rows
+
+    def record_eval_batch(self, batch_output: dict) -> None:
+        """Add an evaluation batch's loss and step metrics to the epoch's, its real rows only."""
+        weight = loss_weight(batch_output, self.eval_batch_real_rows)
+        self.eval_loss_tracker.update(batch_output["loss"], weight)
+        self.eval_step_metrics.update(batch_output, weight)
+
+    def end_eval_epoch(self) -> None:
+        """Leave the evaluation epoch's batches: no batch repeats samples any more."""
+        self.eval_batch_real_rows = None
+
+    # ------------------------------------------------------------------------------------------------
+    # Requests: stops, saves, preemption, the non-finite policy
+    # ------------------------------------------------------------------------------------------------
+
+    def hold_stop(self, error: StopTrainingError) -> None:
+        """Keep the first ``StopTrainingError`` raised since the last agreement point."""
+        self.stop_request = self.stop_request or error
+
+    def drop_stop(self) -> None:
+        """Forget the held stop: the run has stopped."""
+        self.stop_request = None
 
     def request_save(
         self,
@@ -125,9 +242,31 @@ class RunState:
         requests, self.save_requests = self.save_requests, {}
         return requests
 
-    def hold_stop(self, error: StopTrainingError) -> None:
-        """Keep the first ``StopTrainingError`` raised since the last agreement point."""
-        self.stop_request = self.stop_request or error
+    def start_preemption(self, save_dir: Path, signal_catcher: SignalCatcher) -> None:
+        """Hold the installed signal handlers and the folder a preempted run saves to."""
+        self.preemption_save_dir, self.signal_catcher = save_dir, signal_catcher
+
+    def end_preemption(self) -> None:
+        """Put back the signal handlers that :meth:`start_preemption` holds, if any."""
+        if self.signal_catcher is not None:
+            self.signal_catcher.uninstall()
+        self.signal_catcher, self.preemption_save_dir = None, None
+
+    def receive_preemption_signal(self, signal_number: int) -> None:
+        """Note a signal that asks the run to save and exit (safe in a signal handler)."""
+        self.preemption_signal = signal_number
+
+    def set_non_finite_policy(self, policy: Optional[NonFinitePolicy]) -> None:
+        """Check each update's gradients under ``policy`` from now on (``None``: check nothing)."""
+        self.non_finite_policy = policy
+
+    def end_epochs(self) -> None:
+        """Leave the epochs of the run: saves are taken at once from here on."""
+        self.in_training_run = False
+
+
+def _cloned(tracker_state: dict) -> dict:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in tracker_state.items()}
 
 
 @dataclass(frozen=True)

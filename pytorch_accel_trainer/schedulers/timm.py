@@ -7,10 +7,15 @@ resume), and the epoch-level step runs at the end of each training epoch, with o
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # the mixin comes before Trainer in TrainerWithTimmScheduler's bases: type-check it as one
+    from pytorch_accel_trainer.trainer import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
 
 
-class TimmSchedulerMixin:
+class TimmSchedulerMixin(_TrainerBase):
     """Steps ``self.scheduler`` the way timm's schedulers expect, in the trainer's ``scheduler_step`` and
     ``train_epoch_end`` hooks.
 
