@@ -17,7 +17,7 @@ import itertools
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union, cast
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -501,7 +501,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
             if isinstance(self.optimizer, AcceleratedOptimizer):
                 self.optimizer = self.optimizer.optimizer
-        components = [self.model, self.optimizer] if model_and_optimizer else [None, None]
+        components: list[Any] = [self.model, self.optimizer] if model_and_optimizer else [None, None]
         components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
         # the extra models (add_model) in the same call: Accelerate places them and their optimizers together
@@ -525,7 +525,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         store_prepared_extras(self.extra_models, self.extra_optimizers, components[4:], self.calls_torch_directly)
         if self.torch_compile is not False:  # True or a dict, even {}; compiled after the DDP wrapper, as torch advises
             options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
-            self.model = torch.compile(self.model, **options)
+            self.model = cast(torch.nn.Module, torch.compile(self.model, **options))
 
     def _create_run_config(self, options: Optional[TrainOptions] = None, **train_arguments) -> TrainerRunConfig:
         """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders.
