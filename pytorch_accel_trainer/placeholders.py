@@ -13,7 +13,7 @@ import difflib
 import enum
 import functools
 import operator
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from pytorch_accel_trainer.utils import dataloader_length
 
@@ -139,6 +139,11 @@ class PlaceholderExpression(_PlaceholderArithmetic):
         return f"({self.left!r} {self.symbol} {self.right!r})"
 
 
+#: A whole number that a scheduler factory may receive as a placeholder (or an expression of placeholders), which the
+#: trainer replaces with the run's value before calling it.
+IntOrPlaceholder = Union[int, TrainerPlaceholderValues, PlaceholderExpression]
+
+
 def _as_expression(value: Any) -> Any:
     if isinstance(value, TrainerPlaceholderValues):
         return PlaceholderExpression(value)
@@ -227,9 +232,8 @@ def placeholder_from_text(text: str) -> Any:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPERATORS:
-            return _OPERATORS[_AST_OPERATORS[type(node.op)]](
-                build(node.left), build(node.right)
-            )  # placeholder arithmetic
+            # placeholder arithmetic
+            return _OPERATORS[_AST_OPERATORS[type(node.op)]](build(node.left), build(node.right))
         raise ValueError(
             f"{text!r} is not a placeholder expression: use the placeholders {sorted(members)}, numbers and + - * //, "
             "e.g. 'NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS'."

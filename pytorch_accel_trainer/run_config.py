@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from accelerate import Accelerator, DistributedType
 
@@ -84,6 +84,31 @@ class TrainerRunConfig:
         return asdict(self)
 
 
+class _HasRunConfig(Protocol):
+    """A trainer, as far as :func:`get_run_config` needs one."""
+
+    @property
+    def run_config(self) -> Optional[TrainerRunConfig]: ...
+
+
+def get_run_config(trainer: _HasRunConfig) -> TrainerRunConfig:
+    """Return the run config of the trainer's current (or last) run.
+
+    For callbacks and hooks that run during ``train()`` or ``evaluate()``, which set it before
+    ``on_training_run_start`` / ``on_evaluation_run_start``.
+
+    Raises:
+        RuntimeError: no run has started yet, so the trainer has no run config.
+    """
+    config = trainer.run_config
+    if config is None:
+        raise RuntimeError(
+            "trainer.run_config is None: it is set when train() or evaluate() starts. Read it from "
+            "on_training_run_start or on_evaluation_run_start onwards, not before the first run."
+        )
+    return config
+
+
 def count_update_steps(num_batches: Optional[int], gradient_accumulation_steps: int) -> Optional[int]:
     """Return the optimizer updates in an epoch of ``num_batches`` micro-batches (a partial window counts)."""
     if num_batches is None:
@@ -129,6 +154,7 @@ def build_run_config(
     train_batch_size = (train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
     eval_batch_size = (eval_dl_kwargs or {}).get("batch_size", per_device_batch_size)
     num_processes = accelerator.num_processes
+    updates_per_epoch: Optional[int]
     if train_dataloader is None:
         train_batch_size, updates_per_epoch = None, 0
     else:

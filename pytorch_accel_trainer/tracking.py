@@ -199,7 +199,8 @@ class LossTracker:
 
     def __init__(self):
         self._sum = DeferredSum()
-        self._host_total = 0
+        # the sum of the losses given as numbers; a tensor once a batch size was a tensor
+        self._host_total: Union[float, torch.Tensor] = 0
         self.loss_value: Any = 0  # the last batch's loss, as given
 
     def reset(self) -> None:

@@ -14,7 +14,7 @@ import os
 import random
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -308,7 +308,7 @@ def _first_on_one_process(func: _Function, where: str, runs_first: Callable, oth
         _raise_if_another_failed(_wait_for_everyone_sharing(state, failed=False), func, where)
         return func(*args, **kwargs) if others_run_it else None
 
-    return wrapper
+    return cast(_Function, wrapper)  # functools.wraps keeps func's signature, which its typing cannot say
 
 
 def local_process_zero_only(func: _Function) -> _Function:
@@ -398,13 +398,13 @@ class ModelEma(nn.Module):
         super().__init__()
         if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 <= decay <= 1:
             raise ValueError(f"decay is {decay!r}; pass a number from 0 to 1, e.g. decay=0.9999.")
-        self.module = copy.deepcopy(_unwrap_model(model))
+        self.module: nn.Module = copy.deepcopy(_unwrap_model(model))
         self.module.eval().requires_grad_(False)
         for parameter in self.module.parameters():
             parameter.grad = None  # deepcopy copies gradients: an average has none
         if device is not None:
             self.module.to(device)
-        self.decay = decay
+        self.decay: float = decay
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -489,7 +489,11 @@ def _pair_by_name(ema_module: nn.Module, model: nn.Module) -> tuple[list, list, 
             f"The model does not have the tensors of the model the EMA was made from: it lacks {missing[:5]} and "
             f"has {extra[:5]} in addition. Update the EMA with the model it was created from."
         )
-    ema_floats, model_floats, ema_others, model_others, watched = [], [], [], [], []
+    ema_floats: list[torch.Tensor] = []
+    model_floats: list[torch.Tensor] = []
+    ema_others: list[torch.Tensor] = []
+    model_others: list[torch.Tensor] = []
+    watched: list[tuple] = []  # (store, key, tensor): a tensor replaced in its store means pairing again
     for name, (store, key) in ema_slots.items():
         model_store, model_key = model_slots[name]
         ema, weights = store[key], model_store[model_key]

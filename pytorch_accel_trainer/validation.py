@@ -7,7 +7,7 @@ import inspect
 import random
 import warnings
 from collections.abc import Mapping
-from numbers import Number
+from numbers import Real
 from typing import Any, Iterator
 
 import numpy as np
@@ -34,7 +34,8 @@ def _validate_positive_int(name: str, value: Any, allow_none: bool = False) -> N
 def _validate_positive_number(name: str, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, Number) or not value > 0:
+    # numbers.Real promises < and <= (not >); value != value holds for NaN only, which is not positive either
+    if isinstance(value, bool) or not isinstance(value, Real) or value <= 0 or value != value:
         raise ValueError(f"{name}={value!r} is not valid: it must be a positive number or None. Pass e.g. {name}=1.0.")
 
 

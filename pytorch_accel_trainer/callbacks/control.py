@@ -6,7 +6,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -115,7 +115,7 @@ class TerminateOnNaNCallback(TrainerCallback):
         """
         loss = batch_output["loss"].detach().float()
         if not bool(torch.isfinite(loss).all()):  # host-device sync, by design
-            self._stop(_STAGES.get(step, "loss"), float(loss.sum()), step)
+            self._stop("loss" if step is None else _STAGES.get(step, "loss"), float(loss.sum()), step)
 
     def _record(self, stage: str, loss: torch.Tensor, step: int) -> None:
         self._losses[stage].add(loss)  # no device op per step: the losses are added up in batches
@@ -157,8 +157,11 @@ class TerminateOnNaNCallback(TrainerCallback):
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(in_evaluation_run=True)
 
-    def on_train_step_end(self, trainer: Trainer, batch_output: dict, step: int = 0, **kwargs):
-        self._record("training", batch_output["loss"], step)
+    def on_train_step_end(
+        self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
+    ):
+        if batch_output is not None:  # None only in a call by hand: no loss to record
+            self._record("training", batch_output["loss"], step)
         if self.check_every_n_steps and (step + 1) % self.check_every_n_steps == 0:
             self._check(trainer, "training", "train_loss_epoch")
 
@@ -168,8 +171,9 @@ class TerminateOnNaNCallback(TrainerCallback):
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
         self._eval_step = 0
 
-    def on_eval_step_end(self, trainer: Trainer, batch_output: dict, **kwargs):
-        self._record("validation", batch_output["loss"], self._eval_step)
+    def on_eval_step_end(self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, **kwargs):
+        if batch_output is not None:  # None only in a call by hand: no loss to record
+            self._record("validation", batch_output["loss"], self._eval_step)
         self._eval_step += 1
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
@@ -183,7 +187,7 @@ class TerminateOnNaNCallback(TrainerCallback):
 
     def _raise_if_stopped(self) -> None:
         # Raised here, at the end: every callback's end-of-run event still runs (see CallbackHandler.call_event).
-        if self.triggered and self.raise_on_nan:
+        if self.triggered and self.raise_on_nan and self.error is not None:
             raise self.error
 
 

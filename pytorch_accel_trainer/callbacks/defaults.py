@@ -21,12 +21,12 @@ def get_default_callbacks(progress_bar: bool = True, verbose: bool = False) -> t
         trainer = Trainer(model, loss_func, optimizer, callbacks=callbacks)
     """
     if verbose:
-        bar = (ProgressBarCallback(verbose=True),) if progress_bar else ()
+        verbose_bar = (ProgressBarCallback(verbose=True),) if progress_bar else ()
         return (
             MoveModulesToDeviceCallback,
             TerminateOnNaNCallback,
             PrintProgressCallback(verbose=True),
-            *bar,
+            *verbose_bar,
             LogMetricsCallback(verbose=True),
         )
     bar = (ProgressBarCallback,) if progress_bar else ()

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.run_config import get_run_config
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -45,7 +46,7 @@ class ConvertSyncBatchNormCallback(TrainerCallback):
     """
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
-        if not trainer.run_config.is_distributed:
+        if not get_run_config(trainer).is_distributed:
             return  # one process: there is nothing to synchronise
         if trainer.device.type == "cpu":
             raise ValueError(

@@ -82,13 +82,13 @@ class ModelEmaCallback(SaveBestModelCallback):
             save_scheduler=False,
             load_saved_checkpoint=False,
         )
-        self.decay = float(decay)
-        self.evaluate_during_training = evaluate_during_training
-        self.model_ema_cls = model_ema
-        self.callback_handler = CallbackHandler(callbacks)
+        self.decay: float = float(decay)
+        self.evaluate_during_training: bool = evaluate_during_training
+        self.model_ema_cls: Callable[..., Any] = model_ema
+        self.callback_handler: CallbackHandler = CallbackHandler(callbacks)
         self.ema_model: Any = None  # the model_ema instance; its ``module`` holds the averaged weights
-        self.num_updates = 0
-        self._in_training_run = False
+        self.num_updates: int = 0
+        self._in_training_run: bool = False
         self._restored_weights: dict | None = None
         self._unwrapped: tuple | None = None  # (trainer.model, that model unwrapped)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.utils import DataLoaderSlice
 
 if TYPE_CHECKING:
@@ -44,7 +45,9 @@ class StepBasedEvaluationCallback(TrainerCallback):
         validate_can_evaluate_during_training(trainer, type(self).__name__)
         self._due_after = None
 
-    def on_optimizer_step_end(self, trainer: Trainer, num_update_steps_completed: int, **kwargs):
+    def on_optimizer_step_end(self, trainer: Trainer, num_update_steps_completed: int | None = None, **kwargs):
+        if num_update_steps_completed is None:  # called by hand without it: the trainer's count
+            num_update_steps_completed = trainer.num_update_steps_completed
         if num_update_steps_completed % self.eval_every_n_steps == 0:
             self._due_after = num_update_steps_completed  # run at the next step: the epoch's last update has none
 
@@ -53,7 +56,9 @@ class StepBasedEvaluationCallback(TrainerCallback):
             updates, self._due_after = self._due_after, None
             self._evaluate(trainer, updates)
 
-    def on_train_step_end(self, trainer: Trainer, step: int = 0, **kwargs):
+    def on_train_step_end(
+        self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
+    ):
         """Does nothing; takes pytorch-accelerated's arguments. The evaluation it runs here runs at the next
         ``on_train_step_start``, after the optimizer update that completes an interval."""
 
@@ -121,7 +126,7 @@ class LimitEvalStepsCallback(TrainerCallback):
         # the start of the run, and switched on or off for each epoch (pytorch-accelerated swaps the dataloader then).
         if trainer.eval_dataloader is None:
             return
-        steps_per_process = max(1, self.num_eval_steps // trainer.run_config.num_processes)
+        steps_per_process = max(1, self.num_eval_steps // get_run_config(trainer).num_processes)
         self._original_eval_dataloader = trainer.eval_dataloader
         trainer.eval_dataloader = DataLoaderSlice(trainer.eval_dataloader, steps_per_process, lambda: self._is_limiting)
 

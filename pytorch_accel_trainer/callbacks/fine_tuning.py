@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.run_config import get_run_config
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.finetuning import ModelFreezer
@@ -60,13 +61,13 @@ class GradualUnfreezingCallback(TrainerCallback):
         self._validate_run(trainer)
 
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
-        epoch = trainer.run_history.current_epoch
-        if epoch in self.unfreeze_at_epochs:
+        epoch, optimizer = trainer.run_history.current_epoch, trainer.optimizer  # train() refuses no optimizer
+        if epoch in self.unfreeze_at_epochs and optimizer is not None:
             unfrozen = self.freezer.unfreeze(from_index=self.unfreeze_at_epochs[epoch], to_index=-1)
-            held = _parameter_ids(trainer.optimizer)
+            held = _parameter_ids(optimizer)
             missing = [p for group in unfrozen.values() for p in group["params"] if id(p) not in held]
             if missing:
-                trainer.optimizer.add_param_group({"params": missing, **self.new_param_group_kwargs})
+                optimizer.add_param_group({"params": missing, **self.new_param_group_kwargs})
             trainer.print(f"\nUnfroze layer groups {sorted(unfrozen)} at the start of epoch {epoch}")
         if self.keep_frozen_layers_in_eval:
             self.freezer.set_frozen_layers_to_eval()
@@ -80,7 +81,7 @@ class GradualUnfreezingCallback(TrainerCallback):
                 "from the model given to Trainer(...)."
             )
         upcoming = sorted(epoch for epoch in self.unfreeze_at_epochs if epoch >= trainer.run_history.current_epoch)
-        if upcoming and trainer.run_config.is_distributed:
+        if upcoming and get_run_config(trainer).is_distributed:
             raise ValueError(
                 f"GradualUnfreezingCallback would unfreeze at epochs {upcoming} of a distributed run, but distributed "
                 "data parallel only synchronises the gradients of parameters that were trainable when train() "

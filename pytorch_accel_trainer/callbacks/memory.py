@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.run_config import get_run_config
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -37,7 +38,7 @@ class PeakMemoryCallback(TrainerCallback):
         else:
             name, mebibytes = HOST_MEMORY_METRIC, get_peak_host_memory_mib()
         peak = torch.tensor(mebibytes, dtype=torch.float32, device=trainer.device)
-        if trainer.run_config.num_processes > 1:
+        if get_run_config(trainer).num_processes > 1:
             peak = trainer.accelerator.reduce(peak, "max")
         trainer.run_history.update_metric(name, peak.item())  # once per epoch, by design
 

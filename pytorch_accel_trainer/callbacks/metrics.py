@@ -71,7 +71,9 @@ class MetricCollectionCallback(TrainerCallback):
         self.metrics.to(trainer.device)
         self.metrics.reset()
 
-    def on_eval_step_end(self, trainer: "Trainer", batch, batch_output: dict, **kwargs):
+    def on_eval_step_end(self, trainer: "Trainer", batch: Any = None, batch_output: Optional[dict] = None, **kwargs):
+        if batch_output is None:
+            return  # called by hand without a batch output: nothing to measure
         predictions, targets = self.get_predictions_and_targets(batch, batch_output)
         real_rows = trainer.eval_batch_real_rows
         if real_rows is not None:  # the rest repeat samples only to give every process a full last batch

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 
 if TYPE_CHECKING:
+    from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
     from pytorch_accel_trainer.trainer import Trainer
 
 
@@ -32,13 +33,21 @@ class SkipNonFiniteStepsCallback(TrainerCallback):
             raise ValueError(f"max_retries={max_retries!r} is not valid: pass an integer >= 0.")
         self.max_consecutive_skips = max_consecutive_skips
         self.max_retries = max_retries
-        self.policy = None
+        self.policy: Optional[NonFinitePolicy] = None  # the trainer's, from the start of each run
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         self.policy = trainer.skip_non_finite_steps(self.max_consecutive_skips, self.max_retries)
 
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
-        self.policy.skipped_in_epoch = 0
+        self._run_policy().skipped_in_epoch = 0
 
     def on_train_epoch_end(self, trainer: "Trainer", **kwargs):
-        trainer.run_history.update_metric("non_finite_steps_skipped", self.policy.skipped_in_epoch)
+        trainer.run_history.update_metric("non_finite_steps_skipped", self._run_policy().skipped_in_epoch)
+
+    def _run_policy(self) -> NonFinitePolicy:
+        if self.policy is None:
+            raise RuntimeError(
+                "SkipNonFiniteStepsCallback has no policy yet: it asks the trainer for one in on_training_run_start. "
+                "A subclass that overrides on_training_run_start must call super().on_training_run_start(trainer)."
+            )
+        return self.policy

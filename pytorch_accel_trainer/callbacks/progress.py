@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
 from pytorch_accel_trainer.utils import dataloader_length
 
@@ -58,7 +59,7 @@ def format_metrics(metrics: dict) -> str:
 
 def epoch_label(trainer: Trainer) -> str:
     """``epoch k/n`` (``epoch k`` when only ``max_num_train_steps`` ends the run)."""
-    epoch, num_epochs = trainer.run_history.current_epoch, trainer.run_config.num_epochs
+    epoch, num_epochs = trainer.run_history.current_epoch, get_run_config(trainer).num_epochs
     return f"epoch {epoch}" if num_epochs is None else f"epoch {epoch}/{num_epochs}"
 
 
@@ -92,7 +93,7 @@ class PrintProgressCallback(TrainerCallback):
         if self.verbose:
             trainer.print("\nStarting training run")
             return
-        config = trainer.run_config
+        config = get_run_config(trainer)
         epochs = "until max_num_train_steps" if config.num_epochs is None else f"{config.num_epochs} epochs"
         per_epoch = (
             "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
@@ -185,12 +186,12 @@ class ProgressBarCallback(TrainerCallback):
         )
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
-        self._is_shown = trainer.run_config.is_world_process_zero
+        self._is_shown = get_run_config(trainer).is_world_process_zero
         # made once per run: its host buffer is allocated here, never during a step
         self._host_copy = HostCopy(1, trainer.device) if self._is_shown else None
 
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
-        self._is_shown = trainer.run_config.is_world_process_zero
+        self._is_shown = get_run_config(trainer).is_world_process_zero
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
         train_batches = dataloader_length(trainer.train_dataloader)
@@ -200,16 +201,18 @@ class ProgressBarCallback(TrainerCallback):
             eval_batches = 0 if trainer.eval_dataloader is None else dataloader_length(trainer.eval_dataloader)
             total = None if train_batches is None or eval_batches is None else train_batches + eval_batches
             description = epoch_label(trainer)
-        self.pbar = self._create_bar(
-            trainer, total, description, initial=trainer.epoch_first_step
-        )  # a resumed epoch continues
+        # a resumed epoch continues where it stopped
+        self.pbar = self._create_bar(trainer, total, description, initial=trainer.epoch_first_step)
         self._refresh_every = self.refresh_every_n_steps or max(1, min(50, (train_batches or 500) // 10))
         self._loss.reset()
         self._postfix, self._samples = {}, 0
         self._epoch_start_time = time.perf_counter()
 
-    def on_train_step_end(self, trainer: Trainer, batch_output: dict | None = None, step: int = 0, **kwargs):
-        self.pbar.update(1)
+    def on_train_step_end(
+        self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
+    ):
+        if self.pbar is not None:  # made at the epoch start
+            self.pbar.update(1)
         if not self._is_shown or batch_output is None:
             return
         self._loss.add(batch_output["loss"])
@@ -220,28 +223,32 @@ class ProgressBarCallback(TrainerCallback):
             self._refresh(trainer)
 
     def _refresh(self, trainer: Trainer) -> None:
+        loss_total, host_copy = self._loss.total, self._host_copy
+        if loss_total is None or host_copy is None or self.pbar is None:
+            return  # none is: a shown training run has its copy, an epoch its bar, and this step added a loss
         epoch = trainer.run_history.current_epoch
-        self._show_arrived_loss(epoch)  # the previous interval's copy, before the buffer is reused
-        self._host_copy.start(self._loss.total, tag=(epoch, self._loss.count))
+        self._show_arrived_loss(host_copy, epoch)  # the previous interval's copy, before the buffer is reused
+        host_copy.start(loss_total, tag=(epoch, self._loss.count))
         self._loss.reset()
-        self._show_arrived_loss(epoch)  # complete at once on the CPU; on CUDA, usually at the next refresh
-        learning_rates = [group["lr"] for group in trainer.optimizer.param_groups]
+        self._show_arrived_loss(host_copy, epoch)  # complete at once on the CPU; on CUDA, usually at the next refresh
+        param_groups = trainer.optimizer.param_groups if trainer.optimizer is not None else []  # train() needs one
+        learning_rates = [group["lr"] for group in param_groups]
         if all(isinstance(lr, numbers.Real) for lr in learning_rates):  # a tensor lr would need a sync
             self._postfix["lr"] = ",".join(f"{lr:.3g}" for lr in learning_rates)
         elapsed = time.perf_counter() - self._epoch_start_time
         if self._samples and elapsed > 0:
-            self._postfix["samples/s"] = f"{self._samples * trainer.run_config.num_processes / elapsed:.1f}"
+            self._postfix["samples/s"] = f"{self._samples * get_run_config(trainer).num_processes / elapsed:.1f}"
         self.pbar.set_postfix(self._postfix, refresh=False)
 
-    def _show_arrived_loss(self, epoch: int) -> None:
-        arrived = self._host_copy.get_values()
+    def _show_arrived_loss(self, host_copy: HostCopy, epoch: int) -> None:
+        arrived = host_copy.get_values()
         if arrived is not None:
             (copy_epoch, count), (total,) = arrived
             if copy_epoch == epoch and count:  # a copy left from the previous epoch is stale
                 self._postfix["loss"] = f"{total / count:.4g}"
 
     def on_train_epoch_end(self, trainer: Trainer, **kwargs):
-        if self._is_shown and "train_loss_epoch" in trainer.run_history.get_metric_names():
+        if self._is_shown and self.pbar is not None and "train_loss_epoch" in trainer.run_history.get_metric_names():
             self._postfix["loss"] = f"{trainer.run_history.get_latest_metric('train_loss_epoch'):.4g}"
             self.pbar.set_postfix(self._postfix, refresh=False)
         if self.verbose:
@@ -252,8 +259,10 @@ class ProgressBarCallback(TrainerCallback):
             description = "eval" if self.verbose or is_intermediate else "evaluation"
             self.eval_pbar = self._create_bar(trainer, dataloader_length(trainer.eval_dataloader), description)
 
-    def on_eval_step_end(self, trainer: Trainer, **kwargs):
-        (self.eval_pbar or self.pbar).update(1)
+    def on_eval_step_end(self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, **kwargs):
+        bar = self.eval_pbar or self.pbar
+        if bar is not None:  # made at the epoch start
+            bar.update(1)
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
         self._close_eval_bar()
@@ -301,11 +310,14 @@ class LogMetricsCallback(TrainerCallback):
     _run_config = None  # the run_config of the run those counts belong to: each train() / evaluate() makes a new one
 
     # class defaults too: a pytorch-accelerated subclass (an AzureML logger, say) may define __init__ without super()
-    verbose, _pending, _epoch_start, _samples_before_epoch = False, None, 0.0, 0
+    verbose: bool = False
+    _pending: dict | None = None
+    _epoch_start: float = 0.0
+    _samples_before_epoch: int = 0
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
-        self._pending: dict = {}
+        self._pending = {}
         self._epoch_start = 0.0
         self._samples_before_epoch = 0  # the trainer's count of samples (run_state.samples_seen) when the epoch began
 
@@ -342,10 +354,8 @@ class LogMetricsCallback(TrainerCallback):
         seconds = time.perf_counter() - self._epoch_start
         samples = trainer.run_state.samples_seen - self._samples_before_epoch
         speed = ""
-        if (
-            isinstance(samples, int) and samples and seconds > 0
-        ):  # tensor sizes (a hook's own) would need a sync to read
-            speed = f" · {samples * trainer.run_config.num_processes / seconds:.0f} samples/s"
+        if isinstance(samples, int) and samples and seconds > 0:  # a tensor size (a hook's) would need a sync to read
+            speed = f" · {samples * get_run_config(trainer).num_processes / seconds:.0f} samples/s"
         metrics = f" · {format_metrics(self._pending)}" if self._pending else ""
         _print(trainer, f"{epoch_label(trainer)} · {seconds:.2g}s{speed}{metrics}")
         self._pending = {}

@@ -10,7 +10,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, TextIO, Union
 
 import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
@@ -18,6 +18,7 @@ from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import metric_counts
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class _FileTracker(GeneralTracker):
         self.run_name = run_name
         self.run_dir = Path(logging_dir) / run_name
         self.path = self.run_dir / self.file_name
-        self._file = None
+        self._file: Optional[TextIO] = None
 
     @property
     def tracker(self):
@@ -54,6 +55,15 @@ class _FileTracker(GeneralTracker):
 
     def _write_header(self) -> None:
         """Write the first lines of a new file; nothing by default."""
+
+    def _open_file(self) -> TextIO:
+        """The file :meth:`start` opened."""
+        if self._file is None:
+            raise RuntimeError(
+                f"{type(self).__name__} writes to {str(self.path)!r} only between start() and finish(): call start() "
+                "first (the callback does, at the start of each run)."
+            )
+        return self._file
 
     @on_main_process
     def store_init_configuration(self, values: dict):
@@ -83,15 +93,16 @@ class CSVTracker(_FileTracker):
     file_name = "metrics.csv"
 
     def _write_header(self) -> None:
-        csv.writer(self._file).writerow(["step", "name", "value"])
+        csv.writer(self._open_file()).writerow(["step", "name", "value"])
 
     @on_main_process
     def log(self, values: dict, step: Optional[int] = None, **kwargs):
         """Append one row per value, flushed at once."""
-        writer = csv.writer(self._file)
+        file = self._open_file()
+        writer = csv.writer(file)
         for name, value in values.items():
             writer.writerow(["" if step is None else step, name, value])
-        self._file.flush()
+        file.flush()
 
 
 class JSONLinesTracker(_FileTracker):
@@ -108,8 +119,9 @@ class JSONLinesTracker(_FileTracker):
     @on_main_process
     def log(self, values: dict, step: Optional[int] = None, **kwargs):
         """Append one line, flushed at once."""
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
-        self._file.flush()
+        file = self._open_file()
+        file.write(json.dumps({"step": step, **values}) + "\n")
+        file.flush()
 
 
 #: The trackers of this package, by name; every name of ``accelerate.tracking.LOGGER_TYPE_TO_CLASS`` works too.
@@ -277,20 +289,21 @@ class ExperimentTrackingCallback(TrainerCallback):
 
     def _start_trackers(self, trainer: "Trainer") -> None:
         self._share_drawn_run_name(trainer)
-        self._is_writer = trainer.run_config.is_world_process_zero
+        run_config = get_run_config(trainer)
+        self._is_writer = run_config.is_world_process_zero
         history = trainer.run_history
         self._logged_counts = metric_counts(history)
         if not self._is_writer or self.trackers:
             return
         self.trackers = [self._create_tracker(spec) for spec in self.tracker_specs]
-        configuration = {**run_config_hyperparameters(trainer.run_config), **(self.config or {})}
+        configuration = {**run_config_hyperparameters(run_config), **(self.config or {})}
         for tracker in self.trackers:
             tracker.start()
             tracker.store_init_configuration(configuration)
 
     def _share_drawn_run_name(self, trainer: "Trainer") -> None:
         """Give every process the main process's drawn run name, once: each drew its own with the callback."""
-        if self._run_name_is_drawn and trainer.run_config.num_processes > 1:
+        if self._run_name_is_drawn and get_run_config(trainer).num_processes > 1:
             names = [self.run_name]
             broadcast_object_list(names)  # one collective, at the first run start, on every process
             self.run_name = names[0]
@@ -332,13 +345,17 @@ class ExperimentTrackingCallback(TrainerCallback):
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
         self._samples, self._interval_start = 0, time.perf_counter()  # evaluation time is not training time
 
-    def on_train_step_end(self, trainer: "Trainer", batch_output: dict, **kwargs):
+    def on_train_step_end(self, trainer: "Trainer", batch: Any = None, batch_output: Optional[dict] = None, **kwargs):
+        if batch_output is None:
+            return  # called by hand without a batch output: no loss to add
         self._loss.add(batch_output["loss"])
         batch_size = batch_output.get("batch_size")
         if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
             self._samples += batch_size
 
-    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: int, **kwargs):
+    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: Optional[int] = None, **kwargs):
+        if num_update_steps_completed is None:  # called by hand without it: the trainer's count
+            num_update_steps_completed = trainer.num_update_steps_completed
         if num_update_steps_completed % self.log_every_n_steps == 0 and self._loss.count:
             self._start_step_log(trainer, num_update_steps_completed)
 
@@ -364,21 +381,24 @@ class ExperimentTrackingCallback(TrainerCallback):
     # ------------------------------------------------------------------------------------------------
 
     def _start_step_log(self, trainer: "Trainer", step: int) -> None:
+        loss_total = self._loss.total
+        if loss_total is None:
+            return  # no loss since the last log: the caller logs only after one
         self._log_arrived_step_values()  # the previous copy, before its buffer is reused
         norm = trainer.last_gradient_norm  # computed by clipping by norm; the same on every process
-        norm = self._loss.total.new_tensor(float("nan")) if norm is None else norm.detach().float().reshape(())
-        totals = torch.stack(
-            [self._loss.total, self._loss.total.new_tensor(float(self._loss.count)), norm.to(self._loss.total.device)]
-        )
-        if trainer.run_config.num_processes > 1:
+        norm = loss_total.new_tensor(float("nan")) if norm is None else norm.detach().float().reshape(())
+        totals = torch.stack([loss_total, loss_total.new_tensor(float(self._loss.count)), norm.to(loss_total.device)])
+        num_processes = get_run_config(trainer).num_processes
+        if num_processes > 1:
             totals = trainer.accelerator.reduce(totals, "sum")  # a collective, not a host sync
-        if self._is_writer:
-            values = {f"lr_group_{index}": group["lr"] for index, group in enumerate(trainer.optimizer.param_groups)}
+        if self._host_copy is not None:  # the writer's, made at the run start
+            param_groups = trainer.optimizer.param_groups if trainer.optimizer is not None else []  # train() needs one
+            values = {f"lr_group_{index}": group["lr"] for index, group in enumerate(param_groups)}
             values = {name: value for name, value in values.items() if isinstance(value, numbers.Real)}
             elapsed = time.perf_counter() - self._interval_start
             if self._samples and elapsed > 0:
-                values["samples_per_second"] = self._samples * trainer.run_config.num_processes / elapsed
-            values["_num_processes"] = trainer.run_config.num_processes
+                values["samples_per_second"] = self._samples * num_processes / elapsed
+            values["_num_processes"] = num_processes
             self._host_copy.start(totals, tag=(step, values))
         self._loss.reset()
         self._samples, self._interval_start = 0, time.perf_counter()

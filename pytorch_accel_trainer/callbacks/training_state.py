@@ -79,7 +79,7 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.is_better = operator.gt if greater_is_better else operator.lt
         self.save_on_signals = tuple(save_on_signals)
         self.asynchronous = asynchronous
-        self.best_metric = None
+        self.best_metric: Optional[float] = None
         self._last_saved_step: Optional[int] = None
 
     def state_dict(self) -> dict:
@@ -92,7 +92,9 @@ class SaveTrainingStateCallback(TrainerCallback):
         if self.save_on_signals:
             trainer.enable_preemption(self.save_dir, self.save_on_signals)
 
-    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: int, **kwargs):
+    def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: Optional[int] = None, **kwargs):
+        if num_update_steps_completed is None:  # called by hand without it: the trainer's count
+            num_update_steps_completed = trainer.num_update_steps_completed
         # taken at the next point between updates: before the next batch, or between epochs after the last one
         kinds = self._step_kinds(num_update_steps_completed)
         if kinds:
@@ -105,17 +107,17 @@ class SaveTrainingStateCallback(TrainerCallback):
             self._save(trainer, {"rolling"}, f"epoch_{epoch}")
 
     def on_training_run_epoch_end(self, trainer: "Trainer", **kwargs):
-        if self.watch_metric is not None and self._improved(trainer):  # the evaluation metrics are recorded by now
+        # the evaluation metrics are recorded by now
+        if self.watch_metric is not None and self._improved(trainer, self.watch_metric):
             self._save(trainer, {"best"}, f"epoch_{trainer.run_history.current_epoch}")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        if (
-            self.save_at_end
-        ):  # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
+        # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
+        if self.save_at_end:
             self._save(trainer, {"rolling"}, "final")
 
-    def _step_kinds(self, done: int) -> set:
-        kinds = set()
+    def _step_kinds(self, done: int) -> set[str]:
+        kinds: set[str] = set()
         if done == 0 or done == self._last_saved_step:
             return kinds
         if self.save_every_n_steps and done % self.save_every_n_steps == 0:
@@ -124,14 +126,14 @@ class SaveTrainingStateCallback(TrainerCallback):
             kinds.add("permanent")
         return kinds
 
-    def _improved(self, trainer: "Trainer") -> bool:
+    def _improved(self, trainer: "Trainer", watch_metric: str) -> bool:
         names = trainer.run_history.get_metric_names()
-        if self.watch_metric not in names:
+        if watch_metric not in names:
             raise ValueError(
-                f"SaveTrainingStateCallback(watch_metric={self.watch_metric!r}): no such metric in the run history; "
+                f"SaveTrainingStateCallback(watch_metric={watch_metric!r}): no such metric in the run history; "
                 f"the metrics are {sorted(names)}."
             )
-        current = trainer.run_history.get_latest_metric(self.watch_metric)
+        current = trainer.run_history.get_latest_metric(watch_metric)
         if self.best_metric is None or self.is_better(current, self.best_metric):
             self.best_metric = float(current)
             return True

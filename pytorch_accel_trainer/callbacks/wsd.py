@@ -9,10 +9,11 @@ from __future__ import annotations
 import warnings
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_model_state_dict, load_full_optimizer_state_dict
+from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
 from pytorch_accel_trainer.state.files import MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, TRAINER_FILE
 from pytorch_accel_trainer.state.training_state import ResumePlan, find_resumable_state, load_tensors_file
@@ -74,15 +75,15 @@ class WSDCheckpointCallback(TrainerCallback):
         self.last_checkpoint_step: int | None = None
         self.checkpoint_steps: set | None = None
         self.decay_fraction: float | None = None
-        self.decay_info: list | None = None
+        self.decay_info: list[dict] | None = None  # the schedule's periods, read at each run start
         self.save_dir.mkdir(parents=True, exist_ok=True)
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
-        scheduler = trainer.scheduler
+        scheduler: Any = trainer.scheduler  # any scheduler with the methods that _validate_wsd_scheduler checks
         _validate_wsd_scheduler(scheduler)
         resuming = isinstance(trainer.run_state.resume, ResumePlan)  # train(resume_from=...) found a state
         if self.initial_checkpoint is not None and not resuming:
-            self._load_initial_checkpoint(trainer)
+            self._load_initial_checkpoint(trainer, self.initial_checkpoint)
         # read after the initial checkpoint, whose saved schedule may change the periods
         self.decay_info = scheduler.get_decay_info()
         self.checkpoint_steps = set(scheduler.get_checkpoint_steps())
@@ -91,12 +92,17 @@ class WSDCheckpointCallback(TrainerCallback):
         if not resuming:
             self._save_due(trainer, 0)  # a decay that starts with the run (decay_phase_ratio=1)
 
-    def on_train_step_end(self, trainer: Trainer, step: int = 0, **kwargs):
+    def on_train_step_end(
+        self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
+    ):
         """Nothing: pytorch-accelerated checked for checkpoints here, at the batch after an update; this
         trainer takes a save asked for here only after the batch's own update, so the checks run in
-        :meth:`on_optimizer_step_end`. Kept with its signature for subclasses that call it."""
+        :meth:`on_optimizer_step_end`. Kept, taking the base class's arguments and ``step``, for subclasses that
+        call it."""
 
-    def on_optimizer_step_end(self, trainer: Trainer, num_update_steps_completed: int, **kwargs):
+    def on_optimizer_step_end(self, trainer: Trainer, num_update_steps_completed: int | None = None, **kwargs):
+        if num_update_steps_completed is None:  # called by hand without it: the trainer's count
+            num_update_steps_completed = trainer.num_update_steps_completed
         self._save_due(trainer, num_update_steps_completed)
 
     def on_training_run_end(self, trainer: Trainer, **kwargs):
@@ -107,7 +113,7 @@ class WSDCheckpointCallback(TrainerCallback):
             self._save_post_decay(trainer, done)
 
     def _save_due(self, trainer: Trainer, num_updates: int) -> None:
-        for info in self.decay_info:
+        for info in self.decay_info or ():  # None before the first run start: no period yet
             if num_updates == info["pre_decay_step"]:
                 trainer.print(f"\nWSD Lr Scheduler entering decay phase at step {num_updates}")
                 self._save_pre_decay(trainer, num_updates)
@@ -118,7 +124,7 @@ class WSDCheckpointCallback(TrainerCallback):
         return {
             "step": step,
             "checkpoint_type": checkpoint_type,
-            "total_steps": trainer.run_config.max_num_train_steps,
+            "total_steps": get_run_config(trainer).max_num_train_steps,
             "decay_fraction": self.decay_fraction,
             "timestamp": datetime.now().isoformat(),
         }
@@ -142,8 +148,8 @@ class WSDCheckpointCallback(TrainerCallback):
         self.last_checkpoint_step = step
         trainer.print(f"Saved {POST_DECAY} checkpoint at step {step} in {path}")
 
-    def _load_initial_checkpoint(self, trainer: Trainer) -> None:
-        path, scheduler = self.initial_checkpoint, trainer.scheduler
+    def _load_initial_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        scheduler: Any = trainer.scheduler  # checked by _validate_wsd_scheduler
         if not path.exists():
             raise FileNotFoundError(
                 f"WSDCheckpointCallback(initial_checkpoint={str(path)!r}): no such file or folder. Pass a "
@@ -180,7 +186,7 @@ def _validate_wsd_scheduler(scheduler) -> None:
 
 def _warn_if_the_run_ends_first(trainer: Trainer, last_checkpoint: int) -> None:
     """Warn when the run makes fewer updates than the schedule: its last decay would never happen."""
-    run_length = trainer.run_config.max_num_train_steps
+    run_length = get_run_config(trainer).max_num_train_steps
     if run_length is not None and run_length < last_checkpoint:
         warnings.warn(
             f"The WSD schedule ends at update {last_checkpoint} but this run stops after {run_length} updates, so its "

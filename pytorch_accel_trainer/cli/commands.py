@@ -29,11 +29,17 @@ COMMANDS = {
 }
 
 
-def create_parser() -> ArgumentParser:
+class CommandLineParser(ArgumentParser):
+    """jsonargparse's parser of the command line, with the parser of each subcommand by name in ``command_parsers``."""
+
+    command_parsers: dict[str, ArgumentParser]
+
+
+def create_parser() -> CommandLineParser:
     """Return the parser of the command line: one subcommand per entry of :data:`COMMANDS`, each taking every key of
     :class:`TrainingConfig` as a flag (``--train.num_epochs 5``) and ``--config`` files; ``parser.command_parsers``
     holds the parser of each subcommand."""
-    parser = ArgumentParser(
+    parser = CommandLineParser(
         prog="pytorch-accel-trainer", description=__doc__.splitlines()[0], exit_on_error=False, allow_abbrev=False
     )
     subcommands = parser.add_subcommands(dest="command", required=True)
@@ -88,7 +94,7 @@ def console_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def explain_parse_error(error: ArgumentError, parser: ArgumentParser) -> str:
+def explain_parse_error(error: ArgumentError, parser: CommandLineParser) -> str:
     """jsonargparse's message (which names the key and the value), with the closest valid key for an unknown one
     and where to find the valid keys."""
     message = str(error).strip()

@@ -293,8 +293,14 @@ def run_training_config(
             collate_fn=train.collate_fn,
         )
     scheduler = None if config.scheduler is None else create_scheduler_factory(config.scheduler)
+    create_train_dataset = data.train
+    if create_train_dataset is None:  # refused by validate_training_config; checked again for the type checker
+        raise ConfigError(
+            "data.train is missing: `fit` needs it. Set it in the config file or with "
+            "--data.train my_package.data.train_dataset."
+        )
     result = trainer.train(
-        data.train(**arguments),
+        create_train_dataset(**arguments),
         num_epochs=train.num_epochs,
         eval_dataset=eval_dataset,
         per_device_batch_size=train.per_device_batch_size,

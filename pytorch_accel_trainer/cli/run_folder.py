@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.plotting import plot_run_history
+from pytorch_accel_trainer.run_config import get_run_config
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -68,7 +69,10 @@ class RunFolderCallback(TrainerCallback):
         """Choose and create this run's folder (once); every process must call this."""
         if self.folder is None:
             accelerator = trainer.accelerator
-            chosen = [str(unused_run_folder(self.output_dir, self.run_name)) if accelerator.is_main_process else None]
+            # a str on the main process; None on the others until broadcast_object_list fills it in
+            chosen: list[Any] = [
+                str(unused_run_folder(self.output_dir, self.run_name)) if accelerator.is_main_process else None
+            ]
             if accelerator.num_processes > 1:
                 broadcast_object_list(chosen)  # the main process's choice: the start time differs between processes
             self.folder = Path(chosen[0])
@@ -78,25 +82,24 @@ class RunFolderCallback(TrainerCallback):
         return self.folder
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
-        folder = self.choose_folder(trainer)
-        if not trainer.run_config.is_world_process_zero:
+        folder, run_config = self.choose_folder(trainer), get_run_config(trainer)
+        if not run_config.is_world_process_zero:
             return
         if self.config_text is not None:
             (folder / CONFIG_FILE).write_text(self.config_text)
-        run_config = json.dumps(
-            trainer.run_config.to_dict(), indent=2, sort_keys=True, default=repr
-        )  # functions by name
-        (folder / RUN_CONFIG_FILE).write_text(run_config + "\n")
+        text = json.dumps(run_config.to_dict(), indent=2, sort_keys=True, default=repr)  # functions by name
+        (folder / RUN_CONFIG_FILE).write_text(text + "\n")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        trainer.save_weights(self.folder / WEIGHTS_FILE)  # every process: a collective under FSDP
-        if not trainer.run_config.is_world_process_zero:
+        folder = self.choose_folder(trainer)  # chosen at the run start
+        trainer.save_weights(folder / WEIGHTS_FILE)  # every process: a collective under FSDP
+        if not get_run_config(trainer).is_world_process_zero:
             return
         history = trainer.run_history
         if hasattr(history, "to_csv"):
-            history.to_csv(self.folder / HISTORY_FILE)
+            history.to_csv(folder / HISTORY_FILE)
         try:
-            plot_run_history(history, self.folder / PLOT_FILE)
+            plot_run_history(history, folder / PLOT_FILE)
         except ImportError:
             pass  # matplotlib is optional: the run folder then has no plot
         except ValueError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from numbers import Number
 from typing import Any, Optional
 
 import torch
@@ -162,7 +161,7 @@ def set_deepspeed_gradient_sync(accelerator: Accelerator, is_update_step: bool) 
         accelerator.gradient_state._set_sync_gradients(is_update_step)
 
 
-def clip_gradients_by_value(accelerator: Accelerator, parameters, clip_value: Number) -> None:
+def clip_gradients_by_value(accelerator: Accelerator, parameters, clip_value: float) -> None:
     """Clip each gradient element to ``[-clip_value, clip_value]``; under FSDP too.
 
     ``Accelerator.clip_grad_value_`` raises under FSDP. Clipping element by element commutes with sharding (FSDP
@@ -360,7 +359,10 @@ def get_full_optimizer_state_dict(accelerator: Accelerator, model: torch.nn.Modu
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     prepared = _prepared_model(accelerator, model)
-    state = get_optimizer_state_dict(prepared, _torch_optimizer(optimizer), options=_full_options(cpu_offload=True))
+    # torch types the whole dict as one union of value types; "state" and "param_groups" hold what torch documents
+    state: dict[str, Any] = get_optimizer_state_dict(
+        prepared, _torch_optimizer(optimizer), options=_full_options(cpu_offload=True)
+    )
     if not accelerator.is_main_process:
         return {}
     order = [name for group in state["param_groups"] for name in group["params"]]
@@ -393,9 +395,9 @@ def load_full_optimizer_state_dict(
 
     prepared, inner = _prepared_model(accelerator, model), _torch_optimizer(optimizer)
     # torch names each parameter of the live optimizer as it names the saved ones (this process's shards: no gather)
-    live = get_optimizer_state_dict(prepared, inner)
+    live: dict[str, Any] = get_optimizer_state_dict(prepared, inner)  # as in get_full_optimizer_state_dict
     order = [name for group in live["param_groups"] for name in group["params"]]
-    by_name = {
+    by_name: dict[str, Any] = {
         "state": {order[position]: value for position, value in state_dict["state"].items()},
         "param_groups": [
             {**group, "params": [order[position] for position in group["params"]]}

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
-from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues
+from pytorch_accel_trainer.placeholders import IntOrPlaceholder, TrainerPlaceholderValues
 from pytorch_accel_trainer.schedulers.scheduler_base import (
     SchedulerArgumentError,
     StatefulSchedulerBase,
@@ -154,8 +155,8 @@ class CosineLrScheduler(StatefulSchedulerBase):
     @classmethod
     def create_scheduler_fn(
         cls,
-        total_num_epochs: int = TrainerPlaceholderValues.NUM_EPOCHS,
-        num_update_steps_per_epoch: int = TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH,
+        total_num_epochs: IntOrPlaceholder = TrainerPlaceholderValues.NUM_EPOCHS,
+        num_update_steps_per_epoch: IntOrPlaceholder = TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH,
         k_decay: float = 1.0,
         lr_min: float = 1e-6,
         min_lr_ratio: float | None = None,
@@ -176,7 +177,7 @@ class CosineLrScheduler(StatefulSchedulerBase):
             trainer.train(train_dataset, num_epochs=10, per_device_batch_size=32,
                           create_scheduler_fn=CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=1))
         """
-        arguments = {
+        arguments: dict[str, Any] = {
             "total_num_epochs": total_num_epochs,
             "num_update_steps_per_epoch": num_update_steps_per_epoch,
             "k_decay": k_decay,

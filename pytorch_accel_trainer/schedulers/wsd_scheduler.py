@@ -11,10 +11,11 @@ import math
 import warnings
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 
-from pytorch_accel_trainer.placeholders import TrainerPlaceholderValues
+from pytorch_accel_trainer.placeholders import IntOrPlaceholder, TrainerPlaceholderValues
 from pytorch_accel_trainer.schedulers.scheduler_base import (
     SchedulerArgumentError,
     StatefulSchedulerBase,
@@ -264,8 +265,9 @@ class WSDLrScheduler(StatefulSchedulerBase):
 
     # pytorch-accelerated cached the lookup with functools.lru_cache on the method, which kept the last scheduler
     # (and through it the optimizer and the model) alive; it is a loop over a few periods, so nothing is cached
-    # and cache_clear() is kept, doing nothing, for code that called it.
-    _get_checkpoint_info.cache_clear = lambda: None
+    # and cache_clear() is kept, doing nothing, for code that called it (set in the function's __dict__: type checkers
+    # do not model attributes added to a function).
+    _get_checkpoint_info.__dict__["cache_clear"] = lambda: None
 
     def get_updated_values(self, num_updates: int) -> list:
         """Return each parameter group's learning rate after ``num_updates`` updates (see the class)."""
@@ -356,8 +358,8 @@ class WSDLrScheduler(StatefulSchedulerBase):
     @classmethod
     def create_scheduler_fn(
         cls,
-        total_num_epochs: int = TrainerPlaceholderValues.NUM_EPOCHS,
-        num_update_steps_per_epoch: int = TrainerPlaceholderValues.PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH,
+        total_num_epochs: IntOrPlaceholder = TrainerPlaceholderValues.NUM_EPOCHS,
+        num_update_steps_per_epoch: IntOrPlaceholder = TrainerPlaceholderValues.PER_PROCESS_NUM_UPDATE_STEPS_PER_EPOCH,
         num_warmup_epochs: int | None = None,
         decay_phase_ratio: float = 0.1,
         lr_min: float = 1e-6,
@@ -381,7 +383,7 @@ class WSDLrScheduler(StatefulSchedulerBase):
             trainer.train(train_dataset, num_epochs=10, per_device_batch_size=32,
                           create_scheduler_fn=WSDLrScheduler.create_scheduler_fn(num_warmup_epochs=1))
         """
-        arguments = {
+        arguments: dict[str, Any] = {
             "num_epochs": total_num_epochs,
             "num_update_steps_per_epoch": num_update_steps_per_epoch,
             "decay_phase_ratio": decay_phase_ratio,
