@@ -757,7 +757,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Runs at the end of each training epoch, before its loss is recorded. Default: nothing."""
 
     # ------------------------------------------------------------------------------------------------
-    # An evaluation epoch (of a training run or of evaluate())
+    # The evaluation epoch (of a training run or of evaluate()), then the end of each epoch and of the run
     # ------------------------------------------------------------------------------------------------
 
     def _run_eval_epoch(self, valid_dl: Iterable, is_training: bool = True) -> None:
