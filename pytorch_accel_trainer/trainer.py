@@ -81,7 +81,13 @@ from pytorch_accel_trainer.placeholders import (  # noqa: F401  (importable from
     replace_trainer_placeholder_values,
     resolve_placeholders,
 )
-from pytorch_accel_trainer.run_config import OptionalNumber, TrainerRunConfig, TrainOptions, build_run_config
+from pytorch_accel_trainer.run_config import (
+    OptionalNumber,
+    TrainerRunConfig,
+    TrainOptions,
+    build_run_config,
+    get_run_config,
+)
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
 from pytorch_accel_trainer.state.training_state import StoredState
 from pytorch_accel_trainer.tracking import (
@@ -407,7 +413,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
         self.scheduler = self.create_scheduler()  # None without a create_scheduler_fn, unless overridden
         warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, scheduler_interval)
-        self._load_resume_plan(stored_state)
+        self._load_resume_plan(stored_state, options)
         self._run_training()
         return create_train_result(self.run_state, self.run_config, self.run_history, self.callback_handler)
 
@@ -548,7 +554,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         ``gather_for_metrics`` and ``gather`` count each sample once, but a hook that collects its own per-batch
         tensors on each process sees the repeated rows: this says how many there will be.
         """
-        config = self.run_config
+        config = get_run_config(self)
         length = dataset_length(self.eval_dataset)
         if length is None or not config.is_distributed or not config.eval_total_batch_size:
             return  # one process, or a stream of unknown length: no sample is repeated
@@ -577,9 +583,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         values = placeholder_values(self.run_config, self.train_dataloader, self.eval_dataloader)
         return resolve_placeholders(self.create_scheduler_fn, values)(self.optimizer)
 
-    def _load_resume_plan(self, stored_state: Optional[StoredState]) -> None:
-        """Load the training state to resume from, if any, and start the run state at its position."""
-        options = self.run_state.options
+    def _load_resume_plan(self, stored_state: Optional[StoredState], options: TrainOptions) -> None:
+        """Load the training state to resume from, if any (``options.resume_from``), and start the run state at its
+        position."""
         plan = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
         self.run_state.begin_resume(plan)  # its update count and epoch
 
@@ -675,7 +681,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """
         if is_update_step is None:  # called with pytorch-accelerated's arguments alone
             is_update_step = self._is_update_step(step, is_last_batch=step + 1 == self.run_state.train_epoch_length)
-        state, accumulation_steps = self.run_state, self.run_config.gradient_accumulation_steps
+        state, accumulation_steps = self.run_state, get_run_config(self).gradient_accumulation_steps
         with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
             batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
             validate_batch_output(batch_output, "calculate_train_batch_loss")
@@ -729,7 +735,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _update_parameters(self, step: int) -> None:
         """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
-        state, accumulation_steps = self.run_state, self.run_config.gradient_accumulation_steps
+        state, accumulation_steps = self.run_state, get_run_config(self).gradient_accumulation_steps
         accumulation.complete_partial_window(step, accumulation_steps, state.train_epoch_length, self.model)
         accumulation.normalise_by_items_in_window(state.take_window_items(), self._accelerator, self.model)
         self._clip_gradients()
@@ -937,9 +943,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _epochs(self) -> Iterable[int]:
         """The run's epochs, from the one a resumed run continues; without ``num_epochs``, until the step limit."""
         first = self.run_state.epoch  # 0, or the epoch a resumed run continues
-        if self.run_config.num_epochs is None:
+        num_epochs = get_run_config(self).num_epochs
+        if num_epochs is None:
             return itertools.count(first)  # only max_num_train_steps ends this run
-        return range(first, self.run_config.num_epochs)
+        return range(first, num_epochs)
 
     def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
         """This epoch's first step and its batches, each with whether it is the last; resumed: from the saved step."""
@@ -952,11 +959,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _is_window_start(self, step: int) -> bool:
         """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
-        return step % self.run_config.gradient_accumulation_steps == 0
+        return step % get_run_config(self).gradient_accumulation_steps == 0
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
-        return is_last_batch or (step + 1) % self.run_config.gradient_accumulation_steps == 0
+        return is_last_batch or (step + 1) % get_run_config(self).gradient_accumulation_steps == 0
 
     def _reached_max_steps(self) -> bool:
         """Whether the run has made its ``max_num_train_steps`` updates."""
@@ -964,7 +971,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _steps_scheduler_per_epoch(self) -> bool:
         """Whether the scheduler steps once per epoch (``scheduler_interval="epoch"``), not after each update."""
-        return self.run_state.options.scheduler_interval == "epoch"
+        options = self.run_state.options
+        return options is not None and options.scheduler_interval == "epoch"
 
     def _optimizer_step_was_skipped(self) -> bool:
         """Whether the fp16 gradient scaler skipped the update that just ran, for gradients that overflowed."""
@@ -972,7 +980,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _clip_gradients(self) -> None:
         """Clip by norm and/or value as set in ``train()``; keep the norm in ``last_gradient_norm`` (no sync)."""
-        config = self.run_config
+        config = get_run_config(self)
         clip_norm, clip_value, track_norm = (
             config.gradient_clip_norm,
             config.gradient_clip_value,

@@ -18,6 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from pytorch_accel_trainer.parallel.sharded import is_deepspeed, is_fsdp
+from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
 from pytorch_accel_trainer.state.files import describe_extras_difference, inner_optimizer
 
@@ -234,10 +235,11 @@ class ExtraModelsMixin:
                 f"the update would change nothing. Compute it from the outputs of extra_models[{name!r}], outside "
                 "torch.no_grad() and without .detach()."
             )
-        if self.accelerator.scaler is not None and self.run_config.gradient_accumulation_steps > 1:
+        accumulation_steps = get_run_config(self).gradient_accumulation_steps
+        if self.accelerator.scaler is not None and accumulation_steps > 1:
             raise ValueError(
                 f"update_extra_model({name!r}, loss) under fp16 with gradient_accumulation_steps="
-                f"{self.run_config.gradient_accumulation_steps}: the extra model's step updates the gradient scaler "
+                f"{accumulation_steps}: the extra model's step updates the gradient scaler "
                 "it shares with the trainer's optimizer, inside the trainer's accumulation window, which would rescale "
                 "the gradients accumulated so far. Use mixed_precision='bf16', or gradient_accumulation_steps=1."
             )
@@ -277,7 +279,8 @@ class ExtraModelsMixin:
         clipping, ``accumulation.clip_gradients``). Under fp16 only this optimizer's gradients are unscaled first:
         Accelerate's ``clip_grad_norm_`` would unscale every prepared optimizer, the trainer's included, in the
         middle of its accumulation window. Extra models are never sharded, so torch's clipping is exact."""
-        clip_norm, clip_value = self.run_config.gradient_clip_norm, self.run_config.gradient_clip_value
+        config = get_run_config(self)
+        clip_norm, clip_value = config.gradient_clip_norm, config.gradient_clip_value
         if clip_norm is None and clip_value is None:
             return  # nothing asked for: the default run
         self.accelerator.unscale_gradients(optimizer=optimizer)  # a no-op without an fp16 gradient scaler
