@@ -385,12 +385,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             allow_resume_changes=allow_resume_changes,
             scheduler_interval=scheduler_interval,
         )
-        if self.optimizer is None:
-            raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
+        optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
-            validate_optimizer_parameters(
-                self.optimizer, self.model
-            )  # none of the model's trainable parameters missing
+            # none of the model's trainable parameters missing
+            validate_optimizer_parameters(optimizer, self.model)
         stored_state = find_state_to_resume(Path(resume_from)) if resume_from is not None else None
         self.run_state = RunState(options=options)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -593,14 +591,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Run the epochs of a training run, as in the documented pseudocode."""
         state = self.run_state
         state.start_epochs(metric_counts(self.run_history))  # from here on, saves wait for a point between two updates
-        self.optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
+        self._training_optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
         try:
             self.training_run_start()
             self._call_event("on_training_run_start")
             for epoch in self._epochs():
                 state.epoch = epoch
                 try:
-                    self._run_train_epoch(self.train_dataloader)
+                    # train() set it; a callback may replace it (a slice), never by None
+                    self._run_train_epoch(cast(Iterable, self.train_dataloader))
                     self._raise_agreed_stop()  # a callback's stop, asked for on any process in the epoch
                     if self.eval_dataloader is not None:
                         self._run_eval_epoch(self.eval_dataloader)
@@ -748,7 +747,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def optimizer_step(self) -> None:
         """Update the parameters: ``self.optimizer.step()``. Runs once per accumulation window."""
-        self.optimizer.step()
+        self._training_optimizer.step()
 
     def scheduler_step(self) -> None:
         """Step ``self.scheduler``, if there is one. Runs after each optimizer update that was not skipped."""
@@ -757,7 +756,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def optimizer_zero_grad(self) -> None:
         """Reset the gradients: ``self.optimizer.zero_grad()``. Runs after each optimizer update."""
-        self.optimizer.zero_grad()
+        self._training_optimizer.zero_grad()
 
     def train_epoch_end(self) -> None:
         """Runs at the end of each training epoch, before its loss is recorded. Default: nothing."""
@@ -878,7 +877,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.evaluation_run_start()
         self._call_event("on_evaluation_run_start")
         try:
-            self._run_eval_epoch(self.eval_dataloader, is_training=False)
+            self._run_eval_epoch(cast(Iterable, self.eval_dataloader), is_training=False)  # evaluate() set it
             self._raise_agreed_stop()
         except StopTrainingError as error:
             self._stop_training(error)
@@ -1007,7 +1006,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         policy = self.run_state.non_finite_policy
         if policy is None:
             return False  # the default run checks nothing: no host read
-        return policy.skips_update(self.run_state, self.model, self.optimizer, self._replay_window)
+        return policy.skips_update(self.run_state, self.model, self._training_optimizer, self._replay_window)
 
     def _replay_window(self, window: list) -> None:
         """Run the forward and backward passes of the window's micro-batches (``(batch, step)`` pairs) again, for a
@@ -1073,6 +1072,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     @_eval_dataloader.setter
     def _eval_dataloader(self, dataloader: Optional[Iterable]) -> None:
         self.eval_dataloader = dataloader
+
+    @property
+    def _training_optimizer(self) -> torch.optim.Optimizer:
+        """``self.optimizer``, which a training run needs: an evaluation-only trainer (``optimizer=None``) has none."""
+        if self.optimizer is None:
+            raise ValueError("The trainer has no optimizer (optimizer=None): pass one to Trainer(...) to train.")
+        return self.optimizer
 
     def get_model(self, keep_torch_compile: bool = False) -> torch.nn.Module:
         """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys).

@@ -205,13 +205,19 @@ def test_a_checkpoint_must_hold_exactly_the_registered_extras_and_nothing_is_loa
 
     with pytest.raises(
         ValueError,
-        match=r"holds the extra models \[\], but this trainer has \['critic'\]: 'critic' is not in it .*Register the same extra models",
+        match=(
+            r"holds the extra models \[\], but this trainer has \['critic'\]: 'critic' is not in it "
+            r".*Register the same extra models"
+        ),
     ):
         with_critic.load_checkpoint(tmp_path / "plain.pt")
     assert_bitwise_equal(final_states(with_critic), weights_before)  # refused before anything was loaded
     with pytest.raises(
         ValueError,
-        match=r"holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered \(its saved state would be dropped\).*torch.load",
+        match=(
+            r"holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered "
+            r"\(its saved state would be dropped\).*torch.load"
+        ),
     ):
         plain.load_checkpoint(tmp_path / "critic.pt")
 
@@ -224,7 +230,10 @@ def test_a_checkpoint_whose_extra_has_no_optimizer_state_loads_with_load_optimiz
 
     with pytest.raises(
         ValueError,
-        match=r"holds the extra optimizers \[\], but this trainer has \['critic'\].*pass load_optimizer=False to load the weights alone",
+        match=(
+            r"holds the extra optimizers \[\], but this trainer has \['critic'\]"
+            r".*pass load_optimizer=False to load the weights alone"
+        ),
     ):
         trainer.load_checkpoint(tmp_path / "run.pt")
     trainer.load_checkpoint(tmp_path / "run.pt", load_optimizer=False)
@@ -308,7 +317,10 @@ def test_a_state_must_hold_exactly_the_registered_extras(tmp_path):
     plain = make_plain_trainer()
     with pytest.raises(
         CheckpointError,
-        match=r"does not fit this trainer: it holds the extra models \['critic'\], but this trainer has \[\]: 'critic' is not registered.*add_model",
+        match=(
+            r"does not fit this trainer: it holds the extra models \['critic'\], but this trainer has \[\]: "
+            r"'critic' is not registered.*add_model"
+        ),
     ):
         plain.load_training_state(tmp_path / "critic")
 
@@ -325,7 +337,10 @@ def test_a_state_refuses_an_extra_optimizer_of_another_class(tmp_path):
     trainer = make_critic_trainer(critic_optimizer=torch.optim.SGD)
     with pytest.raises(
         CheckpointError,
-        match=r"extra_optimizer-critic.pt does not fit the optimizer of the extra model 'critic': it was saved by the optimizer Adam, but this trainer's optimizer is SGD",
+        match=(
+            r"extra_optimizer-critic.pt does not fit the optimizer of the extra model 'critic': it was saved by the "
+            r"optimizer Adam, but this trainer's optimizer is SGD"
+        ),
     ):
         trainer.load_training_state(tmp_path)
 

@@ -42,7 +42,10 @@ def dataset_and_dataloader(data: Any) -> tuple[Any, Optional[DataLoader]]:
 
 def batch_size_for(given_dataloader: Optional[DataLoader], per_device_batch_size: int) -> int:
     """The per-device batch size of a run: a given DataLoader's own, else ``per_device_batch_size``."""
-    return per_device_batch_size if given_dataloader is None else dataloader_batch_size(given_dataloader)
+    if given_dataloader is None:
+        return per_device_batch_size
+    batch_size = dataloader_batch_size(given_dataloader)
+    return per_device_batch_size if batch_size is None else batch_size  # batch_size=None was refused before
 
 
 def given_dataloader_kwargs(dataloader: DataLoader) -> dict:

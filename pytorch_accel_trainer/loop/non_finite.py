@@ -43,7 +43,7 @@ class NonFinitePolicy:
     consecutive_skips: int = 0
     skipped_in_epoch: int = 0
     skipped_in_run: int = 0
-    loss_snapshot: Optional[dict] = field(default=None, repr=False)
+    loss_snapshot: dict = field(default_factory=dict, repr=False)
     metrics_snapshot: dict = field(default_factory=dict, repr=False)
     window_batches: list = field(default_factory=list, repr=False)
 

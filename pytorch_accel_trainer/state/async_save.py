@@ -116,7 +116,8 @@ def _model_content(model: torch.nn.Module, file_name: str = MODEL_FILE) -> Safet
     into the host buffers kept for ``file_name``."""
     from safetensors.torch import _remove_duplicate_names
 
-    state_dict, metadata = model.state_dict(), {}
+    state_dict = model.state_dict()
+    metadata: dict[str, str] = {}
     for kept_name, removed in _remove_duplicate_names(state_dict).items():
         for name in removed:
             metadata.setdefault(name, kept_name)

@@ -18,7 +18,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional, cast
 
 import torch
 import xxhash
@@ -196,7 +196,7 @@ def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
     """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing."""
     with open(path, "wb") as handle:
         writer = ChecksumWriter(handle)
-        torch.save(obj, writer)
+        torch.save(obj, cast(IO[bytes], writer))  # torch.save needs only write()
         handle.flush()
         os.fsync(handle.fileno())
     return writer.size, writer.digest
@@ -237,7 +237,7 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 def validate_file_name(name) -> None:
     """Refuse a name that is not a plain file name (no separator, ``..``, absolute path or NUL)."""
-    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    separators = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
     if (
         not isinstance(name, str)
         or name in ("", ".", "..")
@@ -392,8 +392,9 @@ def describe_changes(saved: dict, current: dict) -> list[str]:
 
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The user's torch optimizer inside Accelerate's wrapper."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
     return optimizer
 
 

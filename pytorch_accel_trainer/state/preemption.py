@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 DEFAULT_PREEMPTION_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1") if hasattr(signal, name)
@@ -22,7 +22,7 @@ class SignalCatcher:
         self.signals = tuple(signals)
         self.on_signal = on_signal
         self.received: list[int] = []
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
         """Take over the signals; a no-op outside the main thread, where Python cannot set handlers."""

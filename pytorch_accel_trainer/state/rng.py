@@ -4,6 +4,7 @@ A leaf: it imports nothing of the package."""
 from __future__ import annotations
 
 import random
+from typing import cast
 
 import numpy as np
 import torch
@@ -11,7 +12,7 @@ import torch
 
 def capture_rng_state() -> dict:
     """Return the state of every RNG of this process: torch, CUDA, numpy and ``random``."""
-    numpy_state = np.random.get_state()
+    numpy_state = cast(tuple, np.random.get_state(legacy=True))  # the legacy form: a tuple
     python_version, python_internal, python_gauss = random.getstate()
     state = {
         "torch": torch.random.get_rng_state(),

@@ -306,7 +306,9 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
         return verify_folder(path)
     order = {folder: _order_or_lowest(folder) for folder in state_folders(path)}
     problems, stored = [], None
-    for folder in sorted(order, key=order.get, reverse=True):  # newest first; then those whose order is unreadable
+    for folder in sorted(
+        order, key=lambda folder: order[folder], reverse=True
+    ):  # newest first; then those whose order is unreadable
         if stored is not None and order[folder][0]:
             continue  # older than the state chosen: left alone
         try:
@@ -492,7 +494,7 @@ def write_training_state(
         temporary, final, "the training state", f"the earlier states in {parent} are unchanged"
     ):
         _crash_point(f"write:{rank_file(accelerator.process_index)}")
-        checksums = {
+        checksums: dict[str, Any] = {  # (size, checksum) pairs, or futures of them
             rank_file(accelerator.process_index): save_tensors_file(
                 rank_state, temporary / rank_file(accelerator.process_index)
             )
