@@ -141,30 +141,24 @@ def test_a_custom_event_reaches_the_callbacks_that_handle_it():
     assert calls == [("trainer", 1, 2)]
 
 
-def test_an_undeclared_event_that_no_callback_handles_is_an_error():
+def test_an_undeclared_event_that_no_callback_handles_does_nothing_as_in_pytorch_accelerated():
     handler = CallbackHandler([RecordingCallback])
-    with pytest.raises(
-        ValueError, match=r"Unknown callback event 'verify_train_batch': .*register_events\('verify_train_batch'\)"
-    ):
-        handler.call_event("verify_train_batch", trainer=None)
+    handler.call_event("verify_train_batch", trainer=None)  # nobody handles it: nothing happens
     handler.register_events("verify_train_batch")
-    handler.call_event("verify_train_batch", trainer=None)  # declared: nobody handles it, nothing happens
+    handler.call_event("verify_train_batch", trainer=None)
 
 
-def test_an_on_prefixed_custom_event_must_be_declared_before_its_callbacks_are_added():
+def test_an_on_prefixed_custom_event_needs_no_declaration_and_declaring_lists_it():
     seen = []
 
     class OnMyEvent(TrainerCallback):
         def on_my_event(self, trainer, value, **kwargs):
             seen.append(value)
 
-    with pytest.raises(
-        ValueError, match=r"defines 'on_my_event', which is not a callback event.*events=\['on_my_event'\]"
-    ):
-        CallbackHandler([OnMyEvent])
+    CallbackHandler([OnMyEvent]).call_event("on_my_event", None, value=2)
     handler = CallbackHandler([OnMyEvent, RecordingCallback], events=["on_my_event"])
     handler.call_event("on_my_event", None, value=3)
-    assert seen == [3] and handler.events == (*EVENTS, "on_my_event")
+    assert seen == [2, 3] and handler.events == (*EVENTS, "on_my_event")
     with pytest.raises(ValueError, match="Custom callback event '_private' is not a method name"):
         handler.register_events("_private")
 

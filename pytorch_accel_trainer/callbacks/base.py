@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -60,9 +60,12 @@ class TrainerCallback:
     Every method receives the trainer first, then keyword arguments; accept ``**kwargs`` so that new
     arguments do not break a callback. Every argument but the trainer has a default, so the events can also be
     called by hand as in pytorch-accelerated's tests, e.g. ``callback.on_train_step_end(trainer, step=0)``. A method
-    whose name starts with ``on_`` but is not an event is refused when the callback is added, so a typo cannot
-    silently do nothing. Reading an attribute a callback does not have raises
-    :class:`CallbackMethodNotImplementedError`, an ``AttributeError``.
+    whose name starts with ``on_`` but is not an event is a custom event, which a Trainer subclass fires with
+    ``callback_handler.call_event(name, ...)``, as in pytorch-accelerated; but one whose name is a likely
+    misspelling of an event (``on_train_epoch_ends``) is refused when the callback is added, and a custom event
+    method that was never called by the end of a run is named in a warning, so a typo cannot silently do nothing.
+    Reading an attribute a callback does not have raises :class:`CallbackMethodNotImplementedError`, an
+    ``AttributeError``.
 
     Example::
 
@@ -178,8 +181,8 @@ class CallbackHandler:
 
     Args:
         callbacks: callback classes or instances.
-        events: custom events, beyond :data:`EVENTS`, that a Trainer subclass fires (see :meth:`register_events`);
-            declared before the callbacks are added, so callbacks may name their methods ``on_<custom event>``.
+        events: custom events, beyond :data:`EVENTS`, that a Trainer subclass fires (see :meth:`register_events`).
+            Declaring them is optional: it silences the warning about a custom event method never called in a run.
     """
 
     def __init__(self, callbacks: Iterable[TrainerCallback | type] = (), events: Iterable[str] = ()):
@@ -188,6 +191,11 @@ class CallbackHandler:
         self.custom_events: tuple[str, ...] = ()
         self._listeners: dict[str, list] = {}
         self._is_intermediate = False
+        #: Undeclared custom event methods of the callbacks (``on_*`` names that are not events), by name, with the
+        #: classes that define them; the custom events fired so far; the names already warned about.
+        self._undeclared_methods: dict[str, list[str]] = {}
+        self._fired_custom_events: set[str] = set()
+        self._warned_never_called: set[str] = set()
         self.register_events(*events)
         self.add_callbacks(callbacks)
 
@@ -202,9 +210,11 @@ class CallbackHandler:
 
         Raises:
             TypeError: ``callback`` has none of the events of :class:`TrainerCallback` (a plain function, say).
-            ValueError: it defines an ``on_*`` method that is not an event, or one of its class is registered.
+            ValueError: it defines an ``on_*`` method whose name is a likely misspelling of an event, or one of its
+                class is registered.
         """
-        _validate_event_methods(callback if isinstance(callback, type) else type(callback), self.events)
+        callback_class = callback if isinstance(callback, type) else type(callback)
+        custom_methods = _validate_event_methods(callback_class, self.events)
         _validate_is_callback(callback)
         instance = callback() if isinstance(callback, type) else callback
         if type(instance) in {type(existing) for existing in self.callbacks}:
@@ -213,6 +223,8 @@ class CallbackHandler:
                 "a trainer takes one callback of each class. Remove the duplicate."
             )
         self.callbacks.append(instance)
+        for name in custom_methods:
+            self._undeclared_methods.setdefault(name, []).append(callback_class.__name__)
         self._listeners.clear()
 
     def remove_callback(self, callback_class: type) -> None:
@@ -228,9 +240,9 @@ class CallbackHandler:
     def register_events(self, *events: str) -> None:
         """Declare custom events, fired by a Trainer subclass with ``callback_handler.call_event(event, ...)``.
 
-        A declared event may be fired when no callback handles it (nothing happens), and callbacks may handle it
-        with a method named after it, ``on_`` prefix included. Declare an ``on_*`` event before adding the callbacks
-        that handle it (``CallbackHandler(callbacks, events=...)``).
+        Optional: a callback's ``on_*`` method that is not an event is a custom event already. Declaring says the
+        event is meant, so no warning names its method when a run ends without firing it; declared events are
+        listed in :attr:`events`.
 
         Raises:
             ValueError: an event is not a valid method name, or starts with ``_``.
@@ -243,6 +255,7 @@ class CallbackHandler:
                 )
             if event not in self.events:
                 self.custom_events = (*self.custom_events, event)
+            self._undeclared_methods.pop(event, None)
         self._listeners.clear()
 
     @property
@@ -273,16 +286,19 @@ class CallbackHandler:
     def call_event(self, event: str, *args, **kwargs) -> None:
         """Call ``event`` on every callback that handles it, in order.
 
-        A built-in event reaches the callbacks that override it. A custom event (one not in :data:`EVENTS`) reaches
-        the callbacks with a method of its name; it must be declared (:meth:`register_events`) or handled by at
-        least one callback, so that a misspelt event name is an error rather than a silent no-op. The
-        evaluation-epoch events also receive ``is_intermediate`` (see :meth:`intermediate_evaluation`). For the
-        events that end a run, every callback's method runs even when one raises; the first error is raised after.
+        A built-in event reaches the callbacks that override it, with the keyword arguments each names. A custom event
+        (one not in :data:`EVENTS`) reaches the callbacks with a method of its name, with ``args`` and ``kwargs`` as
+        they are (positional arguments included), as in pytorch-accelerated; none handling it is not an error, unless
+        its name is a likely misspelling of an event (then it would silently never run). The evaluation-epoch events
+        also receive ``is_intermediate`` (see :meth:`intermediate_evaluation`). For the events that end a run, every
+        callback's method runs even when one raises; the first error is raised after; then a warning names each
+        undeclared custom event method that no ``call_event`` has reached (once per name).
         An error a callback raises reaches the caller: the trainer fires its own events through
         ``Trainer._call_event``, which holds a ``StopTrainingError`` until the processes agree to stop.
 
         Raises:
-            ValueError: ``event`` is not an event: not declared, and no callback has a method of that name.
+            ValueError: ``event`` is not an event, no callback handles it, and its name is a likely misspelling of
+                an event.
         """
         listeners = self._listeners.get(event)
         if listeners is None:
@@ -290,7 +306,10 @@ class CallbackHandler:
         if event in EVAL_EPOCH_EVENTS:
             kwargs.setdefault("is_intermediate", self._is_intermediate)
         if event in RUN_END_EVENTS:
-            _call_each(listeners, event, args, kwargs)
+            try:
+                _call_each(listeners, event, args, kwargs)
+            finally:
+                self._warn_of_custom_methods_never_called()
             return
         for method in listeners:
             method(*args, **kwargs)
@@ -307,15 +326,34 @@ class CallbackHandler:
             ]
         else:
             listeners = [m for m in (getattr(cb, event, None) for cb in self.callbacks) if callable(m)]
-            if not listeners and event not in self.custom_events:
+            misspelt = _misspelt_event(event)
+            if not listeners and event not in self.custom_events and misspelt is not None:
                 raise ValueError(
-                    f"Unknown callback event {event!r}{_suggest(event, self.events)}: it is not one of the events, no "
-                    f"registered callback has a method of that name (callbacks: {self.callback_list}), and it was not "
-                    "declared. Fix the name, or declare a custom event with "
-                    f"trainer.callback_handler.register_events({event!r}). The events are: {list(self.events)}."
+                    f"Unknown callback event {event!r} (did you mean {misspelt!r}?): it is not one of the events and "
+                    f"no registered callback has a method of that name (callbacks: {self.callback_list}), so nothing "
+                    f"would run. Fix the name; for a custom event of that name, declare it with "
+                    f"trainer.callback_handler.register_events({event!r})."
                 )
+            self._fired_custom_events.add(event)
         self._listeners[event] = listeners
         return listeners
+
+    def _warn_of_custom_methods_never_called(self) -> None:
+        """At the end of a run: one warning per undeclared custom event method that nothing has fired (a typo the
+        misspelling check let through, or an event the trainer in use does not fire)."""
+        for name, classes in self._undeclared_methods.items():
+            if name in self._fired_custom_events or name in self._warned_never_called:
+                continue
+            self._warned_never_called.add(name)
+            warnings.warn(
+                f"{', '.join(classes)} defines {name!r}, which is not a trainer event and was never called in this "
+                f"run: no call_event({name!r}, ...) fired it. If it is a custom event your Trainer fires, nothing is "
+                f"wrong (declare it to silence this: callback_events = ({name!r},) on the Trainer subclass, or "
+                f"trainer.callback_handler.register_events({name!r})); else rename it to one of the events: "
+                f"{list(EVENTS)}.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _taking_only_its_arguments(method: Any) -> Any:
@@ -358,26 +396,72 @@ def _call_each(listeners: list, event: str, args: tuple, kwargs: dict) -> None:
         raise first_error
 
 
-def _suggest(name: str, events: Iterable[str] = EVENTS) -> str:
-    matches = difflib.get_close_matches(name, list(events), n=1)
-    return f" (did you mean {matches[0]!r}?)" if matches else ""
+#: Word endings that turn an event's word into another form of it (``ends``, ``ended``, ``ending``; ``epochs``).
+_INFLECTIONS = ("ing", "ed", "s")
 
 
-def _validate_event_methods(callback_class: type, events: Iterable[str] = EVENTS) -> None:
-    """Refuse a callback with an ``on_*`` method that is not an event: it would never be called."""
+def _word_stem(word: str) -> str:
+    for ending in _INFLECTIONS:
+        if word.endswith(ending) and len(word) > len(ending) + 2:
+            return word[: -len(ending)]
+    return word
+
+
+def _stem(name: str) -> str:
+    """``on_train_epoch_ended`` -> ``on_train_epoch_end``: each word without its inflection."""
+    return "_".join(_word_stem(word) for word in name.split("_"))
+
+
+def _edit_distance(a: str, b: str) -> int:
+    """The Levenshtein distance: insertions, deletions and substitutions of one character."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, start=1):
+        current = [i]
+        for j, char_b in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+#: The most characters a name may differ from an event's and still be taken for a misspelling of it.
+MAX_MISSPELLING_DISTANCE = 2
+
+
+def _misspelt_event(name: str) -> str | None:
+    """The trainer event that ``name`` (not itself an event) is a likely misspelling of, or ``None``.
+
+    Likely: another form of the same words (``on_train_epoch_ends``, ``on_eval_steps_end``,
+    ``on_training_run_ended``), or at most :data:`MAX_MISSPELLING_DISTANCE` characters inserted, removed or changed
+    (``on_trian_step_end``). A name further from every event is a custom event (``on_invoke_save_checkpoint``).
+    """
+    if name in EVENTS:
+        return None
+    for event in EVENTS:
+        if _stem(event) == _stem(name):
+            return event
+    distance, event = min((_edit_distance(name, event), event) for event in EVENTS)
+    return event if distance <= MAX_MISSPELLING_DISTANCE else None
+
+
+def _validate_event_methods(callback_class: type, events: Iterable[str] = EVENTS) -> list[str]:
+    """Refuse a callback with an ``on_*`` method whose name is a likely misspelling of an event (it would never be
+    called); return its other ``on_*`` methods that are not events: custom events, undeclared."""
     events = tuple(events)
-    unknown = [
+    custom = [
         name
         for name in dir(callback_class)
         if name.startswith("on_") and name not in events and callable(getattr(callback_class, name))
     ]
-    if unknown:
-        raise ValueError(
-            f"{callback_class.__name__} defines {unknown[0]!r}{_suggest(unknown[0], events)}, which is not a "
-            f"callback event, so it would never be called. Rename it to one of: {list(events)}; or, for a custom "
-            "event that a Trainer subclass fires, declare it before adding the callback "
-            f"(CallbackHandler(callbacks, events=[{unknown[0]!r}]))."
-        )
+    for name in custom:
+        misspelt = _misspelt_event(name)
+        if misspelt is not None:
+            raise ValueError(
+                f"{callback_class.__name__} defines {name!r} (did you mean {misspelt!r}?), which is not a callback "
+                f"event, so it would never be called. Rename it to {misspelt!r}, one of the events: {list(EVENTS)}. "
+                f"If it is a custom event your Trainer subclass fires, declare it (callback_events = ({name!r},) on "
+                "the subclass) or give it a name further from the events'."
+            )
+    return custom
 
 
 def _is_callback(callback: Any) -> bool:
