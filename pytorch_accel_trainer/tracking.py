@@ -201,7 +201,8 @@ class LossTracker:
         self._sum = DeferredSum()
         # the sum of the losses given as numbers; a tensor once a batch size was a tensor
         self._host_total: Union[float, torch.Tensor] = 0
-        self.loss_value: Any = 0  # the last batch's loss, as given
+        # the last batch's loss, detached: its autograd graph is not kept alive until the next batch's
+        self.loss_value: Any = 0
 
     def reset(self) -> None:
         self._sum.reset()
@@ -210,6 +211,8 @@ class LossTracker:
 
     def update(self, loss_batch_value: Union[torch.Tensor, float], batch_size: Union[int, torch.Tensor] = 1) -> None:
         """Add one batch's mean loss, weighted by its number of samples."""
+        if isinstance(loss_batch_value, torch.Tensor):
+            loss_batch_value = loss_batch_value.detach()
         self.loss_value = loss_batch_value
         if isinstance(loss_batch_value, torch.Tensor):
             self._sum.add(loss_batch_value, batch_size)

@@ -778,6 +778,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             validate_batch_output(batch_output, "calculate_eval_batch_loss")
             state.record_eval_batch(batch_output)
             self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
+            # released now, not when the next batch's outputs replace them: one step's outputs alive at a time
+            del batch, batch_output
         state.end_eval_epoch()
         self.eval_epoch_end()
         names = ("eval_loss_epoch", "eval_{}_epoch") if is_training else ("evaluation_loss", "evaluation_{}")
