@@ -50,6 +50,7 @@ from pytorch_accel_trainer.loop.batches import (
     given_dataloader_kwargs,
     merge_dataloader_kwargs,
     real_rows_in_batch,
+    with_batch_size,
     with_own_generator_and_checked_collate,
 )
 from pytorch_accel_trainer.loop.extra_models import (
@@ -159,6 +160,41 @@ def _takes_is_update_step(function: Callable) -> bool:
     return any(
         parameter.name == "is_update_step" or parameter.kind is parameter.VAR_KEYWORD for parameter in parameters
     )
+
+
+@functools.lru_cache(maxsize=128)
+def _batch_idx_argument(function: Callable, is_method: bool) -> Optional[str]:
+    """How the batch-loss hook ``function`` takes the batch index (found once per function, not per step): by keyword
+    when it names a parameter ``batch_idx`` (``"keyword"``); as its argument after the batch when that one has no
+    default, whatever its name (``"positional"``: Dream Trainer's ``training_step(self, batch, index)``); or not at all
+    (``None``: pytorch-accelerated's ``(self, batch)``)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: called with the batch alone
+        return None
+    if any(
+        parameter.name == "batch_idx" and parameter.kind is not parameter.POSITIONAL_ONLY for parameter in parameters
+    ):
+        return "keyword"
+    positional = [
+        parameter
+        for parameter in parameters
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    index = 2 if is_method else 1  # after self and the batch
+    if len(positional) > index and positional[index].default is inspect.Parameter.empty:
+        return "positional"
+    return None
+
+
+def _call_batch_loss_hook(hook: Callable, batch: Any, batch_idx: int) -> Any:
+    """``hook(batch)``, with ``batch_idx`` too when the hook takes it (see :func:`_batch_idx_argument`)."""
+    argument = _batch_idx_argument(getattr(hook, "__func__", hook), inspect.ismethod(hook))
+    if argument == "keyword":
+        return hook(batch, batch_idx=batch_idx)
+    if argument == "positional":
+        return hook(batch, batch_idx)
+    return hook(batch)
 
 
 class Trainer(ExtraModelsMixin, PersistenceMixin):
@@ -312,8 +348,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         eval_dataloader_kwargs: Optional[dict] = None,
         reset_run_history: bool = True,
         collate_fn: Optional[Callable] = None,
-        gradient_clip_norm: OptionalNumber = None,
         resume_from=None,
+        gradient_clip_norm: OptionalNumber = None,
         allow_resume_changes: bool = False,
         scheduler_interval: str = "step",
     ) -> TrainResult:
@@ -339,11 +375,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             eval_dataloader_kwargs: extra arguments for the evaluation DataLoader.
             reset_run_history: start from an empty run history (``False`` continues the epoch count).
             collate_fn: the collate function of both dataloaders.
-            gradient_clip_norm: clip the total gradient norm to this value before each update.
             resume_from: a training state written by :meth:`save_training_state` (or a
                 ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one is used. The
                 run continues exactly where that state was taken: same epoch, next batch, same RNG states. A
                 folder with no state yet starts a new run (and says so); a path that does not exist is an error.
+            gradient_clip_norm: clip the total gradient norm to this value before each update (after pytorch-accelerated
+                0.1.61's arguments, as every argument it does not have, so that its positional calls keep working).
             allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length
                 differ from the saved run's (the continuation is then not exact).
             scheduler_interval: ``"step"`` steps the scheduler after each optimizer update (its ``T_max``, ``step_size``
@@ -621,9 +658,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         finally:
             state.end_epochs()  # from here on, saves are taken at once
             persistence.end_saves_and_preemption(self)  # a save in the background is complete (or its error raised)
-            state.set_non_finite_policy(None)
+            self._end_non_finite_policy()
         self.training_run_end()
         self._call_event("on_training_run_end")
+        if state.error_after_run is not None:
+            raise state.error_after_run  # skip_non_finite_steps(on_exhausted="raise"), now that the run has ended
 
     def training_run_start(self) -> None:
         """Runs at the start of a training run, before ``on_training_run_start``. Default: nothing."""
@@ -640,6 +679,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             opens_window, is_update_step = self._is_window_start(step), self._is_update_step(step, is_last_batch)
             if opens_window:
                 persistence.reach_safe_point(self, step)  # between two optimizer updates
+            state.batch_idx = step
             if state.non_finite_policy is not None:  # the window's batches and the epoch's loss before it, kept
                 state.non_finite_policy.remember_micro_batch(state, batch, step, opens_window)
             self._forward_and_backward(batch, step, is_update_step)
@@ -682,8 +722,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             is_update_step = self._is_update_step(step, is_last_batch=step + 1 == self.run_state.train_epoch_length)
         state, accumulation_steps = self.run_state, get_run_config(self).gradient_accumulation_steps
         with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
-            batch_output = self.calculate_train_batch_loss(batch)  # DDP reads the no_sync flag in forward and backward
-            validate_batch_output(batch_output, "calculate_train_batch_loss")
+            # DDP reads the no_sync flag in forward and backward
+            batch_output = self._checked_batch_output("calculate_train_batch_loss", batch, step)
             state.record_train_batch(batch_output, first_try=not is_retry)  # the unscaled loss, as it is logged
             if not is_retry:  # a step run again for non-finite gradients has had its event
                 self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
@@ -692,7 +732,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             loss = accumulation.scale_loss_for_accumulation(batch_output, step, accumulation_steps, state)
             self.backward_step(loss)
 
-    def calculate_train_batch_loss(self, batch) -> dict:
+    def calculate_train_batch_loss(self, batch, batch_idx: Optional[int] = None) -> dict:
         """Return the loss of one training batch, with the model outputs and the batch size.
 
         The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``. A batch that is a dict
@@ -700,16 +740,26 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         ``batch["labels"]``; without a ``loss_func``, the ``loss`` of the model output is used (transformers models
         return one when the batch has ``labels``).
 
+        An override may take the batch alone, ``(self, batch)`` as in pytorch-accelerated, or the batch index too,
+        ``(self, batch, batch_idx)`` as Lightning's and Dream Trainer's ``training_step``: the trainer reads the
+        signature once and passes ``batch_idx`` to a hook that names it (or has a second parameter without a
+        default). The index is also ``trainer.batch_idx``.
+
         Args:
             batch: one batch from the training dataloader.
+            batch_idx: the index of the batch in the epoch, from 0 (the ``step`` callbacks receive).
 
         Returns:
-            A dict with ``loss`` (a scalar tensor) and ``batch_size`` (both required), ``model_outputs`` by
-            convention, and any extra keys, which reach ``on_train_step_end``. Return the plain loss: the trainer
-            scales it for gradient accumulation itself, and logs it unscaled. For a loss averaged over items
-            other than samples (tokens), add ``num_items_in_batch``, the number of items it averages over: the
-            trainer then weights each micro-batch by it, so the update is that of the item-mean over the whole
-            global batch, however it is split over accumulation steps and processes.
+            A dict with ``loss`` (a scalar tensor, required), ``batch_size``, ``model_outputs`` by convention, and any
+            extra keys, which reach ``on_train_step_end``; each extra number or 0-d tensor (``accuracy``) is a step
+            metric, averaged over the epoch as ``train_<name>_epoch`` and logged by the experiment trackers. Without
+            ``batch_size`` the trainer counts the batch's samples as the default does (the targets of an
+            ``(inputs, targets)`` tuple, a dict's ``labels``, else the first tensor's rows; a ``ValueError`` when the
+            batch holds no tensor). Return the plain loss: the trainer scales it for gradient accumulation itself,
+            and logs it unscaled. For a loss averaged over items other than samples (tokens), add
+            ``num_items_in_batch``, the number of items it averages over: the trainer then weights each micro-batch
+            by it, so the update is that of the item-mean over the whole global batch, however it is split over
+            accumulation steps and processes.
         """
         model_outputs = forward_batch(self.model, batch)
         loss = batch_loss(self.loss_func, model_outputs, batch)
@@ -772,10 +822,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         state.start_eval_epoch()
         self._call_event("on_eval_epoch_start")
         for step, batch in enumerate(require_batches(valid_dl, NO_EVAL_BATCH)):
+            state.batch_idx = step
             state.start_eval_batch(real_rows_in_batch(valid_dl, batch, self._accelerator))  # None unless rows repeat
             self._call_event("on_eval_step_start")
-            batch_output = self.calculate_eval_batch_loss(batch)
-            validate_batch_output(batch_output, "calculate_eval_batch_loss")
+            batch_output = self._checked_batch_output("calculate_eval_batch_loss", batch, step)
             state.record_eval_batch(batch_output)
             self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
             # released now, not when the next batch's outputs replace them: one step's outputs alive at a time
@@ -790,8 +840,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Runs at the start of each evaluation epoch. Default: puts the model in evaluation mode."""
         self.model.eval()
 
-    def calculate_eval_batch_loss(self, batch) -> dict:
-        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`.
+    def calculate_eval_batch_loss(self, batch, batch_idx: Optional[int] = None) -> dict:
+        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`
+        (``batch_idx``: the index of the batch in the evaluation epoch, passed to an override that names it; a
+        ``batch_size`` left out is found from the batch).
 
         In the last batch of a multi-process evaluation, Accelerate repeats a few samples so that every process
         runs the same steps; the default computes the loss over the real rows only (``eval_batch_real_rows``),
@@ -932,8 +984,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             raise agreed
 
     def _stop_training(self, error: StopTrainingError) -> None:
-        """End the run the agreed ``error`` stopped: forget it, print it, fire ``on_stop_training_error``."""
-        self.run_state.drop_stop()
+        """End the run the agreed ``error`` stopped: forget it (its message is the run's ``stop_reason``), print it,
+        fire ``on_stop_training_error``."""
+        self.run_state.drop_stop(reason=str(error))
         self.print(error)
         self._call_event("on_stop_training_error")
 
@@ -1002,6 +1055,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         else:
             passes(batch, step)  # it decides from the step (see its docstring)
 
+    def _checked_batch_output(self, hook_name: str, batch, step: int) -> dict:
+        """Call the batch-loss hook ``hook_name`` on ``batch`` (with ``batch_idx=step`` where it takes it) and return
+        its output, checked, with a ``batch_size`` it left out found from the batch (shapes only: no host sync)."""
+        batch_output = with_batch_size(_call_batch_loss_hook(getattr(self, hook_name), batch, step), batch)
+        validate_batch_output(batch_output, hook_name)
+        return batch_output
+
     def _skips_non_finite_update(self) -> bool:
         """Under a non-finite policy (``skip_non_finite_steps``), whether this update is skipped for gradients that
         are not finite, after its retries (``loop/non_finite.py``); may raise ``StopTrainingError``."""
@@ -1010,11 +1070,18 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             return False  # the default run checks nothing: no host read
         return policy.skips_update(self.run_state, self.model, self._training_optimizer, self._replay_window)
 
+    def _end_non_finite_policy(self) -> None:
+        """Check no more gradients as the run's epochs end; say how many updates the policy skipped, if any."""
+        policy = self.run_state.end_non_finite_policy()
+        if policy is not None and policy.skipped_in_run and policy.on_exhausted == "skip":  # else the stop said it
+            self.print(policy.summary())
+
     def _replay_window(self, window: list) -> None:
         """Run the forward and backward passes of the window's micro-batches (``(batch, step)`` pairs) again, for a
         non-finite retry: no event; gradients sync at the window's last micro-batch only."""
         for index, (batch, step) in enumerate(window):
             is_last = index == len(window) - 1
+            self.run_state.batch_idx = step
             self._perform_forward_and_backward_passes(batch, step, is_update_step=is_last, is_retry=True)
 
     def _record_epoch_values(
@@ -1050,6 +1117,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """The first micro-batch of the current training epoch: 0, or the batches already trained on when a resumed
         run continues an epoch (a progress bar starts there)."""
         return self.run_state.epoch_first_step
+
+    @property
+    def batch_idx(self) -> Optional[int]:
+        """The index in its epoch of the batch being run, from 0: a training batch during the training epoch, an
+        evaluation batch during the evaluation epoch (Lightning's and Dream Trainer's ``batch_idx``; the ``step`` the
+        step events receive); the last one's after an epoch, ``None`` before the first."""
+        return self.run_state.batch_idx
 
     @property
     def eval_batch_real_rows(self) -> Optional[int]:
@@ -1172,7 +1246,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 module.training = training
 
     def skip_non_finite_steps(
-        self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0
+        self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0, on_exhausted: str = "skip"
     ) -> NonFinitePolicy:
         """For the rest of this training run, skip each optimizer update whose gradients are not finite.
 
@@ -1186,11 +1260,19 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
             max_retries: first re-run the update's accumulation window (each of its micro-batches) this many times;
                 a retry fires no event (``on_train_step_end`` fired once, for the first try).
+            on_exhausted: what happens to an update whose gradients are still not finite after its retries:
+                ``"skip"`` it and go on (after ``max_consecutive_skips`` in a row, stop); ``"stop"`` the run there,
+                cleanly (``TrainResult.stopped_early``, with the reason in ``stop_reason``); or stop it and
+                ``"raise"`` :class:`~pytorch_accel_trainer.callbacks.NonFiniteGradientsError` from ``train()`` once
+                every callback has ended the run. The console says which happened; ``TrainResult`` counts the
+                skipped updates (``non_finite_updates_skipped``).
 
         Returns:
             The policy, which counts the skips (``skipped_in_epoch``, ``skipped_in_run``).
         """
-        policy = NonFinitePolicy(max_consecutive_skips=max_consecutive_skips, max_retries=max_retries)
+        policy = NonFinitePolicy(
+            max_consecutive_skips=max_consecutive_skips, max_retries=max_retries, on_exhausted=on_exhausted
+        )
         self.run_state.set_non_finite_policy(policy)
         return policy
 

@@ -286,11 +286,16 @@ def validate_batch_output(batch_output: Any, hook_name: str) -> None:
             f"{hook_name} returned {type(batch_output).__name__}; it must return a dict with the keys 'loss', "
             "'model_outputs' and 'batch_size', e.g. {'loss': loss, 'model_outputs': outputs, 'batch_size': len(y)}."
         )
-    missing = [key for key in ("loss", "batch_size") if key not in batch_output]
-    if missing:
+    if "loss" not in batch_output:
         raise ValueError(
-            f"{hook_name} returned a dict with the keys {sorted(batch_output)}, missing {missing}; add them, e.g. "
+            f"{hook_name} returned a dict with the keys {sorted(batch_output)}, missing ['loss']; add it, e.g. "
             "{'loss': loss, 'model_outputs': outputs, 'batch_size': len(y)}."
+        )
+    if "batch_size" not in batch_output:  # the trainer found none in the batch either (loop/batches.py)
+        raise ValueError(
+            f"{hook_name} returned a dict with the keys {sorted(batch_output)}, without 'batch_size', and the batch "
+            "holds no tensor to count its samples from (the trainer counts the targets of an (inputs, targets) tuple, "
+            "a dict's 'labels' or a batch's first tensor). Return it: {'loss': loss, 'batch_size': len(y)}."
         )
     loss = batch_output["loss"]
     if not isinstance(loss, torch.Tensor):

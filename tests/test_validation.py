@@ -73,7 +73,6 @@ class _BadLossTrainer(Trainer):
             r"returned a loss of shape \(3,\); the trainer needs a scalar",
         ),
         (lambda out: {k: v for k, v in out.items() if k != "loss"}, ValueError, r"missing \['loss'\]"),
-        (lambda out: {k: v for k, v in out.items() if k != "batch_size"}, ValueError, r"missing \['batch_size'\]"),
         (lambda out: out["loss"], TypeError, r"calculate_train_batch_loss returned Tensor; it must return a dict"),
         (lambda out: {**out, "loss": 1.0}, TypeError, r"returned a loss of type float"),
     ],

@@ -30,7 +30,10 @@ from pytorch_accel_trainer.callbacks.fine_tuning import GradualUnfreezingCallbac
 from pytorch_accel_trainer.callbacks.memory import PeakMemoryCallback
 from pytorch_accel_trainer.callbacks.metrics import MetricCollectionCallback
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
-from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
+from pytorch_accel_trainer.callbacks.non_finite import (  # noqa: F401  (importable here; docs/api lists __all__)
+    NonFiniteGradientsError,
+    SkipNonFiniteStepsCallback,
+)
 from pytorch_accel_trainer.callbacks.progress import (
     LogMetricsCallback,
     PrintMetricsCallback,

@@ -42,6 +42,77 @@ RUN_END_EVENTS = ("on_training_run_end", "on_evaluation_run_end")
 #: The events that receive ``is_intermediate``: ``True`` in the evaluation epochs of ``StepBasedEvaluationCallback``.
 EVAL_EPOCH_EVENTS = ("on_eval_epoch_start", "on_eval_epoch_end")
 
+#: Other trainers' names for these events (Lightning's, which Dream Trainer uses, Keras's, Hugging Face
+#: transformers', mini.trainer's): ``name: (whose name it is, what it is here)``, what it is here being the event that
+#: means the same or, where there is none, what to do instead. A callback that defines one of them, undeclared, is
+#: refused when it is added (it would never be called); declared as a custom event, it is allowed.
+FOREIGN_EVENT_NAMES: dict[str, tuple[str, str]] = {
+    "on_fit_start": ("Lightning's", "on_training_run_start"),
+    "on_fit_end": ("Lightning's", "on_training_run_end"),
+    "on_train_start": ("Lightning's", "on_training_run_start"),
+    "on_train_begin": ("Keras's and Hugging Face's", "on_training_run_start"),
+    "on_train_end": ("Lightning's, Keras's and Hugging Face's", "on_training_run_end"),
+    "on_before_train": ("mini.trainer's", "on_training_run_start"),
+    "on_after_train": ("mini.trainer's", "on_training_run_end"),
+    "on_epoch_begin": ("Keras's and Hugging Face's", "on_train_epoch_start"),
+    "on_epoch_start": ("an older Lightning's", "on_train_epoch_start"),
+    "on_epoch_end": ("Keras's and Hugging Face's", "on_training_run_epoch_end"),
+    "on_train_batch_start": ("Lightning's", "on_train_step_start"),
+    "on_train_batch_begin": ("Keras's", "on_train_step_start"),
+    "on_batch_begin": ("Keras's", "on_train_step_start"),
+    "on_batch_start": ("an older Lightning's", "on_train_step_start"),
+    "on_before_step": ("mini.trainer's", "on_train_step_start"),
+    "on_step_begin": ("Hugging Face's", "on_train_step_start"),
+    "on_train_batch_end": ("Lightning's, Dream Trainer's and Keras's", "on_train_step_end"),
+    "on_batch_end": ("Keras's", "on_train_step_end"),
+    "on_substep_end": ("Hugging Face's", "on_train_step_end"),
+    "on_step_end": ("Hugging Face's", "on_optimizer_step_end"),
+    "on_optimizer_step": ("Hugging Face's", "on_optimizer_step_end"),
+    "on_after_step": ("mini.trainer's", "on_optimizer_step_end"),
+    "on_validation_start": ("Lightning's", "on_eval_epoch_start"),
+    "on_validation_epoch_start": ("Lightning's", "on_eval_epoch_start"),
+    "on_validation_batch_start": ("Lightning's", "on_eval_step_start"),
+    "on_validation_batch_end": ("Lightning's and Dream Trainer's", "on_eval_step_end"),
+    "on_validation_epoch_end": ("Lightning's", "on_eval_epoch_end"),
+    "on_validation_end": ("Lightning's", "on_eval_epoch_end"),
+    "on_evaluate": ("Hugging Face's", "on_eval_epoch_end"),
+    "on_prediction_step": ("Hugging Face's", "on_eval_step_end"),
+    "on_test_start": ("Lightning's", "on_evaluation_run_start"),
+    "on_test_begin": ("Keras's", "on_eval_epoch_start"),
+    "on_test_epoch_start": ("Lightning's", "on_eval_epoch_start"),
+    "on_test_batch_start": ("Lightning's", "on_eval_step_start"),
+    "on_test_batch_begin": ("Keras's", "on_eval_step_start"),
+    "on_test_batch_end": ("Lightning's and Keras's", "on_eval_step_end"),
+    "on_test_epoch_end": ("Lightning's", "on_eval_epoch_end"),
+    "on_test_end": ("Lightning's and Keras's", "on_eval_epoch_end"),
+    "on_before_backward": ("Lightning's", "no event: override the trainer's backward_step hook"),
+    "on_after_backward": ("Lightning's", "no event: override the trainer's backward_step hook"),
+    "on_before_optimizer_step": ("Lightning's", "no event: override the trainer's optimizer_step hook"),
+    "on_pre_optimizer_step": ("Hugging Face's", "no event: override the trainer's optimizer_step hook"),
+    "on_before_zero_grad": ("Lightning's", "no event: override the trainer's optimizer_zero_grad hook"),
+    "on_save_checkpoint": ("Lightning's", "no event: a callback's state_dict() is saved in each training state"),
+    "on_state_dict": ("mini.trainer's", "no event: a callback's state_dict() is saved in each training state"),
+    "on_load_checkpoint": ("Lightning's", "no event: a callback's load_state_dict() restores it on resume"),
+    "on_load_state_dict": ("mini.trainer's", "no event: a callback's load_state_dict() restores it on resume"),
+}
+
+#: fastai's event names, which lack the ``on_`` prefix: a callback method of one of these names is never called here,
+#: so adding the callback warns, naming the event to use (a warning, not an error: it may be a helper of yours).
+FASTAI_EVENT_NAMES: dict[str, str] = {
+    "before_fit": "on_training_run_start",
+    "after_fit": "on_training_run_end",
+    "before_epoch": "on_train_epoch_start",
+    "after_epoch": "on_training_run_epoch_end",
+    "before_train": "on_train_epoch_start",
+    "after_train": "on_train_epoch_end",
+    "before_batch": "on_train_step_start",
+    "after_loss": "on_train_step_end",
+    "after_batch": "on_train_step_end",
+    "after_step": "on_optimizer_step_end",
+    "before_validate": "on_eval_epoch_start",
+    "after_validate": "on_eval_epoch_end",
+}
+
 logger = logging.getLogger(__name__)
 
 
@@ -443,16 +514,39 @@ def _misspelt_event(name: str) -> str | None:
     return event if distance <= MAX_MISSPELLING_DISTANCE else None
 
 
+def _foreign_name_message(callback_class: type, name: str) -> str:
+    """What to say of a callback method named as another trainer's event (see :data:`FOREIGN_EVENT_NAMES`)."""
+    whose, here = FOREIGN_EVENT_NAMES[name]
+    declare = (
+        f"If it is a custom event your Trainer subclass fires, declare it (callback_events = ({name!r},) on the "
+        "subclass)."
+    )
+    if here in EVENTS:
+        return (
+            f"{callback_class.__name__} defines {name!r}, which is {whose} name for an event; here the event is "
+            f"{here!r}, and {name!r} would never be called. Rename the method to {here!r} (its keyword arguments are "
+            f"listed in docs/callbacks.md). {declare}"
+        )
+    return (
+        f"{callback_class.__name__} defines {name!r}, which is {whose} name for an event that this trainer does not "
+        f"fire ({here}), so {name!r} would never be called. {declare}"
+    )
+
+
 def _validate_event_methods(callback_class: type, events: Iterable[str] = EVENTS) -> list[str]:
-    """Refuse a callback with an ``on_*`` method whose name is a likely misspelling of an event (it would never be
-    called); return its other ``on_*`` methods that are not events: custom events, undeclared."""
+    """Refuse a callback with an ``on_*`` method named as another trainer's event (:data:`FOREIGN_EVENT_NAMES`) or
+    whose name is a likely misspelling of an event (either would never be called), and warn of a method named as a
+    fastai event; return its other ``on_*`` methods that are not events: custom events, undeclared."""
     events = tuple(events)
     custom = [
         name
         for name in dir(callback_class)
         if name.startswith("on_") and name not in events and callable(getattr(callback_class, name))
     ]
+    _warn_of_fastai_names(callback_class)
     for name in custom:
+        if name in FOREIGN_EVENT_NAMES:
+            raise ValueError(_foreign_name_message(callback_class, name))
         misspelt = _misspelt_event(name)
         if misspelt is not None:
             raise ValueError(
@@ -462,6 +556,18 @@ def _validate_event_methods(callback_class: type, events: Iterable[str] = EVENTS
                 "the subclass) or give it a name further from the events'."
             )
     return custom
+
+
+def _warn_of_fastai_names(callback_class: type) -> None:
+    for name, event in FASTAI_EVENT_NAMES.items():
+        if callable(getattr(callback_class, name, None)):
+            warnings.warn(
+                f"{callback_class.__name__} defines {name!r}, which is fastai's name for an event; here the event is "
+                f"{event!r}, and the trainer only calls on_* methods, so {name!r} is never called by it. Rename it to "
+                f"{event!r}; if it is a helper of your own, rename it to silence this.",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _is_callback(callback: Any) -> bool:

@@ -28,11 +28,12 @@ class HostCopy:
     call of :meth:`start`).
 
     Args:
-        numel: the number of values copied each time.
+        numel: the most values copied at once (the buffer's size); a copy may hold fewer.
         device: the device the values come from.
     """
 
     def __init__(self, numel: int, device: torch.device):
+        self.numel = numel
         self._device = device
         self._is_cuda = device.type == "cuda"
         self._host = torch.zeros(numel, dtype=torch.float32, pin_memory=self._is_cuda)
@@ -40,11 +41,16 @@ class HostCopy:
         self._host_values = self._host.numpy()
         self._ready: Optional[Any] = None
         self._tag: Any = None
+        self._count = 0
         self._pending = False
 
     def start(self, values: torch.Tensor, tag: Any = None) -> None:
-        """Start copying ``values`` (flattened to ``numel`` floats); ``tag`` comes back with them."""
-        self._host.copy_(values.detach().reshape(-1), non_blocking=self._is_cuda)
+        """Start copying ``values`` (flattened: at most ``numel`` floats); ``tag`` comes back with them."""
+        flat = values.detach().reshape(-1)
+        if flat.numel() > self.numel:
+            raise ValueError(f"HostCopy holds {self.numel} values, not {flat.numel()}: make one of that size.")
+        self._count = flat.numel()
+        self._host[: self._count].copy_(flat, non_blocking=self._is_cuda)
         if self._is_cuda:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(self._device))
@@ -63,4 +69,4 @@ class HostCopy:
                 return None  # the device has not reached the copy yet; try again later
             self._ready.synchronize()
         self._pending = False
-        return self._tag, self._host_values.tolist()
+        return self._tag, self._host_values[: self._count].tolist()

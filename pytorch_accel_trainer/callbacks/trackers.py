@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, TextIO, Union
 
 import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.run_config import get_run_config
-from pytorch_accel_trainer.tracking import metric_counts
+from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, is_scalar_metric, metric_counts
+from pytorch_accel_trainer.validation import overrides
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -181,22 +182,30 @@ def plain_hyperparameters(values: Any, prefix: str = "") -> dict:
     return {prefix[:-1]: plain}
 
 
+#: The step metrics a tracker's host buffer holds from the start of a run; more make it larger once.
+STEP_METRIC_SLOTS = 16
+
+
 class ExperimentTrackingCallback(TrainerCallback):
     """Logs a run to experiment trackers: step values every ``log_every_n_steps`` updates, metrics every epoch.
 
     Every ``log_every_n_steps`` optimizer updates it logs, at that step: ``train_loss_step``, the mean loss of
-    the batches since the last log over every process; ``lr_group_<i>``, the learning rate of each
-    parameter group; ``gradient_norm``, the total norm of the last update's (unscaled, before clipping)
+    the batches since the last log over every process; ``train_<name>_step`` for each step metric, the extra
+    numbers ``calculate_train_batch_loss`` returns (``accuracy``, a regulariser: every key but ``loss``,
+    ``model_outputs``, ``batch_size`` and ``num_items_in_batch`` whose value is a number or a 0-d tensor), the
+    mean of the batches since the last log that returned it, over every process; ``lr_group_<i>``, the learning rate
+    of each parameter group; ``gradient_norm``, the total norm of the last update's (unscaled, before clipping)
     gradients; and ``samples_per_second`` over all processes (counted from the ``batch_size`` of each
     batch output when it is an ``int``). After each evaluation epoch, at the end of each epoch and at the
     end of a run, it logs every run-history metric that has a new value (``train_loss_epoch``,
     ``eval_loss_epoch``, your metrics, ...), with ``epoch``, at the current update step. Every value is
     logged with ``step=trainer.num_update_steps_completed``, one increasing step, as W&B requires.
 
-    The loss is summed on the device and copied to the host without waiting for it (values arrive
-    one interval late on CUDA, and are flushed at the end of each epoch). Summing it over processes is
-    one collective every ``log_every_n_steps`` updates, on every process; only the main process creates
-    the trackers and writes.
+    The loss and the step metrics are summed on the device and copied to the host together without waiting for
+    them (values arrive one interval late on CUDA, and are flushed at the end of each epoch): no host-device sync
+    per step. Summing them over processes is one collective every ``log_every_n_steps`` updates, on every
+    process (with a batch-loss hook of your own, the processes first agree on the metric names: one small gather
+    per log); only the main process creates the trackers and writes.
 
     Names: ``project_name`` groups runs and ``run_name`` names this one. W&B gets ``wandb.init(project=project_name,
     name=run_name)``; MLflow the experiment ``project_name`` and the run ``run_name``; trackio and SwanLab likewise;
@@ -261,6 +270,9 @@ class ExperimentTrackingCallback(TrainerCallback):
         self.trackers: list[GeneralTracker] = []
         self._is_writer = False
         self._loss = RunningSum()
+        #: The step metrics since the last log, by name: tensors summed on the device, numbers on the host.
+        self._metric_sums: dict[str, RunningSum] = {}
+        self._metric_host_sums: dict[str, list] = {}
         self._host_copy: Optional[HostCopy] = None
         self._samples = 0
         self._interval_start = 0.0
@@ -339,8 +351,9 @@ class ExperimentTrackingCallback(TrainerCallback):
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         self._start_trackers(trainer)
         trainer.track_gradient_norm = True  # the trainer keeps the norm of each update's gradients, on the device
-        self._host_copy = HostCopy(3, trainer.device) if self._is_writer else None  # loss sum, count, grad norm
-        self._loss.reset()
+        # the loss sum and count, gradient norm, and each step metric's sum and count: made here, not in a step
+        self._host_copy = HostCopy(3 + 2 * STEP_METRIC_SLOTS, trainer.device) if self._is_writer else None
+        self._reset_sums()
 
     def on_train_epoch_start(self, trainer: "Trainer", **kwargs):
         self._samples, self._interval_start = 0, time.perf_counter()  # evaluation time is not training time
@@ -352,6 +365,18 @@ class ExperimentTrackingCallback(TrainerCallback):
         batch_size = batch_output.get("batch_size")
         if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
             self._samples += batch_size
+        for name, value in batch_output.items():
+            if name not in BATCH_OUTPUT_KEYS and is_scalar_metric(value):
+                self._add_step_metric(name, value)
+
+    def _add_step_metric(self, name: str, value: Any) -> None:
+        """Add one batch's value of a step metric: a tensor kept on its device, a number on the host (no sync)."""
+        if isinstance(value, torch.Tensor):
+            self._metric_sums.setdefault(name, RunningSum()).add(value)
+        else:
+            host_sum = self._metric_host_sums.setdefault(name, [0.0, 0])
+            host_sum[0] += float(value)
+            host_sum[1] += 1
 
     def on_optimizer_step_end(self, trainer: "Trainer", num_update_steps_completed: Optional[int] = None, **kwargs):
         if num_update_steps_completed is None:  # called by hand without it: the trainer's count
@@ -387,11 +412,20 @@ class ExperimentTrackingCallback(TrainerCallback):
         self._log_arrived_step_values()  # the previous copy, before its buffer is reused
         norm = trainer.last_gradient_norm  # computed by clipping by norm; the same on every process
         norm = loss_total.new_tensor(float("nan")) if norm is None else norm.detach().float().reshape(())
-        totals = torch.stack([loss_total, loss_total.new_tensor(float(self._loss.count)), norm.to(loss_total.device)])
         num_processes = get_run_config(trainer).num_processes
+        names = self._step_metric_names(trainer, num_processes)
+        totals = torch.stack(
+            [
+                loss_total,
+                loss_total.new_tensor(float(self._loss.count)),
+                norm.to(loss_total.device),
+                *self._step_metric_totals(names, loss_total),
+            ]
+        )
         if num_processes > 1:
             totals = trainer.accelerator.reduce(totals, "sum")  # a collective, not a host sync
-        if self._host_copy is not None:  # the writer's, made at the run start
+        if self._is_writer:
+            host_copy = self._host_copy_of(totals.numel(), trainer.device)
             param_groups = trainer.optimizer.param_groups if trainer.optimizer is not None else []  # train() needs one
             values = {f"lr_group_{index}": group["lr"] for index, group in enumerate(param_groups)}
             values = {name: value for name, value in values.items() if isinstance(value, numbers.Real)}
@@ -399,19 +433,61 @@ class ExperimentTrackingCallback(TrainerCallback):
             if self._samples and elapsed > 0:
                 values["samples_per_second"] = self._samples * num_processes / elapsed
             values["_num_processes"] = num_processes
-            self._host_copy.start(totals, tag=(step, values))
-        self._loss.reset()
+            host_copy.start(totals, tag=(step, values, names))
+        self._reset_sums()
         self._samples, self._interval_start = 0, time.perf_counter()
         self._log_arrived_step_values()  # complete at once on the CPU
+
+    def _reset_sums(self) -> None:
+        self._loss.reset()
+        self._metric_sums, self._metric_host_sums = {}, {}
+
+    def _step_metric_names(self, trainer: "Trainer", num_processes: int) -> list:
+        """The step metrics to log now, sorted: this process's since the last log, or with several processes those of
+        any process (one small gather per log, only where a hook of your own may return some)."""
+        names = sorted({*self._metric_sums, *self._metric_host_sums})
+        hooks_may_return_metrics = overrides(trainer, "calculate_train_batch_loss") or overrides(
+            trainer, "_perform_forward_and_backward_passes"
+        )
+        if num_processes > 1 and hooks_may_return_metrics:  # the same decision on every process: the same class
+            names = sorted(set().union(*gather_object([names])))
+        return names
+
+    def _step_metric_totals(self, names: list, like: torch.Tensor) -> list:
+        """For each name, the sum of its values since the last log and how many there were, as 0-d float tensors on
+        ``like``'s device (0 and 0 for a metric this process did not see)."""
+        totals = []
+        for name in names:
+            device_sum = self._metric_sums.get(name)
+            host_sum, host_count = self._metric_host_sums.get(name, (0.0, 0))
+            device_total = None if device_sum is None else device_sum.total
+            total = like.new_tensor(host_sum)
+            if device_total is not None:
+                total = total + device_total.to(like.device).float()
+            count = host_count + (0 if device_sum is None else device_sum.count)
+            totals += [total, like.new_tensor(float(count))]
+        return totals
+
+    def _host_copy_of(self, numel: int, device: torch.device) -> HostCopy:
+        """The writer's host buffer, for ``numel`` values; made larger when a hook returns more than
+        :data:`STEP_METRIC_SLOTS` step metrics (a pending copy is logged first, waiting for it)."""
+        if self._host_copy is None or self._host_copy.numel < numel:
+            self._log_arrived_step_values(wait=True)
+            self._host_copy = HostCopy(2 * numel, device)
+        return self._host_copy
 
     def _log_arrived_step_values(self, wait: bool = False) -> None:
         arrived = self._host_copy.get_values(wait=wait) if self._host_copy is not None else None
         if arrived is not None:
-            (step, values), (loss_sum, count, gradient_norm) = arrived
+            (step, values, names), (loss_sum, count, gradient_norm, *metric_totals) = arrived
             values = dict(values)
             num_processes = values.pop("_num_processes")
             if not math.isnan(gradient_norm):
                 values["gradient_norm"] = gradient_norm / num_processes  # summed over identical processes
+            for index, name in enumerate(names):
+                metric_sum, metric_count = metric_totals[2 * index], metric_totals[2 * index + 1]
+                if metric_count:  # no process's batches returned it since the last log: nothing to log
+                    values[f"train_{name}_step"] = metric_sum / metric_count
             self._log({"train_loss_step": loss_sum / count, **values}, step=step)
 
     def _log_new_metrics(self, trainer: "Trainer") -> None:

@@ -8,7 +8,13 @@ import torch
 from accelerate.utils import find_batch_size
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from pytorch_accel_trainer.utils import dataloader_batch_size, is_mapping, model_output_loss, seed_worker
+from pytorch_accel_trainer.utils import (
+    batch_size_of,
+    dataloader_batch_size,
+    is_mapping,
+    model_output_loss,
+    seed_worker,
+)
 
 NO_TRAIN_BATCH = (
     "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
@@ -135,6 +141,39 @@ def loss_weight(batch_output: dict, real_rows: Optional[int]) -> Any:
     if real_rows is not None:  # a hook that returned the whole batch's size
         return min(batch_output["batch_size"], real_rows)
     return batch_output["batch_size"]
+
+
+def batch_size_from(batch: Any) -> Optional[int]:
+    """The number of samples in ``batch``, found as the default hooks find it (``utils.batch_size_of``): the rows of
+    the targets of an ``(inputs, targets, ...)`` tuple or list, else of its inputs; a dict's ``labels``, else its first
+    tensor; a tensor's rows. ``None`` for any other batch (strings, a list of samples): the hook must say. Reads
+    shapes only: no host-device sync."""
+    if isinstance(batch, torch.Tensor):
+        return _rows(batch)
+    if is_mapping(batch):
+        try:
+            return int(batch_size_of(batch))
+        except (TypeError, IndexError):
+            return None  # a dict without a tensor
+    if isinstance(batch, (tuple, list)):
+        for position in (1, 0):  # the targets, as the default hooks count them; else the inputs
+            if len(batch) > position and _rows(batch[position]) is not None:
+                return _rows(batch[position])
+    return None
+
+
+def _rows(value: Any) -> Optional[int]:
+    """The first dimension of a tensor that has one; else ``None``."""
+    return value.size(0) if isinstance(value, torch.Tensor) and value.dim() else None
+
+
+def with_batch_size(batch_output: Any, batch: Any) -> Any:
+    """A batch-loss hook's output with the ``batch_size`` it left out found from ``batch`` (:func:`batch_size_from`),
+    as a new dict; an output that has one, or that is not a dict, as it is (``validate_batch_output`` checks it)."""
+    if not is_mapping(batch_output) or "batch_size" in batch_output:
+        return batch_output
+    batch_size = batch_size_from(batch)
+    return batch_output if batch_size is None else {**batch_output, "batch_size": batch_size}
 
 
 def forward_batch(model: Any, batch: Any) -> Any:

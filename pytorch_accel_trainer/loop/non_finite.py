@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from pytorch_accel_trainer.callbacks.non_finite import NonFiniteGradientsError, validate_non_finite_policy
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.loop.run_state import RunState
 
@@ -31,6 +32,10 @@ class NonFinitePolicy:
             times (every micro-batch of it): dropout draws new masks, so a transient overflow may pass. Under
             gradient accumulation the window's batches are kept until its update (``window_batches``), which holds
             up to ``gradient_accumulation_steps`` batches in memory.
+        on_exhausted: what happens when the retries run out: ``"skip"`` the update and go on, ``"stop"`` the run
+            there (``StopTrainingError``), or stop it and ``"raise"`` :class:`NonFiniteGradientsError` once the run
+            has ended (the error is kept in ``error`` for the trainer).
+        error: the :class:`NonFiniteGradientsError` to raise at the end of the run (``on_exhausted="raise"``).
         consecutive_skips, skipped_in_epoch, skipped_in_run: the skipped updates, in a row, in the epoch (the
             callback that records it resets it) and in the run.
         loss_snapshot, metrics_snapshot: the epoch's training trackers before the current window: what a skipped
@@ -40,12 +45,17 @@ class NonFinitePolicy:
 
     max_consecutive_skips: Optional[int] = None
     max_retries: int = 0
+    on_exhausted: str = "skip"
+    error: Optional[NonFiniteGradientsError] = None
     consecutive_skips: int = 0
     skipped_in_epoch: int = 0
     skipped_in_run: int = 0
     loss_snapshot: dict = field(default_factory=dict, repr=False)
     metrics_snapshot: dict = field(default_factory=dict, repr=False)
     window_batches: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_non_finite_policy(self.max_consecutive_skips, self.max_retries, self.on_exhausted)
 
     def remember_micro_batch(self, state: RunState, batch: Any, step: int, opens_window: bool) -> None:
         """Before a micro-batch's forward pass: at the window's first, take a snapshot of the epoch's trackers (what
@@ -68,7 +78,8 @@ class NonFinitePolicy:
         snapshot from before the window. A retry fires no event. One read back from the device per check.
 
         Raises:
-            StopTrainingError: ``max_consecutive_skips`` updates in a row were skipped.
+            StopTrainingError: ``max_consecutive_skips`` updates in a row were skipped, or the retries ran out under
+                ``on_exhausted="stop"`` or ``"raise"``.
         """
         retries = 0
         while not gradients_are_finite(model.parameters()):
@@ -79,6 +90,8 @@ class NonFinitePolicy:
                 replay_window(self.window_batches)
                 continue
             self.record_skip()
+            if self.on_exhausted != "skip":
+                self._stop_after_retries(state, retries)
             if self.must_stop:
                 raise StopTrainingError(
                     f"Stopping training after {self.consecutive_skips} consecutive updates with non-finite gradients"
@@ -86,6 +99,29 @@ class NonFinitePolicy:
             return True
         self.record_update()
         return False
+
+    def _stop_after_retries(self, state: RunState, retries: int) -> None:
+        """End the run at an update whose retries ran out (``on_exhausted="stop"`` or ``"raise"``); for ``"raise"``,
+        keep the error the trainer raises once the run has ended."""
+        update = state.num_update_steps_completed + 1
+        message = (
+            f"the gradients of optimizer update {update} (epoch {state.epoch + 1}, batch {state.batch_idx}) were not "
+            f"finite after {retries} {'retry' if retries == 1 else 'retries'} (on_exhausted={self.on_exhausted!r}); "
+            "the update was not applied"
+        )
+        if self.on_exhausted == "raise":
+            self.error = NonFiniteGradientsError(
+                f"Training stopped: {message}. Lower the learning rate, clip the gradients (gradient_clip_norm), check "
+                "the data for NaN or infinite values, or pass on_exhausted='skip' to skip such updates."
+            )
+        raise StopTrainingError(f"Stopping training: {message}")
+
+    def summary(self) -> str:
+        """One line for the console: the updates skipped in the run."""
+        return (
+            f"Skipped {self.skipped_in_run} optimizer update{'s' if self.skipped_in_run != 1 else ''} whose gradients "
+            f"were not finite (after {self.max_retries} retries each; on_exhausted={self.on_exhausted!r})."
+        )
 
     def record_skip(self) -> None:
         """Count a skipped update."""

@@ -38,7 +38,10 @@ from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
     SCHEDULER_KEY,
+    SKIPPED_WEIGHTS_KEY,
+    SkippedWeights,
     build_checkpoint,
+    compare_model_states,
     load_checkpoint_file,
     save_checkpoint_file,
 )
@@ -450,7 +453,9 @@ class PersistenceMixin:
             return None
         return {name: tensor.contiguous().clone() for name, tensor in self._full_model_state_dict().items()}
 
-    def load_checkpoint(self, checkpoint_path, load_optimizer: bool = True, load_scheduler: bool = True) -> dict:
+    def load_checkpoint(
+        self, checkpoint_path, load_optimizer: bool = True, load_scheduler: bool = True, strict: bool = True
+    ) -> dict:
         """Load a file written by :meth:`save_checkpoint` into the model, and the optimizer and scheduler.
 
         The extra models of :meth:`add_model` (and their optimizers) are loaded too; the file must hold exactly those
@@ -460,21 +465,30 @@ class PersistenceMixin:
             checkpoint_path: the checkpoint file.
             load_optimizer: load the optimizer state (and the extra models' optimizer states), if the file has one.
             load_scheduler: load the scheduler state, if the file has one and the trainer has a scheduler.
+            strict: every weight of the file must fit the model, with the same names and shapes, or nothing is
+                loaded and a :class:`~pytorch_accel_trainer.errors.CheckpointError` (a ``RuntimeError``) names the
+                entries that differ. ``False`` loads the weights that fit and skips the others, for fine-tuning from a
+                checkpoint with a new head: it warns with the list of what it skipped (shapes that differ, names of
+                one side only; the model keeps its own values for them), returns it in the checkpoint under
+                ``"skipped_weights"`` (a :class:`~pytorch_accel_trainer.state.checkpointing.SkippedWeights`), and
+                then loads no optimizer state, which belongs to the model the file was saved from.
 
         Returns:
             The checkpoint, as pytorch-accelerated returns it: the extra values saved with ``checkpoint_kwargs`` at
             its top level, next to ``model_state_dict`` (and ``optimizer_state_dict``, ``scheduler_state_dict``).
+
+        Example::
+
+            checkpoint = trainer.load_checkpoint("pretrained.pt", strict=False)  # a model with a new head
+            checkpoint["skipped_weights"].mismatched_shapes  # {"head.weight": ((10, 64), (3, 64)), ...}
         """
         self.accelerator.wait_for_everyone()
         checkpoint = load_checkpoint_file(checkpoint_path)
         validate_extra_checkpoint_entries(  # before anything is loaded
             checkpoint, checkpoint_path, load_optimizer, self.extra_models, self.extra_optimizers
         )
-        if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
-            load_full_model_state_dict(self.accelerator, self.model, checkpoint[MODEL_KEY])
-        else:
-            self.get_model().load_state_dict(checkpoint[MODEL_KEY])
-        if load_optimizer and OPTIMIZER_KEY in checkpoint:
+        skipped = self._load_model_state(checkpoint[MODEL_KEY], checkpoint_path, strict)
+        if load_optimizer and OPTIMIZER_KEY in checkpoint and not skipped:
             if self.optimizer is None:
                 raise ValueError(
                     f"{checkpoint_path!r} holds an optimizer state but the trainer has no optimizer: pass one to "
@@ -493,4 +507,43 @@ class PersistenceMixin:
         load_extra_checkpoint_entries(
             checkpoint, load_optimizer, self.accelerator, self.extra_models, self.extra_optimizers
         )
+        if not strict:
+            checkpoint[SKIPPED_WEIGHTS_KEY] = skipped
+        if skipped:
+            optimizer_note = (
+                " The optimizer state was not loaded: it belongs to the model the file was saved from."
+                if load_optimizer and OPTIMIZER_KEY in checkpoint
+                else ""
+            )
+            warnings.warn(
+                f"load_checkpoint({str(checkpoint_path)!r}, strict=False) did not load every weight of the file into "
+                f"the model; skipped: {skipped.describe()}.{optimizer_note} The list is in the returned "
+                "checkpoint['skipped_weights'].",
+                stacklevel=2,
+            )
         return checkpoint
+
+    def _load_model_state(self, file_state: dict, checkpoint_path, strict: bool) -> SkippedWeights:
+        """Load a checkpoint's model state into the model: all of it (``strict``), or the entries that fit; return
+        what was skipped."""
+        if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
+            if not strict:
+                raise NotImplementedError(
+                    "load_checkpoint(..., strict=False) is not supported under FSDP or DeepSpeed ZeRO-3, where each "
+                    "process holds a shard of the model. Load the weights that fit into the plain model before "
+                    "Trainer(...): state = torch.load(path, weights_only=True)['model_state_dict'], then "
+                    "model.load_state_dict(<the entries of state whose shapes fit>, strict=False)."
+                )
+            load_full_model_state_dict(self.accelerator, self.model, file_state)
+            return SkippedWeights()
+        model = self.get_model()
+        skipped = compare_model_states(model.state_dict(), file_state)
+        if skipped and strict:
+            raise CheckpointError(
+                f"{str(checkpoint_path)!r} does not fit the model, so nothing was loaded: {skipped.describe()}. To "
+                "fine-tune from it with another head (or other layers), load the weights that fit: "
+                "load_checkpoint(path, strict=False) skips these, says which, and keeps the model's own values."
+            )
+        fitting = {name: value for name, value in file_state.items() if name not in skipped.mismatched_shapes}
+        model.load_state_dict(fitting, strict=strict)
+        return skipped

@@ -79,4 +79,6 @@ def create_train_result(
         wall_time_seconds=wall_time,
         samples_per_second=num_samples / wall_time if wall_time > 0 else 0.0,
         stopped_early=not finished,
+        stop_reason=state.stop_reason,
+        non_finite_updates_skipped=state.non_finite_updates_skipped,
     )

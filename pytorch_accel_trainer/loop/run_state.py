@@ -38,6 +38,8 @@ class RunState:
         epoch_first_step: the first micro-batch of the current epoch: 0, or the batches already trained on when
             a resumed run continues an epoch.
         train_epoch_length: the micro-batches of a training epoch on this process, ``None`` when unknown.
+        batch_idx: the index in its epoch of the batch being run, training or evaluation, from 0 (``None`` before the
+            first); read as ``trainer.batch_idx``.
         items_in_window: ``num_items_in_batch`` summed over the current accumulation window (0 when not given).
         train_loss_tracker: the running, weighted sum of this epoch's training losses, on the device.
         train_step_metrics: the same for the extra scalars ``calculate_train_batch_loss`` returns (``accuracy``, ...).
@@ -55,6 +57,10 @@ class RunState:
         preemption_save_dir: where a preempted run saves, while preemption is enabled.
         signal_catcher: the installed signal handlers, while preemption is enabled.
         non_finite_policy: what to do with non-finite gradients, if ``skip_non_finite_steps`` was called.
+        non_finite_updates_skipped: the updates that policy skipped in the run, kept when the run's epochs end.
+        error_after_run: an error to raise once every callback has ended the run (the policy's
+            ``NonFiniteGradientsError``, under ``on_exhausted="raise"``).
+        stop_reason: the message of the ``StopTrainingError`` that ended the run, if one did.
         samples_seen: the ``batch_size`` of every training step of this run on this process, summed (a device
             tensor if a hook returns tensor sizes: read once, for the :class:`TrainResult`).
         started_at: ``time.perf_counter()`` when the epochs of this run started.
@@ -67,6 +73,7 @@ class RunState:
     epoch: int = 0
     epoch_first_step: int = 0
     train_epoch_length: Optional[int] = None
+    batch_idx: Optional[int] = None
     items_in_window: Any = 0
     train_loss_tracker: LossTracker = field(default_factory=LossTracker)
     train_step_metrics: StepMetricsTracker = field(default_factory=StepMetricsTracker)
@@ -81,6 +88,9 @@ class RunState:
     preemption_save_dir: Optional[Path] = None
     signal_catcher: Optional[SignalCatcher] = None
     non_finite_policy: Optional[NonFinitePolicy] = None
+    non_finite_updates_skipped: int = 0
+    error_after_run: Optional[Exception] = None
+    stop_reason: Optional[str] = None
     samples_seen: Any = 0
     started_at: Optional[float] = None
     metric_counts_at_start: dict = field(default_factory=dict)
@@ -207,9 +217,10 @@ class RunState:
         """Keep the first ``StopTrainingError`` raised since the last agreement point."""
         self.stop_request = self.stop_request or error
 
-    def drop_stop(self) -> None:
-        """Forget the held stop: the run has stopped."""
+    def drop_stop(self, reason: Optional[str] = None) -> None:
+        """Forget the held stop: the run has stopped, for ``reason`` (the message of its ``StopTrainingError``)."""
         self.stop_request = None
+        self.stop_reason = reason if reason is not None else self.stop_reason
 
     def request_save(
         self,
@@ -260,6 +271,15 @@ class RunState:
         """Check each update's gradients under ``policy`` from now on (``None``: check nothing)."""
         self.non_finite_policy = policy
 
+    def end_non_finite_policy(self) -> Optional[NonFinitePolicy]:
+        """Check no gradient any more (the run's epochs are over); keep what the policy did for the run's result
+        (its skips, the error it asks to raise) and return it."""
+        policy, self.non_finite_policy = self.non_finite_policy, None
+        if policy is not None:
+            self.non_finite_updates_skipped = policy.skipped_in_run
+            self.error_after_run = policy.error
+        return policy
+
     def end_epochs(self) -> None:
         """Leave the epochs of the run: saves are taken at once from here on."""
         self.in_training_run = False
@@ -287,6 +307,10 @@ class TrainResult:
         samples_per_second: ``num_samples / wall_time_seconds``, evaluation time included.
         stopped_early: whether a callback ended the run before its last epoch (reaching ``max_num_train_steps`` is
             the planned end, not an early one).
+        stop_reason: why the run was stopped, when a ``StopTrainingError`` ended it (a callback's, or the non-finite
+            policy's ``on_exhausted="stop"``): its message; else ``None``.
+        non_finite_updates_skipped: the optimizer updates skipped for non-finite gradients
+            (``SkipNonFiniteStepsCallback``, ``skip_non_finite_steps``); 0 without such a policy.
     """
 
     metrics: dict
@@ -298,3 +322,5 @@ class TrainResult:
     wall_time_seconds: float
     samples_per_second: float
     stopped_early: bool
+    stop_reason: Optional[str] = None
+    non_finite_updates_skipped: int = 0

@@ -14,6 +14,7 @@ import pickle
 import re
 import shutil
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -26,7 +27,9 @@ SCHEDULER_KEY = "scheduler_state_dict"
 #: that have some.
 EXTRA_MODELS_KEY = "extra_model_state_dicts"
 EXTRA_OPTIMIZERS_KEY = "extra_optimizer_state_dicts"
-RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY, EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY)
+#: Where ``load_checkpoint(path, strict=False)`` puts, in the checkpoint it returns, the :class:`SkippedWeights`.
+SKIPPED_WEIGHTS_KEY = "skipped_weights"
+RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY, EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, SKIPPED_WEIGHTS_KEY)
 
 _PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
@@ -74,6 +77,66 @@ def validate_plain(value: Any, where: str) -> None:
             "weights_only=True, so that loading one never runs code). Store tensors, numbers, strings, lists or "
             "dicts of them instead, e.g. a state_dict()."
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights that do not fit the model: fine-tuning from a checkpoint with a new head
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SkippedWeights:
+    """The entries of a checkpoint's model state that do not fit a model, found by :func:`compare_model_states`.
+
+    ``load_checkpoint(path, strict=False)`` loads every other entry and returns this under ``"skipped_weights"``;
+    with ``strict=True`` (the default) any of them is an error. It is true when anything was skipped.
+
+    Attributes:
+        mismatched_shapes: the names in both whose shapes differ (a new head), each with ``(shape in the file,
+            shape in the model)``; the model keeps its own values.
+        missing_keys: names of the model the file does not have; the model keeps its own values.
+        unexpected_keys: names of the file the model does not have; ignored.
+    """
+
+    mismatched_shapes: dict = field(default_factory=dict)
+    missing_keys: list = field(default_factory=list)
+    unexpected_keys: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.mismatched_shapes or self.missing_keys or self.unexpected_keys)
+
+    def describe(self) -> str:
+        """One line per kind of entry skipped, e.g. ``"shapes differ: head.weight (file (10, 64), model (3, 64))"``."""
+        parts = []
+        if self.mismatched_shapes:
+            shapes = ", ".join(
+                f"{name} (file {tuple(in_file)}, model {tuple(in_model)})"
+                for name, (in_file, in_model) in self.mismatched_shapes.items()
+            )
+            parts.append(f"shapes differ: {shapes}")
+        if self.missing_keys:
+            parts.append(f"not in the file (the model keeps its own): {', '.join(self.missing_keys)}")
+        if self.unexpected_keys:
+            parts.append(f"not in the model (ignored): {', '.join(self.unexpected_keys)}")
+        return "; ".join(parts)
+
+
+def compare_model_states(model_state: dict, file_state: dict) -> SkippedWeights:
+    """What of ``file_state`` (a checkpoint's model state) does not fit ``model_state`` (the model's ``state_dict()``):
+    names on one side only, and shapes that differ. Compares names and shapes on the host: no device work."""
+    mismatched = {
+        name: (tuple(value.shape), tuple(model_state[name].shape))
+        for name, value in file_state.items()
+        if name in model_state
+        and isinstance(value, torch.Tensor)
+        and isinstance(model_state[name], torch.Tensor)
+        and value.shape != model_state[name].shape
+    }
+    return SkippedWeights(
+        mismatched_shapes=mismatched,
+        missing_keys=[name for name in model_state if name not in file_state],
+        unexpected_keys=[name for name in file_state if name not in model_state],
+    )
 
 
 # ------------------------------------------------------------------------------------------------
