@@ -65,6 +65,7 @@ __all__ = [
     "ModelEmaCallback",
     "MonitorCallback",
     "MoveModulesToDeviceCallback",
+    "NonFiniteGradientsError",
     "NonFiniteLossError",
     "PeakMemoryCallback",
     "PrintMetricsCallback",
