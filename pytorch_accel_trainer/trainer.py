@@ -323,10 +323,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
         The default shuffles with Accelerate's seedable sampler: the order of epoch ``e`` depends only on
         ``seed + e`` (``seed`` 0 when ``Trainer(seed=None)``), identical on every process, so a resumed run
-        can skip to any batch by sampler offset.
+        can skip to any batch by sampler offset. With CUDA, batches are copied to the device with
+        ``non_blocking=True`` (the default DataLoaders pin their memory): a blocking copy would make the host wait
+        for the device before every step.
         """
         data_seed = self.seed if self.seed is not None else 0
-        options = {"dataloader_config": DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)}
+        dataloader_config = DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=data_seed, non_blocking=torch.cuda.is_available()
+        )
+        options = {"dataloader_config": dataloader_config}
         options.update(self.accelerator_kwargs)  # the user's, from Trainer(accelerator_kwargs=...)
         return create_accelerator(mixed_precision=self.mixed_precision, cpu=self.cpu, **options)
 
