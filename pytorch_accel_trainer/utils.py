@@ -255,8 +255,7 @@ def _process_state() -> PartialState:
     """Accelerate's process state, set up the way the trainer's ``Accelerator`` would set it up when nothing has yet:
     on the CPU backend (gloo) under ``ACCELERATE_USE_CPU=1``, or for a multi-process launch on a machine without
     an accelerator, so that the processes of one launch are one job and not independent ones."""
-    if PartialState._shared_state:
-        return PartialState()
+    # once set up, PartialState(...) returns the state as it is and ignores its arguments
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or needs_cpu_backend())
 
 

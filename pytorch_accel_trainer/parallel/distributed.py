@@ -10,10 +10,15 @@ import time
 from typing import Optional
 
 import torch
-from accelerate import Accelerator, DistributedType, PartialState
-from accelerate.state import AcceleratorState
+from accelerate import Accelerator, DistributedType
+from accelerate.state import AcceleratorState, is_initialized
 
 from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.parallel.accelerate_internals import (
+    forget_prepared,
+    process_state_is_set_up,
+    undo_failed_set_up,
+)
 from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
 
 # Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
@@ -31,19 +36,19 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             on the CPU (where Accelerate would silently train in float32).
     """
     cpu = bool(kwargs.pop("cpu", False)) or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
-    already_set_up = PartialState._shared_state != {}
-    precision_set_up = AcceleratorState._shared_state != {}
+    already_set_up = process_state_is_set_up()
+    precision_set_up = is_initialized()  # whether an Accelerator fixed the mixed precision of this process
     try:
         accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
         _validate_mixed_precision_device(accelerator, mixed_precision)
     except ValueError as error:
         if not precision_set_up:  # a failed set-up must not fix the precision of this process (Accelerate would)
-            AcceleratorState._reset_state()
+            undo_failed_set_up()
         if "already been initialized" not in str(error):
             raise
         raise ValueError(
             f"Trainer(mixed_precision={mixed_precision!r}) differs from the mixed precision Accelerate was already "
-            f"set up with in this process ({AcceleratorState._shared_state.get('_mixed_precision')!r}); Accelerate "
+            f"set up with in this process ({AcceleratorState().mixed_precision!r}); Accelerate "
             "cannot change it once set. Use one mixed precision per process, or set it for the whole run with "
             "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
         ) from error
@@ -182,14 +187,14 @@ class ProcessAgreement:
 def release_prepared(accelerator: Accelerator) -> None:
     """Drop Accelerate's references to what the last run prepared, so that nothing is kept or prepared twice.
 
-    ``Accelerator.free_memory()`` does the same plus ``gc.collect()``, about 0.15 s a call (most of a small
-    ``evaluate()``); it is needed only to destroy a DeepSpeed engine.
+    ``Accelerator.free_memory()`` does the same plus ``gc.collect()``, about 0.2 s a call (most of a small
+    ``evaluate()``); it is needed only to destroy a DeepSpeed engine. Otherwise ``forget_prepared`` drops the
+    references without collecting garbage (``accelerate_internals``: no public API does).
     """
     if getattr(accelerator, "deepspeed_engine_wrapped", None) is not None:
         accelerator.free_memory()
         return
-    accelerator._schedulers, accelerator._optimizers, accelerator._models, accelerator._dataloaders = [], [], [], []
-    accelerator.step = 0
+    forget_prepared(accelerator)
 
 
 def wrappers_only_call_torch(accelerator: Accelerator) -> bool:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
+import accelerate
 import torch
 from accelerate import Accelerator, DistributedType
 
@@ -158,7 +159,7 @@ def set_deepspeed_gradient_sync(accelerator: Accelerator, is_update_step: bool) 
     weights after every micro-batch. Call it before each ``backward_step``; elsewhere it does nothing.
     """
     if is_deepspeed(accelerator):
-        accelerator.gradient_state._set_sync_gradients(is_update_step)
+        accelerator.sync_gradients = is_update_step
 
 
 def clip_gradients_by_value(accelerator: Accelerator, parameters, clip_value: float) -> None:
@@ -248,9 +249,22 @@ def prepare_components(accelerator: Accelerator, components: list, device_placem
             components[index] = accelerator.prepare_optimizer(components[index], device_placement=False)
         elif keep_whole:
             components[index] = components[index].to(accelerator.device)
-        else:
-            accelerator._models.append(components[index])  # as prepare does: Accelerate's clipping looks there
+        else:  # registered again, as prepare does (Accelerate's clipping looks for it there), and kept as it is
+            _register_sharded_model(accelerator, components[index])
     return components
+
+
+def _register_sharded_model(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Give Accelerate back a model it sharded in an earlier ``prepare``: ``prepare_model`` returns a model it
+    prepared as it is, only listing it again."""
+    registered = accelerator.prepare_model(model, device_placement=False)
+    if registered is not model:
+        raise RuntimeError(
+            f"accelerate {accelerate.__version__} wrapped the model that FSDP2 had already sharded in an earlier "
+            f"train() or evaluate() (into {type(registered).__name__}) instead of keeping it as it is. Create a new "
+            "Trainer for each run under FSDP2, or install the Accelerate release this pytorch-accel-trainer was "
+            "tested with (docs/versions.md)."
+        )
 
 
 def unwrap_distributed_model(
@@ -273,12 +287,15 @@ def unwrap_distributed_model(
 
 
 def _prepared_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
-    """The model as Accelerate prepared it (FSDP1 root, DeepSpeed engine), even after the trainer unwrapped it."""
-    target = accelerator.unwrap_model(model, keep_torch_compile=False)
-    for prepared in getattr(accelerator, "_models", []):
-        if prepared is model or accelerator.unwrap_model(prepared, keep_torch_compile=False) is target:
-            return prepared
-    return model
+    """The model as Accelerate prepared it, even after the trainer unwrapped it: DeepSpeed's engine, else the model
+    without the trainer's ``torch.compile`` wrapper (the trainer keeps an FSDP1 root; FSDP2 shards in place)."""
+    engine = _deepspeed_engine(accelerator)
+    if engine is not None:
+        target = accelerator.unwrap_model(model, keep_torch_compile=False)
+        unwrapped_engine = accelerator.unwrap_model(engine, keep_torch_compile=False)
+        return engine if model is engine or unwrapped_engine is target else model
+    compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)  # not getattr: FSDP1 forwards attributes
+    return cast(torch.nn.Module, model._orig_mod) if compiled else model
 
 
 def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

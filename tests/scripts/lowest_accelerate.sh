@@ -1,0 +1,35 @@
+#!/bin/sh
+# The accelerate-dependent tests against the oldest Accelerate the package allows: the lower bound of setup.cfg's
+# install_requires, read from there, in a second environment. The main suite runs against the newest Accelerate pip
+# finds; CI runs this after it (the README's test command). About a minute and a half from nothing (half of it
+# installing torch), under one once the environment exists. See docs/versions.md.
+#
+# Usage: sh tests/scripts/lowest_accelerate.sh [pytest arguments]
+set -eu
+cd "$(dirname "$0")/../.."
+
+lowest=$(sed -n 's/^ *accelerate>=\([0-9][0-9.]*\).*/\1/p' setup.cfg)
+if [ -z "$lowest" ]; then
+    echo "setup.cfg's install_requires has no 'accelerate>=X' line to take the lowest Accelerate from" >&2
+    exit 1
+fi
+# inside .venv's folder, which git, ruff and tests/test_lint.py's walk of the checkout skip (they would read all of
+# torch anywhere else), and which `python3 -m venv .venv` leaves alone
+venv=.venv/lowest-accelerate
+python3 -m venv "$venv"
+"$venv/bin/pip" install -q -c constraints.txt torch
+"$venv/bin/pip" install -q -c constraints.txt -e . "accelerate==$lowest" pytest pytest-xdist pytest-timeout
+
+# what depends on Accelerate: no private state outside accelerate_internals.py, 2 processes equal 1, accumulation,
+# exact resume (the shuffled order of a resumed epoch), FSDP2 on the CPU, and the process and precision set-up
+exec "$venv/bin/python" -m pytest "$@" \
+    tests/test_accelerate_versions.py \
+    tests/test_distributed.py::test_two_processes_equal_one_process_with_the_same_global_batch \
+    tests/test_distributed.py::test_accelerate_set_up_for_one_process_under_a_multi_process_launch_is_a_clear_error \
+    tests/test_accumulation.py \
+    tests/test_training_state.py::test_crash_then_resume_is_bitwise_equal_to_an_uninterrupted_run \
+    tests/test_fsdp.py::test_fsdp2_trains_like_ddp_with_gradient_clipping \
+    tests/test_fsdp.py::test_fsdp2_checkpoint_loads_into_a_plain_model_with_full_shapes \
+    tests/test_fsdp.py::test_fsdp2_training_state_resume_equals_the_uninterrupted_run \
+    tests/test_mixed_precision.py::test_fp16_on_the_cpu_is_a_clear_error_that_leaves_the_process_usable \
+    tests/test_mixed_precision.py::test_a_second_trainer_keeps_the_precision_of_the_process
