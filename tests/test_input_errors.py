@@ -112,8 +112,10 @@ def test_a_function_or_an_object_without_events_is_refused_as_a_callback(callbac
         make_trainer(make_linear(), callbacks=[PrintProgressCallback, callback])
 
 
-def test_an_on_method_that_is_no_event_is_still_named_with_a_suggestion():
-    with pytest.raises(ValueError, match=r"NoEvents defines 'on_something'.*which is not a callback event"):
+def test_an_object_whose_only_on_method_is_no_event_is_not_a_callback():
+    # on_something would be a custom event of a TrainerCallback (issue 23); an object with no trainer event at all
+    # is refused as no callback
+    with pytest.raises(TypeError, match=r"NoEvents is not a callback: it has none of the TrainerCallback events"):
         make_trainer(make_linear(), callbacks=[NoEvents])
 
 
