@@ -1,6 +1,7 @@
 """Benchmark pytorch_accel_trainer against hand-written loops: ``python benchmarks/run.py``.
 
-Each measurement runs in a fresh process (``run.py --worker ROW WORKLOAD``, which prints one JSON line);
+Each measurement runs in a fresh process (``run.py --worker ROW WORKLOAD``, which prints one JSON line; ``--quick``
+gives each row one process for every workload);
 this parent process never imports torch. Rows and repeats are interleaved, so that a slow spell of the
 machine spreads over every row instead of landing on one. See benchmarks/README.md.
 """
@@ -36,16 +37,22 @@ WORKER_TIMEOUT_S = 300
 # ----------------------------------------------------------------------------------------------------
 
 
-def worker_main(row: str, workload: str, quick: bool) -> None:
+def worker_main(row: str, workloads: str, quick: bool) -> None:
+    """Measure ``row`` on each of the comma-separated ``workloads`` in turn: one JSON line each. The full run gives
+    one workload per process; ``--quick`` gives a row all of them (see ``_worker_batches``)."""
     from worker import measure
 
-    print(json.dumps(measure(row, workload, quick, T0)), flush=True)
+    t0 = T0
+    for workload in workloads.split(","):
+        print(json.dumps(measure(row, workload, quick, t0)), flush=True)
+        t0 = time.perf_counter()  # the next workload's start-up is its setup: the libraries are imported by now
 
 
-def paired_worker_main(row: str, workload: str, quick: bool, pairs: int) -> None:
+def paired_worker_main(row: str, workloads: str, quick: bool, pairs: int) -> None:
     from worker import measure_paired
 
-    print(json.dumps(measure_paired(row, workload, quick, pairs)), flush=True)
+    for workload in workloads.split(","):
+        print(json.dumps(measure_paired(row, workload, quick, pairs)), flush=True)
 
 
 def import_worker_main(module: str) -> None:
@@ -67,22 +74,39 @@ def import_worker_main(module: str) -> None:
 
 def _run_child(args: list, timeout: float, env: Optional[dict] = None) -> dict:
     """Run ``run.py ARGS`` in a fresh interpreter and return its JSON line (or an ``error``)."""
+    return _run_child_lines(args, 1, timeout, env)[0]
+
+
+def _run_child_lines(args: list, count: int, timeout: float, env: Optional[dict] = None) -> list:
+    """Run ``run.py ARGS`` in a fresh interpreter and return its last ``count`` JSON lines, one per measurement
+    (or as many ``error`` results)."""
     command = [sys.executable, str(Path(__file__).resolve()), *args]
     start = time.perf_counter()
     try:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
+        return [{"error": f"timed out after {timeout} s"}] * count
     wall_ms = (time.perf_counter() - start) * 1e3
-    lines = completed.stdout.strip().splitlines()
-    if completed.returncode != 0 or not lines:
-        return {"error": f"exit code {completed.returncode}: {completed.stderr.strip()[-2000:]}"}
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]  # the JSON lines
+    if completed.returncode != 0 or len(lines) < count:
+        return [{"error": f"exit code {completed.returncode}: {completed.stderr.strip()[-2000:]}"}] * count
     try:
-        result = json.loads(lines[-1])
+        results = [json.loads(line) for line in lines[-count:]]
     except json.JSONDecodeError:
-        return {"error": f"no JSON result line: {completed.stdout[-500:]}"}
-    result["process_wall_ms"] = wall_ms
-    return result
+        return [{"error": f"no JSON result line: {completed.stdout[-500:]}"}] * count
+    for result in results:
+        result["process_wall_ms"] = wall_ms
+    return results
+
+
+def _worker_batches(workloads: list, rows: list, quick: bool) -> list:
+    """The ``(workloads, row)`` of each worker process, in the order they run: one workload per process in a full
+    run; in a ``--quick`` smoke run, one process per row measures every workload in turn, as a process spends longer
+    importing torch than a quick measurement takes. Its start-up, import and memory figures are then fresh-process
+    figures for the first workload only."""
+    if quick:
+        return [(list(workloads), row) for row in rows]
+    return [([workload], row) for workload in workloads for row in rows]
 
 
 def _rotated(items: list, shift: int) -> list:
@@ -244,12 +268,18 @@ def paired_table(summaries: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _processes_text(quick: bool) -> str:
+    if quick:  # see _worker_batches
+        return "one process per row for every workload (--quick: start-up and memory are fresh for the first only)"
+    return "each measurement in a fresh process"
+
+
 def render_markdown(results: dict) -> str:
     meta = results["meta"]
     parts = [
         "# Benchmark results\n",
         f"`{meta['command']}` — {meta['date']}, {meta['machine']}, Python {meta['python']}, torch {meta['torch']}, "
-        f"accelerate {meta['accelerate']}; {meta['repeats']} repeat(s), each measurement in a fresh process, "
+        f"accelerate {meta['accelerate']}; {meta['repeats']} repeat(s), {_processes_text(meta['quick'])}, "
         f"`torch.set_num_threads(1)`; total {meta['total_runtime_s']:.0f} s; load average "
         f"{meta['loadavg_start']} at start, {meta['loadavg_end']} at end.\n",
         "µs/step: wall time of the timed epochs (all but the first, warm-up one) divided by their training steps "
@@ -324,7 +354,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads (default: all)")
     parser.add_argument("--rows", default=None, help="comma-separated rows (default: every available row)")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: smaller workloads, one repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: smaller workloads, one repeat, one process per row"
+    )
     parser.add_argument("--output-dir", default=str(BENCH_DIR / "results"), help="where results.md/json go")
     parser.add_argument("--worker", nargs=2, metavar=("ROW", "WORKLOAD"), help=argparse.SUPPRESS)
     parser.add_argument("--import-worker", metavar="MODULE", help=argparse.SUPPRESS)
@@ -390,26 +422,28 @@ def main(argv=None) -> int:
     # Import times are compared with bytecode written and reused, as after any install (pip compiles the .pyc
     # files of torch and accelerate when it installs them): one untimed import first writes this checkout's.
     import_env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
-    for module in IMPORT_MODULES:
-        _run_child(["--import-worker", module], timeout=120, env=import_env)
+    if not args.quick:  # a smoke run's timings are rough anyway: no process spent on writing bytecode
+        for module in IMPORT_MODULES:
+            _run_child(["--import-worker", module], timeout=120, env=import_env)
     for repeat in range(args.repeats):
         # interleaved: each repeat visits every workload and row, in an order rotated by the repeat
         for module in _rotated(list(IMPORT_MODULES), repeat):
             result = _run_child(["--import-worker", module], timeout=120, env=import_env)
             import_runs[module].append(result)
             progress(f"repeat {repeat + 1} import {module}", result, f"{result.get('import_ms', 0):.0f} ms")
-        for workload in args.workloads:
-            for row in _rotated(list(args.rows), repeat):
-                result = _run_child(["--worker", row, workload, *quick_flag], timeout=WORKER_TIMEOUT_S)
+        for workloads, row in _worker_batches(args.workloads, _rotated(list(args.rows), repeat), args.quick):
+            worker_flags = ["--worker", row, ",".join(workloads), *quick_flag]
+            results = _run_child_lines(worker_flags, len(workloads), timeout=WORKER_TIMEOUT_S * len(workloads))
+            for workload, result in zip(workloads, results):
                 runs[workload][row].append(result)
                 value = f"{result.get('us_per_step', 0):.1f} µs/step, trained={result.get('trained')}"
                 progress(f"repeat {repeat + 1} {workload} {row}", result, value)
 
     paired_runs = {workload: {} for workload in args.workloads}
-    for workload in args.workloads:
-        for row in paired_rows:
-            pairs_flags = ["--paired-worker", row, workload, "--pairs", str(args.pairs), *quick_flag]
-            result = _run_child(pairs_flags, timeout=WORKER_TIMEOUT_S * 2)
+    for workloads, row in _worker_batches(args.workloads, paired_rows, args.quick):
+        pairs_flags = ["--paired-worker", row, ",".join(workloads), "--pairs", str(args.pairs), *quick_flag]
+        results = _run_child_lines(pairs_flags, len(workloads), timeout=WORKER_TIMEOUT_S * 2 * len(workloads))
+        for workload, result in zip(workloads, results):
             paired_runs[workload][row] = result
             value = "" if "error" in result else f"median ratio {statistics.median(result['ratios']):.3f}"
             progress(f"paired {workload} {row}", result, value)

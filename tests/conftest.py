@@ -21,6 +21,42 @@ def pytest_report_header(config):
     return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
+#: The longest tests on 2 CPU cores (40-120 s each with -n 2, most of it starting processes), longest first: mypy
+#: on a fresh clone (no .mypy_cache), the exit-race launches, the benchmark smoke run, two-process kill and resume.
+LONGEST_TESTS = (
+    "test_lint.py::test_mypy_reports_no_error_on_the_package",
+    "test_exit.py::test_the_readme_quickstart_on_two_processes_exits_0_every_time",
+    "test_resume_processes.py::test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise",
+    "test_benchmarks.py::test_quick_benchmark_runs_every_row_and_workload_and_each_trains",
+    "test_extra_models.py::test_two_processes_resume_both_models_and_optimizers_bit_for_bit",
+)
+
+
+def _start_rank(item) -> int:
+    """The longest tests first, in the order of LONGEST_TESTS, then the other slow or distributed ones, the rest."""
+    name = item.nodeid.rsplit("/", 1)[-1]
+    for rank, prefix in enumerate(LONGEST_TESTS):
+        if name.startswith(prefix):
+            return rank
+    return len(LONGEST_TESTS) + (0 if item.get_closest_marker("slow") or item.get_closest_marker("distributed") else 1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n auto --dist loadfile``, set in pyproject.toml) the longest tests start first, then the
+    others marked slow or distributed, then the quick ones, so that no long test starts last and keeps one core busy
+    after the others ran out of work: xdist hands the files out in the order of their first test, and runs a file's
+    tests in this order. A run without workers keeps the order of the files."""
+    if hasattr(config, "workerinput"):  # a worker's collection: the controller schedules in its order
+        items.sort(key=_start_rank)
+
+
+# One intra-op thread per test process, and in the processes the tests start (unless OMP_NUM_THREADS is set): the
+# suite runs one test process per core, so a second thread only waits for a core, spinning. The GAN example's
+# test took 4 times longer with two threads on 2 cores, and up to 50 s while the other core ran a test.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 #: The environment of a multi-process test: gloo on the CPU, one thread per process (the machine has 2 cores).
 CPU_PROCESSES_ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 

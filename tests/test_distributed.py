@@ -28,10 +28,17 @@ def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1
     return json.loads(output.read_text()), completed
 
 
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    """The one-process run with batch 8 (the global batch of 2 processes x 4) that several tests compare with,
+    launched once (pytest-xdist runs a file's tests on one test process: --dist loadfile in pyproject.toml)."""
+    result, _ = _launch(tmp_path_factory.mktemp("single"), "single", 1, per_device_batch_size=8)
+    return result
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
-    single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8)
+def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, single):
     accumulated, _ = _launch(tmp_path, "accumulated", 1, per_device_batch_size=4, accumulation=2)
     double, completed = _launch(tmp_path, "double", 2, per_device_batch_size=4)
 
@@ -75,7 +82,7 @@ def test_token_level_losses_do_not_depend_on_how_the_global_batch_is_split(tmp_p
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp_path, launcher):
+def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp_path, launcher, single):
     """Accelerate alone would run two independent trainings here: the trainer runs one 2-process job on gloo."""
     env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
     env["OMP_NUM_THREADS"] = "1"
@@ -89,7 +96,6 @@ def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp
         )
         assert completed.returncode == 0, completed.stderr[-3000:]
         double = json.loads(output.read_text())
-    single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8)
     assert double["num_processes"] == 2 and double["ranks_agree"]
     torch.testing.assert_close(
         torch.tensor(double["parameters"]), torch.tensor(single["parameters"]), rtol=1e-5, atol=1e-6

@@ -3,38 +3,62 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHIM_SOURCE = ROOT / "benchmarks" / "exit_stress" / "slow_wakeup.c"
 sys.path.insert(0, str(ROOT / "benchmarks" / "exit_stress"))
 
-from stress import launch, launchers  # noqa: E402  (benchmarks/exit_stress/stress.py: the stress run, with more launches)
+import stress  # noqa: E402  (benchmarks/exit_stress/stress.py: the stress run, with more launches)
 
-#: Launches per launcher: a race that aborts 1 launch in 10 passes all 2 x 12 with probability 0.9**24 < 8%.
-LAUNCHES = 12
+#: Launches per launcher with the slow-gloo shim, which widens the exit race: without the fix (the atexit wait
+#: turned off), every one of 20 such launches aborted (10 per launcher, 2 CPU cores). If only 86% did (the 95% lower
+#: bound of 20 in 20), 2 launches per launcher, 4 in all, still find a regression with probability 1 - 0.14**4 >
+#: 99.9%; the 24 plain launches this test made before found it with probability 1 - (29/30)**12 * (28/30)**12 = 71%
+#: (1 in 30 and 2 in 30 aborted), with 4 times as many launches.
+SLOW_GLOO_LAUNCHES = 2
+#: Plain launches per launcher: the quickstart exactly as users launch it, with no shim in the processes.
+PLAIN_LAUNCHES = 1
+
+
+@pytest.fixture(scope="module")
+def slow_gloo_shim(tmp_path_factory) -> str:
+    """slow_wakeup.c built into this test's own temporary folder (stress.py's fixed path in /tmp could be half
+    written by another test process building it at the same time)."""
+    if shutil.which("gcc") is None:
+        pytest.fail("the exit race test builds benchmarks/exit_stress/slow_wakeup.c with gcc: install gcc")
+    library = tmp_path_factory.mktemp("shim") / "slow_wakeup.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(library), str(SHIM_SOURCE), "-ldl"], check=True)
+    return str(library)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", sorted(launchers()))
-def test_the_readme_quickstart_on_two_processes_exits_0_every_time(launcher):
+@pytest.mark.parametrize("launcher", sorted(stress.launchers()))
+def test_the_readme_quickstart_on_two_processes_exits_0_every_time(launcher, slow_gloo_shim, monkeypatch):
     """examples/quickstart.py (the README's, no teardown at its end), launched as users launch it. Before the fix,
-    1 in 30 accelerate launches and 2 in 30 torchrun launches aborted at interpreter exit (SIGABRT)."""
-    results = [
-        launch(launchers()[launcher], str(ROOT / "examples" / "quickstart.py"), slow_gloo=False)
-        for _ in range(LAUNCHES)
-    ]
+    1 in 30 accelerate launches and 2 in 30 torchrun launches aborted at interpreter exit (SIGABRT), and every
+    launch with the slow-gloo shim (benchmarks/exit_stress) did."""
+    monkeypatch.setattr(stress, "_shim", lambda: slow_gloo_shim)
+    command, script = stress.launchers()[launcher], str(ROOT / "examples" / "quickstart.py")
+    results = [stress.launch(command, script, slow_gloo=True) for _ in range(SLOW_GLOO_LAUNCHES)]
+    results += [stress.launch(command, script, slow_gloo=False) for _ in range(PLAIN_LAUNCHES)]
     failed = [(status, stderr) for status, _, stderr in results if status != 0]
-    assert not failed, f"{len(failed)} of {LAUNCHES} launches failed; the first: exit {failed[0][0]}\n{failed[0][1]}"
+    assert not failed, (
+        f"{len(failed)} of {len(results)} launches failed; the first: exit {failed[0][0]}\n{failed[0][1]}"
+    )
 
 
 def test_the_exit_wait_sees_idle_gloo_workers_and_returns_within_milliseconds():
     """In a real (one-process) gloo group after a collective, the workers are seen idle and the wait is short."""
     code = (
         "import os, time, torch, torch.distributed as dist\n"
-        "from pytorch_accel_trainer.parallel.distributed import _gloo_worker_states, _wait_until_gloo_workers_are_idle\n"
+        "from pytorch_accel_trainer.parallel.distributed import _gloo_worker_states\n"
+        "from pytorch_accel_trainer.parallel.distributed import _wait_until_gloo_workers_are_idle\n"
         "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='0')\n"
         "dist.init_process_group('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:0')\n"
         "dist.all_reduce(torch.ones(3))\n"
@@ -44,7 +68,5 @@ def test_the_exit_wait_sees_idle_gloo_workers_and_returns_within_milliseconds():
         "assert waited < 1.0, waited\n"
         "print('ok', len(states), round(waited * 1000, 1))\n"
     )
-    import subprocess
-
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert completed.returncode == 0 and completed.stdout.startswith("ok"), completed.stderr[-2000:]
