@@ -36,7 +36,7 @@ from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, L
     TerminateOnNaNCallback,
     with_limit_batches_from_env,
 )
-from pytorch_accel_trainer.callbacks.base import validate_callback_list
+from pytorch_accel_trainer.callbacks.base import EVENTS, validate_callback_list
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.loop import accumulation, persistence
 from pytorch_accel_trainer.loop.batches import (
@@ -134,20 +134,14 @@ DEFAULT_CALLBACKS = (
 #: The events that a point where every process can stop together follows (``Trainer._raise_agreed_stop``): a
 #: ``StopTrainingError`` a callback raises in one of them is held until that point. In the other events (a run's
 #: start and end, ``on_init_end``, ``on_stop_training_error``) it is raised at once. See ``Trainer._call_event``.
-AGREED_STOP_EVENTS = frozenset(
-    {
-        "on_train_epoch_start",
-        "on_train_step_start",
-        "on_train_step_end",
-        "on_optimizer_step_end",
-        "on_train_epoch_end",
-        "on_eval_epoch_start",
-        "on_eval_step_start",
-        "on_eval_step_end",
-        "on_eval_epoch_end",
-        "on_training_run_epoch_end",
-    }
-)
+AGREED_STOP_EVENTS = frozenset(EVENTS) - {
+    "on_init_end",
+    "on_training_run_start",
+    "on_training_run_end",
+    "on_evaluation_run_start",
+    "on_evaluation_run_end",
+    "on_stop_training_error",
+}
 
 
 @functools.lru_cache(maxsize=128)

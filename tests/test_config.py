@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import CPU_PROCESSES_ENV
+from conftest import CPU_PROCESSES_ENV, launcher
 from safetensors.torch import load_file
 
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
@@ -293,24 +293,7 @@ def test_the_digits_yaml_trains_from_the_console_script(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_digits_yaml_trains_under_a_2_process_launch(tmp_path):
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
-        "-m",
-        "pytorch_accel_trainer",
-    ]
+    launch = [*launcher(2), "-m", "pytorch_accel_trainer"]
     completed = subprocess.run(
         _digits_command(tmp_path, launch), cwd=ROOT, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300
     )

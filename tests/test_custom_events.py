@@ -11,7 +11,7 @@ from conftest import linear_dataset, make_linear
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
-from pytorch_accel_trainer.callbacks import EVENTS, CallbackHandler, TrainerCallback
+from pytorch_accel_trainer.callbacks import CallbackHandler, TrainerCallback
 
 
 class CheckpointEveryUpdate(TrainerCallback):
@@ -113,7 +113,3 @@ def test_firing_a_misspelt_trainer_event_is_refused_and_an_unhandled_custom_even
     with pytest.raises(ValueError, match=r"'on_train_epoch_ends'.*did you mean 'on_train_epoch_end'"):
         handler.call_event("on_train_epoch_ends", None)
     handler.call_event("on_something_nobody_handles", None, 1, key=2)  # as in pytorch-accelerated: nothing happens
-
-
-def test_custom_event_names_are_not_trainer_events():
-    assert not {"on_invoke_save_checkpoint", "on_invoke_debug_parameters", "on_invoke_log_train_losses"} & set(EVENTS)
