@@ -109,6 +109,11 @@ def _worker_batches(workloads: list, rows: list, quick: bool) -> list:
     return [([workload], row) for workload in workloads for row in rows]
 
 
+def _workload_repeats(name: str, args: argparse.Namespace) -> int:
+    """The repeats of workload ``name``: ``--repeats``, at most the workload's own cap (memory needs fewer)."""
+    return min(args.repeats, workload_spec(name, args.quick).get("repeats", args.repeats))
+
+
 def _rotated(items: list, shift: int) -> list:
     shift %= len(items)
     return items[shift:] + items[:shift]
@@ -142,6 +147,9 @@ def summarize_workload(runs_by_row: dict) -> dict:
                 "peak_rss_mb",
                 "rss_increase_mb",
                 "rss_after_imports_mb",
+                "whole_run_us_per_step",
+                "whole_run_cpu_us_per_step",
+                "run_peak_increase_mb",
             ):
                 summary[key] = _spread([run[key] for run in ok])
             summary["trained_runs"] = sum(run["trained"] for run in ok)
@@ -154,6 +162,11 @@ def summarize_workload(runs_by_row: dict) -> dict:
         summary["ratio_to_baseline"] = _spread(ratios) if ratios else None
         cpu_ratios = [run["cpu_us_per_step"] / base["cpu_us_per_step"] for run, base in pairs]
         summary["cpu_ratio_to_baseline"] = _spread(cpu_ratios) if cpu_ratios else None
+        whole = [run["whole_run_us_per_step"] / base["whole_run_us_per_step"] for run, base in pairs]
+        summary["whole_run_ratio_to_baseline"] = _spread(whole) if whole else None
+        # memory: the run's peak above the memory at its start, less the baseline's of the same repeat
+        extra = [run["run_peak_increase_mb"] - base["run_peak_increase_mb"] for run, base in pairs]
+        summary["extra_peak_over_baseline_mb"] = _spread(extra) if extra else None
         summaries[row] = summary
     return summaries
 
@@ -166,27 +179,33 @@ def _step_digits(median: float) -> int:
     return 1 if median < 100 else 0
 
 
+def _ratio_text(ratio: Optional[dict]) -> str:
+    return "n/a" if ratio is None else f"{ratio['median']:.2f} ({ratio['min']:.2f}–{ratio['max']:.2f})"
+
+
 def workload_table(name: str, summaries: dict) -> str:
     header = (
-        "| row | µs/step (median) | spread (min–max) | × torch_loop (min–max) | start-up ms (import + setup) "
+        "| row | µs/step (median) | spread (min–max) | × torch_loop (min–max) | whole run µs/step "
+        "| whole run × torch_loop (min–max) | start-up ms (import + setup) "
         "| peak RSS MB | RSS increase MB | loss first→last | trained |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|:---:|\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|\n"
     )
     lines = []
     for row, summary in summaries.items():
         if "us_per_step" not in summary:
-            lines.append(f"| {row} | ERROR | | | | | | | FAIL |")
+            lines.append(f"| {row} | ERROR | | | | | | | | | FAIL |")
             continue
-        step = summary["us_per_step"]
+        step, whole = summary["us_per_step"], summary["whole_run_us_per_step"]
         digits = _step_digits(step["median"])
-        ratio = summary["ratio_to_baseline"]
-        ratio_text = "n/a" if ratio is None else f"{ratio['median']:.2f} ({ratio['min']:.2f}–{ratio['max']:.2f})"
+        ratio_text = _ratio_text(summary["ratio_to_baseline"])
+        whole_text = f"{_fmt(whole['median'], _step_digits(whole['median']))}"
+        whole_ratio_text = _ratio_text(summary["whole_run_ratio_to_baseline"])
         startup = summary["startup_ms"]["median"]
         imports, setup = summary["import_ms"]["median"], summary["setup_ms"]["median"]
         trained = "yes" if summary["trained"] else f"FAIL ({summary.get('trained_runs', 0)}/{summary['runs']})"
         lines.append(
             f"| {row} | {_fmt(step['median'], digits)} | {_fmt(step['min'], digits)}–{_fmt(step['max'], digits)} "
-            f"| {ratio_text} | {_fmt(startup)} ({_fmt(imports)} + {_fmt(setup)}) "
+            f"| {ratio_text} | {whole_text} | {whole_ratio_text} | {_fmt(startup)} ({_fmt(imports)} + {_fmt(setup)}) "
             f"| {_fmt(summary['peak_rss_mb']['median'])} | {_fmt(summary['rss_increase_mb']['median'], 1)} "
             f"| {summary['first_loss']:.3f}→{summary['last_loss']:.3f} | {trained} |"
         )
@@ -196,6 +215,34 @@ def workload_table(name: str, summaries: dict) -> str:
         if summary["errors"]
     ]
     return header + "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def memory_table(spec: dict, summaries: dict, quick: bool) -> str:
+    """The peak memory of each row's run above the memory at its start, and the extra over the torch loop in units of
+    one step's logits (the goal: at most 0.1). Not judged in a ``--quick`` run: its logits are tiny, and a process
+    measures every workload in turn, so a later workload's peak may be an earlier one's."""
+    logits = spec["logits_mib"]
+    lines = [
+        "| row | peak above run start MiB (min–max) | extra over torch_loop MiB "
+        f"| × one step's logits ({logits:,.0f} MiB) | goal ≤ 0.1 |",
+        "|---|---:|---:|---:|:---:|",
+    ]
+    for row, summary in summaries.items():
+        if "run_peak_increase_mb" not in summary:
+            lines.append(f"| {row} | ERROR | | | |")
+            continue
+        peak, extra = summary["run_peak_increase_mb"], summary["extra_peak_over_baseline_mb"]
+        peak_text = f"{_fmt(peak['median'])} ({_fmt(peak['min'])}–{_fmt(peak['max'])})"
+        if row == BASELINE_ROW or extra is None:
+            lines.append(f"| {row} | {peak_text} | | | |")
+            continue
+        units = extra["median"] / logits
+        verdict = "not judged (--quick)" if quick else ("yes" if units <= 0.1 else "**no**")
+        lines.append(
+            f"| {row} | {peak_text} | {extra['median']:+,.0f} ({extra['min']:+,.0f}–{extra['max']:+,.0f}) "
+            f"| {units:+.2f} | {verdict} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def import_table(imports: dict) -> str:
@@ -284,7 +331,10 @@ def render_markdown(results: dict) -> str:
         f"{meta['loadavg_start']} at start, {meta['loadavg_end']} at end.\n",
         "µs/step: wall time of the timed epochs (all but the first, warm-up one) divided by their training steps "
         "(micro-batches). × torch_loop: the median over repeats of each repeat's ratio to the torch_loop run of the "
-        "same repeat, with its min–max. Start-up: from the worker's first line to the first training "
+        "same repeat, with its min–max. Whole run: the time of the whole run as its user pays it (building the "
+        "model, the trainer or Accelerator and dataloaders, every epoch with the warm-up one, and the end of the "
+        "run) divided by all its steps, fresh process per row, interleaved rounds; its ratio is again the median of "
+        "the per-round ratios. Start-up: from the worker's first line to the first training "
         "step, with the medians of its two parts (the imports the row needs + the setup after them). Peak RSS: "
         "`ru_maxrss` of the worker; RSS increase: peak minus the RSS right after the imports. "
         "Trained: the last epoch's train loss is below the first epoch's, in every repeat.\n",
@@ -292,12 +342,24 @@ def render_markdown(results: dict) -> str:
     for name, workload in results["workloads"].items():
         spec = workload["spec"]
         eval_text = f", {spec['eval_samples']} eval samples" if spec["eval_samples"] else ""
-        parts.append(
-            f"## {name}\n\n{workload['about']} Batch {spec['batch_size']}, {spec['train_samples']} train samples"
-            f"{eval_text}; {spec['epochs']} epochs × {spec['steps_per_epoch']} steps ({spec['timed_steps']} timed "
-            "steps).\n"
-        )
+        if spec["phase"] == "evaluate":
+            size_text = f"Batch {spec['batch_size']}, {spec['eval_samples']} eval samples: one evaluation of "
+            size_text += f"{spec['steps_per_epoch']} batches, timed whole."
+        else:
+            size_text = f"Batch {spec['batch_size']}, {spec['train_samples']} train samples{eval_text}; "
+            size_text += f"{spec['epochs']} epochs × {spec['steps_per_epoch']} steps "
+            size_text += f"({spec['timed_steps']} timed steps)."
+        if meta["quick"]:
+            size_text += " (--quick sizes.)"
+        parts.append(f"## {name}\n\n{workload['about']} {size_text}\n")
         parts.append(workload_table(name, workload["rows"]))
+        if spec["model"] == "lm":
+            parts.append(
+                "Memory: the peak RSS of the worker above its RSS just before the run (data and imports made, the "
+                "first optimizer's one-off import of torch._dynamo paid), per repeat against the torch_loop run of "
+                "the same repeat.\n"
+            )
+            parts.append(memory_table(spec, workload["rows"], meta["quick"]))
         if workload.get("paired"):
             pairs = next(iter(workload["paired"].values())).get("pairs", "?")
             parts.append(
@@ -409,8 +471,9 @@ def main(argv=None) -> int:
     runs = {workload: {row: [] for row in args.rows} for workload in args.workloads}
     import_runs = {module: [] for module in IMPORT_MODULES}
     paired_rows = [row for row in args.rows if row != BASELINE_ROW] if args.pairs else []
-    total = args.repeats * (len(args.workloads) * len(args.rows) + len(IMPORT_MODULES))
-    total += len(args.workloads) * len(paired_rows)
+    total = sum(_workload_repeats(name, args) for name in args.workloads) * len(args.rows)
+    total += args.repeats * len(IMPORT_MODULES)
+    total += sum(workload_spec(name, args.quick)["paired"] for name in args.workloads) * len(paired_rows)
     done = 0
 
     def progress(label: str, result: dict, value: str) -> None:
@@ -431,7 +494,8 @@ def main(argv=None) -> int:
             result = _run_child(["--import-worker", module], timeout=120, env=import_env)
             import_runs[module].append(result)
             progress(f"repeat {repeat + 1} import {module}", result, f"{result.get('import_ms', 0):.0f} ms")
-        for workloads, row in _worker_batches(args.workloads, _rotated(list(args.rows), repeat), args.quick):
+        due = [name for name in args.workloads if repeat < _workload_repeats(name, args)]
+        for workloads, row in _worker_batches(due, _rotated(list(args.rows), repeat), args.quick):
             worker_flags = ["--worker", row, ",".join(workloads), *quick_flag]
             results = _run_child_lines(worker_flags, len(workloads), timeout=WORKER_TIMEOUT_S * len(workloads))
             for workload, result in zip(workloads, results):
@@ -439,8 +503,9 @@ def main(argv=None) -> int:
                 value = f"{result.get('us_per_step', 0):.1f} µs/step, trained={result.get('trained')}"
                 progress(f"repeat {repeat + 1} {workload} {row}", result, value)
 
-    paired_runs = {workload: {} for workload in args.workloads}
-    for workloads, row in _worker_batches(args.workloads, paired_rows, args.quick):
+    paired_runs: dict = {workload: {} for workload in args.workloads}
+    paired_workloads = [name for name in args.workloads if workload_spec(name, args.quick)["paired"]]
+    for workloads, row in _worker_batches(paired_workloads, paired_rows, args.quick):
         pairs_flags = ["--paired-worker", row, ",".join(workloads), "--pairs", str(args.pairs), *quick_flag]
         results = _run_child_lines(pairs_flags, len(workloads), timeout=WORKER_TIMEOUT_S * 2 * len(workloads))
         for workload, result in zip(workloads, results):

@@ -18,7 +18,7 @@ import resource
 import sys
 import time
 
-from workloads import TRAIN_SEED, make_datasets, make_model, updates_per_epoch, workload_spec
+from workloads import TRAIN_SEED, make_datasets, make_loss_func, make_model, updates_per_epoch, workload_spec
 
 #: The libraries each row imports; the worker times these imports (torch always comes first).
 ROW_IMPORTS = {
@@ -78,14 +78,23 @@ def measure(row: str, workload: str, quick: bool, t0: float) -> dict:
 
     torch.set_num_threads(1)
     datasets = make_datasets(spec)
+    _first_optimizer_costs()
+    rss_before_run = _rss_mb()
+    functions = EVAL_FUNCTIONS if spec["phase"] == "evaluate" else ROW_FUNCTIONS
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
-        marks, train_losses = ROW_FUNCTIONS[row](spec, *datasets)  # progress output goes nowhere, but is made
+        run_start = _now()
+        marks, train_losses = functions[row](spec, *datasets)  # progress output goes nowhere, but is made
+        run_end = _now()
 
     (start, start_cpu), (end, end_cpu) = marks["timed_start"], marks["timed_end"]
     timed_s, timed_cpu_s = end - start, end_cpu - start_cpu
     first_epoch_s = start - marks["first_epoch_start"][0]
     peak = _peak_rss_mb()
     losses_finite = all(math.isfinite(loss) for loss in train_losses)
+    if spec["phase"] == "evaluate":  # nothing trains: the loss must only be a number
+        trained = len(train_losses) == 1 and losses_finite
+    else:
+        trained = len(train_losses) == spec["epochs"] and losses_finite and train_losses[-1] < train_losses[0]
     return {
         "row": row,
         "workload": workload,
@@ -101,10 +110,23 @@ def measure(row: str, workload: str, quick: bool, t0: float) -> dict:
         "rss_after_imports_mb": rss_after_imports,
         "peak_rss_mb": peak,
         "rss_increase_mb": peak - rss_after_imports,
+        "rss_before_run_mb": rss_before_run,
+        "run_peak_increase_mb": peak - rss_before_run,
+        "whole_run_us_per_step": (run_end[0] - run_start[0]) / spec["total_steps"] * 1e6,
+        "whole_run_cpu_us_per_step": (run_end[1] - run_start[1]) / spec["total_steps"] * 1e6,
         "train_losses": train_losses,
-        "trained": len(train_losses) == spec["epochs"] and losses_finite and train_losses[-1] < train_losses[0],
+        "trained": trained,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def _first_optimizer_costs() -> None:
+    """Pay, before the run's marks, the one-off cost of torch's first optimizer: ``add_param_group`` imports
+    ``torch._dynamo`` (and sympy) on its first call, about 1.1 s and 100 MB in every row alike. Left in, it would
+    dilute every whole-run ratio toward 1 and hide the loop's own start-up among torch's."""
+    import torch
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -131,7 +153,7 @@ def _hand_loop(spec: dict, train_dataset, eval_dataset, use_accelerate: bool):
 
     model = make_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
-    loss_func = torch.nn.MSELoss()
+    loss_func = make_loss_func(spec)
     torch.manual_seed(TRAIN_SEED)
     train_dl = DataLoader(train_dataset, batch_size=spec["batch_size"], shuffle=True)
     eval_dl = DataLoader(eval_dataset, batch_size=spec["batch_size"]) if eval_dataset is not None else None
@@ -174,15 +196,22 @@ def _hand_loop(spec: dict, train_dataset, eval_dataset, use_accelerate: bool):
                 optimizer.zero_grad()
         train_losses.append(loss_sum.item() / count)
         if eval_dl is not None:
-            model.eval()
-            eval_sum, eval_count = torch.zeros(()), 0
-            with torch.no_grad():
-                for xb, yb in eval_dl:
-                    eval_sum += loss_func(model(xb), yb) * yb.size(0)
-                    eval_count += yb.size(0)
-            eval_losses.append(eval_sum.item() / eval_count)
+            eval_losses.append(_hand_eval_epoch(model, eval_dl, loss_func))
     marks["timed_end"] = _now()
     return marks, train_losses
+
+
+def _hand_eval_epoch(model, eval_dl, loss_func) -> float:
+    """One evaluation epoch as written by hand: ``torch.no_grad()``, the loss summed on the device, read once."""
+    import torch
+
+    model.eval()
+    eval_sum, eval_count = torch.zeros(()), 0
+    with torch.no_grad():
+        for xb, yb in eval_dl:
+            eval_sum += loss_func(model(xb), yb) * yb.size(0)
+            eval_count += yb.size(0)
+    return eval_sum.item() / eval_count
 
 
 def torch_loop(spec, train_dataset, eval_dataset):
@@ -224,7 +253,7 @@ def _accel_trainer_row(spec, train_dataset, eval_dataset, trainer_module, callba
     model = make_model(spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     callbacks = [timing, *trainer_module.DEFAULT_CALLBACKS] if default_callbacks else [timing]
-    trainer = trainer_module.Trainer(model, loss_func=torch.nn.MSELoss(), optimizer=optimizer, callbacks=callbacks)
+    trainer = trainer_module.Trainer(model, loss_func=make_loss_func(spec), optimizer=optimizer, callbacks=callbacks)
     create_scheduler_fn = None
     if spec["scheduler"]:
         create_scheduler_fn = functools.partial(
@@ -287,7 +316,7 @@ def lightning(spec, train_dataset, eval_dataset):
         def __init__(self):
             super().__init__()
             self.model = make_model(spec)
-            self.loss_func = torch.nn.MSELoss()
+            self.loss_func = make_loss_func(spec)
             self.epoch_losses: list = []
             self._loss_sum, self._count = torch.zeros(()), 0
 
@@ -343,6 +372,96 @@ def lightning(spec, train_dataset, eval_dataset):
     )
     trainer.fit(module, train_dataloaders=train_dl, val_dataloaders=eval_dl)
     return timing.marks, module.epoch_losses
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation rows (workloads whose phase is "evaluate"): one evaluation of the eval set, nothing trained. Each
+# returns (marks, [the mean eval loss]).
+# ----------------------------------------------------------------------------------------------------
+
+
+def _hand_eval(spec: dict, train_dataset, eval_dataset, use_accelerate: bool):
+    """The evaluation loop people write by hand, alone (nothing trained before it)."""
+    from torch.utils.data import DataLoader
+
+    model, loss_func = make_model(spec), make_loss_func(spec)
+    eval_dl = DataLoader(eval_dataset, batch_size=spec["batch_size"])
+    if use_accelerate:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        model, eval_dl = accelerator.prepare(model, eval_dl)
+    marks = {"first_epoch_start": _now()}
+    marks["timed_start"] = marks["first_epoch_start"]
+    loss = _hand_eval_epoch(model, eval_dl, loss_func)
+    marks["timed_end"] = _now()
+    return marks, [loss]
+
+
+def _trainer_eval(spec: dict, eval_dataset, trainer_module, callbacks_module, default_callbacks: bool):
+    """``Trainer.evaluate`` of a pytorch-accelerated style trainer (ours or the original)."""
+    timing = _timing_callback(callbacks_module.TrainerCallback)
+    callbacks = [timing, *trainer_module.DEFAULT_CALLBACKS] if default_callbacks else [timing]
+    model = make_model(spec)
+    trainer = trainer_module.Trainer(model, loss_func=make_loss_func(spec), optimizer=None, callbacks=callbacks)
+    start = _now()
+    trainer.evaluate(eval_dataset, per_device_batch_size=spec["batch_size"])
+    marks = {"first_epoch_start": start, "timed_start": start, "timed_end": _now()}
+    history = trainer.run_history
+    name = "evaluation_loss" if "evaluation_loss" in history.get_metric_names() else "eval_loss_epoch"
+    return marks, [float(history.get_latest_metric(name))]
+
+
+def _our_modules():
+    import pytorch_accel_trainer
+    import pytorch_accel_trainer.callbacks
+
+    return pytorch_accel_trainer, pytorch_accel_trainer.callbacks
+
+
+def _pytorch_accelerated_modules():
+    import pytorch_accelerated
+    import pytorch_accelerated.callbacks
+    import pytorch_accelerated.trainer
+
+    return pytorch_accelerated.trainer, pytorch_accelerated.callbacks
+
+
+def _lightning_eval(spec: dict, train_dataset, eval_dataset):
+    """``lightning.Trainer.validate`` with the settings of the ``lightning`` training row."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model, self.loss_func = make_model(spec), make_loss_func(spec)
+            self.loss_sum, self.count = torch.zeros(()), 0
+
+        def validation_step(self, batch, batch_idx):
+            xb, yb = batch
+            self.loss_sum += self.loss_func(self.model(xb), yb) * yb.size(0)
+            self.count += yb.size(0)
+
+    module = Module()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_model_summary=False)
+    start = _now()
+    trainer.validate(module, DataLoader(eval_dataset, batch_size=spec["batch_size"]), verbose=False)
+    marks = {"first_epoch_start": start, "timed_start": start, "timed_end": _now()}
+    return marks, [module.loss_sum.item() / module.count]
+
+
+EVAL_FUNCTIONS = {
+    "torch_loop": lambda spec, train, evaluation: _hand_eval(spec, train, evaluation, use_accelerate=False),
+    "accelerate_loop": lambda spec, train, evaluation: _hand_eval(spec, train, evaluation, use_accelerate=True),
+    "trainer_default": lambda spec, train, evaluation: _trainer_eval(spec, evaluation, *_our_modules(), True),
+    "trainer_no_callbacks": lambda spec, train, evaluation: _trainer_eval(spec, evaluation, *_our_modules(), False),
+    "pytorch_accelerated": lambda spec, train, evaluation: _trainer_eval(
+        spec, evaluation, *_pytorch_accelerated_modules(), True
+    ),
+    "lightning": _lightning_eval,
+}
 
 
 ROW_FUNCTIONS = {

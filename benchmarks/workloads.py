@@ -19,6 +19,21 @@ MODEL_SEED = 0  # the initial weights of every row
 TRAIN_SEED = 42  # the shuffling of every row (the trainer's default seed, set at the start of train())
 
 _OVERHEAD_MODEL = {"dims": (32, 64, 1), "batch_size": 32, "lr": 0.01}
+#: A language-model head: ``Embedding(vocab, width)`` then ``Linear(width, vocab)``, batches of ``batch_size``
+#: sequences of ``sequence_length`` tokens: one step's float32 logits are batch × length × vocab × 4 bytes (250 MiB).
+_LOGITS_MODEL = {
+    "model": "lm",
+    "vocab": 32000,
+    "width": 64,
+    "sequence_length": 256,
+    "batch_size": 8,
+    "lr": 0.5,
+    "accumulation": 1,
+    "scheduler": False,
+    "progress": False,
+    "paired": False,  # memory: one process cannot measure two peaks
+    "repeats": 2,  # a peak of memory barely moves from one run to the next: 2 repeats are enough
+}
 
 #: Each workload: model and data sizes, number of epochs (the first one is warm-up and is not timed),
 #: and the features it exercises. ``quick`` holds the overrides of ``--quick`` (a smoke run).
@@ -76,6 +91,45 @@ WORKLOADS: dict[str, dict] = {
             "(tqdm in the hand loops; trainer_no_callbacks has no bar)."
         ),
     },
+    "overhead_long": {
+        **_OVERHEAD_MODEL,
+        "train_samples": 64000,
+        "eval_samples": 0,
+        "epochs": 5,
+        "accumulation": 1,
+        "scheduler": False,
+        "progress": False,
+        "paired": False,  # its point is the whole run of a fresh process; the overhead workload has the pairs
+        "quick": {"train_samples": 2048, "epochs": 2},
+        "about": (
+            "The overhead model for 10,000 steps (5 epochs of 2,000): a run long enough that its whole time, set-up "
+            "and warm-up epoch included, is the figure to read (whole-run columns)."
+        ),
+    },
+    "logits_train": {
+        **_LOGITS_MODEL,
+        "phase": "train",
+        "train_samples": 24,
+        "eval_samples": 0,
+        "epochs": 2,
+        "quick": {"vocab": 2000, "sequence_length": 32, "train_samples": 16},
+        "about": (
+            "Memory: a language-model head (Embedding(32000, 64) -> Linear(64, 32000), cross-entropy, SGD), "
+            "batches of 8 x 256 tokens: 250 MiB of float32 logits a step; `train()` against the hand-written loops."
+        ),
+    },
+    "logits_eval": {
+        **_LOGITS_MODEL,
+        "phase": "evaluate",
+        "train_samples": 0,
+        "eval_samples": 48,
+        "epochs": 1,
+        "quick": {"vocab": 2000, "sequence_length": 32, "eval_samples": 16},
+        "about": (
+            "Memory: the logits_train model and batches, evaluated (no training): `evaluate()` against the "
+            "hand-written evaluation loops (`torch.no_grad()`, the loss summed on the device)."
+        ),
+    },
 }
 
 
@@ -85,8 +139,18 @@ def workload_spec(name: str, quick: bool = False) -> dict:
     if quick:
         spec.update(WORKLOADS[name]["quick"])
     spec["name"] = name
-    spec["steps_per_epoch"] = -(-spec["train_samples"] // spec["batch_size"])
-    spec["timed_steps"] = spec["steps_per_epoch"] * (spec["epochs"] - 1)
+    spec.setdefault("model", "mlp")
+    spec.setdefault("phase", "train")
+    spec.setdefault("paired", True)
+    if spec["phase"] == "evaluate":  # one evaluation, timed whole
+        spec["steps_per_epoch"] = -(-spec["eval_samples"] // spec["batch_size"])
+        spec["timed_steps"] = spec["steps_per_epoch"]
+    else:  # the first epoch is warm-up
+        spec["steps_per_epoch"] = -(-spec["train_samples"] // spec["batch_size"])
+        spec["timed_steps"] = spec["steps_per_epoch"] * (spec["epochs"] - 1)
+    spec["total_steps"] = spec["steps_per_epoch"] * spec["epochs"]
+    if spec["model"] == "lm":
+        spec["logits_mib"] = spec["batch_size"] * spec["sequence_length"] * spec["vocab"] * 4 / 2**20
     return spec
 
 
@@ -106,6 +170,8 @@ def make_datasets(spec: dict):
     import torch
     from torch.utils.data import TensorDataset
 
+    if spec["model"] == "lm":
+        return _token_datasets(spec)
     generator = torch.Generator().manual_seed(DATA_SEED)
     num_features = spec["dims"][0]
     total = spec["train_samples"] + spec["eval_samples"]
@@ -118,12 +184,46 @@ def make_datasets(spec: dict):
     return train, evaluation
 
 
+def _token_datasets(spec: dict):
+    """Token sequences whose next token is a fixed function of the current one, so that the head can learn it."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(DATA_SEED)
+    vocab = spec["vocab"]
+    datasets = []
+    for samples in (spec["train_samples"], spec["eval_samples"]):
+        tokens = torch.randint(vocab, (samples, spec["sequence_length"]), generator=generator)
+        datasets.append(TensorDataset(tokens, (tokens * 7 + 3) % vocab) if samples else None)
+    return tuple(datasets)
+
+
+class FlatCrossEntropy:
+    """Cross-entropy of ``(tokens, vocab)`` logits against ``(batch, length)`` targets (flattened: a view)."""
+
+    def __call__(self, logits, targets):
+        import torch.nn.functional as F
+
+        return F.cross_entropy(logits, targets.reshape(-1))
+
+
+def make_loss_func(spec: dict):
+    """The workload's loss: mean squared error for the MLPs, cross-entropy for the language-model head."""
+    import torch
+
+    return FlatCrossEntropy() if spec["model"] == "lm" else torch.nn.MSELoss()
+
+
 def make_model(spec: dict):
-    """Return the workload's MLP (Linear layers with ReLU between them), seeded the same for every row."""
+    """Return the workload's model, seeded the same for every row: the MLP (Linear layers with ReLU between them),
+    or the language-model head, whose ``(batch, length, vocab)`` logits come out flattened to ``(tokens, vocab)``."""
     import torch
     from torch import nn
 
     torch.manual_seed(MODEL_SEED)
+    if spec["model"] == "lm":
+        vocab, width = spec["vocab"], spec["width"]
+        return nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, vocab), nn.Flatten(0, 1))
     dims = spec["dims"]
     layers: list = []
     for index, (fan_in, fan_out) in enumerate(zip(dims[:-1], dims[1:])):

@@ -729,6 +729,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if not self.calls_torch_directly:  # DeepSpeed must step only at the end of a window
                 set_deepspeed_gradient_sync(self._accelerator, is_update_step)
             loss = accumulation.scale_loss_for_accumulation(batch_output, step, accumulation_steps, state)
+            # the outputs go before the backward pass, as in `loss_func(model(x), y).backward()`: the graph keeps
+            # only what its backward needs (for a cross-entropy, not the logits), so the peak is a hand loop's
+            del batch_output
             self.backward_step(loss)
 
     def calculate_train_batch_loss(self, batch, batch_idx: Optional[int] = None) -> dict:

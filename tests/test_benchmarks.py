@@ -14,6 +14,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CORE_ROWS = ["torch_loop", "accelerate_loop", "trainer_default", "trainer_no_callbacks"]
 OPTIONAL_ROWS = {"pytorch_accelerated": "pytorch_accelerated", "lightning": "lightning"}
 WORKLOADS = ["overhead", "compute", "eval_heavy", "sched_accum_progress"]
+WORKLOADS += ["overhead_long", "logits_train", "logits_eval"]
+#: Workloads without same-process pairs: a long whole run, and memory (one process cannot measure two peaks)
+UNPAIRED = {"overhead_long", "logits_train", "logits_eval"}
 
 
 @pytest.mark.slow
@@ -37,7 +40,14 @@ def test_quick_benchmark_runs_every_row_and_workload_and_each_trains(tmp_path):
         for row, summary in rows.items():
             assert summary["errors"] == [], (workload, row, summary["errors"])
             assert summary["trained"], (workload, row, summary.get("first_loss"), summary.get("last_loss"))
+            assert summary["whole_run_us_per_step"]["median"] > 0, (workload, row)
+            if row != "torch_loop":
+                assert summary["whole_run_ratio_to_baseline"]["n"] == 1, (workload, row)
+                assert summary["extra_peak_over_baseline_mb"] is not None, (workload, row)
         paired = results["workloads"][workload]["paired"]
+        if workload in UNPAIRED:
+            assert paired == {}, workload
+            continue
         assert list(paired) == expected_rows[1:], workload  # every row but the torch loop, against it
         for row, summary in paired.items():
             assert "error" not in summary and summary["trained"], (workload, row, summary)
@@ -46,5 +56,6 @@ def test_quick_benchmark_runs_every_row_and_workload_and_each_trains(tmp_path):
         assert results["imports"]["modules"][module] is not None, module
     markdown = (tmp_path / "results.md").read_text()
     assert all(f"## {workload}" in markdown for workload in WORKLOADS)
+    assert markdown.count("× one step's logits") == 2  # the memory tables of train() and evaluate()
     assert "FAIL" not in markdown
     assert completed.returncode == 0, completed.stderr[-4000:]

@@ -121,3 +121,39 @@ def test_a_step_with_an_extra_model_releases_both_models_outputs(no_gc):
     trainer = WithCritic(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
     trainer.train(linear_dataset(24), num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=2)
     _assert_previous_steps_released(trainer, {"train", "critic"})
+
+
+class WatchedAtBackward(Trainer):
+    """Records, as each backward pass starts, whether the step's outputs (and the dict that held them) are alive."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.outputs: list = []
+        self.alive_at_backward: list = []
+
+    def calculate_train_batch_loss(self, batch) -> dict:
+        batch_output = super().calculate_train_batch_loss(batch)
+        self.outputs = [weakref.ref(batch_output["model_outputs"])]
+        return batch_output
+
+    def backward_step(self, loss):
+        self.alive_at_backward.append([ref() is not None for ref in self.outputs])
+        super().backward_step(loss)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_outputs_are_released_before_the_backward_pass(no_gc, accumulation):
+    """As in ``loss_func(model(x), y).backward()``: once the step's events have had them, the outputs are dropped and
+    the graph keeps only what its backward needs. For a cross-entropy over a language model's logits that is the
+    difference between one and two logits tensors alive at the backward pass (benchmarks: workload logits_train)."""
+    model = nn.Sequential(nn.Linear(1, 8), nn.Flatten(0, -1))  # a view as the last op: the graph keeps no output
+    loss_func = nn.CrossEntropyLoss()
+    trainer = WatchedAtBackward(
+        model,
+        lambda logits, target: loss_func(logits.view(-1, 8), target.long().view(-1) % 8),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[*DEFAULT_CALLBACKS, ReadsTheOutputs()],
+    )
+    trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=accumulation)
+    assert trainer.alive_at_backward == [[False]] * 4
+    assert trainer.callback_handler.callbacks[-1].rows == 16 * 8  # the step event still had them
