@@ -621,7 +621,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Load the training state to resume from, if any (``options.resume_from``), and start the run state at its
         position."""
         plan = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
-        self.run_state.begin_resume(plan)  # its update count and epoch
+        self.run_state.begin_resume(plan, persistence.create_run_id(self, plan))  # its identity, update count, epoch
 
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""

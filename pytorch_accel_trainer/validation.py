@@ -374,6 +374,7 @@ def validate_first_eval_batch(trainer: Any) -> None:
     ``calculate_eval_batch_loss``, which may keep state (metrics) that one extra batch would change.
     """
     dataloader = getattr(trainer.eval_dataloader, "base_dataloader", trainer.eval_dataloader)
+    _validate_eval_batches_exist(dataloader)
     if not isinstance(dataloader, DataLoader) or overrides(trainer, "calculate_eval_batch_loss"):
         return  # a dataloader of your own, or a hook of your own: its first evaluation step is the check
     dataset, length = dataloader.dataset, dataset_length(dataloader.dataset)
@@ -393,6 +394,21 @@ def validate_first_eval_batch(trainer: Any) -> None:
                 f"calculate_eval_batch_loss raised {type(error).__name__}: {error}. Pass an eval_dataset whose samples "
                 "have the form and shapes of train_dataset's (or fix the model or loss_func for them)."
             ) from error
+
+
+def _validate_eval_batches_exist(dataloader: Any) -> None:
+    """Refuse an evaluation DataLoader that yields no batch (fewer samples than a batch, with ``drop_last``): the
+    evaluation after the first training epoch would fail, as if its data were empty."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return
+    length = dataset_length(dataloader.dataset)
+    if length and dataloader.batch_size and dataloader.drop_last and length < dataloader.batch_size:
+        raise ValueError(
+            f"eval_dataset has {length} samples, fewer than one batch ({dataloader.batch_size}), and its DataLoader "
+            "drops the last partial batch (drop_last=True), so evaluation would yield no batch. Pass "
+            "eval_dataloader_kwargs={'drop_last': False} (the default), or a per_device_batch_size of at most "
+            f"{length}."
+        )
 
 
 @contextlib.contextmanager
