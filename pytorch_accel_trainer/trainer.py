@@ -120,6 +120,7 @@ from pytorch_accel_trainer.validation import (
     validate_loss_requires_grad,
     validate_model_and_loss,
     validate_optimizer_parameters,
+    warn_if_endless,
     warn_if_schedule_is_in_epochs,
 )
 
@@ -403,6 +404,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             collate_fn,
         )
         train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
+        warn_if_endless(train_dataset, max_num_train_steps)
         eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
         per_device_batch_size = batch_size_for(self._given_train_dataloader, per_device_batch_size)
         options = TrainOptions(

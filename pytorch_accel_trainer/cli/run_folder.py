@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
 from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
@@ -69,6 +70,17 @@ def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
     return folder
 
 
+def has_non_finite_weights(trainer: "Trainer") -> bool:
+    """Whether any weight of the model, on any process, is NaN or infinite (one host-device sync; a small collective
+    with several processes, which every process must join)."""
+    count = torch.zeros((), device=trainer.device)
+    for parameter in trainer.get_model().parameters():
+        count += (~torch.isfinite(parameter.detach())).sum()  # device ops: one sync, below
+    if trainer.accelerator.num_processes > 1:
+        count = trainer.accelerator.reduce(count, "sum")
+    return bool(count.item())
+
+
 class RunFolderCallback(TrainerCallback):
     """Writes each training run's folder: ``config.yaml`` (when given), ``run_config.json`` at its start;
     ``history.csv``, ``history.png`` (with matplotlib) and ``model.safetensors`` (the final weights) at its end.
@@ -121,7 +133,13 @@ class RunFolderCallback(TrainerCallback):
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
         folder = self.choose_folder(trainer)  # chosen at the run start
-        trainer.save_weights(folder / WEIGHTS_FILE)  # every process: a collective under FSDP
+        if has_non_finite_weights(trainer):  # e.g. a run TerminateOnNaNCallback stopped: no NaN weights to serve
+            trainer.print(
+                f"{folder / WEIGHTS_FILE} was not written: the model's weights are NaN or infinite at the end of the "
+                "run. The training states, if any, hold the last finite ones."
+            )
+        else:
+            trainer.save_weights(folder / WEIGHTS_FILE)  # every process: a collective under FSDP
         if not get_run_config(trainer).is_world_process_zero:
             return
         history = trainer.run_history

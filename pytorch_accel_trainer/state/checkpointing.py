@@ -279,12 +279,20 @@ def refused_by_weights_only(path: Path) -> bool:
 
 def describe_unreadable_torch_file(path: Path, error: Exception) -> str:
     """What a file that ``torch.load`` cannot read at all is likely to be, by its first bytes."""
-    head = _first_bytes(path)
-    if len(head) >= 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
-        what = "a safetensors file (weights only): load it with safetensors.torch.load_model(model, path)"
+    if is_safetensors_file(path):
+        what = SAFETENSORS_FILE
     else:
         what = "not a file written by torch.save (random bytes, a truncated file, or another format)"
     return f"{str(path)!r} is {what} ({type(error).__name__}: {str(error).splitlines()[0][:200]})."
+
+
+SAFETENSORS_FILE = "a safetensors file (weights only): load it with safetensors.torch.load_model(model, path)"
+
+
+def is_safetensors_file(path: Path) -> bool:
+    """Whether ``path`` starts as a safetensors file does: an 8-byte header length, then its JSON header."""
+    head = _first_bytes(path)
+    return len(head) >= 9 and head[8:9] == b"{"
 
 
 def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
@@ -301,6 +309,8 @@ def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
         raise FileNotFoundError(
             f"No checkpoint file at {str(path)!r}: check the path (a file written by save_checkpoint)."
         )
+    if is_safetensors_file(path):
+        raise ValueError(f"{str(path)!r} is {SAFETENSORS_FILE}. load_checkpoint takes a file of save_checkpoint.")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
