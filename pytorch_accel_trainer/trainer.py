@@ -376,9 +376,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             reset_run_history: start from an empty run history (``False`` continues the epoch count).
             collate_fn: the collate function of both dataloaders.
             resume_from: a training state written by :meth:`save_training_state` (or a
-                ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one is used. The
-                run continues exactly where that state was taken: same epoch, next batch, same RNG states. A
-                folder with no state yet starts a new run (and says so); a path that does not exist is an error.
+                ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one of the run saved
+                last is used (a run folder of the command line: its ``training_states``). The run continues exactly
+                where that state was taken: same epoch, next batch, same RNG states, same run identity. A path that
+                does not exist, or an empty folder, starts a new run (and says so); a folder that holds files but no
+                state is an error.
             gradient_clip_norm: clip the total gradient norm to this value before each update (after pytorch-accelerated
                 0.1.61's arguments, as every argument it does not have, so that its positional calls keep working).
             allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length
