@@ -57,7 +57,7 @@ def test_a_new_run_refuses_a_folder_with_another_runs_states_before_any_step(tmp
         CheckpointError,
         match=(
             r"(?s)ck holds training states of another run \(epoch_5, epoch_6, final \(run [0-9a-f]{32}\)\), and this "
-            r"run is a new run \(no resume_from\).*another folder.*resume_from=.*ck'.*allow_other_runs=True"
+            r"run is a new run \(no state resumed\).*another folder.*resume_from=.*ck'.*allow_other_runs=True"
         ),
     ):
         _train(trainer_b)
@@ -144,3 +144,21 @@ def test_an_older_state_whose_manifest_was_edited_is_skipped_not_fatal(tmp_path)
     with pytest.warns(UserWarning, match=r"(?s)Skipped a damaged training state \(resuming from .*epoch_2\).*epoch_1"):
         _train(trainer, resume_from=ck, num_epochs=3)
     assert trainer.num_update_steps_completed == 12
+
+
+def test_a_second_train_call_of_the_same_callback_is_not_refused(tmp_path, capsys):
+    """Progressive unfreezing: one script, one trainer and callback, train() twice without resume_from."""
+    ck = tmp_path / "ck"
+    trainer = _trainer(ck, lr=0.1)
+    _train(trainer, num_epochs=1)
+    _train(trainer, num_epochs=2)
+    runs = {name: manifest["run_id"] for name, manifest in _manifests(ck).items()}
+    assert sorted(runs) == ["epoch_1", "epoch_1-2", "epoch_2", "final", "final-2"]
+    assert runs["epoch_1"] == runs["final"] != runs["epoch_1-2"] == runs["epoch_2"] == runs["final-2"]
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"also holds the states of other runs \(epoch_1, final \(run"):
+        _train(_trainer(ck, lr=0.1), resume_from=ck, num_epochs=3)  # the second call's run, saved last
+    assert (
+        f"Resuming from {ck / 'final-2'} (after 8 optimizer updates of run {runs['final-2']})"
+        in capsys.readouterr().out
+    )

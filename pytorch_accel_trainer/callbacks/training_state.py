@@ -28,7 +28,8 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     Each state's manifest names its run (an identity made as a new run starts, kept by its resumes). A new run (one
     that resumed no state) whose ``save_dir`` holds another run's states refuses to start, before any step, unless
-    ``allow_other_runs=True``; pruning and ``latest`` only ever touch this run's states.
+    ``allow_other_runs=True`` (the states of this callback's own earlier ``train()`` calls are not another run's);
+    pruning and ``latest`` only ever touch this run's states.
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to
@@ -91,6 +92,7 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.allow_other_runs = allow_other_runs
         self.best_metric: Optional[float] = None
         self._last_saved_step: Optional[int] = None
+        self._run_ids: set = set()  # the runs this callback has saved, over the train() calls of a script
 
     def state_dict(self) -> dict:
         return {"best_metric": self.best_metric, "last_saved_step": self._last_saved_step}
@@ -99,7 +101,10 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.best_metric, self._last_saved_step = state["best_metric"], state["last_saved_step"]
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
-        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs)  # before any step
+        # before any step; the states of this callback's earlier train() calls (say, before unfreezing) are no
+        # other run's
+        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids)
+        self._run_ids.add(trainer.run_state.run_id)
         if self.watch_metric is not None:
             validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)
         if self.save_on_signals:

@@ -330,38 +330,35 @@ def describe_runs(states: Iterable[StoredState]) -> str:
     )
 
 
-def validate_no_other_runs(parent: Path, run_id: str, is_new_run: bool) -> None:
-    """Refuse to save the states of run ``run_id`` into ``parent`` when it holds another run's: they would mix (a
-    resume could take the other run's state, pruning could delete this run's). A resumed run accepts the states
-    saved before runs had an identity (its own, most likely); a new run accepts none.
+def validate_no_other_runs(parent: Path, run_id: str, accepted: Iterable[str] = ()) -> None:
+    """Refuse to save the states of the new run ``run_id`` into ``parent`` when it holds another run's (but those
+    of ``accepted``: the earlier ``train()`` calls of the same callback), or states saved before runs had an
+    identity: they would mix, and a resume from ``parent`` would continue the other run.
 
     Raises:
         CheckpointError: naming the folder, the other run's states and the three ways out.
     """
     if not is_real_directory(parent):
         return
-    others = [
-        state
-        for state in list_complete_states(parent)
-        if state.run_id != run_id and (is_new_run or state.run_id is not None)
-    ]
+    accepted = {run_id, *accepted}
+    others = [state for state in list_complete_states(parent) if state.run_id not in accepted]
     if not others:
         return
-    this_run = "is a new run (no resume_from)" if is_new_run else f"continues run {run_id}"
     raise CheckpointError(
-        f"{parent} holds training states of another run ({describe_runs(others)}), and this run {this_run}: its "
-        "states would mix with them, and a resume or pruning could take the other run's. Either save this run's "
-        "states in another folder (SaveTrainingStateCallback(save_dir=...), save_training_state(output_dir)), "
+        f"{parent} holds training states of another run ({describe_runs(others)}), and this run is a new run (no "
+        "state resumed): its states would mix with them, and a resume could take the other run's. Either save this "
+        "run's states in another folder (SaveTrainingStateCallback(save_dir=...), save_training_state(output_dir)), "
         f"continue that run with train(..., resume_from={str(parent)!r}), or pass allow_other_runs=True "
         "(SaveTrainingStateCallback, save_training_state) to write beside them: pruning, `latest` and a resume "
         "then keep to one run's states."
     )
 
 
-def validate_save_dir(parent: Path, run_state, allow_other_runs: bool = False) -> None:
+def validate_save_dir(parent: Path, run_state, allow_other_runs: bool = False, accepted: Iterable[str] = ()) -> None:
     """Refuse to save the training states of the run of ``run_state`` (a ``RunState``: its ``run_id``,
     ``is_new_run`` and ``checked_save_dirs``) into ``parent`` when it is a file, or holds another run's states
-    (unless ``allow_other_runs``); checked once per folder and run.
+    (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs); checked once per folder and run. A
+    resumed run is not refused: its pruning, ``latest`` and later resumes keep to its own states.
 
     Raises:
         CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`).
@@ -376,8 +373,8 @@ def validate_save_dir(parent: Path, run_state, allow_other_runs: bool = False) -
     key = parent.absolute()
     if key in run_state.checked_save_dirs or run_state.run_id is None:
         return
-    if not allow_other_runs:
-        validate_no_other_runs(parent, run_state.run_id, run_state.is_new_run)
+    if run_state.is_new_run and not allow_other_runs:
+        validate_no_other_runs(parent, run_state.run_id, accepted)
     run_state.checked_save_dirs.add(key)
 
 
