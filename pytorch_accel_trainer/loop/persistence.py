@@ -155,7 +155,9 @@ def find_state_to_resume(path: Path) -> Optional[StoredState]:
 
 def _visible_entries(folder: Path) -> list[str]:
     """What ``folder`` holds, but for what a killed first save may leave (``latest``, hidden temporaries)."""
-    return sorted(entry.name for entry in folder.iterdir() if entry.name != LATEST_NAME and not entry.name[0] == ".")
+    return sorted(
+        entry.name for entry in folder.iterdir() if entry.name != LATEST_NAME and not entry.name.startswith(".")
+    )
 
 
 def _is_run_folder(folder: Path) -> bool:
