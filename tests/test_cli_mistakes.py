@@ -161,3 +161,8 @@ def test_a_run_stopped_by_non_finite_values_writes_no_nan_weights(config_file, t
     assert not (tmp_path / "nan" / "model.safetensors").exists()
     assert (tmp_path / "nan" / "history.csv").exists()
     assert "model.safetensors was not written: the model's weights are NaN or infinite" in capsys.readouterr().out
+
+
+def test_an_error_of_the_users_own_code_keeps_its_traceback(config_file):
+    with pytest.raises(ValueError, match="a bug in the user's data function"):
+        console_main(["fit", "--config", str(config_file), "--data.train", "config_data.tiny.broken"])

@@ -9,6 +9,7 @@ the complete, reloadable config instead of running. The same works as ``python -
 from __future__ import annotations
 
 import difflib
+import linecache
 import os
 import re
 import sys
@@ -117,7 +118,13 @@ def describe_user_mistake(error: BaseException) -> Optional[str]:
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
-    raised_here = frame is not None and _PACKAGE_FOLDER in Path(frame.tb_frame.f_code.co_filename).resolve().parents
+    file_name = "" if frame is None else frame.tb_frame.f_code.co_filename
+    # raised by a `raise` of the library's own (a check), not by a bug of it (`None[0]`), whose traceback is kept
+    raised_here = (
+        frame is not None
+        and _PACKAGE_FOLDER in Path(file_name).resolve().parents
+        and linecache.getline(file_name, frame.tb_lineno).lstrip().startswith("raise ")
+    )
     if isinstance(error, OSError) and error.filename is not None and not raised_here:
         return (
             f"{error.strerror or error}: {str(error.filename)!r}. Fix the path in the config (or the flag that gives "
