@@ -110,6 +110,7 @@ EARLY_STOPPING = '[{"class_path": "pytorch_accel_trainer.callbacks.EarlyStopping
         (["--train.resume_from", "{stray}"], r"train.resume_from='.*stray' holds notes.txt but no training state"),
         (["--output_dir", "{file}"], r"output_dir: '.*afile.txt' cannot hold run folders: .* is a file"),
         (["--run_name", "../../escaped"], r"run_name is '../../escaped': it must be one plain folder name"),
+        (["--max_training_states", "0"], r"max_training_states is 0: pass a positive number of states to keep"),
         (["--checkpoint", "{stray}"], r"checkpoint: '.*stray' is a folder without model.safetensors"),
         (["--data.train", "config_data.tiny.tensors"], r"train_dataset is a tuple of 2 tensors of 64 rows, not a"),
         (
