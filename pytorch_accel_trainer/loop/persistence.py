@@ -94,8 +94,8 @@ def load_resume_plan(
         trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
         return None
     plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
-    run = "" if stored.run_id is None else f" of run {stored.run_id}"
-    trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates{run})")
+    run = "" if stored.run_id is None else f", run {stored.run_id}"
+    trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates){run}")
     return plan
 
 
