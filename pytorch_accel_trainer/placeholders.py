@@ -207,6 +207,18 @@ def placeholder_values(run_config: Any, train_dataloader: Any, eval_dataloader: 
 _AST_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//"}
 
 
+def _refuse_misspelt_placeholders(text: str, names: set, members: set) -> None:
+    """Refuse a text whose names are almost placeholder names (``NUM_EPOCH``, ``num_epochs``): passed on as a
+    string, it would fail inside the scheduler, far from the typo."""
+    for name in sorted(names):
+        matches = difflib.get_close_matches(name.upper(), sorted(members), n=1, cutoff=0.8)
+        if matches:
+            raise ValueError(
+                f"{text!r} names no placeholder (did you mean {matches[0]}?). The placeholders are "
+                f"{sorted(members)}, written in capitals, e.g. 'NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS'."
+            )
+
+
 def placeholder_from_text(text: str) -> Any:
     """The placeholder (or expression) a config file writes as text: ``"NUM_EPOCHS"``,
     ``"NUM_UPDATE_STEPS_PER_EPOCH * NUM_EPOCHS + 10"``; ``text`` itself when it names no placeholder.
@@ -215,7 +227,8 @@ def placeholder_from_text(text: str) -> Any:
     is evaluated as code.
 
     Raises:
-        ValueError: ``text`` uses a placeholder name together with something else than these.
+        ValueError: ``text`` uses a placeholder name together with something else than these, or names none but
+            is close to one (``NUM_EPOCH``, ``num_epochs``: a typo, with "did you mean").
     """
     members = TrainerPlaceholderValues.placeholder_set()
     try:
@@ -224,6 +237,7 @@ def placeholder_from_text(text: str) -> Any:
         return text
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     if not names & members:
+        _refuse_misspelt_placeholders(text, names, members)
         return text  # an ordinary string argument
 
     def build(node: ast.AST) -> Any:

@@ -120,6 +120,7 @@ from pytorch_accel_trainer.validation import (
     validate_loss_requires_grad,
     validate_model_and_loss,
     validate_optimizer_parameters,
+    warn_if_endless,
     warn_if_schedule_is_in_epochs,
 )
 
@@ -375,9 +376,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             reset_run_history: start from an empty run history (``False`` continues the epoch count).
             collate_fn: the collate function of both dataloaders.
             resume_from: a training state written by :meth:`save_training_state` (or a
-                ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one is used. The
-                run continues exactly where that state was taken: same epoch, next batch, same RNG states. A
-                folder with no state yet starts a new run (and says so); a path that does not exist is an error.
+                ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one of the run saved
+                last is used (a run folder of the command line: its ``training_states``). The run continues exactly
+                where that state was taken: same epoch, next batch, same RNG states, same run identity. A path that
+                does not exist, or an empty folder, starts a new run (and says so); a folder that holds files but no
+                state is an error.
             gradient_clip_norm: clip the total gradient norm to this value before each update (after pytorch-accelerated
                 0.1.61's arguments, as every argument it does not have, so that its positional calls keep working).
             allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length
@@ -403,6 +406,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             collate_fn,
         )
         train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
+        warn_if_endless(train_dataset, max_num_train_steps)
         eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
         per_device_batch_size = batch_size_for(self._given_train_dataloader, per_device_batch_size)
         options = TrainOptions(
@@ -621,7 +625,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Load the training state to resume from, if any (``options.resume_from``), and start the run state at its
         position."""
         plan = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
-        self.run_state.begin_resume(plan)  # its update count and epoch
+        self.run_state.begin_resume(plan, persistence.create_run_id(self, plan))  # its identity, update count, epoch
 
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""

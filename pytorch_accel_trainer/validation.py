@@ -52,6 +52,42 @@ def _validate_dataset(name: str, dataset: Any, dataloader_kwargs_name: str) -> N
         )
     if dataset_length(dataset) == 0:
         raise ValueError(f"{name} is empty (len({name}) == 0): pass a dataset with at least one sample.")
+    _refuse_tensors_as_dataset(name, dataset)
+
+
+def _refuse_tensors_as_dataset(name: str, dataset: Any) -> None:
+    """Refuse a dict of tensors, or a tuple of tensors with one length (``(inputs, targets)``): a DataLoader would
+    take each tensor, not each row, as a sample, and the run would fail inside the model."""
+    if isinstance(dataset, Mapping) and dataset and all(isinstance(value, torch.Tensor) for value in dataset.values()):
+        what = f"a dict of tensors ({', '.join(map(str, list(dataset)[:4]))})"
+    elif (
+        isinstance(dataset, tuple)
+        and len(dataset) >= 2
+        and all(isinstance(item, torch.Tensor) and item.dim() >= 1 for item in dataset)
+        and len({len(item) for item in dataset}) == 1
+        and len(dataset[0]) != len(dataset)
+    ):
+        what = f"a tuple of {len(dataset)} tensors of {len(dataset[0])} rows"
+    else:
+        return
+    raise TypeError(
+        f"{name} is {what}, not a dataset: a DataLoader would take each tensor as one sample. Wrap the tensors in "
+        "torch.utils.data.TensorDataset(inputs, targets) (rows become samples), or return a Dataset from the "
+        "data function."
+    )
+
+
+def warn_if_endless(train_dataset: Any, max_num_train_steps: Any) -> None:
+    """Warn, as a run starts, that a training set without a length (a stream) ends an epoch only when it is
+    exhausted, so an infinite one runs forever without ``max_num_train_steps``."""
+    if max_num_train_steps is None and dataset_length(train_dataset) is None:
+        warnings.warn(
+            f"train_dataset ({type(train_dataset).__name__}) has no length, and max_num_train_steps is None: each "
+            "epoch ends only when the iterable is exhausted, so an infinite stream trains forever. Pass "
+            "train(..., max_num_train_steps=N) (train.max_num_train_steps in a config) to end the run after N "
+            "optimizer updates.",
+            stacklevel=3,
+        )
 
 
 def _validate_dataloader_kwargs(name: str, kwargs: Any) -> None:
@@ -374,6 +410,7 @@ def validate_first_eval_batch(trainer: Any) -> None:
     ``calculate_eval_batch_loss``, which may keep state (metrics) that one extra batch would change.
     """
     dataloader = getattr(trainer.eval_dataloader, "base_dataloader", trainer.eval_dataloader)
+    _validate_eval_batches_exist(dataloader)
     if not isinstance(dataloader, DataLoader) or overrides(trainer, "calculate_eval_batch_loss"):
         return  # a dataloader of your own, or a hook of your own: its first evaluation step is the check
     dataset, length = dataloader.dataset, dataset_length(dataloader.dataset)
@@ -393,6 +430,30 @@ def validate_first_eval_batch(trainer: Any) -> None:
                 f"calculate_eval_batch_loss raised {type(error).__name__}: {error}. Pass an eval_dataset whose samples "
                 "have the form and shapes of train_dataset's (or fix the model or loss_func for them)."
             ) from error
+
+
+def _validate_eval_batches_exist(dataloader: Any) -> None:
+    """Refuse an evaluation DataLoader that yields no batch (fewer samples than a batch, with ``drop_last``): the
+    evaluation after the first training epoch would fail, as if its data were empty."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return
+    length = dataset_length(dataloader.dataset)
+    try:
+        has_batches = len(dataloader) > 0
+    except TypeError:  # a sampler without a length
+        return
+    if has_batches or not length:
+        return  # an empty dataset is refused with its own message
+    sampler = dataloader.batch_sampler  # Accelerate wraps the batch sampler that has the batch size
+    while sampler is not None and getattr(sampler, "batch_size", None) is None:
+        sampler = getattr(sampler, "batch_sampler", None)
+    batch_size = getattr(sampler, "batch_size", "?")
+    raise ValueError(
+        f"eval_dataset has {length} samples, fewer than one batch ({batch_size}), and its DataLoader drops the last "
+        "partial batch (drop_last=True), so evaluation would yield no batch. Pass "
+        "eval_dataloader_kwargs={'drop_last': False} (the default), or a per_device_batch_size of at most "
+        f"{length}."
+    )
 
 
 @contextlib.contextmanager

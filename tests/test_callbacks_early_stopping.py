@@ -65,11 +65,10 @@ def test_a_real_run_that_cannot_learn_stops_after_patience_epochs():
 
 
 def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist():
-    trainer = make_trainer(make_linear(), callbacks=[EarlyStoppingCallback()])
+    trainer = make_trainer(make_linear(), callbacks=[EarlyStoppingCallback(watch_metric="val_loss")])
     with pytest.raises(
         ValueError,
-        match=r"watches 'eval_loss_epoch', which is not in the run history; "
-        r"the metrics recorded are \['train_loss_epoch'\]",
+        match=r"watches 'val_loss', which is not in the run history; the metrics recorded are \['train_loss_epoch'\]",
     ):
         trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4)
 

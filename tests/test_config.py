@@ -74,7 +74,12 @@ def test_the_run_folder_holds_what_reproduces_the_run_and_its_config_reruns_it_e
         "training_states",
     }
     assert json.loads((folder / "run_config.json").read_text())["num_epochs"] == 3
-    assert (folder / "training_states" / "final").is_dir()
+    assert sorted(path.name for path in (folder / "training_states").iterdir()) == [
+        "epoch_1",
+        "epoch_2",
+        "epoch_3",
+        "latest",
+    ]  # one state per epoch, bounded (max_training_states: 3), no `final` that repeats the last one
     main(["fit", "--config", str(folder / "config.yaml")])  # the same run again, from its folder alone
     rerun = tmp_path / "runs" / "first-2"  # the name was taken: nothing of the first run is overwritten
     first_weights, rerun_weights = load_file(folder / "model.safetensors"), load_file(rerun / "model.safetensors")
@@ -111,7 +116,7 @@ def test_evaluate_loads_the_weights_of_a_run_folder_or_a_checkpoint_and_returns_
     checkpoint = tmp_path / "model.pt"
     Trainer(model, None, None, callbacks=()).save_checkpoint(checkpoint, save_optimizer=False)
     assert main(["evaluate", "--config", str(config_file), "--checkpoint", str(checkpoint)]) == metrics
-    untrained = main(["evaluate", "--config", str(config_file)])
+    untrained = main(["evaluate", "--config", str(config_file), "--evaluate_initial_weights", "true"])
     assert untrained["evaluation_loss"] > metrics["evaluation_loss"]  # the weights were loaded
 
 

@@ -381,7 +381,8 @@ def test_an_interrupted_continuation_resumes_exactly_without_loading_its_initial
 
     def continuation(save_dir, recorder, crash=()):
         callbacks = [
-            WSDCheckpointCallback(tmp_path / "second", initial_checkpoint=pre_decay),
+            # each run its own folder: a new run refuses one that holds another run's states
+            WSDCheckpointCallback(tmp_path / f"second-{save_dir.name}", initial_checkpoint=pre_decay),
             recorder,
             *crash,
             SaveTrainingStateCallback(save_dir, save_every_n_steps=1, save_on_signals=()),

@@ -270,11 +270,11 @@ def test_a_trainer_file_without_the_optimizer_class_is_refused_as_altered(states
     del shared["optimizer_class"]  # every state of the format read stores it
     torch.save(shared, folder / TRAINER_FILE)
     _rehash(folder, TRAINER_FILE)
-    with pytest.raises(
-        CheckpointError,
-        match=r"step_4/trainer_state\.pt: not a trainer state \(it must hold .*, optimizer_class\); it was altered",
-    ):
-        _run(states, num_epochs=2)
+    altered = r"step_4/trainer_state\.pt: not a trainer state \(it must hold .*, optimizer_class\); it was altered"
+    with pytest.raises(CheckpointError, match=altered):
+        _run(folder, num_epochs=2)  # the state itself: refused
+    with pytest.warns(UserWarning, match=rf"Skipped a damaged training state \(resuming from .*step_3\): .*{altered}"):
+        _run(states, num_epochs=2)  # in a folder of states: skipped for the newest good one
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ class MonitorCallback(TrainerCallback):
         self._state_was_restored = False
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
+        validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)
         if self.reset_on_train and not self._state_was_restored:
             self._reset()
         self._state_was_restored = False
@@ -100,3 +101,16 @@ def _validate_watch_metric_name(watch_metric: Any) -> None:
             f"watch_metric is {watch_metric!r}; pass the name of a run-history metric as a string, "
             "e.g. watch_metric='eval_loss_epoch'."
         )
+
+
+def validate_metric_can_be_recorded(trainer: Trainer, watch_metric: str, owner: str) -> None:
+    """Refuse, as the run starts, to watch an evaluation metric of the trainer's (``eval_loss_epoch``,
+    ``eval_<name>_epoch``) in a run without evaluation data: it would fail only after the first training epoch."""
+    recorded_by_evaluation = watch_metric.startswith("eval_") and watch_metric.endswith("_epoch")
+    if trainer.eval_dataloader is not None or not recorded_by_evaluation:
+        return
+    raise ValueError(
+        f"{owner} watches {watch_metric!r}, which only an evaluation epoch records, but this run has no eval_dataset: "
+        "pass train(..., eval_dataset=...) (data.eval in a config), or watch a training metric such as "
+        "'train_loss_epoch'."
+    )

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
+from pytorch_accel_trainer.state.training_state import validate_save_dir
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -24,6 +26,11 @@ class SaveTrainingStateCallback(TrainerCallback):
     (``"training_states/epoch_5"``) to continue from it. On SIGTERM, SIGINT or SIGUSR1 (``save_on_signals``) the
     run finishes its current update, saves, and exits with code ``128 + signal``.
 
+    Each state's manifest names its run (an identity made as a new run starts, kept by its resumes). A new run (one
+    that resumed no state) whose ``save_dir`` holds another run's states refuses to start, before any step, unless
+    ``allow_other_runs=True`` (the states of this callback's own earlier ``train()`` calls are not another run's);
+    pruning and ``latest`` only ever touch this run's states.
+
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to
             ``train(resume_from=...)``: it starts a new run while the folder is empty.
@@ -38,6 +45,8 @@ class SaveTrainingStateCallback(TrainerCallback):
         save_on_signals: the signals that save and exit; ``()`` to leave signals alone.
         asynchronous: stall training only while each state is copied to host memory and write it in the
             background (single process only; see ``Trainer.save_training_state``).
+        allow_other_runs: write beside the states of other runs in ``save_dir`` instead of refusing to start; a
+            resume from ``save_dir`` then continues the run saved last.
 
     Example::
 
@@ -58,6 +67,7 @@ class SaveTrainingStateCallback(TrainerCallback):
         greater_is_better: bool = False,
         save_on_signals: Iterable[int] = DEFAULT_PREEMPTION_SIGNALS,
         asynchronous: bool = False,
+        allow_other_runs: bool = False,
     ):
         for name, value in (
             ("save_every_n_epochs", save_every_n_epochs),
@@ -79,8 +89,10 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.is_better = operator.gt if greater_is_better else operator.lt
         self.save_on_signals = tuple(save_on_signals)
         self.asynchronous = asynchronous
+        self.allow_other_runs = allow_other_runs
         self.best_metric: Optional[float] = None
         self._last_saved_step: Optional[int] = None
+        self._run_ids: set = set()  # the runs this callback has saved, over the train() calls of a script
 
     def state_dict(self) -> dict:
         return {"best_metric": self.best_metric, "last_saved_step": self._last_saved_step}
@@ -89,6 +101,12 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.best_metric, self._last_saved_step = state["best_metric"], state["last_saved_step"]
 
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
+        # before any step; the states of this callback's earlier train() calls (say, before unfreezing) are no
+        # other run's
+        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids)
+        self._run_ids.add(trainer.run_state.run_id)
+        if self.watch_metric is not None:
+            validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)
         if self.save_on_signals:
             trainer.enable_preemption(self.save_dir, self.save_on_signals)
 
@@ -141,6 +159,11 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     def _save(self, trainer: "Trainer", kinds: set, name: str) -> None:
         trainer.save_training_state(
-            self.save_dir, kinds=kinds, max_checkpoints=self.max_checkpoints, asynchronous=self.asynchronous, name=name
+            self.save_dir,
+            kinds=kinds,
+            max_checkpoints=self.max_checkpoints,
+            asynchronous=self.asynchronous,
+            name=name,
+            allow_other_runs=self.allow_other_runs,
         )
         self._last_saved_step = trainer.num_update_steps_completed

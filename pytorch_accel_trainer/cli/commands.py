@@ -9,11 +9,13 @@ the complete, reloadable config instead of running. The same works as ``python -
 from __future__ import annotations
 
 import difflib
+import linecache
 import os
 import re
 import sys
 from argparse import ArgumentError
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
@@ -21,7 +23,8 @@ from accelerate.utils import set_seed
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
-from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, run_training_config
+from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, TrainSettings, run_training_config
+from pytorch_accel_trainer.errors import CheckpointError
 
 COMMANDS = {
     "fit": "Train the model (Trainer.train) and, with data.eval, evaluate it after each epoch.",
@@ -64,6 +67,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     if os.getcwd() not in sys.path:  # import paths resolve from the current folder, as with `python -m`
         sys.path.insert(0, os.getcwd())
     parser = create_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for path in config_files(argv):
+        validate_config_file(path)
     try:
         parsed = parser.parse_args(argv)
     except ArgumentError as error:
@@ -85,13 +91,104 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
 
 
 def console_main(argv: Optional[Sequence[str]] = None) -> int:
-    """The console script: run :func:`main`; a bad configuration is one message on stderr and exit status 2."""
+    """The console script: run :func:`main`; a user's mistake (a bad configuration, or a value, path or permission
+    the library refuses) is one message on stderr and exit status 2. Errors of the user's own code, or of torch,
+    keep their traceback."""
     try:
         main(argv)
-    except ConfigError as error:
-        print(f"pytorch-accel-trainer: error: {error}", file=sys.stderr)
+    except (ConfigError, CheckpointError, ValueError, TypeError, OSError) as error:
+        message = describe_user_mistake(error)
+        if message is None:
+            raise
+        print(f"pytorch-accel-trainer: error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+#: The package's folder: an error raised from a file in it is one the library detected.
+_PACKAGE_FOLDER = Path(__file__).resolve().parents[1]
+
+
+def describe_user_mistake(error: BaseException) -> Optional[str]:
+    """The one-line message of an error that is a user's mistake, or ``None`` for one that is not: a
+    :class:`ConfigError`; a ``ValueError``, ``TypeError``, ``CheckpointError`` or ``OSError`` the library raised; or
+    an ``OSError`` about a path (missing, not writable, a file where a folder is needed)."""
+    if isinstance(error, ConfigError):
+        return str(error)
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    file_name = "" if frame is None else frame.tb_frame.f_code.co_filename
+    # raised by a `raise` of the library's own (a check), not by a bug of it (`None[0]`), whose traceback is kept
+    raised_here = (
+        frame is not None
+        and _PACKAGE_FOLDER in Path(file_name).resolve().parents
+        and linecache.getline(file_name, frame.tb_lineno).lstrip().startswith("raise ")
+    )
+    if isinstance(error, OSError) and error.filename is not None and not raised_here:
+        return (
+            f"{error.strerror or error}: {str(error.filename)!r}. Fix the path in the config (or the flag that gives "
+            "it): it must exist, be the right kind (file or folder) and be readable, or writable for output_dir."
+        )
+    if not raised_here:
+        return None
+    message = str(error)
+    argument = re.match(r"(\w+)[= ]", message)
+    if argument and argument.group(1) in {item.name for item in fields(TrainSettings)}:
+        message = f"train.{message}"  # the key of the config that gave the argument
+    return message
+
+
+def config_files(argv: Sequence[str]) -> list[Path]:
+    """The files given to ``--config`` in ``argv`` (a value that is no file is YAML text, left to the parser)."""
+    files = []
+    for index, argument in enumerate(argv):
+        value = argument.split("=", 1)[1] if argument.startswith("--config=") else None
+        if argument == "--config" and index + 1 < len(argv):
+            value = argv[index + 1]
+        if value is not None and Path(value).is_file():
+            files.append(Path(value))
+    return files
+
+
+def validate_config_file(path: Path) -> None:
+    """Refuse a config file that is empty, is not a mapping of keys, or gives a key twice in one mapping (YAML
+    keeps the last silently: the first one's settings would be lost).
+
+    Raises:
+        ConfigError: naming the file, the key and its lines.
+    """
+    try:
+        node = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return  # the parser reports it, with the file's name
+    if node is None:
+        raise ConfigError(f"{path} is empty: a config file is a mapping of keys (`fit --print_config` prints one).")
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(
+            f"{path} holds a YAML {node.tag.rsplit(':', 1)[-1]}, not a mapping of keys such as `model:` and `train:` "
+            "(`pytorch-accel-trainer fit --print_config` prints a complete config to edit)."
+        )
+    _refuse_duplicate_keys(path, node, "")
+
+
+def _refuse_duplicate_keys(path: Path, node: yaml.Node, prefix: str) -> None:
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(path, item, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = str(key_node.value)
+        if key in lines and key != "<<":
+            raise ConfigError(
+                f"{path}, line {key_node.start_mark.line + 1}: the key {prefix + key!r} is given a second time (first "
+                f"on line {lines[key]}), and YAML would silently drop the first one's settings. Merge the two into "
+                "one."
+            )
+        lines[key] = key_node.start_mark.line + 1
+        _refuse_duplicate_keys(path, value_node, f"{prefix}{key}.")
 
 
 def explain_parse_error(error: ArgumentError, parser: CommandLineParser) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Optional, Union
@@ -19,7 +20,8 @@ import safetensors.torch
 import torch
 
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
+from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback, remove_if_empty, validate_run_name
+from pytorch_accel_trainer.loop.persistence import RUN_FOLDER_STATES
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.run_config import OptionalNumber
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
@@ -130,12 +132,17 @@ class TrainingConfig:
         trainer: the options of ``Trainer(...)``.
         train: the arguments of ``train()``.
         checkpoint: weights loaded before the run: the model that ``evaluate`` measures, or the starting point of
-            ``fit``. A ``.safetensors`` file (a run folder's ``model.safetensors``, ``save_weights``) or a file of
-            ``save_checkpoint``.
+            ``fit``. A ``.safetensors`` file (a run folder's ``model.safetensors``, ``save_weights``), a run folder
+            (its ``model.safetensors``) or a file of ``save_checkpoint``. ``evaluate`` needs one, unless
+            ``evaluate_initial_weights``.
         output_dir: write each run's folder here (``<output_dir>/<run_name>``): this config, the run config, the
             history, its plot, the final weights, the training states; ``null`` writes nothing.
-        run_name: the run folder's name; the start time by default. A name already taken gets ``-2``.
-        save_training_states: save a training state at the end of each epoch in the run folder, to resume from.
+        run_name: the run folder's name (one plain name, inside ``output_dir``); the start time by default. A name
+            already taken gets ``-2``.
+        save_training_states: save a training state at the end of each epoch in the run folder's
+            ``training_states/``, to resume from (``--train.resume_from <run folder>``).
+        max_training_states: keep the newest N of those states (3 by default); ``null`` keeps every one.
+        evaluate_initial_weights: let ``evaluate`` measure the model as built, without a ``checkpoint``.
     """
 
     model: torch.nn.Module
@@ -153,6 +160,8 @@ class TrainingConfig:
     output_dir: Optional[str] = None
     run_name: Optional[str] = None
     save_training_states: bool = False
+    max_training_states: Optional[int] = 3
+    evaluate_initial_weights: bool = False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -177,6 +186,15 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
     for key, value, example in needed[command]:
         if value is None:
             raise ConfigError(f"{key} is missing: `{command}` needs it. Set it in the config file or with {example}.")
+    if command == "evaluate" and config.checkpoint is None and not config.evaluate_initial_weights:
+        raise ConfigError(
+            "checkpoint is missing: `evaluate` would measure the model's initial (untrained) weights. Pass the weights "
+            "to measure with --checkpoint <run folder> (or its model.safetensors, or a save_checkpoint file), or "
+            "--evaluate_initial_weights true to measure the model as built."
+        )
+    if config.checkpoint is not None:
+        checkpoint_file(config.checkpoint)
+    _validate_run_folder_keys(config)
     if command == "fit" and config.train.num_epochs is None and config.train.max_num_train_steps is None:
         raise ConfigError(
             "train.num_epochs and train.max_num_train_steps are both null, so the run would never end: set "
@@ -184,6 +202,52 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
         )
     if config.scheduler is not None:
         create_scheduler_factory(config.scheduler)  # the class imports and takes these arguments
+
+
+def checkpoint_file(checkpoint: str) -> Path:
+    """The file of the ``checkpoint`` key: itself, or a run folder's ``model.safetensors``."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        if not (path / WEIGHTS_FILE).is_file():
+            raise ConfigError(
+                f"checkpoint: {checkpoint!r} is a folder without {WEIGHTS_FILE}: pass a run folder (whose "
+                f"{WEIGHTS_FILE} is written at the end of its run), a .safetensors file, or a file of save_checkpoint."
+            )
+        return path / WEIGHTS_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"checkpoint: {checkpoint!r} does not exist: pass a run folder, its {WEIGHTS_FILE}, or a file of "
+            "save_checkpoint."
+        )
+    return path
+
+
+def _validate_run_folder_keys(config: TrainingConfig) -> None:
+    if config.max_training_states is not None and (
+        isinstance(config.max_training_states, bool) or config.max_training_states < 1
+    ):
+        raise ConfigError(
+            f"max_training_states is {config.max_training_states!r}: pass a positive number of states to keep (e.g. "
+            "3), or null to keep every one."
+        )
+    if config.output_dir is None:
+        return
+    try:
+        validate_run_name(config.run_name)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    output_dir = Path(config.output_dir)
+    existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())
+    if not existing.is_dir():
+        raise ConfigError(
+            f"output_dir: {config.output_dir!r} cannot hold run folders: {str(existing)!r} is a file. Pass a folder "
+            "(created if needed), e.g. --output_dir runs."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"output_dir: {config.output_dir!r} cannot be written: {str(existing)!r} is not writable by this user. "
+            "Pass a folder you can write to, e.g. --output_dir runs."
+        )
 
 
 def create_scheduler_factory(settings: SchedulerSettings) -> Callable:
@@ -237,7 +301,13 @@ def create_trainer(
         hyperparameters: the flat configuration given to experiment trackers with the run config.
     """
     model = config.model
-    optimizer = None if config.optimizer is None else config.optimizer(model.parameters())
+    try:
+        optimizer = None if config.optimizer is None else config.optimizer(model.parameters())
+    except (TypeError, ValueError) as error:  # the optimizer's own check of its arguments (lr < 0, ...)
+        raise ConfigError(
+            f"optimizer: the optimizer refused its arguments ({error}). Fix optimizer.init_args (e.g. "
+            "--optimizer.init_args.lr 0.001)."
+        ) from None
     callbacks = [*(DEFAULT_CALLBACKS if config.default_callbacks else ()), *config.callbacks]
     for callback in config.callbacks:
         if isinstance(callback, ExperimentTrackingCallback) and hyperparameters:  # trackers get the whole config
@@ -254,10 +324,8 @@ def create_trainer(
         cpu=settings.cpu,
         **config.trainer_arguments,
     )
-    if config.checkpoint is not None and str(config.checkpoint).endswith(".safetensors"):  # a run folder's weights
-        safetensors.torch.load_model(trainer.model, config.checkpoint)
-    elif config.checkpoint is not None:  # a file of save_checkpoint
-        trainer.load_checkpoint(config.checkpoint, load_optimizer=False)
+    if config.checkpoint is not None:
+        load_checkpoint(trainer, checkpoint_file(config.checkpoint))
     if config.output_dir is not None:
         run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)
         trainer.callback_handler.add_callback(run_folder)
@@ -265,11 +333,34 @@ def create_trainer(
         for callback in config.callbacks:  # the trackers' run is named as its folder, unless the config names it
             if isinstance(callback, ExperimentTrackingCallback):
                 callback.use_run_name(folder.name)
-        if config.save_training_states:
+        if config.save_training_states:  # one per epoch: the last one is the run's end, so no `final` besides it
             trainer.callback_handler.add_callback(
-                SaveTrainingStateCallback(save_dir=folder / "training_states", save_every_n_epochs=1)
+                SaveTrainingStateCallback(
+                    save_dir=folder / RUN_FOLDER_STATES,
+                    save_every_n_epochs=1,
+                    save_at_end=False,
+                    max_checkpoints=config.max_training_states,
+                )
             )
     return trainer
+
+
+def load_checkpoint(trainer: Trainer, path: Path) -> None:
+    """Load the weights of ``path`` (safetensors, or a file of save_checkpoint) into the trainer's model."""
+    from safetensors import SafetensorError
+
+    if path.suffix != ".safetensors":
+        trainer.load_checkpoint(path, load_optimizer=False)
+        return
+    try:
+        safetensors.torch.load_model(trainer.model, str(path))
+    except SafetensorError as error:
+        raise ConfigError(f"checkpoint: {str(path)!r} is not a safetensors file ({error}).") from None
+    except RuntimeError as error:
+        raise ConfigError(
+            f"checkpoint: {str(path)!r} does not fit the model ({str(error).strip()[:500]}): pass the weights of a run "
+            "of this model."
+        ) from None
 
 
 def run_training_config(
@@ -284,9 +375,18 @@ def run_training_config(
     data, arguments = config.data, config.data.arguments
     eval_dataset = None if data.eval is None else data.eval(**arguments)
     trainer = create_trainer(config, config_text, hyperparameters)
-    train = config.train
+    try:
+        return trainer, _run_command(trainer, config, command, eval_dataset)
+    finally:
+        for callback in trainer.callback_handler:
+            if isinstance(callback, RunFolderCallback) and callback.folder is not None:
+                remove_if_empty(callback.folder)  # a run that failed before writing anything, or an evaluation
+
+
+def _run_command(trainer: Trainer, config: TrainingConfig, command: str, eval_dataset: Any) -> Any:
+    data, arguments, train = config.data, config.data.arguments, config.train
     if command == "evaluate":
-        return trainer, trainer.evaluate(
+        return trainer.evaluate(
             eval_dataset,
             per_device_batch_size=train.per_device_batch_size,
             dataloader_kwargs=train.eval_dataloader_kwargs,
@@ -316,4 +416,4 @@ def run_training_config(
         allow_resume_changes=train.allow_resume_changes,
         scheduler_interval=train.scheduler_interval,
     )
-    return trainer, result
+    return result

@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import torch
 from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
@@ -29,6 +31,32 @@ CONFIG_FILE, RUN_CONFIG_FILE, HISTORY_FILE, PLOT_FILE, WEIGHTS_FILE = (
 )
 
 
+def validate_run_name(run_name: Optional[str]) -> None:
+    """Refuse a run name that is not one plain folder name: the run folder must stay inside ``output_dir``."""
+    if run_name is None:
+        return
+    separators = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
+    if not isinstance(run_name, str) or run_name in ("", ".", "..") or any(sep in run_name for sep in separators):
+        raise ValueError(
+            f"run_name is {run_name!r}: it must be one plain folder name (no '/', not '..'), so that the run folder "
+            "stays inside output_dir; e.g. run_name='baseline'. To write elsewhere, change output_dir."
+        )
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` if it holds no file (only empty folders, such as an unused ``training_states``): what a
+    run that failed before writing anything leaves. Anything that holds a file is left as it is."""
+    try:
+        for path in sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True):
+            if path.is_symlink() or not path.is_dir():
+                return
+        for path in sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True):
+            path.rmdir()
+        folder.rmdir()
+    except OSError:
+        pass  # another process removed it, or a file appeared: left as it is
+
+
 def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
     """``output_dir/run_name`` (the start time by default), with ``-2``, ``-3``, ... if taken.
 
@@ -42,6 +70,17 @@ def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
     return folder
 
 
+def has_non_finite_weights(trainer: "Trainer") -> bool:
+    """Whether any weight of the model, on any process, is NaN or infinite (one host-device sync; a small collective
+    with several processes, which every process must join)."""
+    count = torch.zeros((), device=trainer.device)
+    for parameter in trainer.get_model().parameters():
+        count += (~torch.isfinite(parameter.detach())).sum()  # device ops: one sync, below
+    if trainer.accelerator.num_processes > 1:
+        count = trainer.accelerator.reduce(count, "sum")
+    return bool(count.item())
+
+
 class RunFolderCallback(TrainerCallback):
     """Writes each training run's folder: ``config.yaml`` (when given), ``run_config.json`` at its start;
     ``history.csv``, ``history.png`` (with matplotlib) and ``model.safetensors`` (the final weights) at its end.
@@ -52,7 +91,8 @@ class RunFolderCallback(TrainerCallback):
 
     Args:
         output_dir: the parent folder of the run folders.
-        run_name: the run folder's name; the start time (``run-YYYYmmdd-HHMMSS``) by default.
+        run_name: the run folder's name, one plain name (so the folder stays inside ``output_dir``); the start time
+            (``run-YYYYmmdd-HHMMSS``) by default.
         config_text: the text of ``config.yaml``, the run's complete configuration (the command line passes it).
 
     Attributes:
@@ -60,6 +100,7 @@ class RunFolderCallback(TrainerCallback):
     """
 
     def __init__(self, output_dir: Union[str, Path], run_name: Optional[str] = None, config_text: Optional[str] = None):
+        validate_run_name(run_name)
         self.output_dir = Path(output_dir)
         self.run_name = run_name
         self.config_text = config_text
@@ -92,7 +133,13 @@ class RunFolderCallback(TrainerCallback):
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
         folder = self.choose_folder(trainer)  # chosen at the run start
-        trainer.save_weights(folder / WEIGHTS_FILE)  # every process: a collective under FSDP
+        if has_non_finite_weights(trainer):  # e.g. a run TerminateOnNaNCallback stopped: no NaN weights to serve
+            trainer.print(
+                f"{folder / WEIGHTS_FILE} was not written: the model's weights are NaN or infinite at the end of the "
+                "run. The training states, if any, hold the last finite ones."
+            )
+        else:
+            trainer.save_weights(folder / WEIGHTS_FILE)  # every process: a collective under FSDP
         if not get_run_config(trainer).is_world_process_zero:
             return
         history = trainer.run_history

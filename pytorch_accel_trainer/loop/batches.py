@@ -187,5 +187,16 @@ def forward_batch(model: Any, batch: Any) -> Any:
 def batch_loss(loss_func: Any, model_outputs: Any, batch: Any) -> torch.Tensor:
     """``loss_func(outputs, targets)``, or without a ``loss_func`` the loss the model returned."""
     if loss_func is not None:
-        return loss_func(model_outputs, batch["labels"] if is_mapping(batch) else batch[1])
+        try:
+            return loss_func(model_outputs, batch["labels"] if is_mapping(batch) else batch[1])
+        except (TypeError, AttributeError) as error:
+            if not is_mapping(model_outputs):
+                raise
+            raise TypeError(
+                f"loss_func {getattr(loss_func, '__name__', type(loss_func).__name__)!r} failed on the model's output, "
+                f"a {type(model_outputs).__name__} with keys {list(model_outputs)[:8]}, not a tensor ({error}). Pass "
+                "loss_func=None to use the output's 'loss' (transformers models return one when the batch has "
+                "labels), return the tensor from the model's forward, or override calculate_train_batch_loss and "
+                "calculate_eval_batch_loss to pick it (e.g. outputs['logits'])."
+            ) from error
     return model_output_loss(model_outputs)

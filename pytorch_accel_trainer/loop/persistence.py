@@ -9,13 +9,16 @@ Trainer's private methods (the extra models' entries come from functions of ``ex
 
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 import torch
 from accelerate import skip_first_batches
+from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.extra_models import (
@@ -45,7 +48,14 @@ from pytorch_accel_trainer.state.checkpointing import (
     load_checkpoint_file,
     save_checkpoint_file,
 )
-from pytorch_accel_trainer.state.files import validate_state_name
+from pytorch_accel_trainer.state.files import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    follow_umask,
+    is_real_directory,
+    is_state_name,
+    validate_state_name,
+)
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
@@ -54,6 +64,7 @@ from pytorch_accel_trainer.state.training_state import (
     find_resumable_state,
     read_training_state,
     restore_rng_state,
+    validate_save_dir,
     write_training_state,
 )
 from pytorch_accel_trainer.utils import dataset_length
@@ -79,26 +90,58 @@ def load_resume_plan(
     if resume_from is None:
         return None
     if stored is None:
-        trainer.print(f"resume_from={str(resume_from)!r} holds no training state yet: starting a new run.")
+        found = "does not exist yet" if not Path(resume_from).exists() else "holds no training state yet"
+        trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
         return None
     plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
-    trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates)")
+    run = "" if stored.run_id is None else f", run {stored.run_id}"
+    trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates){run}")
     return plan
+
+
+def create_run_id(trainer: "Trainer", plan: Optional[ResumePlan]) -> str:
+    """The identity of the run starting: that of the state it resumes, else a new one (the main process's, on every
+    process: one small collective)."""
+    if plan is not None and plan.run_id is not None:
+        return plan.run_id
+    chosen = [uuid.uuid4().hex]
+    if trainer.accelerator.num_processes > 1:
+        broadcast_object_list(chosen)
+    return chosen[0]
 
 
 #: Files of an Accelerate ``save_state`` folder, as pytorch-accelerated's training states are: not resumable here.
 ACCELERATE_STATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model.bin", "model.safetensors")
 
 
+#: The folder of a run folder that holds its training states (``<output_dir>/<run>/training_states``).
+RUN_FOLDER_STATES = "training_states"
+
+
 def find_state_to_resume(path: Path) -> Optional[StoredState]:
-    """``find_resumable_state``, refusing a folder that holds another kind of state rather than starting over.
+    """``find_resumable_state`` for ``train(resume_from=path)``: ``None`` (start a new run) only for a folder that
+    does not exist or is empty; a run folder means its ``training_states`` folder.
 
     Raises:
-        CheckpointError: ``path`` holds an Accelerate ``save_state`` (pytorch-accelerated's training states) or a run
-            folder's weights, but no training state of this trainer.
+        CheckpointError: ``path`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's training
+            states), or holds files but no training state: not a new run, but a wrong path.
     """
+    path = Path(path)
+    if not path.exists():
+        return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
+    if path.is_dir() and _is_run_folder(path):
+        return find_state_to_resume(path / RUN_FOLDER_STATES)
     stored = find_resumable_state(path)
     found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
+    if stored is None and not found:
+        content = _visible_entries(path)
+        if content:
+            raise CheckpointError(
+                f"resume_from={str(path)!r} holds {', '.join(content[:5])}{' ...' if len(content) > 5 else ''} but no "
+                f"training state (no folder with a {MANIFEST_NAME}), so the run was not started over: pass the "
+                "save_dir of SaveTrainingStateCallback, a run folder of the command line, or one state's folder; "
+                "an absent or empty folder starts a new run."
+            )
     if stored is None and found:
         raise CheckpointError(
             f"resume_from={str(path)!r} holds {found} but no training state of this trainer (no manifest.json), so "
@@ -108,6 +151,22 @@ def find_state_to_resume(path: Path) -> Optional[StoredState]:
             "SaveTrainingStateCallback."
         )
     return stored
+
+
+def _visible_entries(folder: Path) -> list[str]:
+    """What ``folder`` holds, but for what a killed first save may leave (``latest``, hidden temporaries)."""
+    return sorted(
+        entry.name for entry in folder.iterdir() if entry.name != LATEST_NAME and not entry.name.startswith(".")
+    )
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a run folder with a states folder, and no training state of its own."""
+    return (
+        is_real_directory(folder / RUN_FOLDER_STATES)
+        and not os.path.lexists(folder / MANIFEST_NAME)
+        and not any(is_state_name(entry.name) for entry in folder.iterdir())
+    )
 
 
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
@@ -299,6 +358,7 @@ class PersistenceMixin:
         max_checkpoints: Optional[int] = None,
         asynchronous: bool = False,
         name: Optional[str] = None,
+        allow_other_runs: bool = False,
     ) -> Optional[Path]:
         """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
 
@@ -324,6 +384,9 @@ class PersistenceMixin:
             asynchronous: during a run, stall the loop only while the state is copied to host memory and write it
                 on a background thread (single process only); the next save and the end of ``train()`` wait
                 for it and raise its error. Outside a run the save is synchronous.
+            allow_other_runs: save even though ``output_dir`` holds the states of another run (by default an
+                error: see "Run identity" in ``docs/training_state.md``); this run's pruning and ``latest`` keep to
+                its own states.
 
         Returns:
             The new state's folder, or ``None`` when it will be taken at the next point between updates.
@@ -331,6 +394,8 @@ class PersistenceMixin:
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
             ValueError: ``asynchronous=True`` with several processes.
+            CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``).
+            NotADirectoryError: ``output_dir`` is a file.
         """
         if self.run_state.options is None:
             raise RuntimeError(
@@ -339,6 +404,7 @@ class PersistenceMixin:
                 "use save_checkpoint(save_path) or save_weights(save_path)."
             )
         parent = Path(output_dir)
+        validate_save_dir(parent, self.run_state, allow_other_runs)
         if name is not None:
             validate_state_name(name)
         if asynchronous:
@@ -427,17 +493,26 @@ class PersistenceMixin:
         """
         from safetensors.torch import save_file, save_model
 
+        path = Path(save_path)
+        if path.is_dir():
+            raise IsADirectoryError(
+                f"save_weights({str(save_path)!r}): a folder; pass the file to write, e.g. "
+                f"{str(path / 'model.safetensors')!r}."
+            )
         gathered = self._gathered_model_state_dict()  # None unless sharded; a collective then
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            path = Path(save_path)
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(f".{path.name}.tmp")
-            if gathered is None:
-                save_model(self.get_model(), str(temporary))
-            else:
-                save_file(gathered, str(temporary))
-            temporary.replace(path)
+            try:
+                if gathered is None:
+                    save_model(self.get_model(), str(temporary))
+                else:
+                    save_file(gathered, str(temporary))
+                follow_umask(temporary)  # safetensors creates its file with mode 0600
+                temporary.replace(path)
+            finally:
+                temporary.unlink(missing_ok=True)  # left only by a failed save
         self.accelerator.wait_for_everyone()
 
     def _full_model_state_dict(self) -> dict:

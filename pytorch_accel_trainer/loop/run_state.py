@@ -66,6 +66,10 @@ class RunState:
         started_at: ``time.perf_counter()`` when the epochs of this run started.
         metric_counts_at_start: the values each run-history metric had then (see ``tracking.metric_counts``).
         first_epoch: ``epoch`` then: 0, or the epoch a resumed run continues.
+        run_id: the run's identity, written in each training state's manifest: made as a new run starts, adopted
+            from the state a resumed run continues (a new one for a state saved before runs had one).
+        is_new_run: whether the run started afresh (no state resumed).
+        checked_save_dirs: the folders of training states checked to hold no other run's states.
     """
 
     options: Optional[TrainOptions] = None
@@ -95,15 +99,18 @@ class RunState:
     started_at: Optional[float] = None
     metric_counts_at_start: dict = field(default_factory=dict)
     first_epoch: int = 0
+    run_id: Optional[str] = None
+    is_new_run: bool = True
+    checked_save_dirs: set = field(default_factory=set)
 
     # ------------------------------------------------------------------------------------------------
     # The run and its epochs
     # ------------------------------------------------------------------------------------------------
 
-    def begin_resume(self, plan: Optional[ResumePlan]) -> None:
+    def begin_resume(self, plan: Optional[ResumePlan], run_id: str) -> None:
         """Continue from a loaded training state: its update count and epoch, and what is still to restore as the
-        run reaches the saved position (nothing without one)."""
-        self.resume = plan
+        run reaches the saved position (nothing without one); ``run_id`` is the run's identity."""
+        self.resume, self.run_id, self.is_new_run = plan, run_id, plan is None
         if plan is not None:
             self.num_update_steps_completed = plan.num_update_steps_completed
             self.epoch = plan.position.loop_epoch

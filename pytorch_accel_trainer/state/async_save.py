@@ -188,6 +188,7 @@ def stage_training_state(
         "world_size": 1,
         "kinds": sorted(set(kinds)),
         "run_facts": run_facts,
+        **training_state.run_identity_field(trainer),
     }
     final = unused_folder_name(Path(parent), name or default_state_name(trainer.num_update_steps_completed))
     return StagedState(final, files, fields, max_rolling)
@@ -209,7 +210,9 @@ def write_staged_state(staged: StagedState) -> Path:
             else:
                 checksums[name] = save_tensors_file(content, temporary / name)
     training_state.finish_save(temporary, final, staged.manifest_fields, checksums)
-    training_state.prune_states(final.parent, staged.max_rolling, keep=[final])
+    training_state.prune_states(
+        final.parent, staged.max_rolling, keep=[final], run_id=staged.manifest_fields.get("run_id")
+    )
     return final
 
 

@@ -263,16 +263,60 @@ def save_checkpoint_file(checkpoint: dict, save_path: Union[str, os.PathLike]) -
         temporary.unlink(missing_ok=True)
 
 
+def _first_bytes(path: Path, count: int = 16) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(count)
+    except OSError:
+        return b""
+
+
+def refused_by_weights_only(path: Path) -> bool:
+    """Whether a file torch could not load with ``weights_only=True`` is a pickle (or torch's zip of one), so holds
+    objects that only pickle can rebuild, rather than no pickle at all (torch's message is the same for both)."""
+    return _first_bytes(path, 4) in (b"PK\x03\x04",) or _first_bytes(path, 1) == b"\x80"
+
+
+def describe_unreadable_torch_file(path: Path, error: Exception) -> str:
+    """What a file that ``torch.load`` cannot read at all is likely to be, by its first bytes."""
+    if is_safetensors_file(path):
+        what = SAFETENSORS_FILE
+    else:
+        what = "not a file written by torch.save (random bytes, a truncated file, or another format)"
+    return f"{str(path)!r} is {what} ({type(error).__name__}: {str(error).splitlines()[0][:200]})."
+
+
+SAFETENSORS_FILE = "a safetensors file (weights only): load it with safetensors.torch.load_model(model, path)"
+
+
+def is_safetensors_file(path: Path) -> bool:
+    """Whether ``path`` starts as a safetensors file does: an 8-byte header length, then its JSON header."""
+    head = _first_bytes(path)
+    return len(head) >= 9 and head[8:9] == b"{"
+
+
 def load_checkpoint_file(checkpoint_path: Union[str, os.PathLike]) -> dict:
     """Load a checkpoint on the CPU, without ever unpickling arbitrary objects."""
     path = Path(checkpoint_path)
+    if path.is_dir():
+        weights = ""
+        if (path / "model.safetensors").is_file():
+            weights = " (its model.safetensors holds the weights: load them with safetensors.torch.load_model)"
+        raise IsADirectoryError(
+            f"{str(path)!r} is a folder, not a checkpoint file{weights}: pass a file written by save_checkpoint."
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"No checkpoint file at {str(path)!r}: check the path (a file written by save_checkpoint)."
         )
+    if is_safetensors_file(path):
+        raise ValueError(f"{str(path)!r} is {SAFETENSORS_FILE}. load_checkpoint takes a file of save_checkpoint.")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        if not refused_by_weights_only(path):
+            message = describe_unreadable_torch_file(path, error)
+            raise ValueError(f"{message} Pass a file written by save_checkpoint.") from error
         raise ValueError(
             f"{str(path)!r} holds objects that only pickle can rebuild, and checkpoints are loaded with "
             f"weights_only=True so that loading one never runs code ({error}). Re-save it with state_dicts and "

@@ -41,6 +41,8 @@ TRAINER_FILE = "trainer_state.pt"
 REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
 RESTORE_POINTS = ("before_iterator", "after_iterator")
 KINDS = ("rolling", "permanent", "best")
+#: A run's identity in a manifest: a uuid4 in hex, made as a new run starts and adopted by each resume of it.
+RUN_ID = re.compile(r"[0-9a-f]{32}")
 #: A file in a temporary state folder naming its writer, ``.writer-<host>-<pid>``; never part of the manifest.
 WRITER_MARKER_PREFIX = ".writer-"
 
@@ -164,6 +166,11 @@ class StoredState:
     def kinds(self) -> set:
         return set(self.manifest["kinds"])
 
+    @property
+    def run_id(self) -> Optional[str]:
+        """The identity of the run that wrote the state; ``None`` for a state written before runs had one."""
+        return self.manifest.get("run_id")
+
 
 # ------------------------------------------------------------------------------------------------
 # Writing a file of a state, flushed to disk
@@ -218,6 +225,27 @@ def fsync_path(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def current_umask() -> int:
+    """The process's file-mode creation mask (read from ``/proc`` where it can be, so that no other thread ever sees
+    a changed mask)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a file written by safetensors (which creates it with mode 0600) the mode of every other file the
+    process writes, ``0666`` less the umask, so a teammate or a serving job can read the weights."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -372,6 +400,9 @@ def validate_manifest(manifest: dict) -> None:
         raise DamagedStateError(f"kinds is {kinds!r}; it must be a non-empty list of {KINDS}")
     if not isinstance(manifest.get("run_facts"), dict):
         raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
+    run_id = manifest.get("run_id")  # absent in the states written before runs had an identity
+    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+        raise DamagedStateError(f"run_id is {run_id!r}; it must be 32 hex digits")
     _validate_files(manifest.get("files"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])
 
@@ -465,6 +496,7 @@ def write_extra_files(models: dict, optimizers: dict, folder: Path) -> dict:
 
     for name, model in models.items():
         save_model(model, str(folder / extra_model_file(name)))
+        follow_umask(folder / extra_model_file(name))
         fsync_path(folder / extra_model_file(name))
     return {
         extra_optimizer_file(name): save_tensors_file(

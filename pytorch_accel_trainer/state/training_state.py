@@ -29,7 +29,14 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
-from pytorch_accel_trainer.state.checkpointing import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
+from pytorch_accel_trainer.state.checkpointing import (
+    describe_unreadable_torch_file,
+    is_abandoned,
+    refused_by_weights_only,
+    reporting_out_of_space,
+    validate_plain,
+    writer_tag,
+)
 from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names are re-exported: they were always here)
     CHECKSUM,
     FORMAT_VERSION,
@@ -52,6 +59,7 @@ from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names a
     extra_optimizer_classes,
     file_digest,
     folder_writer,
+    follow_umask,
     fsync_path,
     inner_optimizer,
     is_real_directory,
@@ -269,18 +277,116 @@ def list_complete_states(parent: Path) -> list[StoredState]:
 
 
 def _verify_state_in(folder: Path) -> StoredState:
+    """A state of a folder of states, verified down to its trainer file (whose position must be the manifest's: an
+    edited manifest must not make an older state look like the newest, and then stop the resume)."""
     if not is_real_directory(folder):
         raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
-    return verify_folder(folder)
+    stored = verify_folder(folder)
+    _load_trainer_file(stored)
+    return stored
+
+
+def _readable_state(folder: Path) -> Optional[StoredState]:
+    """The state in ``folder`` with its manifest (files not hashed), or ``None`` when its manifest cannot be read."""
+    try:
+        if is_real_directory(folder):
+            return StoredState(folder, read_manifest(folder))
+    except CheckpointError:
+        pass
+    return None
+
+
+def _written_at(state: StoredState) -> int:
+    try:
+        return os.stat(state.folder / MANIFEST_NAME, follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _run_to_resume(parent: Path, states: list[StoredState]) -> Optional[str]:
+    """The run whose states a resume from ``parent`` continues: the run of the state ``latest`` names (the last one
+    saved), else that of the state written last. ``None``: the states were written before runs had an identity."""
+    if not states:
+        return None
+    try:
+        latest = read_small_text(parent / LATEST_NAME, 4096).strip()
+    except (OSError, ValueError):  # absent, a link, damaged: the states' own times decide
+        latest = None
+    for state in states:
+        if state.folder.name == latest:
+            return state.run_id
+    return max(states, key=_written_at).run_id
+
+
+def describe_runs(states: Iterable[StoredState]) -> str:
+    """``'epoch_1, final (run 3f2a...), checkpoint-8 (no run identity)'``: the states, grouped by run."""
+    by_run: dict[Optional[str], list[str]] = {}
+    for state in states:
+        by_run.setdefault(state.run_id, []).append(state.folder.name)
+    return "; ".join(
+        f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''} "
+        f"({'no run identity: saved by an earlier version' if run is None else f'run {run}'})"
+        for run, names in by_run.items()
+    )
+
+
+def validate_no_other_runs(parent: Path, run_id: str, accepted: Iterable[str] = ()) -> None:
+    """Refuse to save the states of the new run ``run_id`` into ``parent`` when it holds another run's (but those
+    of ``accepted``: the earlier ``train()`` calls of the same callback), or states saved before runs had an
+    identity: they would mix, and a resume from ``parent`` would continue the other run.
+
+    Raises:
+        CheckpointError: naming the folder, the other run's states and the three ways out.
+    """
+    if not is_real_directory(parent):
+        return
+    accepted = {run_id, *accepted}
+    others = [state for state in list_complete_states(parent) if state.run_id not in accepted]
+    if not others:
+        return
+    raise CheckpointError(
+        f"{parent} holds training states of another run ({describe_runs(others)}), and this run is a new run (no "
+        "state resumed): its states would mix with them, and a resume could take the other run's. Either save this "
+        "run's states in another folder (SaveTrainingStateCallback(save_dir=...), save_training_state(output_dir)), "
+        f"continue that run with train(..., resume_from={str(parent)!r}), or pass allow_other_runs=True "
+        "(SaveTrainingStateCallback, save_training_state) to write beside them: pruning, `latest` and a resume "
+        "then keep to one run's states."
+    )
+
+
+def validate_save_dir(parent: Path, run_state, allow_other_runs: bool = False, accepted: Iterable[str] = ()) -> None:
+    """Refuse to save the training states of the run of ``run_state`` (a ``RunState``: its ``run_id``,
+    ``is_new_run`` and ``checked_save_dirs``) into ``parent`` when it is a file, or holds another run's states
+    (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs); checked once per folder and run. A
+    resumed run is not refused: its pruning, ``latest`` and later resumes keep to its own states.
+
+    Raises:
+        CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`).
+        NotADirectoryError: ``parent`` is a file.
+    """
+    parent = Path(parent)
+    if os.path.lexists(parent) and not parent.is_dir():
+        raise NotADirectoryError(
+            f"{str(parent)!r} is a file, not a folder of training states: pass a folder, e.g. "
+            f"{str(parent.with_suffix('')) + '_states'!r}; each state is written as a folder inside it."
+        )
+    key = parent.absolute()
+    if key in run_state.checked_save_dirs or run_state.run_id is None:
+        return
+    if run_state.is_new_run and not allow_other_runs:
+        validate_no_other_runs(parent, run_state.run_id, accepted)
+    run_state.checked_save_dirs.add(key)
 
 
 def find_resumable_state(path: Path) -> Optional[StoredState]:
     """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
 
     ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
-    complete one is used. The states that cannot be used are skipped, each with a warning naming it and why (damaged,
-    or of another format version): those newer than it, and those whose manifest cannot be read (so whose place in
-    the run is unknown: a state of another format is one), or that are links.
+    complete one of one run is used: the run of the state saved last (named by ``latest``); the states of other runs
+    are left alone, with a warning naming them. The states that cannot be used are skipped, each with a warning
+    naming it and why (damaged, or of another format version): those newer than it, and those whose manifest cannot
+    be read (so whose place in the run is unknown: a state of another format is one), or that are links. A state
+    whose trainer file disagrees with its manifest (an edited manifest) is a damaged one.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -304,13 +410,15 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
         )
     if os.path.lexists(path / MANIFEST_NAME):
         return verify_folder(path)
-    order = {folder: _order_or_lowest(folder) for folder in state_folders(path)}
+    readable = {folder: _readable_state(folder) for folder in state_folders(path)}
+    run_id = _run_to_resume(path, [state for state in readable.values() if state is not None])
+    other_runs = [state for state in readable.values() if state is not None and state.run_id != run_id]
     problems, stored = [], None
-    for folder in sorted(
-        order, key=lambda folder: order[folder], reverse=True
-    ):  # newest first; then those whose order is unreadable
-        if stored is not None and order[folder][0]:
-            continue  # older than the state chosen: left alone
+    for folder in sorted(readable, key=lambda folder: _order_or_lowest(readable[folder]), reverse=True):
+        # newest first; then those whose manifest is unreadable (so whose run and place are unknown)
+        known = readable[folder]
+        if known is not None and (known.run_id != run_id or stored is not None):
+            continue  # another run's, or older than the state chosen: left alone
         try:
             candidate = _verify_state_in(folder)
         except CheckpointError as error:
@@ -322,6 +430,12 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
             damaged = not isinstance(problem, StateFormatError)
             kind = "damaged training state" if damaged else "training state of another format"
             warnings.warn(f"Skipped a {kind} (resuming from {stored.folder}): {problem}", stacklevel=2)
+        if other_runs:
+            warnings.warn(
+                f"{path} also holds the states of other runs ({describe_runs(other_runs)}); they were left alone: "
+                f"resuming from {stored.folder}, the newest good state of the run saved last.",
+                stacklevel=2,
+            )
         return stored
     if problems:
         listed = "\n  ".join(map(str, problems))
@@ -332,21 +446,20 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
     return None
 
 
-def _order_or_lowest(folder: Path) -> tuple:
-    try:
-        if is_real_directory(folder):
-            return (1, StoredState(folder, read_manifest(folder)).order)
-    except CheckpointError:
-        pass
-    return (0, (folder.name,))
+def _order_or_lowest(state: Optional[StoredState]) -> tuple:
+    return (0, ()) if state is None else (1, state.order)
 
 
-def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] = ()) -> list[Path]:
+def prune_states(
+    parent: Path, max_rolling: Optional[int], keep: Iterable[Path] = (), run_id: Optional[str] = None
+) -> list[Path]:
     """Delete the oldest ``rolling`` states beyond ``max_rolling``, and superseded ``best`` ones; return them.
 
     A state is deleted only when each of its kinds allows it: ``permanent`` states are never deleted, and
     only the newest ``best`` state is kept. States in ``keep`` are never deleted, nor is anything through a link.
-    Pruning never ends a run: a folder that cannot be deleted is left in place with a warning naming it.
+    With ``run_id``, only that run's states are counted and deleted: another run's (or one saved before runs had an
+    identity) is never touched. Pruning never ends a run: a folder that cannot be deleted is left in place with a
+    warning naming it.
     """
     keep_names = {Path(path).name for path in keep}
     try:
@@ -356,6 +469,8 @@ def prune_states(parent: Path, max_rolling: Optional[int], keep: Iterable[Path] 
             f"Could not list {parent} to prune its training states ({error}); none was deleted.", stacklevel=2
         )
         return []
+    if run_id is not None:
+        states = [state for state in states if state.run_id == run_id]
     rolling = [state for state in states if "rolling" in state.kinds]
     best = [state for state in states if "best" in state.kinds]
     surplus_rolling = set()
@@ -389,6 +504,9 @@ def load_tensors_file(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
+        if not refused_by_weights_only(path):
+            message = describe_unreadable_torch_file(path, error)
+            raise CheckpointError(f"{message} The state was damaged or altered.") from error
         raise CheckpointError(f"{path}: holds objects that only pickle can rebuild; refused ({error}).") from error
     except (RuntimeError, EOFError, ValueError) as error:
         raise CheckpointError(
@@ -428,6 +546,13 @@ class ResumePlan:
     folder: Path
     num_update_steps_completed: int = 0
     train_step_metrics: dict = field(default_factory=dict)
+    run_id: Optional[str] = None
+
+
+def run_identity_field(trainer) -> dict:
+    """``{"run_id": ...}``, the manifest field of the trainer's run; empty outside any run."""
+    run_id = getattr(trainer.run_state, "run_id", None)
+    return {} if run_id is None else {"run_id": run_id}
 
 
 def _callback_states(callbacks: Iterable) -> dict:
@@ -507,6 +632,7 @@ def write_training_state(
             else:
                 own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
                 save_file(own_storage, str(temporary / MODEL_FILE))
+            follow_umask(temporary / MODEL_FILE)
             fsync_path(temporary / MODEL_FILE)
             # safetensors writes the file itself: its checksum is read back (from the page cache) on a thread while
             # the rest is written
@@ -547,9 +673,10 @@ def write_training_state(
                 "world_size": accelerator.num_processes,
                 "kinds": sorted(set(kinds)),
                 "run_facts": run_facts,
+                **run_identity_field(trainer),
             }
             finish_save(temporary, final, manifest_fields, checksums)
-            prune_states(parent, max_rolling, keep=[final])
+            prune_states(parent, max_rolling, keep=[final], run_id=manifest_fields.get("run_id"))
     accelerator.wait_for_everyone()
     return final
 
@@ -703,4 +830,5 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         checkpoint_kwargs=shared["checkpoint_kwargs"],
         folder=folder,
         num_update_steps_completed=shared["num_update_steps_completed"],
+        run_id=stored.run_id,
     )

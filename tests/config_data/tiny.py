@@ -24,3 +24,14 @@ class TaggedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.tag = tag
         TaggedTrainer.instances.append(self)
+
+
+def tensors(num_samples: int = 64) -> tuple:
+    """A data function that returns the tensors themselves, not a dataset: a user's mistake."""
+    dataset = train_dataset(num_samples)
+    return dataset.tensors
+
+
+def broken(num_samples: int = 64):
+    """A data function with a bug of its own: its error keeps its traceback."""
+    raise ValueError("a bug in the user's data function")
