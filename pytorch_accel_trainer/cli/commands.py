@@ -1,4 +1,4 @@
-"""The command line: ``pytorch-accel-trainer fit|evaluate --config run.yaml --train.num_epochs 5``.
+"""The command line: ``pytorch-accel-trainer fit|evaluate|predict --config run.yaml --train.num_epochs 5``.
 
 Parses a :class:`~pytorch_accel_trainer.cli.config.TrainingConfig` from YAML files and flags with jsonargparse (later
 ones win), then runs it with :func:`~pytorch_accel_trainer.cli.config.run_training_config`. ``--print_config`` prints
@@ -21,11 +21,15 @@ from accelerate.utils import set_seed
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
-from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, run_training_config
+from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, run_prediction_config, run_training_config
 
 COMMANDS = {
     "fit": "Train the model (Trainer.train) and, with data.eval, evaluate it after each epoch.",
     "evaluate": "Evaluate the model (Trainer.evaluate) on data.eval, e.g. with the weights of --checkpoint.",
+    "predict": (
+        "Write the model's outputs (Trainer.predict) for data.predict (else data.eval) to --output, with the weights "
+        "of --checkpoint (a run folder or a weights file)."
+    ),
 }
 
 
@@ -50,6 +54,13 @@ def create_parser() -> CommandLineParser:
             "--config", action=ActionConfigFile, help="a YAML config file; flags after it override it"
         )
         subparser.add_class_arguments(TrainingConfig, None, fail_untyped=True)
+        if command == "predict":
+            subparser.add_argument(
+                "--output",
+                type=str,
+                required=True,
+                help="where to write the predictions: a .pt file, or a new folder written in chunks as they come",
+            )
         subcommands.add_subcommand(command, subparser, help=description)
         parser.command_parsers[command] = subparser
     return parser
@@ -79,6 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     except (ArgumentError, TypeError, ValueError) as error:
         raise ConfigError(f"The configuration could not be built: {error}. Fix the arguments named above.") from None
     config = TrainingConfig(**{item.name: instantiated[item.name] for item in fields(TrainingConfig)})
+    if command == "predict":
+        return run_prediction_config(config, namespace.output, config_text)[1]
     hyperparameters = plain_hyperparameters(yaml.safe_load(config_text))
     _, result = run_training_config(config, command, config_text, hyperparameters)
     return result

@@ -9,6 +9,7 @@ See ``docs/config.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import safetensors.torch
 import torch
 
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
+from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.run_config import OptionalNumber
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
@@ -102,11 +103,13 @@ class DataSettings:
     Args:
         train: the function that returns the training dataset (needed by ``fit``).
         eval: the function that returns the evaluation dataset (needed by ``evaluate``).
-        arguments: keyword arguments passed to both functions.
+        predict: the function that returns the samples to predict (``predict``; ``eval`` when it is not given).
+        arguments: keyword arguments passed to every function.
     """
 
     train: Optional[Callable] = None
     eval: Optional[Callable] = None
+    predict: Optional[Callable] = None
     arguments: dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,9 +132,9 @@ class TrainingConfig:
         trainer_arguments: more keyword arguments of ``trainer_class`` (those of a subclass).
         trainer: the options of ``Trainer(...)``.
         train: the arguments of ``train()``.
-        checkpoint: weights loaded before the run: the model that ``evaluate`` measures, or the starting point of
-            ``fit``. A ``.safetensors`` file (a run folder's ``model.safetensors``, ``save_weights``) or a file of
-            ``save_checkpoint``.
+        checkpoint: weights loaded before the run: the model that ``evaluate`` measures or ``predict`` runs, or the
+            starting point of ``fit``. A run folder (its ``model.safetensors``), a ``.safetensors`` file
+            (``save_weights``) or a file of ``save_checkpoint``.
         output_dir: write each run's folder here (``<output_dir>/<run_name>``): this config, the run config, the
             history, its plot, the final weights, the training states; ``null`` writes nothing.
         run_name: the run folder's name; the start time by default. A name already taken gets ``-2``.
@@ -161,7 +164,8 @@ class TrainingConfig:
 
 
 def validate_training_config(config: TrainingConfig, command: str) -> None:
-    """Refuse a config that cannot run ``command`` (``fit`` or ``evaluate``), naming the key and the fix."""
+    """Refuse a config that cannot run ``command`` (``fit``, ``evaluate`` or ``predict``), naming the key and the
+    fix."""
     if not (isinstance(config.trainer_class, type) and issubclass(config.trainer_class, Trainer)):
         raise ConfigError(
             f"trainer_class: {config.trainer_class!r} is not a Trainer class; give the import path of "
@@ -173,6 +177,9 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
             ("optimizer", config.optimizer, "--optimizer torch.optim.AdamW --optimizer.lr 0.001"),
         ),
         "evaluate": (("data.eval", config.data.eval, "--data.eval my_package.data.eval_dataset"),),
+        "predict": (
+            ("data.predict", config.data.predict or config.data.eval, "--data.predict my_package.data.test_samples"),
+        ),
     }
     for key, value, example in needed[command]:
         if value is None:
@@ -184,6 +191,21 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
         )
     if config.scheduler is not None:
         create_scheduler_factory(config.scheduler)  # the class imports and takes these arguments
+    if config.checkpoint is not None:
+        checkpoint_file(config.checkpoint)  # it exists
+
+
+def checkpoint_file(checkpoint: str) -> Path:
+    """The weights file of ``checkpoint``: a run folder's ``model.safetensors``, or the file given."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        path = path / WEIGHTS_FILE
+    if not path.is_file():
+        raise ConfigError(
+            f"checkpoint: {checkpoint!r} is not a run folder with a {WEIGHTS_FILE}, a .safetensors file or a file of "
+            "save_checkpoint (nothing is there). Give the run folder of a finished `fit`, or a weights file."
+        )
+    return path
 
 
 def create_scheduler_factory(settings: SchedulerSettings) -> Callable:
@@ -254,10 +276,11 @@ def create_trainer(
         cpu=settings.cpu,
         **config.trainer_arguments,
     )
-    if config.checkpoint is not None and str(config.checkpoint).endswith(".safetensors"):  # a run folder's weights
-        safetensors.torch.load_model(trainer.model, config.checkpoint)
-    elif config.checkpoint is not None:  # a file of save_checkpoint
-        trainer.load_checkpoint(config.checkpoint, load_optimizer=False)
+    weights = None if config.checkpoint is None else checkpoint_file(config.checkpoint)
+    if weights is not None and weights.suffix == ".safetensors":  # a run folder's weights
+        safetensors.torch.load_model(trainer.model, weights)
+    elif weights is not None:  # a file of save_checkpoint
+        trainer.load_checkpoint(weights, load_optimizer=False)
     if config.output_dir is not None:
         run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)
         trainer.callback_handler.add_callback(run_folder)
@@ -317,3 +340,40 @@ def run_training_config(
         scheduler_interval=train.scheduler_interval,
     )
     return trainer, result
+
+
+def run_prediction_config(
+    config: TrainingConfig, output: str, config_text: Optional[str] = None
+) -> tuple[Trainer, Any]:
+    """Run ``Trainer.predict`` on ``data.predict`` (or ``data.eval``) as ``config`` describes, with the weights of
+    ``checkpoint``; write the predictions to ``output`` and return the trainer and the path written.
+
+    An ``output`` ending in ``.pt`` is one file of the predictions (``torch.load`` reads it), written by the main
+    process; any other is a new folder the predictions are written to in chunks as they come
+    (``Trainer.predict(output_dir=...)``; ``predictions.load_predictions`` reads it). Nothing is overwritten.
+    """
+    validate_training_config(config, "predict")
+    path = Path(output)
+    if path.exists():
+        raise ConfigError(
+            f"--output {output!r} already exists: predictions never overwrite a file. Give a new path, or remove it."
+        )
+    create_dataset = config.data.predict or config.data.eval
+    if create_dataset is None:  # refused by validate_training_config; checked again for the type checker
+        raise ConfigError("data.predict is missing: `predict` needs it (or data.eval).")
+    dataset = create_dataset(**config.data.arguments)
+    trainer = create_trainer(dataclasses.replace(config, output_dir=None), config_text)  # a prediction: no run folder
+    train = config.train
+    arguments: dict[str, Any] = {
+        "per_device_batch_size": train.per_device_batch_size,
+        "dataloader_kwargs": train.eval_dataloader_kwargs,
+        "collate_fn": train.collate_fn,
+    }
+    if path.suffix != ".pt":
+        return trainer, trainer.predict(dataset, output_dir=path, **arguments)
+    predictions = trainer.predict(dataset, **arguments)
+    if trainer.accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(predictions, path)
+    trainer.accelerator.wait_for_everyone()
+    return trainer, path
