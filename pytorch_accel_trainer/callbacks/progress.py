@@ -18,7 +18,7 @@ from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
-from pytorch_accel_trainer.utils import dataloader_length
+from pytorch_accel_trainer.utils import dataloader_length, model_summary_line, model_summary_table
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -70,21 +70,35 @@ def _print(trainer: Trainer, message: str) -> None:
 
 
 class PrintProgressCallback(TrainerCallback):
-    """Prints one line when a training run starts and a short summary when it ends, on the main process.
+    """Prints two lines when a training run starts and a short summary when it ends, on the main process.
 
-    The start line says what will run (epochs, updates per epoch, the global batch); the end line says how long it
-    took and the best value of a monitoring callback (``EarlyStoppingCallback``, ...), if there is one.
+    The first line summarises the model (its parameters, total and trainable, its size in MiB and the precision it
+    runs in: ``utils.model_summary_line``); the second says what will run (epochs, updates per epoch, the global
+    batch); the end line says how long it took and the best value of a monitoring callback (``EarlyStoppingCallback``,
+    ...), if there is one.
 
     Args:
         verbose: print pytorch-accelerated's messages instead: a line at the start and end of each run and at the
             start of each training and evaluation epoch.
+        model_summary: ``"line"`` (the default): the model's one-line summary first; ``"full"``: then a table of its
+            modules too (``utils.model_summary_table``, to ``model_summary_depth`` levels); ``None``: no summary.
+        model_summary_depth: the levels of modules the full table shows (1: the model's children).
     """
 
     # class defaults too: a pytorch-accelerated subclass may define __init__ without calling this one
     verbose, _run_start, _epochs = False, 0.0, 0
+    model_summary: Optional[str] = "line"
+    model_summary_depth = 1
 
-    def __init__(self, verbose: bool = False):
+    def __init__(self, verbose: bool = False, model_summary: Optional[str] = "line", model_summary_depth: int = 1):
+        if model_summary not in ("line", "full", None):
+            raise ValueError(
+                f"model_summary={model_summary!r} is not valid: choose 'line' (one line), 'full' (a line and a table "
+                "of the modules) or None (no summary)."
+            )
+        validate_positive_int("model_summary_depth", model_summary_depth, "module levels", 2)
         self.verbose = verbose
+        self.model_summary, self.model_summary_depth = model_summary, model_summary_depth
         self._run_start = 0.0
         self._epochs = 0
 
@@ -99,6 +113,11 @@ class PrintProgressCallback(TrainerCallback):
             "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
         )
         processes = f"{config.num_processes} processes" if config.num_processes > 1 else "1 process"
+        if self.model_summary is not None:
+            model = trainer.get_model()
+            _print(trainer, model_summary_line(model, trainer.accelerator.mixed_precision))
+            if self.model_summary == "full":
+                _print(trainer, model_summary_table(model, self.model_summary_depth))
         _print(
             trainer,
             f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} "
