@@ -278,8 +278,8 @@ def test_the_config_reaches_trackers_as_plain_values():
     }
 
 
-def test_the_parser_has_fit_evaluate_and_predict():
-    assert set(create_parser().command_parsers) == {"fit", "evaluate", "predict"}
+def test_the_parser_has_fit_evaluate_predict_and_tune():
+    assert set(create_parser().command_parsers) == {"fit", "evaluate", "predict", "tune"}
 
 
 # The digits example from the command line --------------------------------------------------------------------------

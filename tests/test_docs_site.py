@@ -48,6 +48,7 @@ PUBLIC_MODULES = (
     "cli",
     "cli.commands",
     "cli.run_folder",
+    "cli.tune",
     "errors",
 )
 #: Implementation modules that also hold a few public names (imported from there by users and the guide pages).

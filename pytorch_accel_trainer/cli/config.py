@@ -14,7 +14,7 @@ import functools
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import safetensors.torch
 import torch
@@ -248,7 +248,10 @@ def import_object(path: str, key: str) -> Any:
 
 
 def create_trainer(
-    config: TrainingConfig, config_text: Optional[str] = None, hyperparameters: Optional[dict] = None
+    config: TrainingConfig,
+    config_text: Optional[str] = None,
+    hyperparameters: Optional[dict] = None,
+    extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> Trainer:
     """Return the trainer that ``config`` describes, with its callbacks, the checkpoint's weights loaded, and (with
     ``output_dir``) its run folder chosen.
@@ -257,10 +260,11 @@ def create_trainer(
         config: a validated configuration (:func:`validate_training_config`), whose model is built.
         config_text: the YAML of the complete configuration, written to the run folder.
         hyperparameters: the flat configuration given to experiment trackers with the run config.
+        extra_callbacks: callbacks added after the config's (``tune``'s pruning callback).
     """
     model = config.model
     optimizer = None if config.optimizer is None else config.optimizer(model.parameters())
-    callbacks = [*(DEFAULT_CALLBACKS if config.default_callbacks else ()), *config.callbacks]
+    callbacks = [*(DEFAULT_CALLBACKS if config.default_callbacks else ()), *config.callbacks, *extra_callbacks]
     for callback in config.callbacks:
         if isinstance(callback, ExperimentTrackingCallback) and hyperparameters:  # trackers get the whole config
             callback.config = {**hyperparameters, **(callback.config or {})}
@@ -300,13 +304,15 @@ def run_training_config(
     command: str = "fit",
     config_text: Optional[str] = None,
     hyperparameters: Optional[dict] = None,
+    extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> tuple[Trainer, Union[Any, dict]]:
-    """Run ``command`` (``fit``: ``train()``; ``evaluate``: ``evaluate()``) as ``config`` describes; return the trainer
-    and what the run returned (a ``TrainResult``, or the evaluation's metrics)."""
+    """Run ``command`` (``fit``: ``train()``; ``evaluate``: ``evaluate()``) as ``config`` describes, with
+    ``extra_callbacks`` added; return the trainer and what the run returned (a ``TrainResult``, or the evaluation's
+    metrics)."""
     validate_training_config(config, command)
     data, arguments = config.data, config.data.arguments
     eval_dataset = None if data.eval is None else data.eval(**arguments)
-    trainer = create_trainer(config, config_text, hyperparameters)
+    trainer = create_trainer(config, config_text, hyperparameters, extra_callbacks)
     train = config.train
     if command == "evaluate":
         return trainer, trainer.evaluate(

@@ -1,9 +1,12 @@
 """What the config tests import by path: datasets made here (nothing downloaded) and a Trainer subclass."""
 
+import os
+
 import torch
 from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import TrainerCallback
 
 
 def train_dataset(num_samples: int = 64) -> TensorDataset:
@@ -24,3 +27,16 @@ class TaggedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.tag = tag
         TaggedTrainer.instances.append(self)
+
+
+class ExitOnceCallback(TrainerCallback):
+    """Kills the process at the end of the first epoch of the first run that finds no ``marker`` file (writing it):
+    a search killed in the middle of a trial, for the resume test."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def on_training_run_epoch_end(self, trainer, **kwargs):
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(3)
