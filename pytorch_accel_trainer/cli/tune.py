@@ -407,7 +407,8 @@ def _run_trial(
     if study is None:
         return
     folder = next(callback.folder for callback in trainer.callback_handler if isinstance(callback, RunFolderCallback))
-    folder = cast(Path, folder)  # chosen when the trainer was created    trial.set_user_attr("run_folder", str(folder))
+    folder = cast(Path, folder)  # chosen when the trainer was created
+    trial.set_user_attr("run_folder", str(folder))
     if pruning.pruned_at is not None:
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         outcome = f"pruned after epoch {pruning.pruned_at}"
