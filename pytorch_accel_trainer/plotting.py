@@ -137,9 +137,11 @@ def plot_lr_find(result: Any, save_path: Union[str, os.PathLike, None] = None) -
             color="red",
             label=f"suggestion {result.suggestion:.2g}",
         )
-    finite = [value for value in result.smoothed_losses if math.isfinite(value)]
-    if finite and finite[0] > min(finite):  # past the start's loss the curve only diverges: keep the descent readable
-        ax.set_ylim(top=finite[0] + 0.5 * (finite[0] - min(finite)))
+    smoothed = [value for value in result.smoothed_losses if math.isfinite(value)]
+    if smoothed and smoothed[0] > min(smoothed):  # above the start's loss the curve only diverges: show the descent
+        bottom = min(value for value in (*smoothed, *result.losses) if math.isfinite(value))
+        top = smoothed[0] + 0.5 * (smoothed[0] - min(smoothed))
+        ax.set_ylim(bottom - 0.05 * (top - bottom), top)
     ax.set_xscale("log")
     ax.set_title("learning-rate range test")
     ax.set_xlabel("learning rate")

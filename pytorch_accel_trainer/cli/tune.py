@@ -287,8 +287,8 @@ def tune(
     flags: Sequence[str] = (),
 ) -> TuneResult:
     """Search the config keys of ``search_space`` with Optuna until the study has ``n_trials`` trials (completed,
-    pruned or running: several processes sharing a study reach ``n_trials`` together); see this module's
-    documentation.
+    pruned or running: several processes sharing a study reach ``n_trials`` together; a failed trial, e.g. one whose
+    metric is not finite, does not count); see this module's documentation.
 
     Args:
         config: the run's config: a YAML file of ``pytorch-accel-trainer fit``, or its content as a dict.
@@ -412,8 +412,11 @@ def _run_trial(
     if pruning.pruned_at is not None:
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         outcome = f"pruned after epoch {pruning.pruned_at}"
+    elif pruning.last_value is None or not math.isfinite(pruning.last_value):
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)  # diverged: failed, and not counted in n_trials
+        outcome = f"failed: {metric} {pruning.last_value}"
     else:
-        study.tell(trial, pruning.last_value)  # a non-finite value marks the trial failed (Optuna's rule)
+        study.tell(trial, pruning.last_value)
         outcome = f"{metric} {pruning.last_value:.4g}"
     print(f"{folder.name} · {outcome} · {json.dumps(values)}", flush=True)
 
