@@ -303,6 +303,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         #: ``on_training_run_start`` and put it back at ``on_training_run_end``.
         self.train_dataloader: Optional[Iterable] = None
         self.eval_dataloader: Optional[Iterable] = None
+        #: The prepared dataloader of the running ``predict()`` (``None`` outside one), e.g. for a progress bar.
+        self.predict_dataloader: Optional[Iterable] = None
         self._train_dl_kwargs: Optional[dict] = None
         self._given_train_dataloader: Optional[DataLoader] = None  # a DataLoader train() received, used as it is
         self._given_eval_dataloader: Optional[DataLoader] = None
@@ -1017,10 +1019,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             Path(output_dir).mkdir(parents=True, exist_ok=True)
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
+        self.predict_dataloader = dataloader
         try:
             self._call_event("on_predict_run_start")
             self._run_predict_epoch(dataloader, collector)
         finally:
+            self.predict_dataloader = None
             for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
                 module.training = training
             self.model = self._unwrap_distributed_model()
@@ -1034,18 +1038,20 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         ``collector``: each sample once (``gather_for_metrics`` drops the repeated ones), in the dataset's order."""
         for step, batch in enumerate(dataloader):
             with torch.no_grad():
-                batch_output = self.calculate_predict_batch_output(batch)
+                batch_output = _call_batch_loss_hook(self.calculate_predict_batch_output, batch, step)
             validate_prediction_output(batch_output)
             batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
             collector.add(batch_output)
             self._call_event("on_predict_step_end", batch=batch, batch_output=batch_output, step=step)
             del batch, batch_output  # one step's outputs on the device at a time
 
-    def calculate_predict_batch_output(self, batch) -> Any:
+    def calculate_predict_batch_output(self, batch, batch_idx: Optional[int] = None) -> Any:
         """Return the prediction of one batch: a tensor with one row per sample, or a dict, tuple or list of them.
 
         Runs in :meth:`predict`, under ``torch.no_grad()``, the model in evaluation mode. The default returns the
         model's output, as the evaluation's forward pass computes it (a tensor batch is passed to the model as it is).
+        An override may take the batch alone, or the batch index too (``batch_idx``, Lightning's ``predict_step``), as
+        the batch-loss hooks do.
         Override it to post-process each batch before the batches are gathered from every process and joined: an
         ``argmax``, a ``sigmoid``, a generation. Every tensor needs one row per sample of the batch; pad tensors
         whose other dimensions differ between batches (``accelerator.pad_across_processes``), as gathering needs.

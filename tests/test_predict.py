@@ -22,7 +22,7 @@ from conftest import (
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.predictions import load_predictions
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "predict_run.py"
@@ -79,15 +79,17 @@ def test_two_processes_predict_every_sample_once_in_order_on_each_process(two_pr
 
 def test_structured_outputs_keep_their_structure():
     class Structured(Trainer):
-        def calculate_predict_batch_output(self, batch):
+        def calculate_predict_batch_output(self, batch, batch_idx):  # Lightning's predict_step(batch, batch_idx)
             outputs = self.model(batch[0])
-            return {"outputs": outputs, "pair": (outputs.argmax(dim=1), outputs.sigmoid())}
+            indices = torch.full_like(outputs[:, 0], batch_idx)
+            return {"outputs": outputs, "pair": (outputs.argmax(dim=1), outputs.sigmoid()), "batch": indices}
 
     dataset = regression_dataset(10)
     trainer = make_trainer(make_mlp(), trainer_class=Structured)
     predicted = trainer.predict(dataset, per_device_batch_size=3)
     expected = trainer.model(dataset.tensors[0]).detach()
-    assert set(predicted) == {"outputs", "pair"} and isinstance(predicted["pair"], tuple)
+    assert set(predicted) == {"outputs", "pair", "batch"} and isinstance(predicted["pair"], tuple)
+    assert predicted["batch"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert torch.allclose(predicted["outputs"], expected)
     assert torch.equal(predicted["pair"][1], predicted["outputs"].sigmoid())
 
@@ -118,6 +120,14 @@ def test_predict_fires_its_events_and_no_evaluation_event_and_restores_training_
     trainer.predict(regression_dataset(5), per_device_batch_size=2)
     assert recorder.events[1:] == ["on_predict_run_start", *["on_predict_step_end"] * 3, "on_predict_run_end"]
     assert trainer.model.training and not trainer.model[0].training
+
+
+def test_the_default_callbacks_show_a_bar_while_predicting_and_print_nothing(capsys):
+    trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
+    trainer.predict(linear_dataset(10), per_device_batch_size=4)
+    captured = capsys.readouterr()
+    assert "predict:" in captured.err and "0/3 " in captured.err and captured.out == ""  # a bar of 3 batches
+    assert trainer.predict_dataloader is None  # only while predicting
 
 
 def test_predict_after_training_and_a_tensor_batch_dataset():

@@ -160,11 +160,11 @@ class ProgressBarCallback(TrainerCallback):
     """Shows a tqdm bar while each epoch runs, on the main process.
 
     By default one bar covers an epoch's training and evaluation batches (``epoch k/n``) and disappears when the
-    epoch ends, where :class:`LogMetricsCallback` prints the epoch's summary line. An evaluation run, and each
-    intermediate evaluation of ``StepBasedEvaluationCallback``, gets a bar of its own. While training, the bar shows,
-    refreshed every ``refresh_every_n_steps`` batches: the mean loss over the last interval, the learning rate of each
-    parameter group, and the throughput in samples per second (over all processes, counted from the ``batch_size`` of
-    each batch output when it is an ``int``).
+    epoch ends, where :class:`LogMetricsCallback` prints the epoch's summary line. An evaluation run, a prediction run
+    (``predict()``) and each intermediate evaluation of ``StepBasedEvaluationCallback`` get a bar of their own. While
+    training, the bar shows, refreshed every ``refresh_every_n_steps`` batches: the mean loss over the last interval,
+    the learning rate of each parameter group, and the throughput in samples per second (over all processes, counted
+    from the ``batch_size`` of each batch output when it is an ``int``).
 
     The loss is summed on the device between refreshes and copied to the host without waiting for the device (on
     CUDA, into pinned memory, shown once the copy has arrived, at most one interval late), so the bar never adds a
@@ -288,6 +288,17 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
         self._close_train_bar()
+
+    def on_predict_run_start(self, trainer: Trainer, **kwargs):
+        self._is_shown = trainer.accelerator.is_main_process
+        self.eval_pbar = self._create_bar(trainer, dataloader_length(trainer.predict_dataloader), "predict")
+
+    def on_predict_step_end(self, trainer: Trainer, batch: Any = None, batch_output: Any = None, **kwargs):
+        if self.eval_pbar is not None:  # made at the run start
+            self.eval_pbar.update(1)
+
+    def on_predict_run_end(self, trainer: Trainer, **kwargs):
+        self._close_eval_bar()
 
     def on_stop_training_error(self, trainer: Trainer, **kwargs):
         self._close_eval_bar()
