@@ -52,7 +52,7 @@ def test_one_process_predicts_every_sample_once_in_order(kind):
 @pytest.fixture(scope="module")
 def two_process_report(tmp_path_factory):
     """One launch on 2 processes: the whole matrix (sizes 1-17 x batch sizes 1-4, map-style and iterable), the
-    chunked mode and lr_find."""
+    chunked mode, lr_find and two searches whose trials run on both processes."""
     output = tmp_path_factory.mktemp("predict") / "report"
     command = [*launcher(2), str(SCRIPT), str(output)]
     completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
@@ -75,6 +75,16 @@ def test_two_processes_predict_every_sample_once_in_order_on_each_process(two_pr
         assert report["chunk_files"] == ["chunk-000000.pt", "chunk-000001.pt", "predictions.json"]
     first, second = two_process_report
     assert first["lr_find"] == second["lr_find"] and first["lr_find"]["suggestion"] is not None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_search_runs_each_trial_on_every_process_and_prunes_them_together(two_process_report):
+    """tune() under a 2-process launch (in the same launch as the predictions: one launch for the module)."""
+    pytest.importorskip("optuna")
+    main, other = (report["tune"] for report in two_process_report)
+    assert main == {"pruned": ["PRUNED", [1]], "complete": ["COMPLETE", True], "num_processes": 2}
+    assert other == {}  # the other process ran the trials; only the main one talks to Optuna
 
 
 def test_structured_outputs_keep_their_structure():

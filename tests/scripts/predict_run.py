@@ -1,5 +1,6 @@
 """Predicts every (dataset size, batch size, dataset kind) case on the processes it is launched on, then runs one
-lr_find; writes what each process got, as JSON, to ``<output>.rank<i>``.
+lr_find and (with Optuna) two searches of one trial each, every trial on all the processes (one pruned after its first
+epoch, one complete); writes what each process got, as JSON, to ``<output>.rank<i>``.
 
 Each sample's prediction is its id (the model is the identity on a column of ids), so a prediction that drops,
 repeats or reorders samples shows. A watchdog kills a case that hangs, with a traceback naming it.
@@ -74,6 +75,7 @@ def main(output: str) -> None:
     data = TensorDataset(torch.randn(64, 1), torch.randn(64, 1))
     result = trainer.lr_find(data, start_lr=1e-4, end_lr=1.0, num_steps=30, per_device_batch_size=4)
     report = {
+        "tune": tune_on_every_process(output),
         "num_processes": state.num_processes,
         "cases": cases,
         "chunked_equal": chunked_equal,
@@ -81,6 +83,40 @@ def main(output: str) -> None:
         "lr_find": {"suggestion": result.suggestion, "losses": result.losses},
     }
     Path(f"{output}.rank{state.process_index}").write_text(json.dumps(report))
+
+
+def tune_on_every_process(output: str) -> dict:
+    """Two searches of one trial each, each trial a job of every process: one pruned after its first epoch (the main
+    process's pruner decides for all), one complete. A disagreement would leave a process waiting: the watchdog."""
+    try:
+        import optuna
+    except ImportError:
+        return {}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: config_data.tiny
+    from pytorch_accel_trainer.cli.tune import tune
+
+    config = {
+        "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3, "out_features": 1}},
+        "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}},
+        "loss_func": "torch.nn.functional.mse_loss",
+        "data": {"train": "config_data.tiny.train_dataset", "eval": "config_data.tiny.eval_dataset"},
+        "train": {"num_epochs": 2, "per_device_batch_size": 8},
+        "default_callbacks": False,
+    }
+    space = {"optimizer.init_args.lr": {"low": 0.01, "high": 0.1}}
+    faulthandler.dump_traceback_later(120, exit=True)
+    pruned = tune(config, space, 1, output_dir=f"{output}.pruned", pruner=optuna.pruners.ThresholdPruner(upper=0.0))
+    complete = tune(config, space, 1, output_dir=f"{output}.complete")
+    faulthandler.cancel_dump_traceback_later()
+    if pruned.study is None:  # not the main process: it ran the trials, the main one told Optuna
+        return {}
+    (pruned_trial,) = pruned.study.trials
+    run_config = json.loads(Path(f"{output}.complete/trials/trial-0000/run_config.json").read_text())
+    return {
+        "pruned": [pruned_trial.state.name, list(pruned_trial.intermediate_values)],
+        "complete": [complete.study.trials[0].state.name, complete.best_config is not None],
+        "num_processes": run_config["num_processes"],
+    }
 
 
 if __name__ == "__main__":
