@@ -13,20 +13,15 @@ import yaml
 
 optuna = pytest.importorskip("optuna")
 
+from config_data.tiny import TINY_CONFIG  # noqa: E402
+
 from pytorch_accel_trainer.cli import main  # noqa: E402
 from pytorch_accel_trainer.cli.config import ConfigError  # noqa: E402
 from pytorch_accel_trainer.cli.tune import load_search_space, tune  # noqa: E402
 
 TESTS = pathlib.Path(__file__).parent
 
-CONFIG = {
-    "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3, "out_features": 1}},
-    "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}},
-    "loss_func": "torch.nn.functional.mse_loss",
-    "data": {"train": "config_data.tiny.train_dataset", "eval": "config_data.tiny.eval_dataset"},
-    "train": {"num_epochs": 3, "per_device_batch_size": 16},
-    "default_callbacks": False,
-}
+CONFIG = TINY_CONFIG
 SPACE = {"optimizer.init_args.lr": {"low": 1e-3, "high": 0.3, "log": True}}
 
 

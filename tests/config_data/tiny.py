@@ -8,6 +8,16 @@ from torch.utils.data import TensorDataset
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 
+#: A run of a linear regression as a config (the content of a run.yaml): 3 epochs, a few batches, no console output.
+TINY_CONFIG = {
+    "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3, "out_features": 1}},
+    "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}},
+    "loss_func": "torch.nn.functional.mse_loss",
+    "data": {"train": "config_data.tiny.train_dataset", "eval": "config_data.tiny.eval_dataset"},
+    "train": {"num_epochs": 3, "per_device_batch_size": 16},
+    "default_callbacks": False,
+}
+
 
 def train_dataset(num_samples: int = 64) -> TensorDataset:
     x = torch.randn(num_samples, 3, generator=torch.Generator().manual_seed(0))

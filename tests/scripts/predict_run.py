@@ -93,16 +93,11 @@ def tune_on_every_process(output: str) -> dict:
     except ImportError:
         return {}
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: config_data.tiny
+    from config_data.tiny import TINY_CONFIG
+
     from pytorch_accel_trainer.cli.tune import tune
 
-    config = {
-        "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3, "out_features": 1}},
-        "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}},
-        "loss_func": "torch.nn.functional.mse_loss",
-        "data": {"train": "config_data.tiny.train_dataset", "eval": "config_data.tiny.eval_dataset"},
-        "train": {"num_epochs": 2, "per_device_batch_size": 8},
-        "default_callbacks": False,
-    }
+    config = {**TINY_CONFIG, "train": {"num_epochs": 2, "per_device_batch_size": 8}}
     space = {"optimizer.init_args.lr": {"low": 0.01, "high": 0.1}}
     faulthandler.dump_traceback_later(120, exit=True)
     pruned = tune(config, space, 1, output_dir=f"{output}.pruned", pruner=optuna.pruners.ThresholdPruner(upper=0.0))
