@@ -41,7 +41,7 @@ def test_the_tune_command_runs_each_trial_in_a_run_folder_and_the_best_config_re
         "optimizer.init_args.lr: {low: 1e-3, high: 0.3, log: true}\ntrain.per_device_batch_size: {choices: [8, 16]}\n"
     )
     command = ["tune", "--config", str(tmp_path / "run.yaml"), "--search", str(tmp_path / "space.yaml")]
-    result = main([*command, "--n_trials", "2"])
+    result = main([*command, "--n_trials", "2", "--pruner", "none"])
     search = tmp_path / "search"
     trials = sorted(path.name for path in (search / "trials").iterdir())
     assert trials == ["trial-0000", "trial-0001"]
@@ -138,3 +138,18 @@ def test_a_key_the_config_does_not_have_is_refused_before_any_trial(in_tests, tm
     with pytest.raises(ConfigError, match="no data.eval"):
         tune(without_eval, SPACE, n_trials=1, output_dir=tmp_path / "no_eval")
     assert load_search_space({"lr": {"low": "1e-5", "high": 1}})["lr"]["low"] == 1e-5  # YAML's 1e-5 is a string
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(CONFIG))
+    with pytest.raises(ConfigError, match="sometimes"):
+        main(
+            [
+                "tune",
+                "--config",
+                str(tmp_path / "run.yaml"),
+                "--search",
+                "s.yaml",
+                "--n_trials",
+                "1",
+                "--pruner",
+                "sometimes",
+            ]
+        )

@@ -14,7 +14,7 @@ import re
 import sys
 from argparse import ArgumentError
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Literal, Optional, Sequence, cast
 
 import yaml
 from accelerate.utils import set_seed
@@ -22,10 +22,10 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
 from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, run_prediction_config, run_training_config
-from pytorch_accel_trainer.cli.tune import tune
+from pytorch_accel_trainer.cli.tune import create_pruner, tune
 
 #: The options of ``tune`` that are not keys of the config.
-TUNE_OPTIONS = ("search", "n_trials", "metric", "direction", "storage", "study_name")
+TUNE_OPTIONS = ("search", "n_trials", "metric", "direction", "storage", "study_name", "pruner")
 
 COMMANDS = {
     "fit": "Train the model (Trainer.train) and, with data.eval, evaluate it after each epoch.",
@@ -132,6 +132,12 @@ def _add_tune_arguments(subparser: ArgumentParser) -> None:
         "<output_dir>/study.db by default",
     )
     subparser.add_argument("--study_name", type=str, default="tune", help="the study's name in the storage")
+    subparser.add_argument(
+        "--pruner",
+        type=Literal["median", "hyperband", "none"],
+        default="median",
+        help="Optuna's pruner: median (MedianPruner), hyperband (HyperbandPruner) or none",
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Any:
@@ -166,6 +172,7 @@ def run_tune_command(namespace: Any, config_text: str) -> Any:
         direction=options["direction"],
         storage=options["storage"],
         study_name=options["study_name"],
+        pruner=create_pruner(options["pruner"]),
     )
 
 

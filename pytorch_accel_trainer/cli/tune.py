@@ -239,6 +239,17 @@ def create_storage(storage: Optional[str], output_dir: Path) -> Any:
     return optuna.storages.RDBStorage(storage) if storage.startswith("sqlite") else storage
 
 
+def create_pruner(name: str) -> Any:
+    """The pruner of ``--pruner``: ``median`` (Optuna's ``MedianPruner``, its default: stop a trial whose metric at an
+    epoch is worse than the median of the earlier trials' at that epoch), ``hyperband`` (``HyperbandPruner``) or
+    ``none`` (``NopPruner``: every trial runs all its epochs)."""
+    pruners = _import_optuna().pruners
+    choices = {"median": pruners.MedianPruner, "hyperband": pruners.HyperbandPruner, "none": pruners.NopPruner}
+    if name not in choices:
+        raise ConfigError(f"--pruner {name!r} is not valid: choose {', '.join(choices)}.")
+    return choices[name]()
+
+
 def _fail_trials_left_running(study: Any) -> None:
     """Mark the trials a killed search left running as failed, and queue their values again (the default embedded
     study only: one search works on it, so a running trial at its start was killed)."""
