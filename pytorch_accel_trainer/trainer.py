@@ -128,6 +128,7 @@ from pytorch_accel_trainer.validation import (
     validate_loss_requires_grad,
     validate_lr_find_arguments,
     validate_model_and_loss,
+    validate_not_in_training_run,
     validate_optimizer_parameters,
     validate_predict_arguments,
     warn_if_schedule_is_in_epochs,
@@ -1005,6 +1006,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
             probabilities = trainer.predict(test_dataset, per_device_batch_size=64)  # a tensor of one row per sample
         """
+        validate_not_in_training_run(self.run_state.in_training_run, "predict")
         validate_predict_arguments(dataset, per_device_batch_size, dataloader_kwargs, chunk_size)
         validate_prediction_folder(output_dir)
         dataloader = self._prepare_model_and(
@@ -1118,6 +1120,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             result.plot("lr_find.png")
             trainer.optimizer.param_groups[0]["lr"] = result.suggestion
         """
+        validate_not_in_training_run(self.run_state.in_training_run, "lr_find")
         validate_lr_find_arguments(start_lr, end_lr, num_steps, smoothing, diverge_factor)
         validate_predict_arguments(train_dataset, per_device_batch_size, dataloader_kwargs, chunk_size=None)
         optimizer = self._training_optimizer

@@ -279,6 +279,17 @@ def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, datalo
     _validate_dataloader_kwargs("dataloader_kwargs", dataloader_kwargs)
 
 
+def validate_not_in_training_run(in_training_run: bool, method: str) -> None:
+    """Refuse ``predict()`` or ``lr_find()`` called from inside a training run (a callback or a hook): each prepares
+    the model again, which the run's prepared model and dataloaders cannot survive."""
+    if in_training_run:
+        raise RuntimeError(
+            f"{method}() was called inside a training run (from a callback or a hook): it prepares the model anew, "
+            f"which would break the run. Call {method}() before train() or after it returns; to measure during a "
+            "run, use run_extra_eval_epoch()."
+        )
+
+
 def validate_predict_arguments(
     dataset: Any, per_device_batch_size: int, dataloader_kwargs: Any, chunk_size: Optional[int]
 ) -> None:

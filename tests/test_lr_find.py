@@ -127,6 +127,19 @@ def test_bad_arguments_are_refused_before_any_step(arguments, message):
     assert_bitwise_equal(weights, trainer.model.state_dict())
 
 
+@pytest.mark.parametrize("method", ["lr_find", "predict"])
+def test_lr_find_and_predict_are_refused_inside_a_training_run(method):
+    from pytorch_accel_trainer.callbacks import TrainerCallback
+
+    class Sneaky(TrainerCallback):
+        def on_train_epoch_end(self, trainer, **kwargs):
+            getattr(trainer, method)(regression_dataset(8))
+
+    trainer = make_trainer(make_mlp(), callbacks=[Sneaky()])
+    with pytest.raises(RuntimeError, match=rf"{method}\(\) was called inside a training run"):
+        trainer.train(regression_dataset(8), num_epochs=1)
+
+
 def test_an_evaluation_only_trainer_cannot_run_lr_find():
     trainer = Trainer(make_mlp(), nn.MSELoss(), optimizer=None, callbacks=())
     with pytest.raises(ValueError, match="no optimizer"):

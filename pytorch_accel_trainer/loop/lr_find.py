@@ -137,6 +137,18 @@ def endless_batches(dataloader: Iterable) -> Iterator:
             raise ValueError("lr_find() received data with no batch: pass a dataset with at least one batch.")
 
 
+def _cpu_copy(state: Any) -> Any:
+    """A deep copy of ``state`` (dicts, lists, tuples, tensors, numbers) with every tensor copied to the CPU;
+    ``load_state_dict`` puts the values back on their devices, bit for bit."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return type(state)((key, _cpu_copy(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cpu_copy(value) for value in state)
+    return copy.deepcopy(state)
+
+
 @dataclass
 class TrainerSnapshot:
     """Copies of everything a sweep changes, to put back bit for bit: the model's weights, buffers and training
@@ -156,9 +168,9 @@ class TrainerSnapshot:
         model, optimizer, scheduler = trainer.model, trainer._training_optimizer, trainer.scheduler
         scaler = trainer.accelerator.scaler
         return cls(
-            model_state=copy.deepcopy(model.state_dict()),
+            model_state=_cpu_copy(model.state_dict()),  # on the host: the device keeps its memory for the sweep
             modes=[(module, module.training) for module in model.modules()],
-            optimizer_state=copy.deepcopy(optimizer.state_dict()),
+            optimizer_state=_cpu_copy(optimizer.state_dict()),
             scheduler_state=copy.deepcopy(scheduler.state_dict()) if hasattr(scheduler, "state_dict") else None,
             scaler_state=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
             rng_state=capture_rng_state(),
