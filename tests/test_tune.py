@@ -134,6 +134,10 @@ def test_a_key_the_config_does_not_have_is_refused_before_any_trial(in_tests, tm
     with pytest.raises(ConfigError, match="optimizer.init_args.learning_rate|learning_rate"):
         tune(CONFIG, {"optimizer.init_args.learning_rate": {"low": 0.1, "high": 1.0}}, n_trials=1, output_dir=tmp_path)
     assert not (tmp_path / "trials").exists() and not (tmp_path / "study.db").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "base_config.yaml").write_text(yaml.safe_dump({**CONFIG, "default_callbacks": True}))
+    with pytest.raises(ConfigError, match="belongs to another search"):  # nothing of that search is touched
+        tune(CONFIG, SPACE, n_trials=1, output_dir=tmp_path / "other")
     without_eval = {**CONFIG, "data": {"train": "config_data.tiny.train_dataset"}}
     with pytest.raises(ConfigError, match="no data.eval"):
         tune(without_eval, SPACE, n_trials=1, output_dir=tmp_path / "no_eval")

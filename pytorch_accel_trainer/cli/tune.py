@@ -265,22 +265,25 @@ def _trials_started(study: Any) -> int:
     return len(study.get_trials(deepcopy=False, states=states))
 
 
-def _write_base_config(config: Union[str, Path, Mapping], output_dir: Path, is_main: bool) -> Path:
-    """Write the config the trials start from to the search's folder, once; a resumed search must start from the
-    same (a search is one experiment)."""
+def _write_base_config(config: Union[str, Path, Mapping], output_dir: Path, state: Any) -> Path:
+    """Write the config the trials start from to the search's folder, once (the main process, the others waiting for
+    it); a resumed search must start from the same (a search is one experiment)."""
     if isinstance(config, Mapping):
         text = yaml.safe_dump(dict(config), sort_keys=False)
     else:
         text = Path(config).read_text()
     path = output_dir / BASE_CONFIG_FILE
-    if path.exists() and yaml.safe_load(path.read_text()) != yaml.safe_load(text):
-        raise ConfigError(
-            f"{path} holds another config than this search's: this folder belongs to another search. Give another "
-            "--output_dir, or rerun with the config of that search to resume it."
-        )
-    if is_main and not path.exists():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+    if state is None or state.is_main_process:
+        if path.exists() and yaml.safe_load(path.read_text()) != yaml.safe_load(text):
+            raise ConfigError(
+                f"{path} holds another config than this search's: this folder belongs to another search. Give "
+                "another --output_dir, or rerun with the config of that search to resume it."
+            )
+        if not path.exists():
+            output_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if state is not None:
+        state.wait_for_everyone()  # the file is complete before another process reads it
     return path
 
 
@@ -333,9 +336,7 @@ def tune(
     output_dir = Path(output_dir)
     state = _process_state() if launched_world_size() > 1 else None  # a trial on several processes: one job
     is_main = state is None or state.is_main_process
-    base_config = _write_base_config(config, output_dir, is_main)
-    if state is not None:
-        state.wait_for_everyone()
+    base_config = _write_base_config(config, output_dir, state)
     _validate_flags(base_config, space, flags, metric)  # every key and value parses, before any trial runs
     study = None
     if is_main:
