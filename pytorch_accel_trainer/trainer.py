@@ -1,12 +1,13 @@
 """The Trainer: a documented skeleton of hooks and events, run on Hugging Face Accelerate.
 
 The whole Trainer reads here, in the order a run calls it: construction; ``train()`` with its setup hooks, the
-preparation by Accelerate, the epochs, the training step and the update; the evaluation epoch; ``evaluate()``; the one
-way events fire and stops are agreed; the loop's named decisions; and what hooks and callbacks use. The step's parts
-that are not hooks are collaborators in ``loop/``: ``run_state.py`` (the run's state and its transitions),
-``accumulation.py`` (the accumulation window), ``non_finite.py`` (the non-finite policy), ``batches.py``,
-``recording.py``, ``persistence.py`` (safe points, resume; and :class:`PersistenceMixin`, the saving and loading
-methods) and ``extra_models.py`` (:class:`ExtraModelsMixin`, models trained beside the trainer's own).
+preparation by Accelerate, the epochs, the training step and the update; the evaluation epoch; ``evaluate()``;
+``predict()`` and ``lr_find()``; the one way events fire and stops are agreed; the loop's named decisions; and what
+hooks and callbacks use. The step's parts that are not hooks are collaborators in ``loop/``: ``run_state.py`` (the
+run's state and its transitions), ``accumulation.py`` (the accumulation window), ``non_finite.py`` (the non-finite
+policy), ``batches.py``, ``recording.py``, ``lr_find.py`` (the learning-rate range test's sweep and snapshot),
+``persistence.py`` (safe points, resume; and :class:`PersistenceMixin`, the saving and loading methods) and
+``extra_models.py`` (:class:`ExtraModelsMixin`, models trained beside the trainer's own).
 """
 
 from __future__ import annotations
