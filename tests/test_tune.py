@@ -157,3 +157,10 @@ def test_a_key_the_config_does_not_have_is_refused_before_any_trial(in_tests, tm
                 "sometimes",
             ]
         )
+
+
+def test_a_space_where_every_trial_diverges_ends_after_n_trials(in_tests, tmp_path):
+    diverging = {"optimizer.init_args.lr": {"low": 1e4, "high": 1e5, "log": True}}  # SGD at these rates overflows
+    result = tune(CONFIG, diverging, n_trials=2, output_dir=tmp_path, pruner=optuna.pruners.NopPruner())
+    assert [trial.state for trial in result.study.trials] == [optuna.trial.TrialState.FAIL] * 2
+    assert result.best_config is None

@@ -260,9 +260,16 @@ def _fail_trials_left_running(study: Any) -> None:
 
 
 def _trials_started(study: Any) -> int:
+    """The trials that count towards ``n_trials``: complete, pruned, running, and failed for a metric that diverged
+    (a trial a killed search left is failed too, but run again: it counts once, as its rerun)."""
     optuna = _import_optuna()
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.RUNNING)
-    return len(study.get_trials(deepcopy=False, states=states))
+    diverged = [
+        trial
+        for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        if trial.user_attrs.get("diverged")
+    ]
+    return len(study.get_trials(deepcopy=False, states=states)) + len(diverged)
 
 
 def _write_base_config(config: Union[str, Path, Mapping], output_dir: Path, state: Any) -> Path:
@@ -301,8 +308,8 @@ def tune(
     flags: Sequence[str] = (),
 ) -> TuneResult:
     """Search the config keys of ``search_space`` with Optuna until the study has ``n_trials`` trials (completed,
-    pruned or running: several processes sharing a study reach ``n_trials`` together; a failed trial, e.g. one whose
-    metric is not finite, does not count); see this module's documentation.
+    pruned, running, or failed for a metric that is not finite: several processes sharing a study reach ``n_trials``
+    together); see this module's documentation.
 
     Args:
         config: the run's config: a YAML file of ``pytorch-accel-trainer fit``, or its content as a dict.
@@ -425,7 +432,8 @@ def _run_trial(
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
         outcome = f"pruned after epoch {pruning.pruned_at}"
     elif pruning.last_value is None or not math.isfinite(pruning.last_value):
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)  # diverged: failed, and not counted in n_trials
+        trial.set_user_attr("diverged", True)  # failed, and counted in n_trials: a space that always diverges ends
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
         outcome = f"failed: {metric} {pruning.last_value}"
     else:
         study.tell(trial, pruning.last_value)
