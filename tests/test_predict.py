@@ -171,3 +171,10 @@ def test_predict_refuses_bad_arguments_and_outputs_with_one_clear_error():
 
     with pytest.raises(TypeError, match=r"list at \['labels'\]|str at \['labels'\]"):
         make_trainer(make_linear(), trainer_class=Strings).predict(linear_dataset(4))
+
+
+def test_a_trainer_without_optimizer_or_loss_predicts():
+    model = make_mlp()
+    predictor = Trainer(model, loss_func=None, optimizer=None, callbacks=())
+    dataset = regression_dataset(7)
+    assert torch.allclose(predictor.predict(dataset, per_device_batch_size=2), model(dataset.tensors[0]).detach())
