@@ -1134,6 +1134,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 self._create_dataloader(train_dataset, per_device_batch_size, dataloader_kwargs, collate_fn, True)
             )
             self.model.train()
+            self._training_optimizer.zero_grad(set_to_none=True)  # no gradient left from before in the first step
             for step, batch in zip(range(num_steps), endless_batches(dataloader)):
                 sweep.set_learning_rate(self._training_optimizer, step)
                 batch_output = self._checked_batch_output("calculate_train_batch_loss", batch, step)
