@@ -145,7 +145,8 @@ DEFAULT_CALLBACKS = (
 
 #: The events that a point where every process can stop together follows (``Trainer._raise_agreed_stop``): a
 #: ``StopTrainingError`` a callback raises in one of them is held until that point. In the other events (a run's
-#: start and end, ``on_init_end``, ``on_stop_training_error``) it is raised at once. See ``Trainer._call_event``.
+#: start and end, ``on_init_end``, ``on_stop_training_error``, and the events of ``predict()``, which has no such
+#: point) it is raised at once. See ``Trainer._call_event``.
 AGREED_STOP_EVENTS = frozenset(EVENTS) - {
     "on_init_end",
     "on_training_run_start",
