@@ -1,11 +1,11 @@
-"""Plot the metrics of a run history by epoch (matplotlib, an optional dependency)."""
+"""Plot the metrics of a run history by epoch, and a learning-rate range test (matplotlib, an optional dependency)."""
 
 from __future__ import annotations
 
 import math
 import numbers
 import os
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 from pytorch_accel_trainer.tracking import RunHistory
 
@@ -95,3 +95,59 @@ def _numeric_series(run_history: RunHistory, metric_names: Optional[Iterable[str
             "(e.g. tensor.item())."
         )
     return series
+
+
+def plot_lr_find(result: Any, save_path: Union[str, os.PathLike, None] = None) -> "Figure":
+    """Plot a learning-rate range test (``Trainer.lr_find``): the loss against the learning rate, on a log scale.
+
+    The raw losses are drawn faint, the smoothed ones (which the suggestion reads) solid, and the suggested learning
+    rate marked, in the style of :func:`plot_run_history`.
+
+    Args:
+        result: what ``Trainer.lr_find`` returned (its ``lrs``, ``losses``, ``smoothed_losses`` and ``suggestion``).
+        save_path: an image file to write; ``None`` writes nothing.
+
+    Returns:
+        The matplotlib ``Figure`` (not attached to pyplot).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+
+    Example::
+
+        plot_lr_find(trainer.lr_find(train_dataset), "lr_find.png")
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError(
+            'plot_lr_find needs matplotlib, which is not installed: pip install "pytorch-accel-trainer[plot]"'
+        ) from error
+
+    figure = Figure(figsize=(4.5, 3.2), layout="constrained")
+    ax = figure.subplots()
+    ax.plot(result.lrs, result.losses, alpha=0.3, label="loss")
+    ax.plot(result.lrs, result.smoothed_losses, label="smoothed loss")
+    if result.suggestion is not None:
+        index = result.lrs.index(result.suggestion)
+        ax.plot(
+            [result.suggestion],
+            [result.smoothed_losses[index]],
+            marker="o",
+            color="red",
+            label=f"suggestion {result.suggestion:.2g}",
+        )
+    smoothed = [value for value in result.smoothed_losses if math.isfinite(value)]
+    if smoothed and smoothed[0] > min(smoothed):  # above the start's loss the curve only diverges: show the descent
+        bottom = min(value for value in (*smoothed, *result.losses) if math.isfinite(value))
+        top = smoothed[0] + 0.5 * (smoothed[0] - min(smoothed))
+        ax.set_ylim(bottom - 0.05 * (top - bottom), top)
+    ax.set_xscale("log")
+    ax.set_title("learning-rate range test")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    if save_path is not None:
+        figure.savefig(save_path)
+    return figure

@@ -1,12 +1,13 @@
 """The Trainer: a documented skeleton of hooks and events, run on Hugging Face Accelerate.
 
 The whole Trainer reads here, in the order a run calls it: construction; ``train()`` with its setup hooks, the
-preparation by Accelerate, the epochs, the training step and the update; the evaluation epoch; ``evaluate()``; the one
-way events fire and stops are agreed; the loop's named decisions; and what hooks and callbacks use. The step's parts
-that are not hooks are collaborators in ``loop/``: ``run_state.py`` (the run's state and its transitions),
-``accumulation.py`` (the accumulation window), ``non_finite.py`` (the non-finite policy), ``batches.py``,
-``recording.py``, ``persistence.py`` (safe points, resume; and :class:`PersistenceMixin`, the saving and loading
-methods) and ``extra_models.py`` (:class:`ExtraModelsMixin`, models trained beside the trainer's own).
+preparation by Accelerate, the epochs, the training step and the update; the evaluation epoch; ``evaluate()``;
+``predict()`` and ``lr_find()``; the one way events fire and stops are agreed; the loop's named decisions; and what
+hooks and callbacks use. The step's parts that are not hooks are collaborators in ``loop/``: ``run_state.py`` (the
+run's state and its transitions), ``accumulation.py`` (the accumulation window), ``non_finite.py`` (the non-finite
+policy), ``batches.py``, ``recording.py``, ``lr_find.py`` (the learning-rate range test's sweep and snapshot),
+``persistence.py`` (safe points, resume; and :class:`PersistenceMixin`, the saving and loading methods) and
+``extra_models.py`` (:class:`ExtraModelsMixin`, models trained beside the trainer's own).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from pytorch_accel_trainer.loop.extra_models import (
     unwrap_extras,
     unwrapped_extras,
 )
+from pytorch_accel_trainer.loop.lr_find import LrFinderResult, LrSweep, TrainerSnapshot, endless_batches
 from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.loop.persistence import PersistenceMixin, find_state_to_resume
 from pytorch_accel_trainer.loop.recording import create_train_result, record_epoch_values
@@ -81,6 +83,13 @@ from pytorch_accel_trainer.placeholders import (  # noqa: F401  (importable from
     placeholder_values,
     replace_trainer_placeholder_values,
     resolve_placeholders,
+)
+from pytorch_accel_trainer.predictions import (
+    PredictionCollector,
+    PredictionWriter,
+    to_cpu,
+    validate_prediction_folder,
+    validate_prediction_output,
 )
 from pytorch_accel_trainer.run_config import (
     OptionalNumber,
@@ -118,8 +127,11 @@ from pytorch_accel_trainer.validation import (
     validate_first_eval_batch,
     validate_given_dataloaders,
     validate_loss_requires_grad,
+    validate_lr_find_arguments,
     validate_model_and_loss,
+    validate_not_in_training_run,
     validate_optimizer_parameters,
+    validate_predict_arguments,
     warn_if_endless,
     warn_if_schedule_is_in_epochs,
 )
@@ -134,7 +146,8 @@ DEFAULT_CALLBACKS = (
 
 #: The events that a point where every process can stop together follows (``Trainer._raise_agreed_stop``): a
 #: ``StopTrainingError`` a callback raises in one of them is held until that point. In the other events (a run's
-#: start and end, ``on_init_end``, ``on_stop_training_error``) it is raised at once. See ``Trainer._call_event``.
+#: start and end, ``on_init_end``, ``on_stop_training_error``, and the events of ``predict()``, which has no such
+#: point) it is raised at once. See ``Trainer._call_event``.
 AGREED_STOP_EVENTS = frozenset(EVENTS) - {
     "on_init_end",
     "on_training_run_start",
@@ -142,6 +155,9 @@ AGREED_STOP_EVENTS = frozenset(EVENTS) - {
     "on_evaluation_run_start",
     "on_evaluation_run_end",
     "on_stop_training_error",
+    "on_predict_run_start",
+    "on_predict_step_end",
+    "on_predict_run_end",
 }
 
 
@@ -291,6 +307,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         #: ``on_training_run_start`` and put it back at ``on_training_run_end``.
         self.train_dataloader: Optional[Iterable] = None
         self.eval_dataloader: Optional[Iterable] = None
+        #: The prepared dataloader of the running ``predict()`` (``None`` outside one), e.g. for a progress bar.
+        self.predict_dataloader: Optional[Iterable] = None
         self._train_dl_kwargs: Optional[dict] = None
         self._given_train_dataloader: Optional[DataLoader] = None  # a DataLoader train() received, used as it is
         self._given_eval_dataloader: Optional[DataLoader] = None
@@ -951,6 +969,219 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Runs at the end of an evaluation run. Default: unwraps ``self.model`` and the extra models."""
         self.model = self._unwrap_distributed_model()
         unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+
+    # ------------------------------------------------------------------------------------------------
+    # A prediction run: predict()
+    # ------------------------------------------------------------------------------------------------
+
+    def predict(
+        self,
+        dataset,
+        per_device_batch_size: int = 8,
+        dataloader_kwargs: Optional[dict] = None,
+        collate_fn: Optional[Callable] = None,
+        output_dir: Union[str, Path, None] = None,
+        chunk_size: int = 4096,
+    ) -> Any:
+        """Return the model's outputs for every sample of ``dataset``, in the dataset's order, on every process.
+
+        Each sample is predicted once across processes: the samples Accelerate repeats in the last batch of a
+        multi-process run so that every process runs the same steps are dropped, as ``gather_for_metrics`` drops them
+        (for map-style datasets and streams alike). The outputs of :meth:`calculate_predict_batch_output` are gathered
+        batch by batch, moved to the CPU and joined along the first dimension: a tensor for tensor outputs, the same
+        dict, tuple or list for structured ones. The model runs in evaluation mode, without gradients; the training
+        mode of every module is put back after. No evaluation hook or event runs; the events ``on_predict_run_start``,
+        ``on_predict_step_end`` (with the gathered outputs) and ``on_predict_run_end`` fire. A ``StopTrainingError``
+        raised in them is not held for an agreement point: raise it on every process, or not at all.
+
+        Args:
+            dataset: the samples (a map-style dataset, an ``IterableDataset``, or a ``DataLoader`` used as it is). A
+                batch that is a tensor is passed to the model as it is; ``(inputs, ...)`` passes ``inputs``; a dict
+                is passed as keyword arguments.
+            per_device_batch_size: the batch size on each process.
+            dataloader_kwargs: extra arguments for the DataLoader (no shuffling by default).
+            collate_fn: the collate function of the DataLoader.
+            output_dir: write the outputs to this new (or empty) folder in chunk files of ``chunk_size`` samples as
+                they come, instead of keeping them in memory (outputs larger than memory), and return the folder;
+                read it back with :func:`~pytorch_accel_trainer.predictions.load_predictions`. The main process
+                writes; every process holds at most one chunk.
+            chunk_size: the samples per chunk file, with ``output_dir``.
+
+        Returns:
+            The outputs of every sample, on the CPU (``None`` for a dataset with no batch), or with ``output_dir``
+            the folder written.
+
+        Example::
+
+            probabilities = trainer.predict(test_dataset, per_device_batch_size=64)  # a tensor of one row per sample
+        """
+        validate_not_in_training_run(self.run_state.in_training_run, "predict")
+        validate_predict_arguments(dataset, per_device_batch_size, dataloader_kwargs, chunk_size)
+        validate_prediction_folder(output_dir)
+        dataloader = self._prepare_model_and(
+            self._create_dataloader(dataset, per_device_batch_size, dataloader_kwargs, collate_fn, shuffle=False)
+        )
+        collector = (
+            PredictionCollector()
+            if output_dir is None
+            else PredictionWriter(output_dir, chunk_size, writes=self._accelerator.is_main_process)
+        )
+        if output_dir is not None and self._accelerator.is_main_process:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.model.eval()
+        self.predict_dataloader = dataloader
+        try:
+            self._call_event("on_predict_run_start")
+            self._run_predict_epoch(dataloader, collector)
+        finally:
+            self.predict_dataloader = None
+            for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
+                module.training = training
+            self.model = self._unwrap_distributed_model()
+            unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+        result = collector.result()
+        self._call_event("on_predict_run_end")
+        return result
+
+    def _run_predict_epoch(self, dataloader: Iterable, collector: Any) -> None:
+        """Run every batch through :meth:`calculate_predict_batch_output` and hand its gathered outputs to
+        ``collector``: each sample once (``gather_for_metrics`` drops the repeated ones), in the dataset's order."""
+        for step, batch in enumerate(dataloader):
+            with torch.no_grad():
+                batch_output = _call_batch_loss_hook(self.calculate_predict_batch_output, batch, step)
+            validate_prediction_output(batch_output)
+            batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
+            collector.add(batch_output)
+            self._call_event("on_predict_step_end", batch=batch, batch_output=batch_output, step=step)
+            del batch, batch_output  # one step's outputs on the device at a time
+
+    def calculate_predict_batch_output(self, batch, batch_idx: Optional[int] = None) -> Any:
+        """Return the prediction of one batch: a tensor with one row per sample, or a dict, tuple or list of them.
+
+        Runs in :meth:`predict`, under ``torch.no_grad()``, the model in evaluation mode. The default returns the
+        model's output, as the evaluation's forward pass computes it (a tensor batch is passed to the model as it is).
+        An override may take the batch alone, or the batch index too (``batch_idx``, Lightning's ``predict_step``), as
+        the batch-loss hooks do.
+        Override it to post-process each batch before the batches are gathered from every process and joined: an
+        ``argmax``, a ``sigmoid``, a generation. Every tensor needs one row per sample of the batch; pad tensors
+        whose other dimensions differ between batches (``accelerator.pad_across_processes``), as gathering needs.
+
+        Example::
+
+            def calculate_predict_batch_output(self, batch):
+                return self.model(batch[0]).softmax(dim=-1)
+        """
+        if isinstance(batch, torch.Tensor):
+            return self.model(batch)
+        return forward_batch(self.model, batch)
+
+    # ------------------------------------------------------------------------------------------------
+    # The learning-rate range test: lr_find()
+    # ------------------------------------------------------------------------------------------------
+
+    def lr_find(
+        self,
+        train_dataset,
+        start_lr: float = 1e-7,
+        end_lr: float = 10.0,
+        num_steps: int = 100,
+        per_device_batch_size: int = 8,
+        dataloader_kwargs: Optional[dict] = None,
+        collate_fn: Optional[Callable] = None,
+        smoothing: float = 0.98,
+        diverge_factor: Optional[float] = 4.0,
+    ) -> LrFinderResult:
+        """Run the learning-rate range test (Smith 2015; fastai's and Lightning's ``lr_find``) and put everything back.
+
+        Trains for up to ``num_steps`` updates on batches of ``train_dataset`` (restarting it if it runs out) while
+        the learning rate of every parameter group grows exponentially from ``start_lr`` to ``end_lr``, and records
+        the loss of each update (averaged over processes), smoothed by an exponential moving average. The sweep stops
+        early when the smoothed loss exceeds ``diverge_factor`` times its lowest value, or is not finite. The
+        suggested learning rate is where the smoothed loss falls fastest (the steepest descent, the most negative
+        slope against the log of the learning rate), leaving out the first 10 points and the last (see
+        :class:`~pytorch_accel_trainer.loop.lr_find.LrFinderResult`). Every process gets the same result.
+
+        Afterwards the model (weights, buffers, training modes), the optimizer (state and learning rates), the
+        scheduler, the fp16 gradient scaler and every random generator are exactly as before, bit for bit; no callback
+        event fires and the run history is not touched, so a ``train()`` after it runs as one without it. The
+        training step is the trainer's own: :meth:`calculate_train_batch_loss`, :meth:`backward_step`,
+        :meth:`optimizer_step`, :meth:`optimizer_zero_grad` (no accumulation, no clipping, no scheduler).
+
+        Args:
+            train_dataset: the training data (a dataset, a stream, or a ``DataLoader`` used as it is); shuffled.
+            start_lr: the first learning rate.
+            end_lr: the last learning rate, reached at the last step.
+            num_steps: the most updates of the sweep.
+            per_device_batch_size: the batch size on each process.
+            dataloader_kwargs: extra arguments for the DataLoader.
+            collate_fn: the collate function of the DataLoader.
+            smoothing: the weight of the past in the moving average of the loss (0: no smoothing).
+            diverge_factor: stop when the smoothed loss exceeds this many times its lowest value; ``None``: never.
+
+        Returns:
+            An :class:`~pytorch_accel_trainer.loop.lr_find.LrFinderResult`: ``lrs``, ``losses``, ``smoothed_losses``,
+            ``suggestion`` and ``plot()``.
+
+        Example::
+
+            result = trainer.lr_find(train_dataset, per_device_batch_size=32)
+            result.plot("lr_find.png")
+            trainer.optimizer.param_groups[0]["lr"] = result.suggestion
+        """
+        validate_not_in_training_run(self.run_state.in_training_run, "lr_find")
+        validate_lr_find_arguments(start_lr, end_lr, num_steps, smoothing, diverge_factor)
+        validate_predict_arguments(train_dataset, per_device_batch_size, dataloader_kwargs, chunk_size=None)
+        optimizer = self._training_optimizer
+        if isinstance(self.model, torch.nn.Module):
+            validate_optimizer_parameters(optimizer, self.model)
+        snapshot = TrainerSnapshot.take(self)
+        sweep = LrSweep(start_lr, end_lr, num_steps, smoothing, diverge_factor)
+        try:
+            dataloader = self._prepare_model_and(
+                self._create_dataloader(train_dataset, per_device_batch_size, dataloader_kwargs, collate_fn, True)
+            )
+            self.model.train()
+            self._training_optimizer.zero_grad(set_to_none=True)  # no gradient left from before in the first step
+            for step, batch in zip(range(num_steps), endless_batches(dataloader)):
+                sweep.set_learning_rate(self._training_optimizer, step)
+                batch_output = self._checked_batch_output("calculate_train_batch_loss", batch, step)
+                self.backward_step(batch_output["loss"])
+                self.optimizer_step()
+                self.optimizer_zero_grad()
+                loss = self._accelerator.reduce(batch_output["loss"].detach().float(), "mean")  # a collective
+                if sweep.record(loss.item()):  # a host sync per step; the same on every process
+                    break  # the loss diverged
+        finally:
+            self.model = self._unwrap_distributed_model()
+            unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+            release_prepared(self.accelerator)
+            snapshot.restore(self)
+        return sweep.result(self._accelerator)
+
+    def _create_dataloader(
+        self, dataset, batch_size: int, dataloader_kwargs: Optional[dict], collate_fn: Optional[Callable], shuffle: bool
+    ) -> Iterable:
+        """A DataLoader over ``dataset`` for predict() or lr_find(): a given DataLoader as it is, else one from the
+        default evaluation (or, to ``shuffle``, training) arguments, updated with ``dataloader_kwargs``."""
+        dataset, given = dataset_and_dataloader(dataset)
+        if given is not None:
+            return given
+        defaults = (
+            self.get_default_train_dl_kwargs(batch_size) if shuffle else self.get_default_eval_dl_kwargs(batch_size)
+        )
+        kwargs = merge_dataloader_kwargs(defaults, dataloader_kwargs, dataset)
+        return with_own_generator_and_checked_collate(
+            DataLoader(dataset=dataset, collate_fn=collate_fn, **kwargs), collate_fn
+        )
+
+    def _prepare_model_and(self, dataloader: Iterable) -> Iterable:
+        """Prepare the model and optimizer (nothing of an earlier run kept), then ``dataloader``; return it prepared."""
+        validate_model_and_loss(self.model, self.loss_func)
+        release_prepared(self.accelerator)
+        self._prepare(model_and_optimizer=True, dataloaders=False)
+        placement = [batches_need_placing(dataloader, self.device)]
+        return prepare_components(self.accelerator, [dataloader], device_placement=placement)[0]
 
     # ------------------------------------------------------------------------------------------------
     # Events and stops: the one way events fire, and where the processes agree to stop

@@ -612,3 +612,67 @@ def require_batches(batches: Iterable, error_message: str) -> Iterator:
             raise
     if empty:
         raise ValueError(error_message)
+
+
+def _count(number: int) -> str:
+    """``number`` as Lightning's ModelSummary writes it: ``97``, ``1.2 K``, ``3.4 M``, ``7.0 B``."""
+    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if number >= size:
+            return f"{number / size:.1f} {suffix}"
+    return str(number)
+
+
+def _parameter_counts(module: nn.Module) -> tuple[int, int, float]:
+    """The parameters of ``module`` (each shared tensor once), the trainable ones, and the MiB of its parameters and
+    buffers."""
+    parameters = list(module.parameters())
+    size = sum(tensor.numel() * tensor.element_size() for tensor in (*parameters, *module.buffers()))
+    trainable = sum(parameter.numel() for parameter in parameters if parameter.requires_grad)
+    return sum(parameter.numel() for parameter in parameters), trainable, size / 2**20
+
+
+def model_summary_line(model: nn.Module, mixed_precision: str = "no") -> str:
+    """One line that says what a model is, as Lightning's ModelSummary does in a table: its class, its parameters
+    (total and trainable), its size in MiB (parameters and buffers, as stored) and the precision it runs in; parts
+    separated by `` · `` as the console's epoch lines are.
+
+    Example::
+
+        model_summary_line(nn.Linear(1000, 10), "bf16")
+        # 'Model Linear · 10.0 K parameters, 10.0 K trainable · 0.038 MiB · bf16 mixed precision, float32 weights'
+    """
+    total, trainable, mebibytes = _parameter_counts(model)
+    dtypes = sorted({str(parameter.dtype).removeprefix("torch.") for parameter in model.parameters()})
+    weights = f"{'/'.join(dtypes) or 'no'} weights"
+    precision = weights if mixed_precision in ("no", None) else f"{mixed_precision} mixed precision, {weights}"
+    return (
+        f"Model {type(model).__name__} · {_count(total)} parameters, {_count(trainable)} trainable · "
+        f"{mebibytes:.3f} MiB · {precision}"
+    )
+
+
+def model_summary_table(model: nn.Module, max_depth: int = 1) -> str:
+    """A table of ``model``'s modules down to ``max_depth`` levels (1: its children): name, class, parameters,
+    trainable parameters and MiB of each, then the totals; what ``PrintProgressCallback(model_summary="full")``
+    prints.
+
+    Example::
+
+        print(model_summary_table(model, max_depth=2))
+    """
+    rows = [("", "name", "type", "params", "trainable", "MiB")]
+    for index, (name, module) in enumerate(
+        (name, module) for name, module in model.named_modules() if name and name.count(".") < max_depth
+    ):
+        total, trainable, mebibytes = _parameter_counts(module)
+        rows.append((str(index), name, type(module).__name__, _count(total), _count(trainable), f"{mebibytes:.3f}"))
+    total, trainable, mebibytes = _parameter_counts(model)
+    rows.append(("", "total", type(model).__name__, _count(total), _count(trainable), f"{mebibytes:.3f}"))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            cell.rjust(width) if column >= 3 else cell.ljust(width)
+            for column, (cell, width) in enumerate(zip(row, widths))
+        ).rstrip()
+        for row in rows
+    )

@@ -8,7 +8,7 @@ import random
 import warnings
 from collections.abc import Mapping
 from numbers import Real
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -313,6 +313,49 @@ def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, datalo
     _validate_dataset("dataset", dataset, "dataloader_kwargs")
     _validate_positive_int("per_device_batch_size", per_device_batch_size)
     _validate_dataloader_kwargs("dataloader_kwargs", dataloader_kwargs)
+
+
+def validate_not_in_training_run(in_training_run: bool, method: str) -> None:
+    """Refuse ``predict()`` or ``lr_find()`` called from inside a training run (a callback or a hook): each prepares
+    the model again, which the run's prepared model and dataloaders cannot survive."""
+    if in_training_run:
+        raise RuntimeError(
+            f"{method}() was called inside a training run (from a callback or a hook): it prepares the model anew, "
+            f"which would break the run. Call {method}() before train() or after it returns; to measure during a "
+            "run, use run_extra_eval_epoch()."
+        )
+
+
+def validate_predict_arguments(
+    dataset: Any, per_device_batch_size: int, dataloader_kwargs: Any, chunk_size: Optional[int]
+) -> None:
+    """Check the arguments of ``Trainer.predict`` before any work starts."""
+    _validate_dataset("dataset", dataset, "dataloader_kwargs")
+    _validate_positive_int("per_device_batch_size", per_device_batch_size)
+    _validate_dataloader_kwargs("dataloader_kwargs", dataloader_kwargs)
+    _validate_positive_int("chunk_size", chunk_size, allow_none=True)
+
+
+def validate_lr_find_arguments(start_lr: Any, end_lr: Any, num_steps: Any, smoothing: Any, diverge_factor: Any) -> None:
+    """Check the arguments of ``Trainer.lr_find`` before any work starts."""
+    _validate_positive_number("start_lr", start_lr)
+    _validate_positive_number("end_lr", end_lr)
+    if start_lr is None or end_lr is None or end_lr <= start_lr:
+        raise ValueError(
+            f"lr_find(start_lr={start_lr!r}, end_lr={end_lr!r}) sweeps nothing: end_lr must be larger than start_lr, "
+            "e.g. start_lr=1e-7, end_lr=10."
+        )
+    _validate_positive_int("num_steps", num_steps)
+    if num_steps < 2:
+        raise ValueError(f"num_steps={num_steps!r} is too few for a sweep: pass at least 2 (100 by default).")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing={smoothing!r} is not valid: it must be in [0, 1) (0.98 by default; 0: none).")
+    if diverge_factor is not None:
+        _validate_positive_number("diverge_factor", diverge_factor)
+        if diverge_factor <= 1:
+            raise ValueError(
+                f"diverge_factor={diverge_factor!r} would stop at once: it must be above 1 (4 by default), or None."
+            )
 
 
 def validate_batch_output(batch_output: Any, hook_name: str) -> None:

@@ -239,9 +239,12 @@ def test_default_callbacks_print_progress_and_metrics(capsys):
     trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
     trainer.train(linear_dataset(8), num_epochs=2, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     captured = capsys.readouterr()
-    assert captured.out.startswith("Training 2 epochs of 2 updates, batches of 4 (1 process, cpu)\nepoch 1/2 · ")
+    assert captured.out.startswith(
+        "Model Linear · 2 parameters, 2 trainable · 0.000 MiB · float32 weights\n"
+        "Training 2 epochs of 2 updates, batches of 4 (1 process, cpu)\nepoch 1/2 · "
+    )
     assert captured.out.count("train_loss_epoch: ") == 2 and captured.out.count("eval_loss_epoch: ") == 2
-    assert "\nFinished 2 epochs in " in captured.out and len(captured.out.splitlines()) == 4
+    assert "\nFinished 2 epochs in " in captured.out and len(captured.out.splitlines()) == 5
     assert "epoch 2/2:   0%" in captured.err and "/3 " in captured.err  # one bar per epoch: 2 training + 1 eval batches
 
 

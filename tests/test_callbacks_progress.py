@@ -130,7 +130,8 @@ EPOCH_LINE = re.compile(
 def test_the_default_callbacks_print_a_start_line_one_summary_line_per_epoch_and_an_end_line(capsys):
     trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
     trainer.train(linear_dataset(64), num_epochs=3, eval_dataset=linear_dataset(16), per_device_batch_size=8)
-    lines = capsys.readouterr().out.splitlines()
+    model_line, *lines = capsys.readouterr().out.splitlines()
+    assert model_line == "Model Linear · 2 parameters, 2 trainable · 0.000 MiB · float32 weights"
     assert lines[0] == "Training 3 epochs of 8 updates, batches of 8 (1 process, cpu)"
     epochs = [EPOCH_LINE.match(line) for line in lines[1:4]]
     assert all(epochs) and [int(match[1]) for match in epochs] == [1, 2, 3]
@@ -208,9 +209,12 @@ def test_two_processes_print_each_line_once(tmp_path):
         assert completed.returncode == 0, completed.stderr[-3000:]
         outputs.append([line for line in completed.stdout.splitlines() if not line.startswith("[")])
     single, double = outputs
-    assert len(single) == len(double) == 4  # start, 2 epochs, end
-    assert double[0] == "Training 2 epochs of 8 updates, batches of 8 (2 processes, cpu)"
-    assert [line.split(" · ")[0] for line in double[1:3]] == ["epoch 1/2", "epoch 2/2"]
+    assert len(single) == len(double) == 5  # the model, start, 2 epochs, end
+    assert (
+        double[0].startswith("Model ")
+        and double[1] == "Training 2 epochs of 8 updates, batches of 8 (2 processes, cpu)"
+    )
+    assert [line.split(" · ")[0] for line in double[2:4]] == ["epoch 1/2", "epoch 2/2"]
 
 
 def test_get_default_callbacks_verbose_gives_the_earlier_output(capsys):
@@ -224,3 +228,47 @@ def test_get_default_callbacks_verbose_gives_the_earlier_output(capsys):
         and "\ntrain_loss_epoch: " in captured.out
         and "epoch 1 train: 100%" in captured.err
     )
+
+
+# The model summary -------------------------------------------------------------------------------------------------
+
+
+def test_the_model_summary_counts_parameters_trainable_ones_size_and_precision():
+    from pytorch_accel_trainer.utils import model_summary_line, model_summary_table
+
+    model = torch.nn.Sequential(torch.nn.Linear(100, 20), torch.nn.ReLU(), torch.nn.Linear(20, 1))
+    model[0].requires_grad_(False)  # 2020 frozen parameters of 2041
+    model.register_buffer("steps", torch.zeros(256, dtype=torch.float64))  # 2 KiB of buffer, counted in the size
+    mebibytes = (2041 * 4 + 256 * 8) / 2**20
+    assert model_summary_line(model) == (
+        f"Model Sequential · 2.0 K parameters, 21 trainable · {mebibytes:.3f} MiB · float32 weights"
+    )
+    assert model_summary_line(model, "bf16").endswith(" · bf16 mixed precision, float32 weights")
+    table = model_summary_table(model).splitlines()
+    assert [line.split()[:3] for line in table] == [
+        ["name", "type", "params"],
+        ["0", "0", "Linear"],
+        ["1", "1", "ReLU"],
+        ["2", "2", "Linear"],
+        ["total", "Sequential", "2.0"],
+    ]
+    assert table[1].split()[3:5] == ["2.0", "K"] and table[1].split()[5] == "0"  # Linear(100, 20): all frozen
+
+
+def test_the_full_summary_prints_a_table_and_none_prints_no_model_line(capsys):
+    full = make_trainer(make_linear(), callbacks=[PrintProgressCallback(model_summary="full")])
+    full.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Model Linear · 2 parameters") and lines[1].split() == [
+        "name",
+        "type",
+        "params",
+        "trainable",
+        "MiB",
+    ]
+    assert lines[2].split()[:2] == ["total", "Linear"] and lines[3].startswith("Training 1 epochs")
+    quiet = make_trainer(make_linear(), callbacks=[PrintProgressCallback(model_summary=None)])
+    quiet.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
+    assert capsys.readouterr().out.startswith("Training 1 epochs")
+    with pytest.raises(ValueError, match="model_summary='table' is not valid"):
+        PrintProgressCallback(model_summary="table")

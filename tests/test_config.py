@@ -120,6 +120,27 @@ def test_evaluate_loads_the_weights_of_a_run_folder_or_a_checkpoint_and_returns_
     assert untrained["evaluation_loss"] > metrics["evaluation_loss"]  # the weights were loaded
 
 
+def test_predict_writes_the_outputs_of_a_run_folder_s_weights_to_a_file_or_a_folder_of_chunks(config_file, tmp_path):
+    from config_data.tiny import eval_dataset
+    from safetensors.torch import load_model
+
+    from pytorch_accel_trainer.predictions import load_predictions
+
+    main(["fit", "--config", str(config_file), "--output_dir", str(tmp_path), "--run_name", "r"])
+    predict = ["predict", "--config", str(config_file), "--checkpoint", str(tmp_path / "r")]  # the run folder
+    written = main([*predict, "--output", str(tmp_path / "preds.pt")])
+    model = torch.nn.Linear(3, 1)
+    load_model(model, tmp_path / "r" / "model.safetensors")
+    expected = model(eval_dataset().tensors[0]).detach()
+    assert written == tmp_path / "preds.pt" and torch.allclose(torch.load(written), expected)
+    folder = main([*predict, "--output", str(tmp_path / "chunks"), "--data.predict", "config_data.tiny.eval_dataset"])
+    assert torch.equal(load_predictions(folder), torch.load(written))
+    with pytest.raises(ConfigError, match="already exists"):
+        main([*predict, "--output", str(tmp_path / "preds.pt")])
+    with pytest.raises(ConfigError, match="checkpoint: .* is a folder without model.safetensors"):
+        main(["predict", "--config", str(config_file), "--checkpoint", str(tmp_path), "--output", "p.pt"])
+
+
 def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):
     callback = {
         "class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
@@ -262,8 +283,8 @@ def test_the_config_reaches_trackers_as_plain_values():
     }
 
 
-def test_the_parser_has_fit_and_evaluate():
-    assert set(create_parser().command_parsers) == {"fit", "evaluate"}
+def test_the_parser_has_fit_evaluate_predict_and_tune():
+    assert set(create_parser().command_parsers) == {"fit", "evaluate", "predict", "tune"}
 
 
 # The digits example from the command line --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ PUBLIC_MODULES = (
     "callbacks",
     "tracking",
     "plotting",
+    "predictions",
     "run_config",
     "loop.run_state",
     "placeholders",
@@ -47,10 +48,14 @@ PUBLIC_MODULES = (
     "cli",
     "cli.commands",
     "cli.run_folder",
+    "cli.tune",
     "errors",
 )
 #: Implementation modules that also hold a few public names (imported from there by users and the guide pages).
-PUBLIC_NAMES_OF_OTHER_MODULES = {"parallel.distributed": ("create_accelerator", "ProcessAgreement")}
+PUBLIC_NAMES_OF_OTHER_MODULES = {
+    "parallel.distributed": ("create_accelerator", "ProcessAgreement"),
+    "loop.lr_find": ("LrFinderResult", "suggest_lr"),
+}
 #: Implementation modules: the subpackages' helpers (the Trainer's mixins' methods are the Trainer's, in its
 #: reference), the families re-exported by the callbacks and schedulers packages, and the other import paths of
 #: moved modules (the same module objects). A new module goes in one of these places: whether it is public is decided.

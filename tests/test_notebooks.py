@@ -16,7 +16,13 @@ from conftest import load_module_from
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
-NOTEBOOKS = ["01_quickstart.ipynb", "02_finetuning.ipynb", "03_resume.ipynb", "04_notebook_launcher.ipynb"]
+NOTEBOOKS = [
+    "01_quickstart.ipynb",
+    "02_finetuning.ipynb",
+    "03_resume.ipynb",
+    "04_notebook_launcher.ipynb",
+    "05_lr_find_and_search.ipynb",
+]
 #: the most seconds a cell may take here; each notebook takes well under a minute in all
 CELL_TIMEOUT = 120
 
@@ -79,6 +85,16 @@ def test_finetuning_notebook_shows_its_plot():
     plot_cells = [cell for cell in _code_cells(notebook) if "plot_run_history(trainer" in cell.source]
     assert len(plot_cells) == 1
     assert ("execute_result", "image/png") in _output_kinds(plot_cells[0])
+
+
+def test_lr_find_notebook_shows_its_plot_and_its_search():
+    notebook = nbformat.read(NOTEBOOKS_DIR / "05_lr_find_and_search.ipynb", as_version=4)
+    cells = _code_cells(notebook)
+    (plot,) = [cell for cell in cells if cell.source.strip().endswith("result.plot()")]
+    assert ("execute_result", "image/png") in _output_kinds(plot)
+    (search,) = [cell for cell in cells if "tune(config, space" in cell.source]
+    printed = "".join(output.get("text", "") for output in search.outputs)
+    assert "trial-0000 · eval_loss_epoch" in printed and "best: trial" in printed
 
 
 def test_output_problems_finds_what_a_reader_should_not_see():

@@ -40,6 +40,8 @@ NOT_HOOKS = frozenset(
     {
         "train",
         "evaluate",
+        "predict",
+        "lr_find",
         "get_default_train_dl_kwargs",
         "get_default_eval_dl_kwargs",
         "print",
@@ -66,8 +68,9 @@ HOOKS = tuple(
     for name, _ in inspect.getmembers(Trainer, inspect.isfunction)
     if not name.startswith("_") and name not in NOT_HOOKS
 )
-#: The most lines the skeleton may have: a skeleton, not a second copy of the loop (which grew to 175 lines).
-MAX_SKELETON_LINES = 70
+#: The most lines the skeleton may have: a skeleton, not a second copy of the loop (which grew to 175 lines). 70 for
+#: training and evaluation, and the 7 lines of a prediction run.
+MAX_SKELETON_LINES = 77
 
 # the runs: 3 training batches (an odd number, so the second accumulation window of 2 is partial), 2 eval batches
 TRAIN_SAMPLES, EVAL_SAMPLES, BATCH_SIZE, ACCUMULATION = 6, 4, 2, 2
@@ -167,7 +170,7 @@ class Run:
     """What the tests know of a run: enough to expand the skeleton's loops and decisions.
 
     Attributes:
-        entry: the procedure the run calls after ``Trainer()``: ``"train"`` or ``"evaluate"``.
+        entry: the procedure the run calls after ``Trainer()``: ``"train"``, ``"evaluate"`` or ``"predict"``.
         epochs: the indices of the training-run epochs that run (a resumed run's start at the saved one).
         first_step: the first batch of the first of them (a state saved inside an epoch resumes at its next batch).
         stop_after: ``(event, n)``: a callback raises ``StopTrainingError`` in the n-th call of that event.
@@ -177,6 +180,7 @@ class Run:
     epochs: tuple = (0, 1)
     train_batches: int = TRAIN_BATCHES
     eval_batches: int = EVAL_BATCHES  # 0: no eval dataset
+    predict_batches: int = 0
     accumulation: int = ACCUMULATION
     first_step: int = 0
     scheduler_interval: str = "step"
@@ -226,6 +230,7 @@ class Expansion:
             "batches": lambda: range(run.first_step if self.bound["epoch"] == run.epochs[0] else 0, run.train_batches),
             "eval_dataset": lambda: "an eval dataset" if run.eval_batches else None,
             "eval_dl": lambda: range(run.eval_batches) if run.eval_batches else None,
+            "predict_dl": lambda: range(run.predict_batches),
             "scheduler_interval": lambda: run.scheduler_interval,
             "is_window_start": lambda: step % run.accumulation == 0,
             "is_update_step": lambda: (step + 1) % run.accumulation == 0 or step == run.train_batches - 1,
@@ -396,7 +401,7 @@ def test_the_skeleton_shows_every_hook_and_every_event():
     calls = named_calls(page)
     assert sorted(set(HOOKS) - calls) == [], "hooks missing from the skeleton"
     assert sorted(set(EVENTS) - calls) == [], "events missing from the skeleton"
-    assert {"Trainer", "train", "evaluate"} <= set(parse_skeleton(page))
+    assert {"Trainer", "train", "evaluate", "predict"} <= set(parse_skeleton(page))
 
 
 def test_the_skeleton_names_only_what_the_package_defines():
@@ -436,6 +441,13 @@ def test_an_evaluation_run_follows_the_skeleton():
     log: list = []
     recorded_trainer(log).evaluate(linear_dataset(5), per_device_batch_size=BATCH_SIZE)
     assert_same_sequence(log, expected_sequence(Run(entry="evaluate", eval_batches=3)))
+
+
+def test_a_prediction_run_follows_the_skeleton():
+    """(d) predict() over 5 samples in batches of 2: 3 batches, no evaluation hook or event."""
+    log: list = []
+    recorded_trainer(log).predict(linear_dataset(5), per_device_batch_size=BATCH_SIZE)
+    assert_same_sequence(log, expected_sequence(Run(entry="predict", predict_batches=3)))
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ def _runtime_imports_of(path: pathlib.Path) -> set:
 UNIT_RANKS = {
     "errors": 0, "utils": 0,  # leaves: nothing of the package
     "parallel": 1, "validation": 1, "tracking": 1, "placeholders": 1, "finetuning": 1,  # over the leaves only
+    "predictions": 1,
     "run_config": 2, "plotting": 2, "schedulers": 2, "state": 2,  # what a run is, and its files on disk
     "callbacks": 3,  # get the trainer at call time (its type only under TYPE_CHECKING)
     "loop": 4,  # the step's parts the Trainer composes
@@ -129,6 +130,7 @@ PUBLIC_PATHS = {
     "pytorch_accel_trainer.utils": "worker_init_fn",
     "pytorch_accel_trainer.placeholders": "TrainerPlaceholderValues",
     "pytorch_accel_trainer.plotting": "plot_run_history",
+    "pytorch_accel_trainer.predictions": "load_predictions",
     "pytorch_accel_trainer.errors": "CheckpointError",
     "pytorch_accel_trainer.validation": "validate_train_options",
     "pytorch_accel_trainer.cli": "main",
@@ -220,6 +222,8 @@ MODEL_ASSIGNMENTS = {
     ("trainer.py", "Trainer._prepare"): "preparation: unwrapped from an earlier run, prepared by Accelerate, compiled",
     ("trainer.py", "Trainer.training_run_end"): "unwrapping at the end of a training run",
     ("trainer.py", "Trainer.evaluation_run_end"): "unwrapping at the end of an evaluation run",
+    ("trainer.py", "Trainer.predict"): "unwrapping at the end of a prediction run",
+    ("trainer.py", "Trainer.lr_find"): "unwrapping at the end of the learning-rate range test",
     ("trainer.py", "Trainer.run_extra_eval_epoch"): "its swap: the model evaluated, then the trainer's put back",
     ("callbacks/ema.py", "ModelEmaCallback._ema_weights_in"): "its swap: the EMA weights saved and evaluated, put back",
     ("callbacks/device.py", "ConvertSyncBatchNormCallback.on_training_run_start"): "SyncBatchNorm conversion",

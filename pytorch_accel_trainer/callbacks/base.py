@@ -32,12 +32,15 @@ EVENTS = (
     "on_training_run_end",
     "on_evaluation_run_start",
     "on_evaluation_run_end",
+    "on_predict_run_start",
+    "on_predict_step_end",
+    "on_predict_run_end",
     "on_stop_training_error",
 )
 
 #: The events that end a run. Each callback's runs even when an earlier one raised (they close bars, put dataloaders
 #: back, save); the first error is raised once they all have.
-RUN_END_EVENTS = ("on_training_run_end", "on_evaluation_run_end")
+RUN_END_EVENTS = ("on_training_run_end", "on_evaluation_run_end", "on_predict_run_end")
 
 #: The events that receive ``is_intermediate``: ``True`` in the evaluation epochs of ``StepBasedEvaluationCallback``.
 EVAL_EPOCH_EVENTS = ("on_eval_epoch_start", "on_eval_epoch_end")
@@ -85,6 +88,11 @@ FOREIGN_EVENT_NAMES: dict[str, tuple[str, str]] = {
     "on_test_batch_end": ("Lightning's and Keras's", "on_eval_step_end"),
     "on_test_epoch_end": ("Lightning's", "on_eval_epoch_end"),
     "on_test_end": ("Lightning's and Keras's", "on_eval_epoch_end"),
+    "on_predict_start": ("Lightning's", "on_predict_run_start"),
+    "on_predict_epoch_start": ("Lightning's", "on_predict_run_start"),
+    "on_predict_batch_end": ("Lightning's", "on_predict_step_end"),
+    "on_predict_epoch_end": ("Lightning's", "on_predict_run_end"),
+    "on_predict_end": ("Lightning's", "on_predict_run_end"),
     "on_before_backward": ("Lightning's", "no event: override the trainer's backward_step hook"),
     "on_after_backward": ("Lightning's", "no event: override the trainer's backward_step hook"),
     "on_before_optimizer_step": ("Lightning's", "no event: override the trainer's optimizer_step hook"),
@@ -231,6 +239,24 @@ class TrainerCallback:
 
     def on_evaluation_run_end(self, trainer: Trainer, **kwargs):
         """Called after ``evaluation_run_end``, at the very end of ``evaluate()``."""
+
+    def on_predict_run_start(self, trainer: Trainer, **kwargs):
+        """Called at the start of ``predict()``, the model prepared and in evaluation mode, before the first batch."""
+
+    def on_predict_step_end(self, trainer: Trainer, batch=None, batch_output=None, **kwargs):
+        """Called after each batch of ``predict()``.
+
+        Args:
+            batch: this process's batch.
+            batch_output: the batch's prediction (what ``calculate_predict_batch_output`` returned) gathered from
+                every process, on the CPU: the same on every process, each sample once.
+
+        Keyword Args:
+            step: the index of the batch, from 0.
+        """
+
+    def on_predict_run_end(self, trainer: Trainer, **kwargs):
+        """Called at the end of ``predict()``, the model unwrapped and back in its training modes."""
 
     def on_stop_training_error(self, trainer: Trainer, **kwargs):
         """Called when a :class:`StopTrainingError` ends a run early."""

@@ -18,7 +18,7 @@ from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
-from pytorch_accel_trainer.utils import dataloader_length
+from pytorch_accel_trainer.utils import dataloader_length, model_summary_line, model_summary_table
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -70,21 +70,35 @@ def _print(trainer: Trainer, message: str) -> None:
 
 
 class PrintProgressCallback(TrainerCallback):
-    """Prints one line when a training run starts and a short summary when it ends, on the main process.
+    """Prints two lines when a training run starts and a short summary when it ends, on the main process.
 
-    The start line says what will run (epochs, updates per epoch, the global batch); the end line says how long it
-    took and the best value of a monitoring callback (``EarlyStoppingCallback``, ...), if there is one.
+    The first line summarises the model (its parameters, total and trainable, its size in MiB and the precision it
+    runs in: ``utils.model_summary_line``); the second says what will run (epochs, updates per epoch, the global
+    batch); the end line says how long it took and the best value of a monitoring callback (``EarlyStoppingCallback``,
+    ...), if there is one.
 
     Args:
         verbose: print pytorch-accelerated's messages instead: a line at the start and end of each run and at the
             start of each training and evaluation epoch.
+        model_summary: ``"line"`` (the default): the model's one-line summary first; ``"full"``: then a table of its
+            modules too (``utils.model_summary_table``, to ``model_summary_depth`` levels); ``None``: no summary.
+        model_summary_depth: the levels of modules the full table shows (1: the model's children).
     """
 
     # class defaults too: a pytorch-accelerated subclass may define __init__ without calling this one
     verbose, _run_start, _epochs = False, 0.0, 0
+    model_summary: Optional[str] = "line"
+    model_summary_depth = 1
 
-    def __init__(self, verbose: bool = False):
+    def __init__(self, verbose: bool = False, model_summary: Optional[str] = "line", model_summary_depth: int = 1):
+        if model_summary not in ("line", "full", None):
+            raise ValueError(
+                f"model_summary={model_summary!r} is not valid: choose 'line' (one line), 'full' (a line and a table "
+                "of the modules) or None (no summary)."
+            )
+        validate_positive_int("model_summary_depth", model_summary_depth, "module levels", 2)
         self.verbose = verbose
+        self.model_summary, self.model_summary_depth = model_summary, model_summary_depth
         self._run_start = 0.0
         self._epochs = 0
 
@@ -99,6 +113,11 @@ class PrintProgressCallback(TrainerCallback):
             "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
         )
         processes = f"{config.num_processes} processes" if config.num_processes > 1 else "1 process"
+        if self.model_summary is not None:
+            model = trainer.get_model()
+            _print(trainer, model_summary_line(model, trainer.accelerator.mixed_precision))
+            if self.model_summary == "full":
+                _print(trainer, model_summary_table(model, self.model_summary_depth))
         _print(
             trainer,
             f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} "
@@ -141,11 +160,11 @@ class ProgressBarCallback(TrainerCallback):
     """Shows a tqdm bar while each epoch runs, on the main process.
 
     By default one bar covers an epoch's training and evaluation batches (``epoch k/n``) and disappears when the
-    epoch ends, where :class:`LogMetricsCallback` prints the epoch's summary line. An evaluation run, and each
-    intermediate evaluation of ``StepBasedEvaluationCallback``, gets a bar of its own. While training, the bar shows,
-    refreshed every ``refresh_every_n_steps`` batches: the mean loss over the last interval, the learning rate of each
-    parameter group, and the throughput in samples per second (over all processes, counted from the ``batch_size`` of
-    each batch output when it is an ``int``).
+    epoch ends, where :class:`LogMetricsCallback` prints the epoch's summary line. An evaluation run, a prediction run
+    (``predict()``) and each intermediate evaluation of ``StepBasedEvaluationCallback`` get a bar of their own. While
+    training, the bar shows, refreshed every ``refresh_every_n_steps`` batches: the mean loss over the last interval,
+    the learning rate of each parameter group, and the throughput in samples per second (over all processes, counted
+    from the ``batch_size`` of each batch output when it is an ``int``).
 
     The loss is summed on the device between refreshes and copied to the host without waiting for the device (on
     CUDA, into pinned memory, shown once the copy has arrived, at most one interval late), so the bar never adds a
@@ -269,6 +288,17 @@ class ProgressBarCallback(TrainerCallback):
 
     def on_training_run_epoch_end(self, trainer: Trainer, **kwargs):
         self._close_train_bar()
+
+    def on_predict_run_start(self, trainer: Trainer, **kwargs):
+        self._is_shown = trainer.accelerator.is_main_process
+        self.eval_pbar = self._create_bar(trainer, dataloader_length(trainer.predict_dataloader), "predict")
+
+    def on_predict_step_end(self, trainer: Trainer, batch: Any = None, batch_output: Any = None, **kwargs):
+        if self.eval_pbar is not None:  # made at the run start
+            self.eval_pbar.update(1)
+
+    def on_predict_run_end(self, trainer: Trainer, **kwargs):
+        self._close_eval_bar()
 
     def on_stop_training_error(self, trainer: Trainer, **kwargs):
         self._close_eval_bar()

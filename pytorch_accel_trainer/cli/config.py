@@ -9,12 +9,13 @@ See ``docs/config.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional, Union
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, Union
 
 import safetensors.torch
 import torch
@@ -104,11 +105,13 @@ class DataSettings:
     Args:
         train: the function that returns the training dataset (needed by ``fit``).
         eval: the function that returns the evaluation dataset (needed by ``evaluate``).
-        arguments: keyword arguments passed to both functions.
+        predict: the function that returns the samples to predict (``predict``; ``eval`` when it is not given).
+        arguments: keyword arguments passed to every function.
     """
 
     train: Optional[Callable] = None
     eval: Optional[Callable] = None
+    predict: Optional[Callable] = None
     arguments: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,9 +134,9 @@ class TrainingConfig:
         trainer_arguments: more keyword arguments of ``trainer_class`` (those of a subclass).
         trainer: the options of ``Trainer(...)``.
         train: the arguments of ``train()``.
-        checkpoint: weights loaded before the run: the model that ``evaluate`` measures, or the starting point of
-            ``fit``. A ``.safetensors`` file (a run folder's ``model.safetensors``, ``save_weights``), a run folder
-            (its ``model.safetensors``) or a file of ``save_checkpoint``. ``evaluate`` needs one, unless
+        checkpoint: weights loaded before the run: the model that ``evaluate`` measures or ``predict`` runs, or the
+            starting point of ``fit``. A run folder (its ``model.safetensors``), a ``.safetensors`` file
+            (``save_weights``) or a file of ``save_checkpoint``. ``evaluate`` needs one, unless
             ``evaluate_initial_weights``.
         output_dir: write each run's folder here (``<output_dir>/<run_name>``): this config, the run config, the
             history, its plot, the final weights, the training states; ``null`` writes nothing.
@@ -170,7 +173,8 @@ class TrainingConfig:
 
 
 def validate_training_config(config: TrainingConfig, command: str) -> None:
-    """Refuse a config that cannot run ``command`` (``fit`` or ``evaluate``), naming the key and the fix."""
+    """Refuse a config that cannot run ``command`` (``fit``, ``evaluate`` or ``predict``), naming the key and the
+    fix."""
     if not (isinstance(config.trainer_class, type) and issubclass(config.trainer_class, Trainer)):
         raise ConfigError(
             f"trainer_class: {config.trainer_class!r} is not a Trainer class; give the import path of "
@@ -182,6 +186,9 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
             ("optimizer", config.optimizer, "--optimizer torch.optim.AdamW --optimizer.lr 0.001"),
         ),
         "evaluate": (("data.eval", config.data.eval, "--data.eval my_package.data.eval_dataset"),),
+        "predict": (
+            ("data.predict", config.data.predict or config.data.eval, "--data.predict my_package.data.test_samples"),
+        ),
     }
     for key, value, example in needed[command]:
         if value is None:
@@ -290,7 +297,10 @@ def import_object(path: str, key: str) -> Any:
 
 
 def create_trainer(
-    config: TrainingConfig, config_text: Optional[str] = None, hyperparameters: Optional[dict] = None
+    config: TrainingConfig,
+    config_text: Optional[str] = None,
+    hyperparameters: Optional[dict] = None,
+    extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> Trainer:
     """Return the trainer that ``config`` describes, with its callbacks, the checkpoint's weights loaded, and (with
     ``output_dir``) its run folder chosen.
@@ -299,6 +309,7 @@ def create_trainer(
         config: a validated configuration (:func:`validate_training_config`), whose model is built.
         config_text: the YAML of the complete configuration, written to the run folder.
         hyperparameters: the flat configuration given to experiment trackers with the run config.
+        extra_callbacks: callbacks added after the config's (``tune``'s pruning callback).
     """
     model = config.model
     try:
@@ -308,7 +319,7 @@ def create_trainer(
             f"optimizer: the optimizer refused its arguments ({error}). Fix optimizer.init_args (e.g. "
             "--optimizer.init_args.lr 0.001)."
         ) from None
-    callbacks = [*(DEFAULT_CALLBACKS if config.default_callbacks else ()), *config.callbacks]
+    callbacks = [*(DEFAULT_CALLBACKS if config.default_callbacks else ()), *config.callbacks, *extra_callbacks]
     for callback in config.callbacks:
         if isinstance(callback, ExperimentTrackingCallback) and hyperparameters:  # trackers get the whole config
             callback.config = {**hyperparameters, **(callback.config or {})}
@@ -368,13 +379,15 @@ def run_training_config(
     command: str = "fit",
     config_text: Optional[str] = None,
     hyperparameters: Optional[dict] = None,
+    extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> tuple[Trainer, Union[Any, dict]]:
-    """Run ``command`` (``fit``: ``train()``; ``evaluate``: ``evaluate()``) as ``config`` describes; return the trainer
-    and what the run returned (a ``TrainResult``, or the evaluation's metrics)."""
+    """Run ``command`` (``fit``: ``train()``; ``evaluate``: ``evaluate()``) as ``config`` describes, with
+    ``extra_callbacks`` added; return the trainer and what the run returned (a ``TrainResult``, or the evaluation's
+    metrics)."""
     validate_training_config(config, command)
     data, arguments = config.data, config.data.arguments
     eval_dataset = None if data.eval is None else data.eval(**arguments)
-    trainer = create_trainer(config, config_text, hyperparameters)
+    trainer = create_trainer(config, config_text, hyperparameters, extra_callbacks)
     try:
         return trainer, _run_command(trainer, config, command, eval_dataset)
     finally:
@@ -417,3 +430,40 @@ def _run_command(trainer: Trainer, config: TrainingConfig, command: str, eval_da
         scheduler_interval=train.scheduler_interval,
     )
     return result
+
+
+def run_prediction_config(
+    config: TrainingConfig, output: str, config_text: Optional[str] = None
+) -> tuple[Trainer, Any]:
+    """Run ``Trainer.predict`` on ``data.predict`` (or ``data.eval``) as ``config`` describes, with the weights of
+    ``checkpoint``; write the predictions to ``output`` and return the trainer and the path written.
+
+    An ``output`` ending in ``.pt`` is one file of the predictions (``torch.load`` reads it), written by the main
+    process; any other is a new folder the predictions are written to in chunks as they come
+    (``Trainer.predict(output_dir=...)``; ``predictions.load_predictions`` reads it). Nothing is overwritten.
+    """
+    validate_training_config(config, "predict")
+    path = Path(output)
+    if path.exists():
+        raise ConfigError(
+            f"--output {output!r} already exists: predictions never overwrite a file. Give a new path, or remove it."
+        )
+    create_dataset = config.data.predict or config.data.eval
+    if create_dataset is None:  # refused by validate_training_config; checked again for the type checker
+        raise ConfigError("data.predict is missing: `predict` needs it (or data.eval).")
+    dataset = create_dataset(**config.data.arguments)
+    trainer = create_trainer(dataclasses.replace(config, output_dir=None), config_text)  # a prediction: no run folder
+    train = config.train
+    arguments: dict[str, Any] = {
+        "per_device_batch_size": train.per_device_batch_size,
+        "dataloader_kwargs": train.eval_dataloader_kwargs,
+        "collate_fn": train.collate_fn,
+    }
+    if path.suffix != ".pt":
+        return trainer, trainer.predict(dataset, output_dir=path, **arguments)
+    predictions = trainer.predict(dataset, **arguments)
+    if trainer.accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(predictions, path)
+    trainer.accelerator.wait_for_everyone()
+    return trainer, path

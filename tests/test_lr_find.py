@@ -1,0 +1,146 @@
+"""Trainer.lr_find: the range test puts everything back bit for bit, and its suggestion is a good learning rate."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    RecordingCallback,
+    assert_bitwise_equal,
+    make_mlp,
+    make_trainer,
+    regression_dataset,
+)
+from torch import nn
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.loop.lr_find import suggest_lr
+from pytorch_accel_trainer.state.rng import capture_rng_state
+
+
+def dropout_trainer(callbacks=()) -> Trainer:
+    """An MLP with dropout (so that the random state matters), Adam (so that the optimizer has state) and no seed
+    (so that train() does not reseed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return Trainer(model, nn.MSELoss(), optimizer, callbacks=callbacks, seed=None)
+
+
+SCHEDULER = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
+
+
+def test_lr_find_puts_model_optimizer_scheduler_random_state_and_callbacks_back_bit_for_bit():
+    recorder = RecordingCallback()
+    trainer = dropout_trainer(callbacks=[recorder])
+    trainer.train(regression_dataset(32), num_epochs=1, per_device_batch_size=8, create_scheduler_fn=SCHEDULER)
+    trainer.model[2].eval()  # a module left in evaluation mode on purpose
+    events, history = list(recorder.events), copy.deepcopy(trainer.run_history.to_dataframe())
+    before = (
+        copy.deepcopy(trainer.model.state_dict()),
+        copy.deepcopy(trainer.optimizer.state_dict()),
+        copy.deepcopy(trainer.scheduler.state_dict()),
+        capture_rng_state(),
+        [module.training for module in trainer.model.modules()],
+    )
+    result = trainer.lr_find(regression_dataset(64), num_steps=30, per_device_batch_size=8)
+    assert len(result.lrs) == len(result.losses) > 1 and result.lrs[0] == pytest.approx(1e-7)
+    after = (
+        trainer.model.state_dict(),
+        trainer.optimizer.state_dict(),
+        trainer.scheduler.state_dict(),
+        capture_rng_state(),
+        [module.training for module in trainer.model.modules()],
+    )
+    assert_bitwise_equal(before, after)
+    assert recorder.events == events  # no event fired
+    assert trainer.run_history.to_dataframe().equals(history)
+
+
+def test_a_train_after_lr_find_equals_one_without_it():
+    def trained_weights(with_lr_find: bool) -> dict:
+        trainer = dropout_trainer()
+        torch.manual_seed(1), np.random.seed(1), random.seed(1)
+        if with_lr_find:
+            trainer.lr_find(regression_dataset(64), num_steps=20, per_device_batch_size=8)
+        trainer.train(regression_dataset(32), num_epochs=2, per_device_batch_size=8)
+        return trainer.model.state_dict()
+
+    assert_bitwise_equal(trained_weights(True), trained_weights(False))
+
+
+@pytest.mark.slow
+def test_the_suggestion_is_within_a_factor_of_3_of_the_best_learning_rate_of_a_grid_search():
+    """The grid search: SGD on a small MLP regression, 3 epochs of batches of 16, the learning rate of the lowest
+    evaluation loss among 15 from 1e-3 to 3. (The best learning rate of a longer training is larger: the steepest
+    descent is a rate that trains fast from the start, not the largest that still converges.)"""
+    train, evaluation = regression_dataset(256, 4), regression_dataset(256, 4, seed=1)
+
+    def evaluation_loss(lr: float) -> float:
+        trainer = make_trainer(make_mlp(), lr=lr)
+        trainer.train(train, num_epochs=3, per_device_batch_size=16)
+        loss = trainer.evaluate(evaluation, per_device_batch_size=256)["evaluation_loss"]
+        return loss if np.isfinite(loss) else np.inf
+
+    grid = np.logspace(-3, 0.5, 15)
+    best = grid[int(np.argmin([evaluation_loss(lr) for lr in grid]))]
+    result = make_trainer(make_mlp()).lr_find(train, start_lr=1e-4, end_lr=10, per_device_batch_size=16)
+    assert result.diverged and len(result.lrs) < 100  # the sweep stopped on divergence
+    assert best / 3 <= result.suggestion <= best * 3, (best, result.suggestion)
+
+
+def test_the_suggestion_is_the_steepest_descent_of_the_smoothed_loss():
+    lrs = [10.0**exponent for exponent in range(-6, 1)]
+    losses = [5.0, 5.0, 4.9, 4.0, 2.0, 1.5, 9.0]  # steepest between 1e-3 and 1e-2; the last point is left out
+    assert suggest_lr(lrs, losses, skip_start=0, skip_end=1) == pytest.approx(1e-3)
+    assert suggest_lr(lrs[:3], losses[:3], skip_start=0, skip_end=1) is not None
+    assert suggest_lr(lrs[:2], losses[:2], skip_start=0, skip_end=1) is None  # too short to tell
+
+
+def test_the_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = make_trainer(make_mlp()).lr_find(regression_dataset(64), num_steps=30)
+    figure = result.plot(tmp_path / "lr_find.png")
+    assert (tmp_path / "lr_find.png").stat().st_size > 0 and figure.axes[0].get_xscale() == "log"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"start_lr": 1.0, "end_lr": 0.1}, "sweeps nothing"),
+        ({"num_steps": 1}, "too few"),
+        ({"smoothing": 1.0}, r"smoothing=1.0 is not valid"),
+        ({"diverge_factor": 0.5}, "would stop at once"),
+        ({"per_device_batch_size": 0}, "per_device_batch_size=0 is not valid"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_step(arguments, message):
+    trainer = make_trainer(make_mlp())
+    weights = copy.deepcopy(trainer.model.state_dict())
+    with pytest.raises(ValueError, match=message):
+        trainer.lr_find(regression_dataset(8), **arguments)
+    assert_bitwise_equal(weights, trainer.model.state_dict())
+
+
+@pytest.mark.parametrize("method", ["lr_find", "predict"])
+def test_lr_find_and_predict_are_refused_inside_a_training_run(method):
+    from pytorch_accel_trainer.callbacks import TrainerCallback
+
+    class Sneaky(TrainerCallback):
+        def on_train_epoch_end(self, trainer, **kwargs):
+            getattr(trainer, method)(regression_dataset(8))
+
+    trainer = make_trainer(make_mlp(), callbacks=[Sneaky()])
+    with pytest.raises(RuntimeError, match=rf"{method}\(\) was called inside a training run"):
+        trainer.train(regression_dataset(8), num_epochs=1)
+
+
+def test_an_evaluation_only_trainer_cannot_run_lr_find():
+    trainer = Trainer(make_mlp(), nn.MSELoss(), optimizer=None, callbacks=())
+    with pytest.raises(ValueError, match="no optimizer"):
+        trainer.lr_find(regression_dataset(8))

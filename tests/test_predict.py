@@ -1,0 +1,180 @@
+"""Trainer.predict: every sample once, in the dataset's order, structured outputs, the chunked mode, its events."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+
+import pytest
+import torch
+from conftest import (
+    CPU_PROCESSES_ENV,
+    RecordingCallback,
+    StreamDataset,
+    launcher,
+    linear_dataset,
+    make_linear,
+    make_mlp,
+    make_trainer,
+    regression_dataset,
+)
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
+from pytorch_accel_trainer.predictions import load_predictions
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "predict_run.py"
+
+
+def identity_trainer(trainer_class=Trainer, callbacks=()) -> Trainer:
+    """A trainer whose model predicts each sample's id: a Linear(1, 1) of weight 1 and bias 0."""
+    model = nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(0.0)
+    return trainer_class(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=callbacks)
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_one_process_predicts_every_sample_once_in_order(kind):
+    trainer = identity_trainer()
+    for size in (1, 2, 5, 8, 17):
+        ids = torch.arange(size, dtype=torch.float32).unsqueeze(1)
+        dataset = TensorDataset(ids) if kind == "map" else StreamDataset(TensorDataset(ids))
+        for batch_size in (1, 3, 4):
+            predicted = trainer.predict(dataset, per_device_batch_size=batch_size)
+            assert predicted.shape == (size, 1)
+            assert predicted[:, 0].tolist() == list(range(size)), (size, batch_size)
+
+
+@pytest.fixture(scope="module")
+def two_process_report(tmp_path_factory):
+    """One launch on 2 processes: the whole matrix (sizes 1-17 x batch sizes 1-4, map-style and iterable), the
+    chunked mode, lr_find and two searches whose trials run on both processes."""
+    output = tmp_path_factory.mktemp("predict") / "report"
+    command = [*launcher(2), str(SCRIPT), str(output)]
+    completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return [json.loads(pathlib.Path(f"{output}.rank{rank}").read_text()) for rank in range(2)]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_predict_every_sample_once_in_order_on_each_process(two_process_report):
+    for report in two_process_report:
+        assert report["num_processes"] == 2
+        assert len(report["cases"]) == 17 * 4 * 2
+        for name, case in report["cases"].items():
+            size = int(name.split("size=")[1].split()[0])
+            assert case["ids"] == [float(i) for i in range(size)], name
+            assert case["pair"] == [case["ids"], [2 * i for i in case["ids"]]], name
+        assert report["chunked_equal"]
+        # 13 samples gathered 4 a step, a chunk once 5 are pending: 8, then 5
+        assert report["chunk_files"] == ["chunk-000000.pt", "chunk-000001.pt", "predictions.json"]
+    first, second = two_process_report
+    assert first["lr_find"] == second["lr_find"] and first["lr_find"]["suggestion"] is not None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_search_runs_each_trial_on_every_process_and_prunes_them_together(two_process_report):
+    """tune() under a 2-process launch (in the same launch as the predictions: one launch for the module)."""
+    pytest.importorskip("optuna")
+    main, other = (report["tune"] for report in two_process_report)
+    assert main == {"pruned": ["PRUNED", [1]], "complete": ["COMPLETE", True], "num_processes": 2}
+    assert other == {}  # the other process ran the trials; only the main one talks to Optuna
+
+
+def test_structured_outputs_keep_their_structure():
+    class Structured(Trainer):
+        def calculate_predict_batch_output(self, batch, batch_idx):  # Lightning's predict_step(batch, batch_idx)
+            outputs = self.model(batch[0])
+            indices = torch.full_like(outputs[:, 0], batch_idx)
+            return {"outputs": outputs, "pair": (outputs.argmax(dim=1), outputs.sigmoid()), "batch": indices}
+
+    dataset = regression_dataset(10)
+    trainer = make_trainer(make_mlp(), trainer_class=Structured)
+    predicted = trainer.predict(dataset, per_device_batch_size=3)
+    expected = trainer.model(dataset.tensors[0]).detach()
+    assert set(predicted) == {"outputs", "pair", "batch"} and isinstance(predicted["pair"], tuple)
+    assert predicted["batch"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert torch.allclose(predicted["outputs"], expected)
+    assert torch.equal(predicted["pair"][1], predicted["outputs"].sigmoid())
+
+
+def test_the_chunked_mode_writes_what_predict_returns_in_memory(tmp_path):
+    trainer = make_trainer(make_mlp())
+    dataset = regression_dataset(23)
+    in_memory = trainer.predict(dataset, per_device_batch_size=4)
+    folder = trainer.predict(dataset, per_device_batch_size=4, output_dir=tmp_path / "predictions", chunk_size=8)
+    assert folder == tmp_path / "predictions"
+    assert sorted(path.name for path in folder.iterdir()) == [
+        *(f"chunk-{i:06d}.pt" for i in range(3)),  # 8, 8 and the last 7 samples
+        "predictions.json",
+    ]
+    assert torch.equal(load_predictions(folder), in_memory)
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        trainer.predict(dataset, output_dir=folder)
+    (folder / "predictions.json").unlink()  # as an interrupted prediction leaves it
+    with pytest.raises(FileNotFoundError, match="did not finish"):
+        load_predictions(folder)
+
+
+def test_predict_fires_its_events_and_no_evaluation_event_and_restores_training_modes():
+    recorder = RecordingCallback()
+    trainer = make_trainer(make_mlp(), callbacks=[recorder])
+    trainer.model.train()
+    trainer.model[0].eval()  # a frozen layer, in evaluation mode on purpose
+    trainer.predict(regression_dataset(5), per_device_batch_size=2)
+    assert recorder.events[1:] == ["on_predict_run_start", *["on_predict_step_end"] * 3, "on_predict_run_end"]
+    assert trainer.model.training and not trainer.model[0].training
+
+
+def test_the_default_callbacks_show_a_bar_while_predicting_and_print_nothing(capsys):
+    trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
+    trainer.predict(linear_dataset(10), per_device_batch_size=4)
+    captured = capsys.readouterr()
+    assert "predict:" in captured.err and "0/3 " in captured.err and captured.out == ""  # a bar of 3 batches
+    assert trainer.predict_dataloader is None  # only while predicting
+
+
+def test_predict_after_training_and_a_tensor_batch_dataset():
+    trainer = make_trainer(make_linear())
+    dataset = linear_dataset(16)
+    trainer.train(dataset, num_epochs=1, per_device_batch_size=4)
+    inputs = dataset.tensors[0]
+    predicted = trainer.predict(inputs, per_device_batch_size=5)  # a plain tensor: each sample a row
+    assert torch.allclose(predicted, trainer.model(inputs).detach())
+    loader = DataLoader(TensorDataset(inputs), batch_size=6)  # a DataLoader is used as it is
+    assert torch.equal(trainer.predict(loader), predicted)
+
+
+def test_predict_refuses_bad_arguments_and_outputs_with_one_clear_error():
+    trainer = make_trainer(make_linear())
+    with pytest.raises(ValueError, match="per_device_batch_size=0 is not valid"):
+        trainer.predict(linear_dataset(4), per_device_batch_size=0)
+    with pytest.raises(ValueError, match="chunk_size=-1 is not valid"):
+        trainer.predict(linear_dataset(4), chunk_size=-1)
+
+    class Scalar(Trainer):
+        def calculate_predict_batch_output(self, batch):
+            return self.model(batch[0]).mean()
+
+    with pytest.raises(TypeError, match="0-d tensor"):
+        make_trainer(make_linear(), trainer_class=Scalar).predict(linear_dataset(4))
+
+    class Strings(Trainer):
+        def calculate_predict_batch_output(self, batch):
+            return {"labels": ["a"] * len(batch[0])}
+
+    with pytest.raises(TypeError, match=r"list at \['labels'\]|str at \['labels'\]"):
+        make_trainer(make_linear(), trainer_class=Strings).predict(linear_dataset(4))
+
+
+def test_a_trainer_without_optimizer_or_loss_predicts():
+    model = make_mlp()
+    predictor = Trainer(model, loss_func=None, optimizer=None, callbacks=())
+    dataset = regression_dataset(7)
+    assert torch.allclose(predictor.predict(dataset, per_device_batch_size=2), model(dataset.tensors[0]).detach())
