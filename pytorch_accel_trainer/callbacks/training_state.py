@@ -29,7 +29,8 @@ class SaveTrainingStateCallback(TrainerCallback):
             ``train(resume_from=...)``: it starts a new run while the folder is empty.
         save_every_n_epochs: save after every N training-run epochs (``None``, the default: never by epoch).
         save_every_n_steps: save after every N optimizer updates (``None``, the default: never by step).
-        save_at_end: save when the training run ends (the default, as in pytorch-accelerated: one state per run).
+        save_at_end: save when the training run ends (the default, as in pytorch-accelerated: one state per run);
+            a run stopped by its time budget (``train(max_time=...)``) is saved as it ends even when ``False``.
         max_checkpoints: keep only the newest N of these rolling states (``None``: keep all).
         keep_every_n_steps: keep the state after every N updates forever, whatever ``max_checkpoints`` says.
         watch_metric: keep, apart from the rolling states, the state of the epoch with the best value of this
@@ -112,8 +113,9 @@ class SaveTrainingStateCallback(TrainerCallback):
             self._save(trainer, {"best"}, f"epoch_{trainer.run_history.current_epoch}")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
-        if self.save_at_end:
+        # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do; a run its
+        # time budget (train(max_time=...)) stopped is saved even without save_at_end, so that it can be continued
+        if self.save_at_end or trainer.run_state.stopped_by_time_budget:
             self._save(trainer, {"rolling"}, "final")
 
     def _step_kinds(self, done: int) -> set[str]:

@@ -10,6 +10,7 @@ Trainer's private methods (the extra models' entries come from functions of ``ex
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
@@ -82,6 +83,9 @@ def load_resume_plan(
         trainer.print(f"resume_from={str(resume_from)!r} holds no training state yet: starting a new run.")
         return None
     plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
+    history = trainer.run_history
+    if plan.history_epoch is not None and plan.history_epoch != history.current_epoch:
+        history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short
     trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates)")
     return plan
 
@@ -187,6 +191,7 @@ def write_state(
 
     A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
     state is copied to host memory and written in the background; the folder it will have is returned."""
+    started = time.monotonic()
     async_save.saver.wait()
     if asynchronous:
         staged = async_save.stage_training_state(
@@ -198,6 +203,8 @@ def write_state(
     folder = write_training_state(
         trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
     )
+    if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
+        trainer.run_state.time_budget.note_save(time.monotonic() - started)
     trainer.print(f"Saved training state {folder}")
     return folder
 

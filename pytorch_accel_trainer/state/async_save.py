@@ -176,6 +176,7 @@ def stage_training_state(
             "position": asdict(position),
             "num_update_steps_completed": trainer.num_update_steps_completed,
             "run_history": trainer.run_history.state_dict(),
+            "history_epoch": trainer.run_state.history_epoch(position),
             "run_facts": run_facts,
             "checkpoint_kwargs": checkpoint_kwargs,
             "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,

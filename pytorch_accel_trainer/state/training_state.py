@@ -428,6 +428,9 @@ class ResumePlan:
     folder: Path
     num_update_steps_completed: int = 0
     train_step_metrics: dict = field(default_factory=dict)
+    #: the run history's epoch of the position's epoch (``None`` in states written before it was kept): a resumed run
+    #: continues an epoch a stop cut short under its own number, though the saved history moved past it.
+    history_epoch: Optional[int] = None
 
 
 def _callback_states(callbacks: Iterable) -> dict:
@@ -534,6 +537,7 @@ def write_training_state(
                     "position": asdict(position),
                     "num_update_steps_completed": trainer.num_update_steps_completed,
                     "run_history": trainer.run_history.state_dict(),
+                    "history_epoch": trainer.run_state.history_epoch(position),
                     "run_facts": run_facts,
                     "checkpoint_kwargs": checkpoint_kwargs,
                     "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
@@ -703,4 +707,13 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         checkpoint_kwargs=shared["checkpoint_kwargs"],
         folder=folder,
         num_update_steps_completed=shared["num_update_steps_completed"],
+        history_epoch=_history_epoch(shared, folder / TRAINER_FILE),
     )
+
+
+def _history_epoch(shared: dict, path: Path) -> Optional[int]:
+    """The run history's epoch of the saved position, checked (``None`` in a state written before it was kept)."""
+    epoch = shared.get("history_epoch")
+    if epoch is not None and (type(epoch) is not int or epoch < 1):
+        raise CheckpointError(f"{path}: history_epoch is {epoch!r}, not an epoch counted from 1; it was altered.")
+    return epoch
