@@ -33,3 +33,8 @@ def validate_positive_int(name: str, value: Any, unit: str, example: int) -> Non
 class TimeBudgetExceeded(StopTrainingError):
     """The ``StopTrainingError`` with which ``train(max_time=...)`` ends a run before its time budget is spent; its
     message says where the training state is and how to resume."""
+
+
+class SharedFolderError(RuntimeError):
+    """A folder a multi-node run must share (its training states, the state it resumes) that some node does not see
+    as the main process does: raised on every process at the start of ``train()``, before any work."""

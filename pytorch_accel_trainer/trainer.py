@@ -77,6 +77,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     validate_sharded_run,
     warn_if_sharding_was_ignored,
 )
+from pytorch_accel_trainer.parallel.shared_folders import check_folders_are_shared
 from pytorch_accel_trainer.placeholders import (  # noqa: F401  (importable from here, as in pytorch-accelerated)
     TrainerPlaceholderValues,
     placeholder_values,
@@ -439,6 +440,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             # none of the model's trainable parameters missing
             validate_optimizer_parameters(optimizer, self.model)
+        # several machines: the folders of training states must be shared (one clear error on every node, else)
+        check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
         stored_state = find_state_to_resume(Path(resume_from)) if resume_from is not None else None
         # the time budget's clock starts here
         self.run_state = RunState(options=options, time_budget=create_time_budget(options, self.callback_handler))

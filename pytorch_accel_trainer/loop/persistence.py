@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 import torch
 from accelerate import skip_first_batches
 
+from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.extra_models import (
     extra_checkpoint_entries,
@@ -49,6 +50,7 @@ from pytorch_accel_trainer.state.checkpointing import (
 from pytorch_accel_trainer.state.files import validate_state_name
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.training_state import (
+    MANIFEST_NAME,
     ResumePlan,
     ResumePosition,
     StoredState,
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
-    from pytorch_accel_trainer.run_config import TrainerRunConfig
+    from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions
     from pytorch_accel_trainer.trainer import Trainer
 
 
@@ -112,6 +114,24 @@ def find_state_to_resume(path: Path) -> Optional[StoredState]:
             "SaveTrainingStateCallback."
         )
     return stored
+
+
+def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dict[Path, str]:
+    """The folders every node of a multi-node run must see as the main process does, each with what the run keeps
+    there: those of its training states, and the one it resumes from (see ``parallel/shared_folders.py``)."""
+    folders = {
+        Path(callback.save_dir): "training states of SaveTrainingStateCallback(save_dir=...)"
+        for callback in callbacks
+        if isinstance(callback, SaveTrainingStateCallback)
+    }
+    if options.max_time_save_dir is not None:
+        folders.setdefault(Path(options.max_time_save_dir), "training states of train(max_time_save_dir=...)")
+    if options.resume_from is not None:
+        resume_from = Path(options.resume_from)
+        holder = resume_from.parent if (resume_from / MANIFEST_NAME).is_file() else resume_from  # a state's folder
+        if holder.is_dir():
+            folders.setdefault(holder, "the training states of train(resume_from=...)")
+    return folders
 
 
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
