@@ -16,7 +16,6 @@ import inspect
 import itertools
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union, cast
 
 import torch
@@ -442,7 +441,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             validate_optimizer_parameters(optimizer, self.model)
         # several machines: the folders of training states must be shared (one clear error on every node, else)
         check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
-        stored_state = find_state_to_resume(Path(resume_from)) if resume_from is not None else None
+        stored_state = find_state_to_resume(self._accelerator, resume_from) if resume_from is not None else None
         # the time budget's clock starts here
         self.run_state = RunState(options=options, time_budget=create_time_budget(options, self.callback_handler))
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
+from pytorch_accel_trainer.state.storage import as_location
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -26,7 +27,9 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to
-            ``train(resume_from=...)``: it starts a new run while the folder is empty.
+            ``train(resume_from=...)``: it starts a new run while the folder is empty. An object-storage URL
+            (``"s3://bucket/states"``, with fsspec and the store's package installed) works too: each state becomes
+            visible there once its manifest, uploaded last, is (see docs/training_state.md).
         save_every_n_epochs: save after every N training-run epochs (``None``, the default: never by epoch).
         save_every_n_steps: save after every N optimizer updates (``None``, the default: never by step).
         save_at_end: save when the training run ends (the default, as in pytorch-accelerated: one state per run);
@@ -69,8 +72,9 @@ class SaveTrainingStateCallback(TrainerCallback):
             if value is not None:
                 unit = "epochs" if "epochs" in name else "states" if name == "max_checkpoints" else "updates"
                 validate_positive_int(name, value, unit, 3 if name == "max_checkpoints" else 100)
-        self.save_dir = Path(save_dir)
-        self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run
+        self.save_dir = as_location(save_dir)  # a URL of object storage stays one
+        if isinstance(self.save_dir, Path):
+            self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run
         self.save_every_n_epochs = save_every_n_epochs
         self.save_every_n_steps = save_every_n_steps
         self.save_at_end = save_at_end

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.loop.batches import loss_weight
+from pytorch_accel_trainer.state.storage import Location, as_location
 from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
@@ -95,7 +95,7 @@ class RunState:
     save_requests: dict = field(default_factory=dict)
     resume: Optional[ResumePlan] = None
     preemption_signal: Optional[int] = None
-    preemption_save_dir: Optional[Path] = None
+    preemption_save_dir: Optional[Location] = None
     signal_catcher: Optional[SignalCatcher] = None
     non_finite_policy: Optional[NonFinitePolicy] = None
     non_finite_updates_skipped: int = 0
@@ -268,11 +268,11 @@ class RunState:
         self.stopped_by_time_budget = isinstance(error, TimeBudgetExceeded)
         save_dir = None if self.options is None else self.options.max_time_save_dir
         if self.stopped_by_time_budget and save_dir is not None:
-            self.request_save(Path(save_dir), ("rolling",), None, None)
+            self.request_save(as_location(save_dir), ("rolling",), None, None)
 
     def request_save(
         self,
-        parent: Path,
+        parent: Location,
         kinds,
         checkpoint_kwargs: Optional[dict],
         max_rolling: Optional[int],
@@ -301,7 +301,7 @@ class RunState:
         requests, self.save_requests = self.save_requests, {}
         return requests
 
-    def start_preemption(self, save_dir: Path, signal_catcher: SignalCatcher) -> None:
+    def start_preemption(self, save_dir: Location, signal_catcher: SignalCatcher) -> None:
         """Hold the installed signal handlers and the folder a preempted run saves to."""
         self.preemption_save_dir, self.signal_catcher = save_dir, signal_catcher
 

@@ -13,11 +13,11 @@ budget adds no collective of its own.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import TimeBudgetExceeded
+from pytorch_accel_trainer.state.storage import Location, as_location
 from pytorch_accel_trainer.validation import max_time_seconds
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class TimeBudget:
             run's ``SaveTrainingStateCallback``); ``None`` when none is.
     """
 
-    def __init__(self, seconds: float, max_time: Any, save_dir: Optional[Path]):
+    def __init__(self, seconds: float, max_time: Any, save_dir: Optional[Location]):
         self.seconds, self.max_time, self.save_dir = seconds, max_time, save_dir
         self.started_at = time.monotonic()
         self._last_check: Optional[tuple[str, float]] = None
@@ -85,4 +85,4 @@ def create_time_budget(options: TrainOptions, callbacks: Iterable) -> Optional[T
         save_dir = next(
             (callback.save_dir for callback in callbacks if isinstance(callback, SaveTrainingStateCallback)), None
         )
-    return TimeBudget(seconds, options.max_time, None if save_dir is None else Path(save_dir))
+    return TimeBudget(seconds, options.max_time, None if save_dir is None else as_location(save_dir))

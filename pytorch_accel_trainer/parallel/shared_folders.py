@@ -40,7 +40,7 @@ def node_name() -> str:
     return f"node {rank} ({socket.gethostname()})" if rank is not None else socket.gethostname()
 
 
-def check_folders_are_shared(accelerator: Accelerator, folders: Mapping[Path, str]) -> None:
+def check_folders_are_shared(accelerator: Accelerator, folders: Mapping) -> None:
     """Raise :class:`SharedFolderError` on every process when a node does not see one of ``folders`` (the main
     process's, each with what the run keeps there) as the main process does; every process must call this. Nothing is
     done on one node (three small collectives and a file per folder otherwise, once per ``train()``).

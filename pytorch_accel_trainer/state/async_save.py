@@ -17,7 +17,7 @@ import atexit
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -96,6 +96,8 @@ class StagedState:
     files: dict  # file name -> object for torch.save, or SafetensorsContent (the model file)
     manifest_fields: dict
     max_rolling: Optional[int]
+    #: called with the state's folder once it is written, on the background thread (an upload to a store)
+    after_write: Optional[Callable[[Path], None]] = None
 
 
 @dataclass
@@ -211,6 +213,8 @@ def write_staged_state(staged: StagedState) -> Path:
                 checksums[name] = save_tensors_file(content, temporary / name)
     training_state.finish_save(temporary, final, staged.manifest_fields, checksums)
     training_state.prune_states(final.parent, staged.max_rolling, keep=[final])
+    if staged.after_write is not None:
+        staged.after_write(final)
     return final
 
 

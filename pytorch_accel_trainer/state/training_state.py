@@ -317,19 +317,25 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
             problems.append(error)
             continue
         stored = stored or candidate
-    if stored is not None:
+    report_skipped_states(path, None if stored is None else stored.folder, problems)
+    return stored
+
+
+def report_skipped_states(location: Any, chosen: Any, problems: list) -> None:
+    """Warn about each state of ``location`` skipped for the state ``chosen`` (``problems``: why each was); when
+    none was chosen but some were skipped, raise :class:`CheckpointError` listing them rather than start over."""
+    if chosen is not None:
         for problem in problems:
             damaged = not isinstance(problem, StateFormatError)
             kind = "damaged training state" if damaged else "training state of another format"
-            warnings.warn(f"Skipped a {kind} (resuming from {stored.folder}): {problem}", stacklevel=2)
-        return stored
-    if problems:
+            warnings.warn(f"Skipped a {kind} (resuming from {chosen}): {problem}", stacklevel=3)
+    elif problems:
         listed = "\n  ".join(map(str, problems))
         raise CheckpointError(
-            f"{path} holds {len(problems)} training state(s) and none can be resumed, so the run was not restarted "
-            f"from scratch:\n  {listed}\nMove those folders away to start over, or point resume_from at a good one."
+            f"{location} holds {len(problems)} training state(s) and none can be resumed, so the run was not "
+            f"restarted from scratch:\n  {listed}\nMove those folders away to start over, or point resume_from at a "
+            "good one."
         )
-    return None
 
 
 def _order_or_lowest(folder: Path) -> tuple:

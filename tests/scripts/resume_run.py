@@ -122,8 +122,16 @@ def run(config):
     if config.get("crash_at"):
         crash_at = config["crash_at"]
 
-        def crash(name):  # die in the middle of a save, once earlier states exist
-            if name == crash_at and len(training_state.list_complete_states(Path(config["save_dir"]))) >= 2:
+        hits = []
+
+        def crash(name):  # die in the middle of a save, once earlier states exist (or at the point's Nth time)
+            if name != crash_at:
+                return
+            hits.append(name)
+            if config.get("crash_on_hit"):
+                if len(hits) == config["crash_on_hit"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            elif len(training_state.list_complete_states(Path(config["save_dir"]))) >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         training_state._crash_point = crash

@@ -1,0 +1,257 @@
+"""Training states, checkpoints and weights in object storage through fsspec: ``memory://`` in this process, and a
+real S3 endpoint (moto's server on localhost) through s3fs, as s3fs's own tests do."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import pytest
+import torch
+from conftest import assert_bitwise_equal, regression_dataset
+from torch import nn
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import SaveBestModelCallback, SaveTrainingStateCallback, TrainerCallback
+
+fsspec = pytest.importorskip("fsspec")
+
+
+def _run(save_dir, resume_from=None, stop_after=None, num_epochs=3, **callback_kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    callbacks = [
+        SaveTrainingStateCallback(save_dir, **{"save_every_n_steps": 3, "max_checkpoints": 2, **callback_kwargs})
+    ]
+    if stop_after is not None:
+        callbacks.append(CrashAfter(stop_after))
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
+    trainer.train(
+        regression_dataset(16),
+        num_epochs=num_epochs,
+        eval_dataset=regression_dataset(4, seed=1),
+        per_device_batch_size=2,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
+        resume_from=resume_from,
+    )
+    return trainer
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAfter(TrainerCallback):
+    def __init__(self, update):
+        self.update = update
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+        if num_update_steps_completed == self.update:
+            raise Crash()
+
+
+def _end_state(trainer):
+    return {
+        "model": trainer.get_model().state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "history": trainer.run_history.state_dict(),
+    }
+
+
+@pytest.fixture
+def memory_store():
+    store = fsspec.filesystem("memory")
+
+    def clear():  # its files and its folders, which fsspec's memory store keeps apart
+        store.store.clear()
+        store.pseudo_dirs[:] = [""]
+
+    clear()
+    yield store
+    clear()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_states_in_memory_store_resume_exactly_are_pruned_and_no_local_folder_appears(
+    tmp_path, memory_store, monkeypatch, asynchronous
+):
+    monkeypatch.chdir(tmp_path)
+    reference = _end_state(_run(tmp_path / "reference"))
+    url = "memory://bucket/states"
+    with pytest.raises(Crash):  # an asynchronous save uploads in the background; the run's end waits for it
+        _run(url, resume_from=url, stop_after=20, asynchronous=asynchronous)
+    names = sorted(path.rsplit("/", 1)[1] for path in memory_store.ls("/bucket/states", detail=False))
+    assert names == ["latest", "step_15", "step_18"]  # two rolling states, pruned in the store
+    assert memory_store.cat_file("/bucket/states/latest") == b"step_18\n"
+    resumed = _run(url, resume_from=url)
+    assert_bitwise_equal(_end_state(resumed), reference)
+    assert not os.path.exists(tmp_path / "memory:") and not os.path.exists("memory:")  # never a local folder
+
+
+def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypatch):
+    from pytorch_accel_trainer.state import training_state
+
+    reference = _end_state(_run(tmp_path / "reference"))
+    url = "memory://bucket/partial"
+    uploads = []
+
+    def crash_in_the_third_upload(point):  # the process dies with step_9 half uploaded: no manifest yet
+        uploads.append(point)
+        if uploads.count("upload:optimizer.pt") == 3:
+            raise Crash()
+
+    monkeypatch.setattr(training_state, "_crash_point", crash_in_the_third_upload)
+    with pytest.raises(Crash):
+        _run(url, resume_from=url)
+    monkeypatch.undo()
+    assert not memory_store.exists("/bucket/partial/step_9/manifest.json") and memory_store.exists(
+        "/bucket/partial/step_9"
+    )
+    resumed = _run(url, resume_from=url)  # from step_6, the newest complete state
+    assert_bitwise_equal(_end_state(resumed), reference)
+
+
+def test_checkpoints_and_weights_in_a_store(tmp_path, memory_store):
+    from safetensors.torch import load_model
+
+    trainer = _run("memory://bucket/more")
+    trainer.save_checkpoint("memory://bucket/export/model.pt")
+    trainer.save_weights("memory://bucket/export/model.safetensors")
+    assert memory_store.exists("/bucket/export/model.pt") and memory_store.exists("/bucket/export/model.safetensors")
+    other = Trainer(
+        nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1)), nn.MSELoss(), None, callbacks=()
+    )
+    other.load_checkpoint("memory://bucket/export/model.pt", load_optimizer=False, load_scheduler=False)
+    assert_bitwise_equal(other.get_model().state_dict(), trainer.get_model().state_dict())
+    (tmp_path / "model.safetensors").write_bytes(memory_store.cat_file("/bucket/export/model.safetensors"))
+    fresh = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    load_model(fresh, str(tmp_path / "model.safetensors"))
+    assert_bitwise_equal(fresh.state_dict(), trainer.get_model().state_dict())
+
+
+def test_save_best_model_callback_writes_to_a_store(memory_store):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    callback = SaveBestModelCallback(save_path="memory://bucket/best/model.pt", watch_metric="eval_loss_epoch")
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=[callback])
+    trainer.train(
+        regression_dataset(8), num_epochs=2, eval_dataset=regression_dataset(4, seed=1), per_device_batch_size=4
+    )
+    assert memory_store.exists("/bucket/best/model.pt")
+
+
+@pytest.mark.parametrize(
+    ("url", "error", "message"),
+    [
+        ("gs://bucket/states", ImportError, r"'gs://bucket/states' needs gcsfs .*: pip install gcsfs"),
+        ("az://container/states", ImportError, r"needs adlfs .*: pip install adlfs"),
+        ("nosuch://bucket/states", ValueError, r"fsspec knows no store nosuch://"),
+    ],
+)
+def test_a_url_whose_store_is_not_installed_is_one_clear_error_never_a_local_folder(
+    tmp_path, monkeypatch, url, error, message
+):
+    monkeypatch.chdir(tmp_path)
+    for package in ("gcsfs", "adlfs"):
+        if package in message and importlib.util.find_spec(package) is not None:
+            pytest.skip(f"{package} is installed here")
+    with pytest.raises(error, match=message):
+        _run(url, resume_from=url)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# A real S3 endpoint: moto's server on localhost, through s3fs
+# ------------------------------------------------------------------------------------------------
+
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """An S3 endpoint on localhost (moto's server in a thread, as s3fs's tests start one); fsspec finds it from
+    ``FSSPEC_S3_ENDPOINT_URL`` in a launched process, from its config here."""
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved_env, saved_conf = dict(os.environ), fsspec.config.conf.get("s3")
+    os.environ.update(S3_ENV)
+    fsspec.config.conf["s3"] = {"endpoint_url": endpoint}
+    store = fsspec.filesystem("s3", skip_instance_cache=True)
+    store.mkdir("states-bucket")
+    try:
+        yield endpoint
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if saved_conf is None:
+            fsspec.config.conf.pop("s3", None)
+        else:
+            fsspec.config.conf["s3"] = saved_conf
+        server.stop()
+
+
+@pytest.mark.slow
+def test_states_on_s3_save_prune_and_resume_exactly(tmp_path, s3_endpoint):
+    reference = _end_state(_run(tmp_path / "reference"))
+    url = "s3://states-bucket/in-process"
+    with pytest.raises(Crash):
+        _run(url, resume_from=url, stop_after=20)
+    store = fsspec.filesystem("s3", skip_instance_cache=True)
+    names = sorted(path.rsplit("/", 1)[1] for path in store.ls("states-bucket/in-process", detail=False))
+    assert names == ["latest", "step_15", "step_18"]
+    resumed = _run(url, resume_from=url)
+    assert_bitwise_equal(_end_state(resumed), reference)
+
+
+@pytest.mark.slow
+def test_a_process_killed_mid_upload_to_s3_resumes_from_the_last_complete_state_bitwise(tmp_path, s3_endpoint):
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import CPU_PROCESSES_ENV
+
+    script = Path(__file__).parent / "scripts" / "resume_run.py"
+    env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
+    config = {"save_dir": "s3://states-bucket/killed", "out": str(tmp_path / "out.pt"), "save_every": 2}
+    # SIGKILL while the third state's optimizer.pt is uploaded: its model is in the store, its manifest is not
+    killed = subprocess.run(
+        [sys.executable, str(script), json.dumps({**config, "crash_at": "upload:optimizer.pt", "crash_on_hit": 3})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    store = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert store.exists("states-bucket/killed/step_6/model.safetensors")
+    assert not store.exists("states-bucket/killed/step_6/manifest.json")
+    resumed = subprocess.run(
+        [sys.executable, str(script), json.dumps({**config, "reference_out": str(tmp_path / "reference.pt")})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from s3://states-bucket/killed/step_4 (after 4 optimizer updates)" in resumed.stdout
+    assert_bitwise_equal(
+        torch.load(tmp_path / "out.pt", weights_only=True), torch.load(tmp_path / "reference.pt", weights_only=True)
+    )
