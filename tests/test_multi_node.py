@@ -12,10 +12,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal
+from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal
 
 from pytorch_accel_trainer.state.training_state import list_complete_states
 
@@ -32,7 +33,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _launch_two_nodes(config: dict, folders: list, timeout: int = 240) -> list:
+def _launch_two_nodes(config: dict, folders: list, timeout: int = 240, env: Optional[dict] = None) -> list:
     """Start node 0 and node 1 at once, each from its own working folder; return each one's (code, stdout, stderr)."""
     port = _free_port()
     nodes = [
@@ -55,7 +56,7 @@ def _launch_two_nodes(config: dict, folders: list, timeout: int = 240) -> list:
                 json.dumps(config),
             ],
             cwd=folder,
-            env=CPU_PROCESSES_ENV,
+            env=env or CPU_PROCESSES_ENV,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -103,3 +104,23 @@ def test_from_one_shared_folder_a_sigkill_of_one_node_then_resume_equals_an_unin
     assert stops[0]["updates"] == stops[1]["updates"] < 48  # both at the same update, before the 3 epochs' 48
     assert stops[0]["by_time_budget"] and stops[1]["by_time_budget"]
     assert stops[0]["stop_reason"] == f"{stops[1]['stop_reason']} (on process 1)"
+
+
+def test_from_two_local_folders_states_in_object_storage_save_and_resume_exactly(tmp_path, s3_endpoint):
+    folders = [tmp_path / "machine_a", tmp_path / "machine_b"]
+    for folder in folders:
+        folder.mkdir()
+    env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
+    config = {
+        **CONFIG,
+        "save_dir": "s3://states-bucket/two-machines",
+        "out": str(tmp_path / "out.pt"),
+        "then_resume_from": "step_16",  # saved by both machines, each its process's part, inside the last epoch
+        "again_out": str(tmp_path / "again.pt"),
+    }
+    results = _launch_two_nodes(config, folders, env=env)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    assert "Resuming from s3://states-bucket/two-machines/step_16 (after 16 optimizer updates)" in results[0][1]
+    assert_bitwise_equal(
+        torch.load(tmp_path / "again.pt", weights_only=True), torch.load(tmp_path / "out.pt", weights_only=True)
+    )

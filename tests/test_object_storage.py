@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import assert_bitwise_equal, regression_dataset
+from conftest import S3_ENV, assert_bitwise_equal, regression_dataset
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
@@ -166,44 +166,6 @@ def test_a_url_whose_store_is_not_installed_is_one_clear_error_never_a_local_fol
 # A real S3 endpoint: moto's server on localhost, through s3fs
 # ------------------------------------------------------------------------------------------------
 
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """An S3 endpoint on localhost (moto's server in a thread, as s3fs's tests start one); fsspec finds it from
-    ``FSSPEC_S3_ENDPOINT_URL`` in a launched process, from its config here."""
-    pytest.importorskip("s3fs")
-    server_module = pytest.importorskip("moto.server")
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    saved_env, saved_conf = dict(os.environ), fsspec.config.conf.get("s3")
-    os.environ.update(S3_ENV)
-    fsspec.config.conf["s3"] = {"endpoint_url": endpoint}
-    store = fsspec.filesystem("s3", skip_instance_cache=True)
-    store.mkdir("states-bucket")
-    try:
-        yield endpoint
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        if saved_conf is None:
-            fsspec.config.conf.pop("s3", None)
-        else:
-            fsspec.config.conf["s3"] = saved_conf
-        server.stop()
-
 
 @pytest.mark.slow
 def test_states_on_s3_save_prune_and_resume_exactly(tmp_path, s3_endpoint):
@@ -255,3 +217,11 @@ def test_a_process_killed_mid_upload_to_s3_resumes_from_the_last_complete_state_
     assert_bitwise_equal(
         torch.load(tmp_path / "out.pt", weights_only=True), torch.load(tmp_path / "reference.pt", weights_only=True)
     )
+
+
+def test_a_url_naming_a_missing_state_beside_others_is_an_error_not_a_new_run(memory_store):
+    _run("memory://bucket/named", num_epochs=1)
+    with pytest.raises(
+        FileNotFoundError, match=r"'memory://bucket/named/step_5' holds no training state, but .*'final'"
+    ):
+        _run("memory://bucket/named", resume_from="memory://bucket/named/step_5")

@@ -36,7 +36,6 @@ from pytorch_accel_trainer.parallel.sharded import (
     load_full_optimizer_state_dict,
     writes_on_this_process,
 )
-from pytorch_accel_trainer.parallel.shared_folders import runs_on_one_node
 from pytorch_accel_trainer.state import async_save
 from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
@@ -71,6 +70,7 @@ from pytorch_accel_trainer.state.training_state import (
     read_training_state,
     report_skipped_states,
     restore_rng_state,
+    temporary_folder,
     verify_folder,
     write_training_state,
 )
@@ -161,6 +161,7 @@ def find_remote_state(accelerator: "Accelerator", url: str) -> Optional[StoredSt
         broadcast_object_list(chosen)
     name = chosen[0]
     if name is None:
+        _refuse_a_missing_state(url)
         return None
     folder = remote.mirror / name
     if accelerator.is_local_main_process and not accelerator.is_main_process:  # another node: its own mirror
@@ -169,6 +170,21 @@ def find_remote_state(accelerator: "Accelerator", url: str) -> Optional[StoredSt
         verify_folder(folder)
     accelerator.wait_for_everyone()
     return StoredState(folder, read_manifest(folder))
+
+
+def _refuse_a_missing_state(url: str) -> None:
+    """Raise ``FileNotFoundError`` when ``url``, which holds nothing, names a state beside others (a typo, or a state
+    pruned since), rather than start the run over; a store cannot tell an empty folder from a missing one."""
+    parent, name = url.rsplit("/", 1)
+    if "://" not in parent or parent.endswith(":/"):
+        return
+    remote = RemoteStates(parent)
+    complete, _ = remote.remote_names()
+    if complete:
+        raise FileNotFoundError(
+            f"resume_from={url!r} holds no training state, but {parent!r} holds {sorted(complete)}: pass one of "
+            f"those, or {parent!r} for the newest."
+        )
 
 
 def _download_newest(remote: RemoteStates, only: Optional[str]) -> Optional[str]:
@@ -302,12 +318,24 @@ def write_state(
         trainer.print(f"Saving training state {_shown(parent, staged.final)} in the background")
         return staged.final if remote is None else join(parent, staged.final.name)
     folder = write_training_state(
-        trainer, local_parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
+        trainer,
+        local_parent,
+        position,
+        run_facts(trainer),
+        kinds,
+        checkpoint_kwargs,
+        max_rolling,
+        name,
+        remote is not None,
     )
     if remote is not None:
-        if trainer.accelerator.is_main_process:
+        accelerator = trainer.accelerator
+        if accelerator.is_local_main_process and not accelerator.is_main_process:  # another machine: its own files
+            remote.upload_machine_files(temporary_folder(folder), folder.name)
+        accelerator.wait_for_everyone()  # every file is in the store before the manifest
+        if accelerator.is_main_process:
             remote.publish(folder)
-        trainer.accelerator.wait_for_everyone()
+        accelerator.wait_for_everyone()
     if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
         trainer.run_state.time_budget.note_save(time.monotonic() - started)
     trainer.print(f"Saved training state {_shown(parent, folder)}")
@@ -315,18 +343,8 @@ def write_state(
 
 
 def _remote_states_for_saving(trainer: "Trainer", url: str) -> RemoteStates:
-    """The store folder ``url``, its mirror synchronised on each node (every process must call this).
-
-    Raises:
-        NotImplementedError: the run spans several machines (their processes' parts of a state would be in
-            different mirrors).
-    """
+    """The store folder ``url``, its mirror synchronised on each machine (every process must call this)."""
     accelerator = trainer.accelerator
-    if accelerator.num_processes > 1 and not runs_on_one_node():
-        raise NotImplementedError(
-            f"Training states in object storage ({url!r}) are written by the processes of one machine; this run spans "
-            "several. Keep them on a filesystem every node mounts (see docs/scaling.md, 'Several machines')."
-        )
     remote = RemoteStates(url)
     if accelerator.is_local_main_process:
         remote.sync_mirror()

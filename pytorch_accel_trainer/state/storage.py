@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import re
 import shutil
 import tempfile
@@ -141,9 +142,11 @@ def local_file_to_read(location: Any) -> Iterator[Path]:
 
 
 def mirror_folder(url: str) -> Path:
-    """The node-local folder that stands for the store folder ``url`` (the same for every process of the node)."""
+    """The node-local folder that stands for the store folder ``url``: the same for every process of a machine, and
+    another for each machine (named by the launcher's node rank), even where machines share a temporary folder."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "pytorch_accel_trainer-mirror" / digest
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    return Path(tempfile.gettempdir()) / "pytorch_accel_trainer-mirror" / f"{digest}-node{node}"
 
 
 class RemoteStates:
@@ -207,6 +210,19 @@ class RemoteStates:
         self.fs.pipe_file(f"{self.root}/{self._latest}", f"{folder.name}\n".encode())
         for path in files:
             path.unlink()
+
+    def upload_machine_files(self, temporary: Path, name: str) -> None:
+        """On another machine than the main process's: upload the files its processes wrote for state ``name`` (in
+        its mirror's ``temporary`` folder) into the state's folder in the store, then remove the folder. The main
+        process uploads the manifest, which lists them, after every machine did this."""
+        from pytorch_accel_trainer.state import training_state
+        from pytorch_accel_trainer.state.files import WRITER_MARKER_PREFIX
+
+        for path in sorted(temporary.iterdir()):
+            if path.is_file() and not path.name.startswith(WRITER_MARKER_PREFIX):
+                training_state._crash_point(f"upload:{path.name}")
+                self.fs.put_file(str(path), f"{self.root}/{name}/{path.name}")
+        shutil.rmtree(temporary, ignore_errors=True)
 
     def prune_like_mirror(self, keep: str) -> None:
         """Delete from the store the complete states the mirror no longer holds (pruned there), never ``keep``:

@@ -138,12 +138,22 @@ def begin_save(final_folder: Path) -> Path:
     return temporary
 
 
-def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, checksums: Optional[dict] = None) -> None:
+def finish_save(
+    temporary: Path,
+    final_folder: Path,
+    manifest_fields: dict,
+    checksums: Optional[dict] = None,
+    elsewhere: Optional[dict] = None,
+) -> None:
     """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
 
     ``checksums`` maps the files whose size and checksum were computed as they were written to them (or to a future
-    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache."""
+    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache.
+    ``elsewhere`` maps the files of the state that other machines write (to a store) to their size and checksum:
+    listed in the manifest, not in this folder."""
     checksums, files = dict(checksums or {}), {}
+    for name, (size, digest) in (elsewhere or {}).items():
+        files[name] = {"size": size, CHECKSUM: digest}
     for path in sorted(temporary.iterdir()):
         if path.name.startswith(WRITER_MARKER_PREFIX):
             continue
@@ -458,9 +468,14 @@ def write_training_state(
     checkpoint_kwargs: Optional[dict] = None,
     max_rolling: Optional[int] = None,
     name: Optional[str] = None,
+    node_local: bool = False,
 ) -> Path:
     """Write the trainer's full training state under ``parent`` (as ``name``, if given, else
     ``checkpoint-<updates>``; ``-2``... when taken); every process must call this.
+
+    ``node_local``: ``parent`` is a folder of each machine, not shared (the mirror of a store): every machine writes
+    its processes' files into its own temporary folder, and the manifest, sealed by the main process, lists the other
+    machines' files by the size and checksum each process reports (they upload them; ``state/storage.py``).
 
     Under FSDP the weights and optimizer state are gathered whole to the main process first, so the state loads
     into any world size; under DeepSpeed it is refused (see ``sharded.validate_training_state_supported``).
@@ -494,7 +509,7 @@ def write_training_state(
     }
     final = unused_folder_name(parent, name or default_state_name(trainer.num_update_steps_completed))
     accelerator.wait_for_everyone()  # every process has chosen the same name before any folder appears
-    if accelerator.is_main_process:
+    if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
         parent.mkdir(parents=True, exist_ok=True)
         begin_save(final)
     accelerator.wait_for_everyone()
@@ -508,6 +523,7 @@ def write_training_state(
                 rank_state, temporary / rank_file(accelerator.process_index)
             )
         }
+        elsewhere = _files_of_other_machines(accelerator, checksums, temporary) if node_local else {}
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             _crash_point(f"write:{MODEL_FILE}")
@@ -558,10 +574,25 @@ def write_training_state(
                 "kinds": sorted(set(kinds)),
                 "run_facts": run_facts,
             }
-            finish_save(temporary, final, manifest_fields, checksums)
+            finish_save(temporary, final, manifest_fields, checksums, elsewhere)
             prune_states(parent, max_rolling, keep=[final])
     accelerator.wait_for_everyone()
     return final
+
+
+def _files_of_other_machines(accelerator, checksums: dict, temporary: Path) -> dict:
+    """On the main process, the size and checksum of each process's file that is not in its own ``temporary`` folder
+    (written on another machine); one small collective when the run spans machines, none on one machine."""
+    from accelerate.utils import gather_object
+
+    from pytorch_accel_trainer.parallel.shared_folders import runs_on_one_node
+
+    if accelerator.num_processes == 1 or runs_on_one_node():
+        return {}
+    name = rank_file(accelerator.process_index)
+    own = checksums[name].result() if hasattr(checksums[name], "result") else checksums[name]
+    reports = gather_object([(name, tuple(own))])
+    return {file: pair for file, pair in reports if not (temporary / file).is_file()}
 
 
 def _load_trainer_file(stored: StoredState) -> dict:

@@ -89,6 +89,9 @@ class LogSamples(TrainerCallback):
 
 def main(config):
     run(config)
+    if config.get("then_resume_from"):  # then again from one of the states it saved, to its end
+        state = f"{config['save_dir']}/{config['then_resume_from']}"
+        run({**config, "resume_from": state, "save_dir": f"{config['save_dir']}_again", "out": config["again_out"]})
     if config.get("reference_out"):  # then an uninterrupted run in the same processes, to compare with
         run({**config, "save_dir": f"{config['save_dir']}_reference", "out": config["reference_out"]})
     if config.get("time_budget_out"):
@@ -158,7 +161,7 @@ def run(config):
         gradient_accumulation_steps=config.get("accumulation", 1),
         create_scheduler_fn=scheduler,
         train_dataloader_kwargs={"shuffle": config.get("shuffle", True), "num_workers": config.get("num_workers", 0)},
-        resume_from=config["save_dir"],
+        resume_from=config.get("resume_from", config["save_dir"]),
     )
     result = {
         "model": trainer.get_model().state_dict(),
