@@ -225,3 +225,19 @@ def test_a_url_naming_a_missing_state_beside_others_is_an_error_not_a_new_run(me
         FileNotFoundError, match=r"'memory://bucket/named/step_5' holds no training state, but .*'final'"
     ):
         _run("memory://bucket/named", resume_from="memory://bucket/named/step_5")
+
+
+def test_a_run_folder_in_a_store(memory_store):
+    from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    callback = RunFolderCallback("memory://bucket/runs", run_name="first", config_text="lr: 0.05\n")
+    for _ in range(2):  # a second run of that name gets first-2: nothing is overwritten
+        trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=[callback])
+        trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=4)
+        callback.folder = None
+    names = sorted(path.rsplit("/", 1)[1] for path in memory_store.find("/bucket/runs/first"))
+    assert names == ["config.yaml", "history.csv", "history.png", "model.safetensors", "run_config.json"]
+    assert memory_store.exists("/bucket/runs/first-2/model.safetensors")
+    assert memory_store.cat_file("/bucket/runs/first/config.yaml") == b"lr: 0.05\n"

@@ -22,6 +22,7 @@ from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrai
 from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.run_config import OptionalNumber
+from pytorch_accel_trainer.state.storage import join
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
 
 
@@ -261,13 +262,13 @@ def create_trainer(
     if config.output_dir is not None:
         run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)
         trainer.callback_handler.add_callback(run_folder)
-        folder = run_folder.choose_folder(trainer)
+        folder = run_folder.choose_folder(trainer)  # a path, or an object-storage URL
         for callback in config.callbacks:  # the trackers' run is named as its folder, unless the config names it
             if isinstance(callback, ExperimentTrackingCallback):
-                callback.use_run_name(folder.name)
+                callback.use_run_name(str(folder).rsplit("/", 1)[-1])
         if config.save_training_states:
             trainer.callback_handler.add_callback(
-                SaveTrainingStateCallback(save_dir=folder / "training_states", save_every_n_epochs=1)
+                SaveTrainingStateCallback(save_dir=join(folder, "training_states"), save_every_n_epochs=1)
             )
     return trainer
 

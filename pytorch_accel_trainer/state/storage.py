@@ -116,6 +116,21 @@ def local_file_to_write(location: Any) -> Iterator[Path]:
         fs.put_file(str(local), path)
 
 
+def write_text(location: Any, text: str) -> None:
+    """Write ``text`` to the file ``location`` (a path, or a URL: one object)."""
+    with local_file_to_write(location) as path:
+        path.write_text(text)
+
+
+def exists(location: Any) -> bool:
+    """Whether a file or folder is at ``location`` (in a store: an object, or objects under it as a prefix)."""
+    target = as_location(location)
+    if isinstance(target, Path):
+        return target.exists()
+    fs, path = filesystem(target)
+    return bool(fs.exists(path))
+
+
 @contextlib.contextmanager
 def local_file_to_read(location: Any) -> Iterator[Path]:
     """A local path to read ``location`` from: the path itself, or for a URL a downloaded temporary copy.
