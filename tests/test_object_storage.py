@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveBestModelCallback, SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -145,7 +147,7 @@ def test_save_best_model_callback_writes_to_a_store(memory_store):
 @pytest.mark.parametrize(
     ("url", "error", "message"),
     [
-        ("gs://bucket/states", ImportError, r"'gs://bucket/states' needs gcsfs .*: pip install gcsfs"),
+        ("gs://bucket/states", ImportError, r"'gs://bucket/states\S*' needs gcsfs .*: pip install gcsfs"),
         ("az://container/states", ImportError, r"needs adlfs .*: pip install adlfs"),
         ("nosuch://bucket/states", ValueError, r"fsspec knows no store nosuch://"),
     ],
@@ -157,9 +159,24 @@ def test_a_url_whose_store_is_not_installed_is_one_clear_error_never_a_local_fol
     for package in ("gcsfs", "adlfs"):
         if package in message and importlib.util.find_spec(package) is not None:
             pytest.skip(f"{package} is installed here")
-    with pytest.raises(error, match=message):
-        _run(url, resume_from=url)
-    assert list(tmp_path.iterdir()) == []
+    for make in (  # each place that takes a URL says so when it is given, before any work
+        lambda: SaveTrainingStateCallback(url),
+        lambda: SaveBestModelCallback(save_path=f"{url}/best.pt"),
+        lambda: RunFolderCallback(url),
+        lambda: _run(tmp_path / "local", resume_from=url),
+        lambda: _run(tmp_path / "local", num_epochs=1).save_checkpoint(f"{url}/model.pt"),
+    ):
+        with pytest.raises(error, match=message):
+            make()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["local"]  # never a folder named after the URL
+
+
+def test_without_fsspec_a_url_names_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # as if it were not installed
+    with pytest.raises(
+        ImportError, match=r"'s3://bucket/states' is an object-storage URL, which needs fsspec s3fs: pip"
+    ):
+        SaveTrainingStateCallback("s3://bucket/states")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,8 +245,6 @@ def test_a_url_naming_a_missing_state_beside_others_is_an_error_not_a_new_run(me
 
 
 def test_a_run_folder_in_a_store(memory_store):
-    from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
-
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     callback = RunFolderCallback("memory://bucket/runs", run_name="first", config_text="lr: 0.05\n")

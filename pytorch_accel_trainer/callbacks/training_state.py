@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
-from pytorch_accel_trainer.state.storage import as_location
+from pytorch_accel_trainer.state.storage import as_location, validate_location
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -72,6 +72,7 @@ class SaveTrainingStateCallback(TrainerCallback):
             if value is not None:
                 unit = "epochs" if "epochs" in name else "states" if name == "max_checkpoints" else "updates"
                 validate_positive_int(name, value, unit, 3 if name == "max_checkpoints" else 100)
+        validate_location(save_dir)  # an object-storage URL needs its package: said now, not after an epoch
         self.save_dir = as_location(save_dir)  # a URL of object storage stays one
         if isinstance(self.save_dir, Path):
             self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run

@@ -16,7 +16,15 @@ from accelerate.utils import broadcast_object_list
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.plotting import plot_run_history
 from pytorch_accel_trainer.run_config import get_run_config
-from pytorch_accel_trainer.state.storage import Location, as_location, exists, join, local_file_to_write, write_text
+from pytorch_accel_trainer.state.storage import (
+    Location,
+    as_location,
+    exists,
+    join,
+    local_file_to_write,
+    validate_location,
+    write_text,
+)
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -62,6 +70,7 @@ class RunFolderCallback(TrainerCallback):
     """
 
     def __init__(self, output_dir: Union[str, Path], run_name: Optional[str] = None, config_text: Optional[str] = None):
+        validate_location(output_dir)  # an object-storage URL needs its package: said now, not at the run's end
         self.output_dir = as_location(output_dir)  # an object-storage URL stays one
         self.run_name = run_name
         self.config_text = config_text

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import TimeBudgetExceeded
-from pytorch_accel_trainer.state.storage import Location, as_location
+from pytorch_accel_trainer.state.storage import Location, as_location, validate_location
 from pytorch_accel_trainer.validation import max_time_seconds
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ def create_time_budget(options: TrainOptions, callbacks: Iterable) -> Optional[T
     seconds = max_time_seconds(options.max_time)
     if seconds is None:
         return None
+    validate_location(options.max_time_save_dir)
     save_dir = options.max_time_save_dir
     if save_dir is None:
         save_dir = next(

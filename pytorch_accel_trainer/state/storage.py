@@ -59,6 +59,13 @@ def as_location(location: Any) -> Location:
     return Path(location)
 
 
+def validate_location(location: Any) -> None:
+    """For a URL, check now that fsspec and the store's package are installed (the ``ImportError`` of
+    :func:`filesystem`), so that a run never learns it after an epoch's work; a path needs nothing."""
+    if is_url(location):
+        filesystem(location)
+
+
 def join(location: Location, name: str) -> Location:
     """``location / name``, for a path or a URL."""
     return f"{location}/{name}" if isinstance(location, str) else location / name
