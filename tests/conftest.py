@@ -210,7 +210,7 @@ def s3_endpoint():
     saved_env, saved_conf = dict(os.environ), fsspec.config.conf.get("s3")
     os.environ.update(S3_ENV)
     fsspec.config.conf["s3"] = {"endpoint_url": endpoint}
-    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("states-bucket")
+    fsspec.filesystem("s3", skip_instance_cache=True).makedirs("states-bucket", exist_ok=True)  # moto keeps buckets
     try:
         yield endpoint
     finally:

@@ -168,6 +168,8 @@ def mirror_folder(url: str) -> Path:
     another for each machine (named by the launcher's node rank), even where machines share a temporary folder."""
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    if url.startswith("memory://"):  # fsspec's memory store is each process's own: so is its mirror
+        node = f"{node}-process{os.getpid()}"
     return Path(tempfile.gettempdir()) / "pytorch_accel_trainer-mirror" / f"{digest}-node{node}"
 
 
