@@ -256,3 +256,14 @@ def test_a_run_folder_in_a_store(memory_store):
     assert names == ["config.yaml", "history.csv", "history.png", "model.safetensors", "run_config.json"]
     assert memory_store.exists("/bucket/runs/first-2/model.safetensors")
     assert memory_store.cat_file("/bucket/runs/first/config.yaml") == b"lr: 0.05\n"
+
+
+def test_load_training_state_from_a_store(memory_store):
+    trainer = _run("memory://bucket/loaded", num_epochs=1)
+    other = _run("memory://bucket/other", num_epochs=1)  # the same model, trained on its own
+    with torch.no_grad():
+        for parameter in other.get_model().parameters():
+            parameter.add_(1.0)
+    other.load_training_state("memory://bucket/loaded")  # the newest state: final
+    assert_bitwise_equal(other.get_model().state_dict(), trainer.get_model().state_dict())
+    assert other.num_update_steps_completed == trainer.num_update_steps_completed
