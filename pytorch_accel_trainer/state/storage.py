@@ -26,6 +26,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Union
 
+from pytorch_accel_trainer.state import training_state  # its _crash_point, which tests replace
+from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX
+
 #: A local path, or the URL of a folder or file in object storage.
 Location = Union[Path, str]
 
@@ -177,8 +180,6 @@ class RemoteStates:
     """The training states under ``url``, written and read through :func:`mirror_folder` (see the module's text)."""
 
     def __init__(self, url: str):
-        from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME
-
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url)
         self.mirror = mirror_folder(self.url)
@@ -222,8 +223,6 @@ class RemoteStates:
     def upload(self, folder: Path) -> None:
         """Upload the sealed state ``folder`` of the mirror: every file, its manifest last, then ``latest``; then
         keep only its manifest in the mirror."""
-        from pytorch_accel_trainer.state import training_state
-
         remote = f"{self.root}/{folder.name}"
         files = sorted(path for path in folder.iterdir() if path.is_file() and path.name != self._manifest)
         for path in files:
@@ -239,9 +238,6 @@ class RemoteStates:
         """On another machine than the main process's: upload the files its processes wrote for state ``name`` (in
         its mirror's ``temporary`` folder) into the state's folder in the store, then remove the folder. The main
         process uploads the manifest, which lists them, after every machine did this."""
-        from pytorch_accel_trainer.state import training_state
-        from pytorch_accel_trainer.state.files import WRITER_MARKER_PREFIX
-
         for path in sorted(temporary.iterdir()):
             if path.is_file() and not path.name.startswith(WRITER_MARKER_PREFIX):
                 training_state._crash_point(f"upload:{path.name}")
