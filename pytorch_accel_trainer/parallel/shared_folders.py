@@ -47,18 +47,24 @@ def check_folders_are_shared(accelerator: Accelerator, folders: Mapping) -> None
     """
     if accelerator.num_processes == 1 or runs_on_one_node():
         return
-    # the main process's folders and a name no earlier probe had: a node without the folder must not decide alone
-    shared: list = [(uuid.uuid4().hex, {str(folder): use for folder, use in folders.items()})]
+    # the main process's folders, a name no earlier probe had, and whether it could write the probes: a node without
+    # the folder must not decide alone, and a folder the main process cannot write into stops every process too
+    token, uses = uuid.uuid4().hex, {str(folder): use for folder, use in folders.items()}
+    probe_name, failure = f"{PROBE_PREFIX}{token}", None
+    if accelerator.is_main_process:
+        try:
+            for folder in uses:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                (Path(folder) / probe_name).write_text(node_name())
+        except OSError as error:
+            failure = f"the main process cannot write into {folder!r} ({uses[folder]}): {error}"
+    shared: list = [(probe_name, uses, failure)]
     broadcast_object_list(shared)
-    token, uses = shared[0]
+    probe_name, uses, failure = shared[0]
+    if failure is not None:
+        raise SharedFolderError(f"{failure}. Give the run a folder every node can write to. Nothing was trained.")
     if not uses:
         return
-    probe_name = f"{PROBE_PREFIX}{token}"
-    if accelerator.is_main_process:
-        for folder in uses:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            (Path(folder) / probe_name).write_text(node_name())
-    accelerator.wait_for_everyone()
     unseen = []
     if accelerator.is_local_main_process:
         unseen = [folder for folder in uses if not (Path(folder) / probe_name).is_file()]
