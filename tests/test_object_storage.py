@@ -16,6 +16,7 @@ from torch import nn
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveBestModelCallback, SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
+from pytorch_accel_trainer.errors import CheckpointError
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -267,3 +268,18 @@ def test_load_training_state_from_a_store(memory_store):
     other.load_training_state("memory://bucket/loaded")  # the newest state: final
     assert_bitwise_equal(other.get_model().state_dict(), trainer.get_model().state_dict())
     assert other.num_update_steps_completed == trainer.num_update_steps_completed
+
+
+def test_a_damaged_state_in_a_store_is_skipped_with_a_warning_and_none_good_is_an_error(memory_store):
+    _run("memory://bucket/damaged", num_epochs=1)  # 8 updates: step_6 and final kept
+    memory_store.pipe_file("/bucket/damaged/final/optimizer.pt", b"not the optimizer state")
+    with pytest.warns(
+        UserWarning, match=r"Skipped a damaged training state \(resuming from memory://bucket/damaged/step_6"
+    ):
+        resumed = _run("memory://bucket/damaged", resume_from="memory://bucket/damaged", num_epochs=1)
+    assert resumed.num_update_steps_completed == 8  # the two updates after step_6 again
+    for name in memory_store.ls("/bucket/damaged", detail=False):
+        if memory_store.isdir(name):
+            memory_store.pipe_file(f"{name}/optimizer.pt", b"damaged")
+    with pytest.raises(CheckpointError, match=r"memory://bucket/damaged holds \d training state\(s\) and none can be"):
+        _run("memory://bucket/damaged", resume_from="memory://bucket/damaged")

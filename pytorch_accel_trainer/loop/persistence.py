@@ -153,13 +153,21 @@ def find_remote_state(accelerator: "Accelerator", url: str) -> Optional[StoredSt
     if remote.fs.isfile(f"{remote.root}/{MANIFEST_NAME}"):  # the URL of one state: its folder of states
         parent, only = url.rsplit("/", 1)
         remote = RemoteStates(parent)
-    chosen: list = [None]
+    chosen: list = [(None, None)]
+    failure: Optional[Exception] = None
     if accelerator.is_main_process:
-        remote.sync_mirror()
-        chosen = [_download_newest(remote, only)]
+        try:
+            remote.sync_mirror()
+            chosen = [(_download_newest(remote, only), None)]
+        except (CheckpointError, OSError) as error:  # every process raises it, none waits for the main one
+            failure, chosen = error, [(None, f"{type(error).__name__}: {error}")]
     if accelerator.num_processes > 1:
         broadcast_object_list(chosen)
-    name = chosen[0]
+    name, message = chosen[0]
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"resume_from={url!r}: the main process could not read the state to resume ({message}).")
     if name is None:
         _refuse_a_missing_state(url)
         return None
