@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 import safetensors.torch
@@ -63,9 +62,11 @@ class TrainSettings:
         train_dataloader_kwargs: extra arguments of the training DataLoader (``num_workers``, ...).
         eval_dataloader_kwargs: extra arguments of the evaluation DataLoader.
         collate_fn: import path of the collate function of both dataloaders.
-        resume_from: a training state, or a folder of them, to continue from.
+        resume_from: a training state, or a folder of them, to continue from (a path or an object-storage URL).
         allow_resume_changes: resume even if the batch size, accumulation, processes or data changed.
         scheduler_interval: ``step`` (after each update) or ``epoch`` (once per epoch).
+        max_time: a time budget: seconds or ``DD:HH:MM:SS`` (a cluster's wall-clock limit less a margin).
+        max_time_save_dir: where a run its time budget stops saves a training state (besides the run folder's).
     """
 
     num_epochs: Optional[int] = None
@@ -80,6 +81,8 @@ class TrainSettings:
     resume_from: Optional[str] = None
     allow_resume_changes: bool = False
     scheduler_interval: Literal["step", "epoch"] = "step"
+    max_time: Union[float, str, None] = None
+    max_time_save_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -313,8 +316,10 @@ def run_training_config(
         train_dataloader_kwargs=train.train_dataloader_kwargs,
         eval_dataloader_kwargs=train.eval_dataloader_kwargs,
         collate_fn=train.collate_fn,
-        resume_from=None if train.resume_from is None else Path(train.resume_from),
+        resume_from=train.resume_from,  # a path or a URL, as train() takes it
         allow_resume_changes=train.allow_resume_changes,
         scheduler_interval=train.scheduler_interval,
+        max_time=train.max_time,
+        max_time_save_dir=train.max_time_save_dir,
     )
     return trainer, result
