@@ -28,3 +28,13 @@ def validate_positive_int(name: str, value: Any, unit: str, example: int) -> Non
     """Refuse ``value`` for the argument ``name`` unless it is a positive whole number (``True`` is not one)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} is {value!r}; pass a positive whole number of {unit}, e.g. {name}={example}.")
+
+
+class TimeBudgetExceeded(StopTrainingError):
+    """The ``StopTrainingError`` with which ``train(max_time=...)`` ends a run before its time budget is spent; its
+    message says where the training state is and how to resume."""
+
+
+class SharedFolderError(RuntimeError):
+    """A folder a multi-node run must share (its training states, the state it resumes) that some node does not see
+    as the main process does: raised on every process at the start of ``train()``, before any work."""

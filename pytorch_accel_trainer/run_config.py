@@ -41,6 +41,8 @@ class TrainOptions:
     resume_from: Any = None
     allow_resume_changes: bool = False
     scheduler_interval: str = "step"
+    max_time: Any = None
+    max_time_save_dir: Any = None
 
     def __post_init__(self):
         validate_train_options(self)

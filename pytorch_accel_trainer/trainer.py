@@ -65,6 +65,7 @@ from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.loop.persistence import PersistenceMixin, find_state_to_resume
 from pytorch_accel_trainer.loop.recording import create_train_result, record_epoch_values
 from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
+from pytorch_accel_trainer.loop.time_budget import create_time_budget
 from pytorch_accel_trainer.parallel.distributed import (
     ProcessAgreement,
     create_accelerator,
@@ -78,6 +79,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     validate_sharded_run,
     warn_if_sharding_was_ignored,
 )
+from pytorch_accel_trainer.parallel.shared_folders import check_folders_are_shared
 from pytorch_accel_trainer.placeholders import (  # noqa: F401  (importable from here, as in pytorch-accelerated)
     TrainerPlaceholderValues,
     placeholder_values,
@@ -370,6 +372,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         gradient_clip_norm: OptionalNumber = None,
         allow_resume_changes: bool = False,
         scheduler_interval: str = "step",
+        max_time=None,
+        max_time_save_dir=None,
     ) -> TrainResult:
         """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
 
@@ -406,6 +410,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             scheduler_interval: ``"step"`` steps the scheduler after each optimizer update (its ``T_max``, ``step_size``
                 or ``total_steps`` then count updates); ``"epoch"`` steps it once per epoch, after the evaluation epoch,
                 for schedules written in epochs (``CosineAnnealingLR(T_max=num_epochs)``, ``StepLR(step_size=10)``).
+            max_time: a time budget from the start of ``train()``, for clusters with a wall-clock limit: seconds,
+                ``"DD:HH:MM:SS"`` (as Lightning's ``max_time``), a ``datetime.timedelta`` or a dict of its arguments.
+                Every process stops at the same update before it is spent (judged from the longest time seen between
+                two updates, an evaluation epoch and a save), as a ``StopTrainingError`` would stop it; a training
+                state is saved (by the run's ``SaveTrainingStateCallback``, even with ``save_at_end=False``, and in
+                ``max_time_save_dir``), the reason is in ``TrainResult.stop_reason`` and one printed line says how to
+                resume. Each process reads its clock at each update (no sync, no collective of its own).
+            max_time_save_dir: a folder of training states where a run stopped by ``max_time`` saves one (optional
+                with a ``SaveTrainingStateCallback``).
 
         Returns:
             A :class:`~pytorch_accel_trainer.loop.run_state.TrainResult`: the metrics the run recorded (latest values),
@@ -442,13 +455,18 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             resume_from=resume_from,
             allow_resume_changes=allow_resume_changes,
             scheduler_interval=scheduler_interval,
+            max_time=max_time,
+            max_time_save_dir=max_time_save_dir,
         )
         optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             # none of the model's trainable parameters missing
             validate_optimizer_parameters(optimizer, self.model)
-        stored_state = find_state_to_resume(Path(resume_from)) if resume_from is not None else None
-        self.run_state = RunState(options=options)
+        # several machines: the folders of training states must be shared (one clear error on every node, else)
+        check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
+        stored_state = find_state_to_resume(self._accelerator, resume_from) if resume_from is not None else None
+        # the time budget's clock starts here
+        self.run_state = RunState(options=options, time_budget=create_time_budget(options, self.callback_handler))
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
         if reset_run_history:
@@ -648,7 +666,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""
         state = self.run_state
-        state.start_epochs(metric_counts(self.run_history))  # from here on, saves wait for a point between two updates
+        # from here on, saves wait for a point between two updates
+        state.start_epochs(metric_counts(self.run_history), self.run_history.current_epoch)
         self._training_optimizer.zero_grad(set_to_none=True)  # gradients of a run stopped mid-window must not leak in
         try:
             self.training_run_start()
@@ -658,19 +677,21 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 try:
                     # train() set it; a callback may replace it (a slice), never by None
                     self._run_train_epoch(cast(Iterable, self.train_dataloader))
-                    self._raise_agreed_stop()  # a callback's stop, asked for on any process in the epoch
+                    self._raise_agreed_stop("epoch_trained")  # a callback's stop, asked for on any process in the epoch
                     if self.eval_dataloader is not None:
                         self._run_eval_epoch(self.eval_dataloader)
                     if self._steps_scheduler_per_epoch():
                         self.scheduler_step()  # scheduler_interval="epoch": once, after the epoch's evaluation
                     self.training_run_epoch_end()
                     self._call_event("on_training_run_epoch_end")
-                    self._raise_agreed_stop()
+                    self._raise_agreed_stop("epoch_end")
                 except StopTrainingError as error:
                     self._stop_training(error)
                     break
-                self.run_history._increment_epoch()
-                state.epoch = epoch + 1
+                self.run_history._increment_epoch()  # a cut-short epoch counts too, as in pytorch-accelerated
+                if state.open_epoch_at is not None:
+                    break  # the step limit fell inside the epoch: a state taken now resumes at its next batch
+                state.next_epoch()
                 persistence.reach_safe_point(self)  # between epochs: saves asked for during the epoch are taken here
                 if self._reached_max_steps():
                     break  # the step limit came before the epoch limit
@@ -704,6 +725,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if state.non_finite_policy is not None:  # the window's batches and the epoch's loss before it, kept
                 state.non_finite_policy.remember_micro_batch(state, batch, step, opens_window)
             self._forward_and_backward(batch, step, is_update_step)
+            if is_update_step:
+                state.end_window(step, is_last_batch)  # a stop from here on leaves the epoch at its next batch
             if is_update_step and not self._skips_non_finite_update():
                 self._update_parameters(step)
                 if self._reached_max_steps():
@@ -1210,9 +1233,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 raise  # a run's start or end: no agreement point follows
             self.run_state.hold_stop(error)
 
-    def _raise_agreed_stop(self) -> None:
-        """Raise the ``StopTrainingError`` a callback of any process asked for (one collective per call when
-        distributed); every process must call this at the same point."""
+    def _raise_agreed_stop(self, point: str = "update") -> None:
+        """Raise the ``StopTrainingError`` a callback of any process asked for, or the time budget's (one collective
+        per call when distributed); every process must call this at the same ``point`` (``"update"``,
+        ``"epoch_trained"``, ``"epoch_end"``: the time budget estimates the time to the next one of its kind)."""
+        self.run_state.check_time_budget(point)  # train(max_time=...): a clock read, no sync
         stop_request = self.run_state.stop_request
         if stop_request is None and self._accelerator.num_processes == 1:
             return  # nothing to agree on
@@ -1223,7 +1248,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _stop_training(self, error: StopTrainingError) -> None:
         """End the run the agreed ``error`` stopped: forget it (its message is the run's ``stop_reason``), print it,
         fire ``on_stop_training_error``."""
-        self.run_state.drop_stop(reason=str(error))
+        self.run_state.drop_stop(error)
         self.print(error)
         self._call_event("on_stop_training_error")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
+import math
 import random
 import warnings
 from collections.abc import Mapping
@@ -296,6 +298,12 @@ def validate_train_options(options: Any) -> None:
         )
     _validate_dataloader_kwargs("train_dataloader_kwargs", options.train_dataloader_kwargs)
     _validate_dataloader_kwargs("eval_dataloader_kwargs", options.eval_dataloader_kwargs)
+    max_time_seconds(options.max_time)
+    if options.max_time_save_dir is not None and options.max_time is None:
+        raise ValueError(
+            f"max_time_save_dir={str(options.max_time_save_dir)!r} is where a run stopped by its time budget saves, "
+            "but max_time is None: pass max_time too (e.g. max_time='00:11:50:00'), or leave max_time_save_dir out."
+        )
     if options.collate_fn is not None and not callable(options.collate_fn):
         raise TypeError(
             f"collate_fn={options.collate_fn!r} is not callable: pass a function that turns a list of samples into "
@@ -558,3 +566,41 @@ def warn_if_schedule_is_in_epochs(scheduler: Any, run_config: Any, scheduler_int
             "(TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH * num_epochs).",
             stacklevel=3,
         )
+
+
+#: ``train(max_time=...)`` as text: days, hours, minutes and seconds, as Lightning's ``Trainer(max_time=...)``.
+_MAX_TIME_FIELDS = ("days", "hours", "minutes", "seconds")
+
+
+def max_time_seconds(max_time: Any) -> Optional[float]:
+    """The time budget ``train(max_time=...)`` in seconds (``None``: no budget), from seconds, ``"DD:HH:MM:SS"``, a
+    ``datetime.timedelta`` or a dict of its arguments (``{"hours": 12}``).
+
+    Raises:
+        ValueError, TypeError: naming the value and the forms taken.
+    """
+    if max_time is None:
+        return None
+    forms = (
+        "pass seconds (max_time=3600), 'DD:HH:MM:SS' (max_time='00:11:50:00' for 11 h 50 min), a datetime.timedelta, "
+        "or a dict of its arguments (max_time={'hours': 11, 'minutes': 50})"
+    )
+    seconds: Any = None
+    if isinstance(max_time, str):
+        parts = max_time.strip().split(":")
+        if len(parts) == len(_MAX_TIME_FIELDS) and all(part.strip().isdigit() for part in parts):
+            seconds = datetime.timedelta(**dict(zip(_MAX_TIME_FIELDS, map(int, parts)))).total_seconds()
+    elif isinstance(max_time, datetime.timedelta):
+        seconds = max_time.total_seconds()
+    elif isinstance(max_time, dict):
+        try:
+            seconds = datetime.timedelta(**max_time).total_seconds()
+        except TypeError:
+            seconds = None
+    elif isinstance(max_time, (int, float)) and not isinstance(max_time, bool):
+        seconds = float(max_time)
+    else:
+        raise TypeError(f"max_time={max_time!r} is a {type(max_time).__name__}: {forms}.")
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"max_time={max_time!r} is not a time budget longer than 0 s: {forms}.")
+    return seconds

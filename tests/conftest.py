@@ -178,3 +178,46 @@ def make_trainer(model: nn.Module, lr: float = 0.1, callbacks=(), trainer_class=
 @pytest.fixture
 def recorder() -> RecordingCallback:
     return RecordingCallback()
+
+
+#: What botocore needs to talk to a local S3 endpoint (moto accepts any credentials).
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A real S3 endpoint on localhost, moto's server in a thread (as s3fs's own tests start one), with the bucket
+    ``states-bucket``; skipped without s3fs and moto[server] (the test extra installs them). fsspec finds it from its
+    config in this process, from ``FSSPEC_S3_ENDPOINT_URL`` (with ``S3_ENV``) in a launched one."""
+    import logging
+    import socket
+
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    saved_env, saved_conf = dict(os.environ), fsspec.config.conf.get("s3")
+    os.environ.update(S3_ENV)
+    fsspec.config.conf["s3"] = {"endpoint_url": endpoint}
+    fsspec.filesystem("s3", skip_instance_cache=True).makedirs("states-bucket", exist_ok=True)  # moto keeps buckets
+    try:
+        yield endpoint
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if saved_conf is None:
+            fsspec.config.conf.pop("s3", None)
+        else:
+            fsspec.config.conf["s3"] = saved_conf
+        server.stop()

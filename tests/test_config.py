@@ -50,6 +50,16 @@ def test_a_config_file_with_flags_trains_and_flags_win(config_file):
     assert result.metrics["eval_loss_epoch"] < result.metrics["train_loss_epoch"] * 10
 
 
+def test_a_time_budget_from_the_command_line_stops_the_run_and_saves_where_it_says(config_file, tmp_path):
+    budget = ["--train.max_time", "00:00:00:00", "--train.max_time_save_dir", str(tmp_path / "budget")]
+    with pytest.raises(ValueError, match=r"max_time='00:00:00:00' is not a time budget longer than 0 s"):
+        main(["fit", "--config", str(config_file), *budget])
+    budget[1] = "0.001"  # seconds, as a YAML number or a flag
+    result = main(["fit", "--config", str(config_file), *budget])
+    assert result.stopped_early and result.stop_reason.startswith("Time budget max_time=0.001")
+    assert (tmp_path / "budget" / "latest").is_file()
+
+
 def test_the_run_folder_holds_what_reproduces_the_run_and_its_config_reruns_it_exactly(config_file, tmp_path):
     main(
         [

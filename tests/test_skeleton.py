@@ -237,6 +237,7 @@ class Expansion:
             "non_finite_skip": lambda: False,  # no non-finite policy in these runs
             "stop_requested": lambda: self.stop_requested,
             "reached_max_steps": lambda: lambda: False,  # no max_num_train_steps in these runs
+            "epoch_cut_short": lambda: False,  # so no epoch the step limit cuts short
         }
         if name not in values:
             raise KeyError(name)

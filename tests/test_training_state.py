@@ -321,7 +321,7 @@ def test_a_step_save_due_at_an_update_that_stops_the_run_is_written_once(tmp_pat
     names = [state.folder.name for state in list_complete_states(tmp_path)]
     assert sorted(names) == ["final", "step_10", "step_15", "step_5"]  # none lost, none twice; final as the run ends
     position = list_complete_states(tmp_path)[-1].manifest["position"]
-    assert position == {"loop_epoch": 1, "batches_seen": 0, "rng_restore_point": "before_iterator"}
+    assert position == {"loop_epoch": 1, "batches_seen": 4, "rng_restore_point": "after_iterator"}  # the next batch
 
 
 def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_path):

@@ -6,6 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
+from pytorch_accel_trainer.state.storage import validate_location
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -49,6 +50,7 @@ class SaveBestModelCallback(MonitorCallback):
         load_saved_checkpoint: bool = True,
     ):
         super().__init__(watch_metric, greater_is_better, reset_on_train)
+        validate_location(save_path)  # an object-storage URL needs its package: said now, not after an epoch
         self.save_path = save_path
         self.save_optimizer = save_optimizer
         self.save_scheduler = save_scheduler

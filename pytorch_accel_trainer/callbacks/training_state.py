@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
+from pytorch_accel_trainer.state.storage import as_location, is_url, validate_location
 from pytorch_accel_trainer.state.training_state import validate_save_dir
 
 if TYPE_CHECKING:
@@ -33,10 +34,13 @@ class SaveTrainingStateCallback(TrainerCallback):
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to
-            ``train(resume_from=...)``: it starts a new run while the folder is empty.
+            ``train(resume_from=...)``: it starts a new run while the folder is empty. An object-storage URL
+            (``"s3://bucket/states"``, with fsspec and the store's package installed) works too: each state becomes
+            visible there once its manifest, uploaded last, is (see docs/training_state.md).
         save_every_n_epochs: save after every N training-run epochs (``None``, the default: never by epoch).
         save_every_n_steps: save after every N optimizer updates (``None``, the default: never by step).
-        save_at_end: save when the training run ends (the default, as in pytorch-accelerated: one state per run).
+        save_at_end: save when the training run ends (the default, as in pytorch-accelerated: one state per run);
+            a run stopped by its time budget (``train(max_time=...)``) is saved as it ends even when ``False``.
         max_checkpoints: keep only the newest N of these rolling states (``None``: keep all).
         keep_every_n_steps: keep the state after every N updates forever, whatever ``max_checkpoints`` says.
         watch_metric: keep, apart from the rolling states, the state of the epoch with the best value of this
@@ -78,8 +82,10 @@ class SaveTrainingStateCallback(TrainerCallback):
             if value is not None:
                 unit = "epochs" if "epochs" in name else "states" if name == "max_checkpoints" else "updates"
                 validate_positive_int(name, value, unit, 3 if name == "max_checkpoints" else 100)
-        self.save_dir = Path(save_dir)
-        self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run
+        validate_location(save_dir)  # an object-storage URL needs its package: said now, not after an epoch
+        self.save_dir = as_location(save_dir)  # a URL of object storage stays one
+        if isinstance(self.save_dir, Path):
+            self.save_dir.mkdir(parents=True, exist_ok=True)  # so that train(resume_from=save_dir) starts a first run
         self.save_every_n_epochs = save_every_n_epochs
         self.save_every_n_steps = save_every_n_steps
         self.save_at_end = save_at_end
@@ -103,7 +109,8 @@ class SaveTrainingStateCallback(TrainerCallback):
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         # before any step; the states of this callback's earlier train() calls (say, before unfreezing) are no
         # other run's
-        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids)
+        if not is_url(self.save_dir):  # run identities are checked in local folders (see docs/training_state.md)
+            validate_save_dir(Path(self.save_dir), trainer.run_state, self.allow_other_runs, self._run_ids)
         self._run_ids.add(trainer.run_state.run_id)
         if self.watch_metric is not None:
             validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)
@@ -130,8 +137,9 @@ class SaveTrainingStateCallback(TrainerCallback):
             self._save(trainer, {"best"}, f"epoch_{trainer.run_history.current_epoch}")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
-        # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do
-        if self.save_at_end:
+        # even right after another save: scripts load "<save_dir>/final" as pytorch-accelerated's docs do; a run its
+        # time budget (train(max_time=...)) stopped is saved even without save_at_end, so that it can be continued
+        if self.save_at_end or trainer.run_state.stopped_by_time_budget:
             self._save(trainer, {"rolling"}, "final")
 
     def _step_kinds(self, done: int) -> set[str]:

@@ -25,6 +25,7 @@ from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback
 from pytorch_accel_trainer.loop.persistence import RUN_FOLDER_STATES
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.run_config import OptionalNumber
+from pytorch_accel_trainer.state.storage import is_url, join
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
 
 
@@ -65,9 +66,11 @@ class TrainSettings:
         train_dataloader_kwargs: extra arguments of the training DataLoader (``num_workers``, ...).
         eval_dataloader_kwargs: extra arguments of the evaluation DataLoader.
         collate_fn: import path of the collate function of both dataloaders.
-        resume_from: a training state, or a folder of them, to continue from.
+        resume_from: a training state, or a folder of them, to continue from (a path or an object-storage URL).
         allow_resume_changes: resume even if the batch size, accumulation, processes or data changed.
         scheduler_interval: ``step`` (after each update) or ``epoch`` (once per epoch).
+        max_time: a time budget: seconds or ``DD:HH:MM:SS`` (a cluster's wall-clock limit less a margin).
+        max_time_save_dir: where a run its time budget stops saves a training state (besides the run folder's).
     """
 
     num_epochs: Optional[int] = None
@@ -82,6 +85,8 @@ class TrainSettings:
     resume_from: Optional[str] = None
     allow_resume_changes: bool = False
     scheduler_interval: Literal["step", "epoch"] = "step"
+    max_time: Union[float, str, None] = None
+    max_time_save_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,8 @@ def _validate_run_folder_keys(config: TrainingConfig) -> None:
         validate_run_name(config.run_name)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if is_url(config.output_dir):
+        return  # a store's URL: its package is checked where the run folder is made
     output_dir = Path(config.output_dir)
     existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())
     if not existing.is_dir():
@@ -340,14 +347,14 @@ def create_trainer(
     if config.output_dir is not None:
         run_folder = RunFolderCallback(config.output_dir, config.run_name, config_text)
         trainer.callback_handler.add_callback(run_folder)
-        folder = run_folder.choose_folder(trainer)
+        folder = run_folder.choose_folder(trainer)  # a path, or an object-storage URL
         for callback in config.callbacks:  # the trackers' run is named as its folder, unless the config names it
             if isinstance(callback, ExperimentTrackingCallback):
-                callback.use_run_name(folder.name)
+                callback.use_run_name(str(folder).rsplit("/", 1)[-1])
         if config.save_training_states:  # one per epoch: the last one is the run's end, so no `final` besides it
             trainer.callback_handler.add_callback(
                 SaveTrainingStateCallback(
-                    save_dir=folder / RUN_FOLDER_STATES,
+                    save_dir=join(folder, RUN_FOLDER_STATES),
                     save_every_n_epochs=1,
                     save_at_end=False,
                     max_checkpoints=config.max_training_states,
@@ -392,7 +399,7 @@ def run_training_config(
         return trainer, _run_command(trainer, config, command, eval_dataset)
     finally:
         for callback in trainer.callback_handler:
-            if isinstance(callback, RunFolderCallback) and callback.folder is not None:
+            if isinstance(callback, RunFolderCallback) and isinstance(callback.folder, Path):  # not in a store
                 remove_if_empty(callback.folder)  # a run that failed before writing anything, or an evaluation
 
 
@@ -425,9 +432,11 @@ def _run_command(trainer: Trainer, config: TrainingConfig, command: str, eval_da
         train_dataloader_kwargs=train.train_dataloader_kwargs,
         eval_dataloader_kwargs=train.eval_dataloader_kwargs,
         collate_fn=train.collate_fn,
-        resume_from=None if train.resume_from is None else Path(train.resume_from),
+        resume_from=train.resume_from,  # a path or a URL, as train() takes it
         allow_resume_changes=train.allow_resume_changes,
         scheduler_interval=train.scheduler_interval,
+        max_time=train.max_time,
+        max_time_save_dir=train.max_time_save_dir,
     )
     return result
 

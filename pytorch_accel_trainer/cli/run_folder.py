@@ -18,6 +18,15 @@ from accelerate.utils import broadcast_object_list
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.plotting import plot_run_history
 from pytorch_accel_trainer.run_config import get_run_config
+from pytorch_accel_trainer.state.storage import (
+    Location,
+    as_location,
+    exists,
+    join,
+    local_file_to_write,
+    validate_location,
+    write_text,
+)
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -57,16 +66,16 @@ def remove_if_empty(folder: Path) -> None:
         pass  # another process removed it, or a file appeared: left as it is
 
 
-def unused_run_folder(output_dir: Path, run_name: Optional[str]) -> Path:
-    """``output_dir/run_name`` (the start time by default), with ``-2``, ``-3``, ... if taken.
+def unused_run_folder(output_dir: Location, run_name: Optional[str]) -> Location:
+    """``output_dir/run_name`` (the start time by default), with ``-2``, ``-3``, ... if taken; a URL in a store.
 
     Never an earlier run's folder.
     """
     name = run_name or time.strftime("run-%Y%m%d-%H%M%S")
-    folder, number = output_dir / name, 1
-    while folder.exists():
+    folder, number = join(output_dir, name), 1
+    while exists(folder):
         number += 1
-        folder = output_dir / f"{name}-{number}"
+        folder = join(output_dir, f"{name}-{number}")
     return folder
 
 
@@ -90,7 +99,8 @@ class RunFolderCallback(TrainerCallback):
     only the main process writes, but every process takes part in saving the weights (FSDP gathers them).
 
     Args:
-        output_dir: the parent folder of the run folders.
+        output_dir: the parent folder of the run folders; an object-storage URL (``"s3://bucket/runs"``) works too
+            (each file written locally, then uploaded as one object).
         run_name: the run folder's name, one plain name (so the folder stays inside ``output_dir``); the start time
             (``run-YYYYmmdd-HHMMSS``) by default.
         config_text: the text of ``config.yaml``, the run's complete configuration (the command line passes it).
@@ -101,12 +111,13 @@ class RunFolderCallback(TrainerCallback):
 
     def __init__(self, output_dir: Union[str, Path], run_name: Optional[str] = None, config_text: Optional[str] = None):
         validate_run_name(run_name)
-        self.output_dir = Path(output_dir)
+        validate_location(output_dir)  # an object-storage URL needs its package: said now, not at the run's end
+        self.output_dir = as_location(output_dir)  # an object-storage URL stays one
         self.run_name = run_name
         self.config_text = config_text
-        self.folder: Optional[Path] = None
+        self.folder: Optional[Location] = None
 
-    def choose_folder(self, trainer: "Trainer") -> Path:
+    def choose_folder(self, trainer: "Trainer") -> Location:
         """Choose and create this run's folder (once); every process must call this."""
         if self.folder is None:
             accelerator = trainer.accelerator
@@ -116,8 +127,8 @@ class RunFolderCallback(TrainerCallback):
             ]
             if accelerator.num_processes > 1:
                 broadcast_object_list(chosen)  # the main process's choice: the start time differs between processes
-            self.folder = Path(chosen[0])
-            if accelerator.is_main_process:
+            self.folder = as_location(chosen[0])
+            if accelerator.is_main_process and isinstance(self.folder, Path):  # a store has no folders to make
                 self.folder.mkdir(parents=True)
             accelerator.wait_for_everyone()
         return self.folder
@@ -127,26 +138,29 @@ class RunFolderCallback(TrainerCallback):
         if not run_config.is_world_process_zero:
             return
         if self.config_text is not None:
-            (folder / CONFIG_FILE).write_text(self.config_text)
+            write_text(join(folder, CONFIG_FILE), self.config_text)
         text = json.dumps(run_config.to_dict(), indent=2, sort_keys=True, default=repr)  # functions by name
-        (folder / RUN_CONFIG_FILE).write_text(text + "\n")
+        write_text(join(folder, RUN_CONFIG_FILE), text + "\n")
 
     def on_training_run_end(self, trainer: "Trainer", **kwargs):
         folder = self.choose_folder(trainer)  # chosen at the run start
+        weights = join(folder, WEIGHTS_FILE)
         if has_non_finite_weights(trainer):  # e.g. a run TerminateOnNaNCallback stopped: no NaN weights to serve
             trainer.print(
-                f"{folder / WEIGHTS_FILE} was not written: the model's weights are NaN or infinite at the end of the "
-                "run. The training states, if any, hold the last finite ones."
+                f"{weights} was not written: the model's weights are NaN or infinite at the end of the run. The "
+                "training states, if any, hold the last finite ones."
             )
         else:
-            trainer.save_weights(folder / WEIGHTS_FILE)  # every process: a collective under FSDP
+            trainer.save_weights(weights)  # every process: a collective under FSDP
         if not get_run_config(trainer).is_world_process_zero:
             return
         history = trainer.run_history
         if hasattr(history, "to_csv"):
-            history.to_csv(folder / HISTORY_FILE)
+            with local_file_to_write(join(folder, HISTORY_FILE)) as path:  # a URL: uploaded once written
+                history.to_csv(path)
         try:
-            plot_run_history(history, folder / PLOT_FILE)
+            with local_file_to_write(join(folder, PLOT_FILE)) as path:
+                plot_run_history(history, path)
         except ImportError:
             pass  # matplotlib is optional: the run folder then has no plot
         except ValueError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from accelerate import skip_first_batches
 from accelerate.utils import broadcast_object_list
 
+from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.extra_models import (
     extra_checkpoint_entries,
@@ -57,14 +59,28 @@ from pytorch_accel_trainer.state.files import (
     validate_state_name,
 )
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
+from pytorch_accel_trainer.state.storage import (
+    Location,
+    RemoteStates,
+    as_location,
+    is_url,
+    join,
+    local_file_to_read,
+    local_file_to_write,
+)
 from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
     ResumePosition,
     StoredState,
     find_resumable_state,
+    list_complete_states,
+    read_manifest,
     read_training_state,
+    report_skipped_states,
     restore_rng_state,
+    temporary_folder,
     validate_save_dir,
+    verify_folder,
     write_training_state,
 )
 from pytorch_accel_trainer.utils import dataset_length
@@ -73,7 +89,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
-    from pytorch_accel_trainer.run_config import TrainerRunConfig
+    from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions
     from pytorch_accel_trainer.trainer import Trainer
 
 
@@ -94,8 +110,15 @@ def load_resume_plan(
         trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
         return None
     plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
+    history = trainer.run_history
+    if plan.history_epoch is not None and plan.history_epoch != history.current_epoch:
+        history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short
+    shown: Any = stored.folder
+    if is_url(resume_from):  # the state's URL, not its node-local copy
+        url = resume_from.rstrip("/")
+        shown = url if url.endswith(f"/{stored.folder.name}") else join(url, stored.folder.name)
     run = "" if stored.run_id is None else f", run {stored.run_id}"
-    trainer.print(f"Resuming from {stored.folder} (after {plan.num_update_steps_completed} optimizer updates){run}")
+    trainer.print(f"Resuming from {shown} (after {plan.num_update_steps_completed} optimizer updates){run}")
     return plan
 
 
@@ -118,19 +141,23 @@ ACCELERATE_STATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model
 RUN_FOLDER_STATES = "training_states"
 
 
-def find_state_to_resume(path: Path) -> Optional[StoredState]:
-    """``find_resumable_state`` for ``train(resume_from=path)``: ``None`` (start a new run) only for a folder that
-    does not exist or is empty; a run folder means its ``training_states`` folder.
+def find_state_to_resume(accelerator: "Accelerator", location: Any) -> Optional[StoredState]:
+    """``find_resumable_state`` for ``train(resume_from=location)`` (or, for an object-storage URL,
+    :func:`find_remote_state`): ``None`` (start a new run) only for a folder that does not exist or is empty; a run
+    folder means its ``training_states`` folder. Every process must call this.
 
     Raises:
-        CheckpointError: ``path`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's training
+        CheckpointError: ``location`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's training
             states), or holds files but no training state: not a new run, but a wrong path.
     """
-    path = Path(path)
+    location = as_location(location)
+    if isinstance(location, str):
+        return find_remote_state(accelerator, location)
+    path = location
     if not path.exists():
         return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
     if path.is_dir() and _is_run_folder(path):
-        return find_state_to_resume(path / RUN_FOLDER_STATES)
+        return find_state_to_resume(accelerator, path / RUN_FOLDER_STATES)
     stored = find_resumable_state(path)
     found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
     if stored is None and not found:
@@ -167,6 +194,99 @@ def _is_run_folder(folder: Path) -> bool:
         and not os.path.lexists(folder / MANIFEST_NAME)
         and not any(is_state_name(entry.name) for entry in folder.iterdir())
     )
+
+
+def find_remote_state(accelerator: "Accelerator", url: str) -> Optional[StoredState]:
+    """The training state to resume from the store folder ``url`` (or the one state at ``url``), downloaded to each
+    node's mirror and verified there; ``None`` while the store holds none (a URL cannot be told apart from an empty
+    folder). The main process chooses the newest complete state (a damaged one is skipped with a warning, as in a
+    local folder); every process must call this.
+
+    Raises:
+        CheckpointError: the store holds states and none of them checks out.
+    """
+    remote, only = RemoteStates(url), None
+    if remote.fs.isfile(f"{remote.root}/{MANIFEST_NAME}"):  # the URL of one state: its folder of states
+        parent, only = url.rsplit("/", 1)
+        remote = RemoteStates(parent)
+    chosen: list = [(None, None)]
+    failure: Optional[Exception] = None
+    if accelerator.is_main_process:
+        try:
+            remote.sync_mirror()
+            chosen = [(_download_newest(remote, only), None)]
+        except (CheckpointError, OSError) as error:  # every process raises it, none waits for the main one
+            failure, chosen = error, [(None, f"{type(error).__name__}: {error}")]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(chosen)
+    name, message = chosen[0]
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"resume_from={url!r}: the main process could not read the state to resume ({message}).")
+    if name is None:
+        _refuse_a_missing_state(url)
+        return None
+    folder = remote.mirror / name
+    if accelerator.is_local_main_process and not accelerator.is_main_process:  # another node: its own mirror
+        remote.sync_mirror()
+        remote.download(name, read_manifest(folder)["files"])
+        verify_folder(folder)
+    accelerator.wait_for_everyone()
+    return StoredState(folder, read_manifest(folder))
+
+
+def _refuse_a_missing_state(url: str) -> None:
+    """Raise ``FileNotFoundError`` when ``url``, which holds nothing, names a state beside others (a typo, or a state
+    pruned since), rather than start the run over; a store cannot tell an empty folder from a missing one."""
+    parent, name = url.rsplit("/", 1)
+    if "://" not in parent or parent.endswith(":/"):
+        return
+    remote = RemoteStates(parent)
+    complete, _ = remote.remote_names()
+    if complete:
+        raise FileNotFoundError(
+            f"resume_from={url!r} holds no training state, but {parent!r} holds {sorted(complete)}: pass one of "
+            f"those, or {parent!r} for the newest."
+        )
+
+
+def _download_newest(remote: RemoteStates, only: Optional[str]) -> Optional[str]:
+    """Download and verify the newest complete state of ``remote`` (or the state ``only``); return its name."""
+    problems = []
+    for listed in reversed(list_complete_states(remote.mirror)):
+        name = listed.folder.name
+        if only is not None and name != only:
+            continue
+        remote.download(name, listed.manifest["files"])
+        try:
+            verify_folder(listed.folder)
+        except CheckpointError as error:
+            problems.append(error)
+            remote.drop_downloads(name)
+            continue
+        report_skipped_states(remote.url, f"{remote.url}/{name}", problems)
+        return name
+    report_skipped_states(remote.url, None, problems)
+    return None
+
+
+def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
+    """The folders every node of a multi-node run must see as the main process does, each with what the run keeps
+    there: those of its training states, and the one it resumes from (see ``parallel/shared_folders.py``)."""
+    folders = {
+        callback.save_dir: "training states of SaveTrainingStateCallback(save_dir=...)"
+        for callback in callbacks
+        if isinstance(callback, SaveTrainingStateCallback) and not is_url(callback.save_dir)
+    }
+    if options.max_time_save_dir is not None and not is_url(options.max_time_save_dir):
+        folders.setdefault(Path(options.max_time_save_dir), "training states of train(max_time_save_dir=...)")
+    if options.resume_from is not None and not is_url(options.resume_from):  # a store is shared by every node
+        resume_from = Path(options.resume_from)
+        holder = resume_from.parent if (resume_from / MANIFEST_NAME).is_file() else resume_from  # a state's folder
+        if holder.is_dir():
+            folders.setdefault(holder, "the training states of train(resume_from=...)")
+    return folders
 
 
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
@@ -234,31 +354,71 @@ def run_facts(trainer: "Trainer") -> dict:
 
 def write_state(
     trainer: "Trainer",
-    parent: Path,
+    parent: Location,
     position: ResumePosition,
     kinds=("rolling",),
     checkpoint_kwargs=None,
     max_rolling=None,
     asynchronous=False,
     name=None,
-) -> Path:
+) -> Location:
     """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
 
     A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
-    state is copied to host memory and written in the background; the folder it will have is returned."""
+    state is copied to host memory and written in the background; the folder it will have is returned. Under an
+    object-storage URL the state is written to the node-local mirror and uploaded, its manifest last
+    (``state/storage.py``); the URL of the new state is returned."""
+    started = time.monotonic()
     async_save.saver.wait()
+    remote = _remote_states_for_saving(trainer, parent) if isinstance(parent, str) else None
+    local_parent = Path(parent) if remote is None else remote.mirror
     if asynchronous:
         staged = async_save.stage_training_state(
-            trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
+            trainer, local_parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
         )
+        if remote is not None:
+            staged.after_write = remote.publish
         async_save.saver.submit(staged)
-        trainer.print(f"Saving training state {staged.final} in the background")
-        return staged.final
+        trainer.print(f"Saving training state {_shown(parent, staged.final)} in the background")
+        return staged.final if remote is None else join(parent, staged.final.name)
     folder = write_training_state(
-        trainer, parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
+        trainer,
+        local_parent,
+        position,
+        run_facts(trainer),
+        kinds,
+        checkpoint_kwargs,
+        max_rolling,
+        name,
+        remote is not None,
     )
-    trainer.print(f"Saved training state {folder}")
-    return folder
+    if remote is not None:
+        accelerator = trainer.accelerator
+        if accelerator.is_local_main_process and not accelerator.is_main_process:  # another machine: its own files
+            remote.upload_machine_files(temporary_folder(folder), folder.name)
+        accelerator.wait_for_everyone()  # every file is in the store before the manifest
+        if accelerator.is_main_process:
+            remote.publish(folder)
+        accelerator.wait_for_everyone()
+    if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
+        trainer.run_state.time_budget.note_save(time.monotonic() - started)
+    trainer.print(f"Saved training state {_shown(parent, folder)}")
+    return folder if remote is None else join(parent, folder.name)
+
+
+def _remote_states_for_saving(trainer: "Trainer", url: str) -> RemoteStates:
+    """The store folder ``url``, its mirror synchronised on each machine (every process must call this)."""
+    accelerator = trainer.accelerator
+    remote = RemoteStates(url)
+    if accelerator.is_local_main_process:
+        remote.sync_mirror()
+    accelerator.wait_for_everyone()
+    return remote
+
+
+def _shown(parent: Location, folder: Path) -> str:
+    """How a message names a state: its URL in a store, else its folder."""
+    return str(join(parent, folder.name)) if isinstance(parent, str) else str(folder)
 
 
 def wait_for_saves(trainer: "Trainer") -> None:
@@ -340,7 +500,7 @@ class PersistenceMixin:
         state = self.run_state
         state.end_preemption()  # handlers of an earlier call are put back first
         signal_catcher = SignalCatcher(signals, self.request_preemption)
-        state.start_preemption(Path(save_dir), signal_catcher)
+        state.start_preemption(as_location(save_dir), signal_catcher)
         signal_catcher.install()
 
     def request_preemption(self, signal_number: int) -> None:
@@ -359,7 +519,7 @@ class PersistenceMixin:
         asynchronous: bool = False,
         name: Optional[str] = None,
         allow_other_runs: bool = False,
-    ) -> Optional[Path]:
+    ) -> Optional[Location]:
         """Save everything needed to continue this run exactly, as a new folder under ``output_dir``.
 
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
@@ -374,7 +534,7 @@ class PersistenceMixin:
 
         Args:
             output_dir: the folder that holds the states (``output_dir/checkpoint-<updates>``); pass it, or the state's
-                own folder, to ``train(resume_from=...)``.
+                own folder, to ``train(resume_from=...)``. An object-storage URL (``"s3://bucket/states"``) works too.
             checkpoint_kwargs: extra tensors or plain values to store.
             kinds: ``"rolling"`` (pruned beyond ``max_checkpoints``), ``"permanent"`` (kept forever) and/or
                 ``"best"`` (only the newest is kept).
@@ -389,7 +549,8 @@ class PersistenceMixin:
                 its own states.
 
         Returns:
-            The new state's folder, or ``None`` when it will be taken at the next point between updates.
+            The new state's folder (its URL in a store), or ``None`` when it will be taken at the next point between
+            updates.
 
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
@@ -403,8 +564,9 @@ class PersistenceMixin:
                 "this trainer has not run train() yet. Call it during or after train(); to save the weights alone, "
                 "use save_checkpoint(save_path) or save_weights(save_path)."
             )
-        parent = Path(output_dir)
-        validate_save_dir(parent, self.run_state, allow_other_runs)
+        parent = as_location(output_dir)
+        if not is_url(parent):  # run identities are checked in local folders (see docs/training_state.md)
+            validate_save_dir(Path(parent), self.run_state, allow_other_runs)
         if name is not None:
             validate_state_name(name)
         if asynchronous:
@@ -429,7 +591,7 @@ class PersistenceMixin:
         Returns:
             The ``checkpoint_kwargs`` saved with it.
         """
-        stored = find_resumable_state(Path(input_dir))
+        stored = find_state_to_resume(self.accelerator, input_dir)
         if stored is None:
             raise FileNotFoundError(
                 f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state."
@@ -481,8 +643,9 @@ class PersistenceMixin:
             ),
         )
         self.accelerator.wait_for_everyone()
-        if writes_on_this_process(self.accelerator, save_per_node):
-            save_checkpoint_file(checkpoint, save_path)
+        if writes_on_this_process(self.accelerator, save_per_node and not is_url(save_path)):  # a store: once
+            with local_file_to_write(save_path) as local_path:  # a URL: written here, then uploaded in one piece
+                save_checkpoint_file(checkpoint, local_path)
         self.accelerator.wait_for_everyone()
 
     def save_weights(self, save_path) -> None:
@@ -494,7 +657,7 @@ class PersistenceMixin:
         from safetensors.torch import save_file, save_model
 
         path = Path(save_path)
-        if path.is_dir():
+        if not is_url(save_path) and path.is_dir():
             raise IsADirectoryError(
                 f"save_weights({str(save_path)!r}): a folder; pass the file to write, e.g. "
                 f"{str(path / 'model.safetensors')!r}."
@@ -502,17 +665,18 @@ class PersistenceMixin:
         gathered = self._gathered_model_state_dict()  # None unless sharded; a collective then
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_name(f".{path.name}.tmp")
-            try:
-                if gathered is None:
-                    save_model(self.get_model(), str(temporary))
-                else:
-                    save_file(gathered, str(temporary))
-                follow_umask(temporary)  # safetensors creates its file with mode 0600
-                temporary.replace(path)
-            finally:
-                temporary.unlink(missing_ok=True)  # left only by a failed save
+            with local_file_to_write(save_path) as path:  # a URL: written here, then uploaded in one piece
+                path.parent.mkdir(parents=True, exist_ok=True)
+                temporary = path.with_name(f".{path.name}.tmp")
+                try:
+                    if gathered is None:
+                        save_model(self.get_model(), str(temporary))
+                    else:
+                        save_file(gathered, str(temporary))
+                    follow_umask(temporary)  # safetensors creates its file with mode 0600
+                    temporary.replace(path)
+                finally:
+                    temporary.unlink(missing_ok=True)  # left only by a failed save
         self.accelerator.wait_for_everyone()
 
     def _full_model_state_dict(self) -> dict:
@@ -558,7 +722,8 @@ class PersistenceMixin:
             checkpoint["skipped_weights"].mismatched_shapes  # {"head.weight": ((10, 64), (3, 64)), ...}
         """
         self.accelerator.wait_for_everyone()
-        checkpoint = load_checkpoint_file(checkpoint_path)
+        with local_file_to_read(checkpoint_path) as local_path:  # a URL: downloaded once, here
+            checkpoint = load_checkpoint_file(local_path)
         validate_extra_checkpoint_entries(  # before anything is loaded
             checkpoint, checkpoint_path, load_optimizer, self.extra_models, self.extra_optimizers
         )

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.loop.batches import loss_weight
+from pytorch_accel_trainer.state.storage import Location, as_location
 from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
+    from pytorch_accel_trainer.loop.time_budget import TimeBudget
     from pytorch_accel_trainer.run_config import TrainOptions
     from pytorch_accel_trainer.state.preemption import SignalCatcher
 
@@ -70,6 +71,15 @@ class RunState:
             from the state a resumed run continues (a new one for a state saved before runs had one).
         is_new_run: whether the run started afresh (no state resumed).
         checked_save_dirs: the folders of training states checked to hold no other run's states.
+        history_epoch_offset: the run history's epoch minus ``epoch`` as the epochs start (the history may count
+            earlier runs' epochs too); the history's epoch of any position of the run is its epoch plus this.
+        open_epoch_at: the micro-batches of the current epoch trained on as of its last update, while it has batches
+            left: a stop (the step limit, a ``StopTrainingError``, the time budget) leaves it there, and a state taken
+            then resumes at its next batch. ``None`` before the epoch's first update and once its last batch has run.
+        epoch_trained: whether every batch of the current epoch has been trained on (its evaluation may still run);
+            a state taken before the loop moves on then resumes at the next epoch.
+        time_budget: the run's ``max_time``, checked at each point where the processes agree to stop.
+        stopped_by_time_budget: whether the time budget ended the run.
     """
 
     options: Optional[TrainOptions] = None
@@ -89,7 +99,7 @@ class RunState:
     save_requests: dict = field(default_factory=dict)
     resume: Optional[ResumePlan] = None
     preemption_signal: Optional[int] = None
-    preemption_save_dir: Optional[Path] = None
+    preemption_save_dir: Optional[Location] = None
     signal_catcher: Optional[SignalCatcher] = None
     non_finite_policy: Optional[NonFinitePolicy] = None
     non_finite_updates_skipped: int = 0
@@ -102,6 +112,11 @@ class RunState:
     run_id: Optional[str] = None
     is_new_run: bool = True
     checked_save_dirs: set = field(default_factory=set)
+    history_epoch_offset: int = 0
+    open_epoch_at: Optional[int] = None
+    epoch_trained: bool = False
+    time_budget: Optional[TimeBudget] = None
+    stopped_by_time_budget: bool = False
 
     # ------------------------------------------------------------------------------------------------
     # The run and its epochs
@@ -127,11 +142,17 @@ class RunState:
         """Take the update count of a training state loaded outside a run (``load_training_state``)."""
         self.num_update_steps_completed = num_update_steps_completed
 
-    def start_epochs(self, metric_counts: dict) -> None:
+    def start_epochs(self, metric_counts: dict, history_epoch: int) -> None:
         """Enter the epochs of the run (saves now wait for a point between two updates); note when and where they
-        start, and what the run history held then."""
+        start, what the run history held then, and the history's epoch (``history_epoch``) of the first one."""
         self.in_training_run = True
         self.started_at, self.first_epoch, self.metric_counts_at_start = time.perf_counter(), self.epoch, metric_counts
+        self.history_epoch_offset = history_epoch - self.epoch
+
+    def next_epoch(self) -> None:
+        """Move the loop on to the next epoch, from its first batch."""
+        self.epoch += 1
+        self.open_epoch_at, self.epoch_trained = None, False
 
     def reached_max_steps(self) -> bool:
         """Whether the user's ``max_num_train_steps`` is reached (not run_config's planned total: a resume with
@@ -140,11 +161,20 @@ class RunState:
         return limit is not None and self.num_update_steps_completed >= limit
 
     def position(self, step: Optional[int]) -> ResumePosition:
-        """Where a state taken now resumes: before micro-batch ``step`` of this epoch, or (``step=None``) at the
-        start of epoch ``self.epoch``, which the loop advances once an epoch is done."""
-        if step is None:
-            return ResumePosition(self.epoch, 0, "before_iterator")
-        return ResumePosition(self.epoch, step, "after_iterator")
+        """Where a state taken now resumes: before micro-batch ``step`` of this epoch; or (``step=None``, between
+        updates outside the loop's batches: between epochs, or as a run ends) at the next batch not trained on: after
+        the last update of an epoch a stop cut short, at the start of the next epoch once every batch of this one
+        ran, else at the start of ``self.epoch``."""
+        if step is None and self.open_epoch_at is not None:
+            step = self.open_epoch_at  # stopped inside the epoch: the rest of it is still to run
+        if step is not None:
+            return ResumePosition(self.epoch, step, "after_iterator")
+        return ResumePosition(self.epoch + 1 if self.epoch_trained else self.epoch, 0, "before_iterator")
+
+    def history_epoch(self, position: ResumePosition) -> int:
+        """The run history's epoch (``current_epoch``) of the epoch ``position`` is in: the one a resumed run
+        continues (its shuffle order depends on it), even once the history moved past an epoch a stop cut short."""
+        return position.loop_epoch + self.history_epoch_offset
 
     # ------------------------------------------------------------------------------------------------
     # A training epoch: its batches, the accumulation window, the updates
@@ -187,6 +217,11 @@ class RunState:
         items, self.items_in_window = self.items_in_window, 0
         return items
 
+    def end_window(self, step: int, is_last_batch: bool) -> None:
+        """Note that the accumulation window closing at micro-batch ``step`` has run: a stop from here on leaves
+        the epoch at its next batch, or (``is_last_batch``) after all of it."""
+        self.open_epoch_at, self.epoch_trained = (None, True) if is_last_batch else (step + 1, False)
+
     def count_update(self) -> int:
         """Count an optimizer update that was made; return the run's updates so far."""
         self.num_update_steps_completed += 1
@@ -224,14 +259,27 @@ class RunState:
         """Keep the first ``StopTrainingError`` raised since the last agreement point."""
         self.stop_request = self.stop_request or error
 
-    def drop_stop(self, reason: Optional[str] = None) -> None:
-        """Forget the held stop: the run has stopped, for ``reason`` (the message of its ``StopTrainingError``)."""
+    def check_time_budget(self, point: str) -> None:
+        """At an agreement ``point`` (see ``TimeBudget.is_spent``), hold a stop when the time budget would be spent
+        before the next one; a clock read, no sync."""
+        if self.time_budget is not None and self.time_budget.is_spent(point) and self.stop_request is None:
+            self.hold_stop(self.time_budget.exceeded(self.num_update_steps_completed))
+
+    def drop_stop(self, error: Optional[StopTrainingError] = None) -> None:
+        """Forget the held stop: the run has stopped, for ``error`` (its message is the ``stop_reason``). A stop by
+        the time budget queues a state in ``max_time_save_dir``, if given."""
         self.stop_request = None
-        self.stop_reason = reason if reason is not None else self.stop_reason
+        if error is None:
+            return
+        self.stop_reason = str(error)
+        self.stopped_by_time_budget = isinstance(error, TimeBudgetExceeded)
+        save_dir = None if self.options is None else self.options.max_time_save_dir
+        if self.stopped_by_time_budget and save_dir is not None:
+            self.request_save(as_location(save_dir), ("rolling",), None, None)
 
     def request_save(
         self,
-        parent: Path,
+        parent: Location,
         kinds,
         checkpoint_kwargs: Optional[dict],
         max_rolling: Optional[int],
@@ -260,7 +308,7 @@ class RunState:
         requests, self.save_requests = self.save_requests, {}
         return requests
 
-    def start_preemption(self, save_dir: Path, signal_catcher: SignalCatcher) -> None:
+    def start_preemption(self, save_dir: Location, signal_catcher: SignalCatcher) -> None:
         """Hold the installed signal handlers and the folder a preempted run saves to."""
         self.preemption_save_dir, self.signal_catcher = save_dir, signal_catcher
 
@@ -288,8 +336,10 @@ class RunState:
         return policy
 
     def end_epochs(self) -> None:
-        """Leave the epochs of the run: saves are taken at once from here on."""
+        """Leave the epochs of the run: saves are taken at once from here on, and the time budget is no longer
+        checked."""
         self.in_training_run = False
+        self.time_budget = None
 
 
 def _cloned(tracker_state: dict) -> dict:

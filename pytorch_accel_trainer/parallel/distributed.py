@@ -7,13 +7,13 @@ import atexit
 import os
 import platform
 import time
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from accelerate import Accelerator, DistributedType
 from accelerate.state import AcceleratorState, is_initialized
 
-from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.parallel.accelerate_internals import (
     forget_prepared,
     process_state_is_set_up,
@@ -171,9 +171,13 @@ class ProcessAgreement:
         (holder,) = self.any_process(accelerator, accelerator.process_index + 1 if exception is not None else 0)
         if not holder:
             return None
-        message = [str(exception) if exception is not None else None]
+        # its message, and whether it is the time budget's (so that every process knows why it stopped)
+        message = [(str(exception), isinstance(exception, TimeBudgetExceeded)) if exception is not None else None]
         torch.distributed.broadcast_object_list(message, src=holder - 1, group=self._host_group())
-        return exception if exception is not None else StopTrainingError(f"{message[0]} (on process {holder - 1})")
+        if exception is not None:
+            return exception
+        text, by_time_budget = cast(tuple, message[0])
+        return (TimeBudgetExceeded if by_time_budget else StopTrainingError)(f"{text} (on process {holder - 1})")
 
     def _host_group(self):
         if self._group is None:

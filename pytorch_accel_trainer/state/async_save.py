@@ -17,7 +17,7 @@ import atexit
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -96,6 +96,8 @@ class StagedState:
     files: dict  # file name -> object for torch.save, or SafetensorsContent (the model file)
     manifest_fields: dict
     max_rolling: Optional[int]
+    #: called with the state's folder once it is written, on the background thread (an upload to a store)
+    after_write: Optional[Callable[[Path], None]] = None
 
 
 @dataclass
@@ -176,6 +178,7 @@ def stage_training_state(
             "position": asdict(position),
             "num_update_steps_completed": trainer.num_update_steps_completed,
             "run_history": trainer.run_history.state_dict(),
+            "history_epoch": trainer.run_state.history_epoch(position),
             "run_facts": run_facts,
             "checkpoint_kwargs": checkpoint_kwargs,
             "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,
@@ -213,6 +216,8 @@ def write_staged_state(staged: StagedState) -> Path:
     training_state.prune_states(
         final.parent, staged.max_rolling, keep=[final], run_id=staged.manifest_fields.get("run_id")
     )
+    if staged.after_write is not None:
+        staged.after_write(final)
     return final
 
 

@@ -146,12 +146,22 @@ def begin_save(final_folder: Path) -> Path:
     return temporary
 
 
-def finish_save(temporary: Path, final_folder: Path, manifest_fields: dict, checksums: Optional[dict] = None) -> None:
+def finish_save(
+    temporary: Path,
+    final_folder: Path,
+    manifest_fields: dict,
+    checksums: Optional[dict] = None,
+    elsewhere: Optional[dict] = None,
+) -> None:
     """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
 
     ``checksums`` maps the files whose size and checksum were computed as they were written to them (or to a future
-    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache."""
+    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache.
+    ``elsewhere`` maps the files of the state that other machines write (to a store) to their size and checksum:
+    listed in the manifest, not in this folder."""
     checksums, files = dict(checksums or {}), {}
+    for name, (size, digest) in (elsewhere or {}).items():
+        files[name] = {"size": size, CHECKSUM: digest}
     for path in sorted(temporary.iterdir()):
         if path.name.startswith(WRITER_MARKER_PREFIX):
             continue
@@ -425,25 +435,31 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
             problems.append(error)
             continue
         stored = stored or candidate
-    if stored is not None:
+    report_skipped_states(path, None if stored is None else stored.folder, problems)
+    if stored is not None and other_runs:
+        warnings.warn(
+            f"{path} also holds the states of other runs ({describe_runs(other_runs)}); they were left alone: "
+            f"resuming from {stored.folder}, the newest good state of the run saved last.",
+            stacklevel=2,
+        )
+    return stored
+
+
+def report_skipped_states(location: Any, chosen: Any, problems: list) -> None:
+    """Warn about each state of ``location`` skipped for the state ``chosen`` (``problems``: why each was); when
+    none was chosen but some were skipped, raise :class:`CheckpointError` listing them rather than start over."""
+    if chosen is not None:
         for problem in problems:
             damaged = not isinstance(problem, StateFormatError)
             kind = "damaged training state" if damaged else "training state of another format"
-            warnings.warn(f"Skipped a {kind} (resuming from {stored.folder}): {problem}", stacklevel=2)
-        if other_runs:
-            warnings.warn(
-                f"{path} also holds the states of other runs ({describe_runs(other_runs)}); they were left alone: "
-                f"resuming from {stored.folder}, the newest good state of the run saved last.",
-                stacklevel=2,
-            )
-        return stored
-    if problems:
+            warnings.warn(f"Skipped a {kind} (resuming from {chosen}): {problem}", stacklevel=3)
+    elif problems:
         listed = "\n  ".join(map(str, problems))
         raise CheckpointError(
-            f"{path} holds {len(problems)} training state(s) and none can be resumed, so the run was not restarted "
-            f"from scratch:\n  {listed}\nMove those folders away to start over, or point resume_from at a good one."
+            f"{location} holds {len(problems)} training state(s) and none can be resumed, so the run was not "
+            f"restarted from scratch:\n  {listed}\nMove those folders away to start over, or point resume_from at a "
+            "good one."
         )
-    return None
 
 
 def _order_or_lowest(state: Optional[StoredState]) -> tuple:
@@ -547,6 +563,9 @@ class ResumePlan:
     num_update_steps_completed: int = 0
     train_step_metrics: dict = field(default_factory=dict)
     run_id: Optional[str] = None
+    #: the run history's epoch of the position's epoch (``None`` in states written before it was kept): a resumed run
+    #: continues an epoch a stop cut short under its own number, though the saved history moved past it.
+    history_epoch: Optional[int] = None
 
 
 def run_identity_field(trainer) -> dict:
@@ -574,9 +593,14 @@ def write_training_state(
     checkpoint_kwargs: Optional[dict] = None,
     max_rolling: Optional[int] = None,
     name: Optional[str] = None,
+    node_local: bool = False,
 ) -> Path:
     """Write the trainer's full training state under ``parent`` (as ``name``, if given, else
     ``checkpoint-<updates>``; ``-2``... when taken); every process must call this.
+
+    ``node_local``: ``parent`` is a folder of each machine, not shared (the mirror of a store): every machine writes
+    its processes' files into its own temporary folder, and the manifest, sealed by the main process, lists the other
+    machines' files by the size and checksum each process reports (they upload them; ``state/storage.py``).
 
     Under FSDP the weights and optimizer state are gathered whole to the main process first, so the state loads
     into any world size; under DeepSpeed it is refused (see ``sharded.validate_training_state_supported``).
@@ -610,7 +634,7 @@ def write_training_state(
     }
     final = unused_folder_name(parent, name or default_state_name(trainer.num_update_steps_completed))
     accelerator.wait_for_everyone()  # every process has chosen the same name before any folder appears
-    if accelerator.is_main_process:
+    if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
         parent.mkdir(parents=True, exist_ok=True)
         begin_save(final)
     accelerator.wait_for_everyone()
@@ -624,6 +648,7 @@ def write_training_state(
                 rank_state, temporary / rank_file(accelerator.process_index)
             )
         }
+        elsewhere = _files_of_other_machines(accelerator, checksums, temporary) if node_local else {}
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             _crash_point(f"write:{MODEL_FILE}")
@@ -660,6 +685,7 @@ def write_training_state(
                     "position": asdict(position),
                     "num_update_steps_completed": trainer.num_update_steps_completed,
                     "run_history": trainer.run_history.state_dict(),
+                    "history_epoch": trainer.run_state.history_epoch(position),
                     "run_facts": run_facts,
                     "checkpoint_kwargs": checkpoint_kwargs,
                     "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
@@ -675,10 +701,25 @@ def write_training_state(
                 "run_facts": run_facts,
                 **run_identity_field(trainer),
             }
-            finish_save(temporary, final, manifest_fields, checksums)
+            finish_save(temporary, final, manifest_fields, checksums, elsewhere)
             prune_states(parent, max_rolling, keep=[final], run_id=manifest_fields.get("run_id"))
     accelerator.wait_for_everyone()
     return final
+
+
+def _files_of_other_machines(accelerator, checksums: dict, temporary: Path) -> dict:
+    """On the main process, the size and checksum of each process's file that is not in its own ``temporary`` folder
+    (written on another machine); one small collective when the run spans machines, none on one machine."""
+    from accelerate.utils import gather_object
+
+    from pytorch_accel_trainer.parallel.shared_folders import runs_on_one_node
+
+    if accelerator.num_processes == 1 or runs_on_one_node():
+        return {}
+    name = rank_file(accelerator.process_index)
+    own = checksums[name].result() if hasattr(checksums[name], "result") else checksums[name]
+    reports = gather_object([(name, tuple(own))])
+    return {file: pair for file, pair in reports if not (temporary / file).is_file()}
 
 
 def _load_trainer_file(stored: StoredState) -> dict:
@@ -831,4 +872,13 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
         folder=folder,
         num_update_steps_completed=shared["num_update_steps_completed"],
         run_id=stored.run_id,
+        history_epoch=_history_epoch(shared, folder / TRAINER_FILE),
     )
+
+
+def _history_epoch(shared: dict, path: Path) -> Optional[int]:
+    """The run history's epoch of the saved position, checked (``None`` in a state written before it was kept)."""
+    epoch = shared.get("history_epoch")
+    if epoch is not None and (type(epoch) is not int or epoch < 1):
+        raise CheckpointError(f"{path}: history_epoch is {epoch!r}, not an epoch counted from 1; it was altered.")
+    return epoch

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -87,11 +88,53 @@ class LogSamples(TrainerCallback):
 
 
 def main(config):
+    run(config)
+    if config.get("then_resume_from"):  # then again from one of the states it saved, to its end
+        state = f"{config['save_dir']}/{config['then_resume_from']}"
+        run({**config, "resume_from": state, "save_dir": f"{config['save_dir']}_again", "out": config["again_out"]})
+    if config.get("reference_out"):  # then an uninterrupted run in the same processes, to compare with
+        run({**config, "save_dir": f"{config['save_dir']}_reference", "out": config["reference_out"]})
+    if config.get("time_budget_out"):
+        run_out_of_time(config["time_budget_out"])
+
+
+class SlowUpdates(TrainerCallback):
+    def on_optimizer_step_end(self, trainer, **kwargs):
+        time.sleep(0.05)
+
+
+def run_out_of_time(out):
+    """A run whose time budget process 1 alone finds spent (it has 1 s, process 0 an hour): each process writes
+    where and why it stopped to ``out`` + ``.<rank>.json``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    trainer = IndexedTrainer(
+        model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=[SlowUpdates()]
+    )
+    rank = trainer.accelerator.process_index
+    result = trainer.train(IndexedDataset(64), num_epochs=3, per_device_batch_size=2, max_time=1.0 if rank else 3600)
+    summary = {
+        "updates": result.num_update_steps,
+        "stop_reason": result.stop_reason,
+        "by_time_budget": trainer.run_state.stopped_by_time_budget,
+    }
+    Path(f"{out}.{rank}.json").write_text(json.dumps(summary))
+
+
+def run(config):
     if config.get("crash_at"):
         crash_at = config["crash_at"]
 
-        def crash(name):  # die in the middle of a save, once earlier states exist
-            if name == crash_at and len(training_state.list_complete_states(Path(config["save_dir"]))) >= 2:
+        hits = []
+
+        def crash(name):  # die in the middle of a save, once earlier states exist (or at the point's Nth time)
+            if name != crash_at:
+                return
+            hits.append(name)
+            if config.get("crash_on_hit"):
+                if len(hits) == config["crash_on_hit"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            elif len(training_state.list_complete_states(Path(config["save_dir"]))) >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         training_state._crash_point = crash
@@ -118,7 +161,7 @@ def main(config):
         gradient_accumulation_steps=config.get("accumulation", 1),
         create_scheduler_fn=scheduler,
         train_dataloader_kwargs={"shuffle": config.get("shuffle", True), "num_workers": config.get("num_workers", 0)},
-        resume_from=config["save_dir"],
+        resume_from=config.get("resume_from", config["save_dir"]),
     )
     result = {
         "model": trainer.get_model().state_dict(),

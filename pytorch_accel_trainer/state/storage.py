@@ -1,0 +1,273 @@
+"""Object storage (``s3://``, ``gs://``, ``az://``, ``memory://``...) for training states and checkpoints, via fsspec.
+
+A location is a local path or a URL; a URL is never taken as a path (``memory://bucket/states`` never becomes a local
+folder named ``memory:``). fsspec and the store's package (s3fs, gcsfs, adlfs) are the user's choice, optional: a URL
+whose package is missing is one ``ImportError`` naming it. Credentials and endpoints come from the store's usual
+configuration (``AWS_*`` variables, ``~/.aws``, or fsspec's ``FSSPEC_S3_ENDPOINT_URL``-style variables).
+
+Stores have no atomic rename, so a training state is made visible by writing its manifest last: each state is
+written crash-safely to a node-local *mirror* folder (the same protocol as a local save, checksums computed as it
+is written), uploaded file by file, the manifest after every other file, then ``latest``. A state whose manifest is
+missing (an upload cut short) is never listed, so never resumed from nor pruned; older states are deleted only after
+the new one is complete, their manifest first. The mirror keeps only the manifests once a state is uploaded, so that
+naming and pruning work as on a local folder; it is synchronised with the store before the first save of a run.
+Resuming downloads the chosen state's files once each into the mirror and verifies them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+from pytorch_accel_trainer.state import training_state  # its _crash_point, which tests replace
+from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX
+
+#: A local path, or the URL of a folder or file in object storage.
+Location = Union[Path, str]
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+#: The package that gives fsspec each protocol, for the error that names it.
+_PACKAGES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+    "adl": "adlfs",
+    "hf": "huggingface_hub",
+}
+
+
+def is_url(location: Any) -> bool:
+    """Whether ``location`` is a URL of a store (``file://`` URLs are local paths)."""
+    return isinstance(location, str) and bool(_URL.match(location)) and not location.startswith("file://")
+
+
+def as_location(location: Any) -> Location:
+    """A URL as it is (without a trailing ``/``), anything else as a :class:`Path` (``file://`` removed)."""
+    if is_url(location):
+        return location.rstrip("/")
+    if isinstance(location, str) and location.startswith("file://"):
+        return Path(location[len("file://") :])
+    return Path(location)
+
+
+def validate_location(location: Any) -> None:
+    """For a URL, check now that fsspec and the store's package are installed (the ``ImportError`` of
+    :func:`filesystem`), so that a run never learns it after an epoch's work; a path needs nothing."""
+    if is_url(location):
+        filesystem(location)
+
+
+def join(location: Location, name: str) -> Location:
+    """``location / name``, for a path or a URL."""
+    return f"{location}/{name}" if isinstance(location, str) else location / name
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path on it.
+
+    Raises:
+        ImportError: fsspec, or the package of the URL's store, is not installed (naming it).
+        ValueError: fsspec knows no store of that protocol.
+    """
+    protocol = url.split("://", 1)[0].lower()
+    package = _PACKAGES.get(protocol)
+    try:
+        import fsspec
+    except ImportError as error:
+        packages = f"fsspec {package}" if package else "fsspec"
+        raise ImportError(
+            f"{url!r} is an object-storage URL, which needs {packages}: pip install {packages} (for S3, pip install "
+            "'pytorch-accel-trainer[s3]')."
+        ) from error
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as error:
+        name = package or f"the package of fsspec's {protocol}:// store"
+        raise ImportError(
+            f"{url!r} needs {name} (fsspec's {protocol}:// store), which is not installed: pip install {name}."
+        ) from error
+    except ValueError as error:
+        raise ValueError(
+            f"{url!r}: fsspec knows no store {protocol}:// ({error}); pass a local path, or a URL of a store fsspec "
+            "supports (s3://, gs://, az://, memory://...)."
+        ) from error
+    return fs, path.rstrip("/")
+
+
+# ------------------------------------------------------------------------------------------------
+# Single files: checkpoints and weights
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_file_to_write(location: Any) -> Iterator[Path]:
+    """A local path to write ``location`` at: the path itself, or for a URL a temporary file uploaded (one atomic
+    object write) when the block ends without an error."""
+    target = as_location(location)
+    if isinstance(target, Path):
+        yield target
+        return
+    fs, path = filesystem(target)
+    with tempfile.TemporaryDirectory(prefix="pytorch_accel_trainer-upload-") as folder:
+        local = Path(folder) / Path(path).name
+        yield local
+        fs.put_file(str(local), path)
+
+
+def write_text(location: Any, text: str) -> None:
+    """Write ``text`` to the file ``location`` (a path, or a URL: one object)."""
+    with local_file_to_write(location) as path:
+        path.write_text(text)
+
+
+def exists(location: Any) -> bool:
+    """Whether a file or folder is at ``location`` (in a store: an object, or objects under it as a prefix)."""
+    target = as_location(location)
+    if isinstance(target, Path):
+        return target.exists()
+    fs, path = filesystem(target)
+    return bool(fs.exists(path))
+
+
+@contextlib.contextmanager
+def local_file_to_read(location: Any) -> Iterator[Path]:
+    """A local path to read ``location`` from: the path itself, or for a URL a downloaded temporary copy.
+
+    Raises:
+        FileNotFoundError: the URL names no object.
+    """
+    source = as_location(location)
+    if isinstance(source, Path):
+        yield source
+        return
+    fs, path = filesystem(source)
+    if not fs.isfile(path):
+        raise FileNotFoundError(f"{source!r}: no such object in the store.")
+    with tempfile.TemporaryDirectory(prefix="pytorch_accel_trainer-download-") as folder:
+        local = Path(folder) / Path(path).name
+        fs.get_file(path, str(local))
+        yield local
+
+
+# ------------------------------------------------------------------------------------------------
+# A folder of training states in a store, through a node-local mirror
+# ------------------------------------------------------------------------------------------------
+
+
+def mirror_folder(url: str) -> Path:
+    """The node-local folder that stands for the store folder ``url``: the same for every process of a machine, and
+    another for each machine (named by the launcher's node rank), even where machines share a temporary folder."""
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    if url.startswith("memory://"):  # fsspec's memory store is each process's own: so is its mirror
+        node = f"{node}-process{os.getpid()}"
+    return Path(tempfile.gettempdir()) / "pytorch_accel_trainer-mirror" / f"{digest}-node{node}"
+
+
+class RemoteStates:
+    """The training states under ``url``, written and read through :func:`mirror_folder` (see the module's text)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.root = filesystem(self.url)
+        self.mirror = mirror_folder(self.url)
+        self._manifest, self._latest = MANIFEST_NAME, LATEST_NAME
+
+    def remote_names(self) -> tuple[set, set]:
+        """The state folders in the store: those with a manifest (complete), and all of them."""
+        self.fs.invalidate_cache(self.root)  # s3fs keeps listings: another process may have written since
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return set(), set()  # no object under the prefix yet: an empty folder of states
+        folders = {Path(entry["name"]).name for entry in entries if entry.get("type") == "directory"}
+        complete = {Path(path).parent.name for path in self.fs.glob(f"{self.root}/*/{self._manifest}")}
+        return complete, folders | complete
+
+    def sync_mirror(self) -> None:
+        """Make the mirror hold the manifest of each complete state in the store (and an empty folder for each other
+        name taken there, so that no name is reused); drop what the store no longer holds. One listing and one small
+        read per state; the main process of a node."""
+        self.mirror.mkdir(parents=True, exist_ok=True)
+        complete, taken = self.remote_names()
+        for local in self.mirror.iterdir():
+            if local.is_dir() and local.name not in taken:
+                shutil.rmtree(local, ignore_errors=True)
+        for name in sorted(taken):
+            folder = self.mirror / name
+            folder.mkdir(exist_ok=True)
+            self.drop_downloads(name)  # a state downloaded to resume: the mirror needs its manifest only
+            if name not in complete:  # an upload cut short: not a state, whatever this mirror holds
+                (folder / self._manifest).unlink(missing_ok=True)
+            else:  # read again each time: the store is the truth (a state deleted there and its name reused)
+                self.fs.get_file(f"{self.root}/{name}/{self._manifest}", str(folder / self._manifest))
+
+    def publish(self, folder: Path) -> None:
+        """Upload the sealed state ``folder`` (its manifest last), then delete from the store the states pruned from
+        the mirror: the new state is complete in the store before any older one goes. Main process only."""
+        self.upload(folder)
+        self.prune_like_mirror(keep=folder.name)
+
+    def upload(self, folder: Path) -> None:
+        """Upload the sealed state ``folder`` of the mirror: every file, its manifest last, then ``latest``; then
+        keep only its manifest in the mirror."""
+        remote = f"{self.root}/{folder.name}"
+        files = sorted(path for path in folder.iterdir() if path.is_file() and path.name != self._manifest)
+        for path in files:
+            training_state._crash_point(f"upload:{path.name}")
+            self.fs.put_file(str(path), f"{remote}/{path.name}")
+        training_state._crash_point(f"upload:{self._manifest}")
+        self.fs.put_file(str(folder / self._manifest), f"{remote}/{self._manifest}")  # visible from here on
+        self.fs.pipe_file(f"{self.root}/{self._latest}", f"{folder.name}\n".encode())
+        for path in files:
+            path.unlink()
+
+    def upload_machine_files(self, temporary: Path, name: str) -> None:
+        """On another machine than the main process's: upload the files its processes wrote for state ``name`` (in
+        its mirror's ``temporary`` folder) into the state's folder in the store, then remove the folder. The main
+        process uploads the manifest, which lists them, after every machine did this."""
+        for path in sorted(temporary.iterdir()):
+            if path.is_file() and not path.name.startswith(WRITER_MARKER_PREFIX):
+                training_state._crash_point(f"upload:{path.name}")
+                self.fs.put_file(str(path), f"{self.root}/{name}/{path.name}")
+        shutil.rmtree(temporary, ignore_errors=True)
+
+    def prune_like_mirror(self, keep: str) -> None:
+        """Delete from the store the complete states the mirror no longer holds (pruned there), never ``keep``:
+        each one's manifest first, so that a deletion cut short leaves no state that looks complete."""
+        complete, _ = self.remote_names()
+        for name in sorted(complete - {keep}):
+            if (self.mirror / name / self._manifest).is_file():
+                continue
+            try:
+                self.fs.rm_file(f"{self.root}/{name}/{self._manifest}")
+                self.fs.rm(f"{self.root}/{name}", recursive=True)
+            except OSError as error:
+                warnings.warn(f"Could not prune the training state {self.url}/{name} ({error}).", stacklevel=2)
+
+    def download(self, name: str, files: Any) -> Path:
+        """Download the files ``files`` of state ``name`` into the mirror (each object read once); return it."""
+        folder = self.mirror / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for file_name in sorted(files):
+            self.fs.get_file(f"{self.root}/{name}/{file_name}", str(folder / file_name))
+        return folder
+
+    def drop_downloads(self, name: str) -> None:
+        """Remove the downloaded files of state ``name`` from the mirror, keeping its manifest."""
+        folder = self.mirror / name
+        for path in folder.iterdir() if folder.is_dir() else ():
+            if path.is_file() and path.name != self._manifest:
+                path.unlink()
