@@ -255,7 +255,7 @@ def _fail_trials_left_running(study: Any) -> None:
     study only: one search works on it, so a running trial at its start was killed)."""
     optuna = _import_optuna()
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study._storage.set_trial_state_values(trial._trial_id, optuna.trial.TrialState.FAIL)
+        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)  # Optuna's public way to end a trial
         study.enqueue_trial(trial.params, user_attrs={"rerun_of": trial.number}, skip_if_exists=False)
 
 
