@@ -8,6 +8,7 @@ import re
 
 import pytest
 import yaml
+from config_data.tiny import TINY_CONFIG
 
 from pytorch_accel_trainer.callbacks import NonFiniteLossError
 from pytorch_accel_trainer.cli import console_main, create_parser, main
@@ -15,14 +16,7 @@ from pytorch_accel_trainer.cli.config import ConfigError
 
 TESTS = pathlib.Path(__file__).parent
 
-CONFIG = {
-    "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3, "out_features": 1}},
-    "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.05}},
-    "loss_func": "torch.nn.functional.mse_loss",
-    "data": {"train": "config_data.tiny.train_dataset", "eval": "config_data.tiny.eval_dataset"},
-    "train": {"num_epochs": 1, "per_device_batch_size": 16},
-    "default_callbacks": False,
-}
+CONFIG = {**TINY_CONFIG, "train": {"num_epochs": 1, "per_device_batch_size": 16}}
 
 
 @pytest.fixture
