@@ -2,10 +2,10 @@
 
     python benchmarks/object_storage_speed.py [--width 2048] [--layers 3] [--repeats 5] [--endpoint URL]
 
-Without ``--endpoint`` it starts moto's S3 server on localhost (``pip install 'moto[server]' s3fs``), so the figures
-measure the upload protocol (mirror, one object per file, manifest last) and the local network stack, not a real
-store's bandwidth. Saves are ``save_training_state``; a resume is ``load_training_state`` of the newest state (for S3:
-listing, downloading each file once, verifying). Prints a markdown table and one JSON line.
+Without ``--endpoint`` it starts moto's S3 server on localhost (``pip install 'moto[s3]' flask flask-cors s3fs``),
+so the figures measure the upload protocol (mirror, one object per file, manifest last) and the local network stack,
+not a real store's bandwidth. Saves are ``save_training_state``; a resume is ``load_training_state`` of the newest
+state (for S3: listing, downloading each file once, verifying). Prints a markdown table and one JSON line.
 """
 
 from __future__ import annotations

@@ -192,8 +192,9 @@ S3_ENV = {
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A real S3 endpoint on localhost, moto's server in a thread (as s3fs's own tests start one), with the bucket
-    ``states-bucket``; skipped without s3fs and moto[server] (the test extra installs them). fsspec finds it from its
-    config in this process, from ``FSSPEC_S3_ENDPOINT_URL`` (with ``S3_ENV``) in a launched one."""
+    ``states-bucket``; skipped without s3fs and moto's server (moto[s3], flask and flask-cors: the test extra installs
+    them). fsspec finds it from its config in this process, from ``FSSPEC_S3_ENDPOINT_URL`` (with ``S3_ENV``) in a
+    launched one."""
     import logging
     import socket
 
