@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -192,6 +193,20 @@ def test_outside_a_notebook_the_bar_is_tqdms_text_bar():
 
     chosen = progress_bar_class()  # outside a notebook: the text bar, never the widget
     assert issubclass(chosen, tqdm.std.tqdm) and not issubclass(chosen, tqdm.notebook.tqdm_notebook)
+
+
+def test_a_script_s_bar_imports_no_notebook_package():
+    """A script pays nothing for notebooks: choosing its bar imports neither ipywidgets nor IPython (about 0.1 s
+    at each run's start where they are installed, as the test extra installs them)."""
+    code = (
+        "import sys\n"
+        "from pytorch_accel_trainer.callbacks.progress import progress_bar_class\n"
+        "chosen = progress_bar_class()\n"
+        "print(chosen.__module__, sorted(name for name in ('ipywidgets', 'IPython') if name in sys.modules))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.stdout.split() == ["tqdm.std", "[]"]
 
 
 @pytest.mark.distributed
