@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
-from pytorch_accel_trainer.state.storage import as_location, is_url, validate_location
+from pytorch_accel_trainer.state.storage import as_location, validate_location
 from pytorch_accel_trainer.state.training_state import validate_save_dir
 
 if TYPE_CHECKING:
@@ -109,8 +109,7 @@ class SaveTrainingStateCallback(TrainerCallback):
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         # before any step; the states of this callback's earlier train() calls (say, before unfreezing) are no
         # other run's
-        if not is_url(self.save_dir):  # run identities are checked in local folders (see docs/training_state.md)
-            validate_save_dir(Path(self.save_dir), trainer.run_state, self.allow_other_runs, self._run_ids)
+        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids)
         self._run_ids.add(trainer.run_state.run_id)
         if self.watch_metric is not None:
             validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)

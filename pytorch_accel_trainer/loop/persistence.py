@@ -565,8 +565,7 @@ class PersistenceMixin:
                 "use save_checkpoint(save_path) or save_weights(save_path)."
             )
         parent = as_location(output_dir)
-        if not is_url(parent):  # run identities are checked in local folders (see docs/training_state.md)
-            validate_save_dir(Path(parent), self.run_state, allow_other_runs)
+        validate_save_dir(parent, self.run_state, allow_other_runs)
         if name is not None:
             validate_state_name(name)
         if asynchronous:

@@ -364,16 +364,21 @@ def validate_no_other_runs(parent: Path, run_id: str, accepted: Iterable[str] = 
     )
 
 
-def validate_save_dir(parent: Path, run_state, allow_other_runs: bool = False, accepted: Iterable[str] = ()) -> None:
+def validate_save_dir(parent: Any, run_state, allow_other_runs: bool = False, accepted: Iterable[str] = ()) -> None:
     """Refuse to save the training states of the run of ``run_state`` (a ``RunState``: its ``run_id``,
-    ``is_new_run`` and ``checked_save_dirs``) into ``parent`` when it is a file, or holds another run's states
-    (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs); checked once per folder and run. A
-    resumed run is not refused: its pruning, ``latest`` and later resumes keep to its own states.
+    ``is_new_run`` and ``checked_save_dirs``) into the local folder ``parent`` when it is a file, or holds another
+    run's states (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs); checked once per folder
+    and run. A resumed run is not refused: its pruning, ``latest`` and later resumes keep to its own states. A folder
+    in object storage (a URL) is not checked (see docs/training_state.md).
 
     Raises:
         CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`).
         NotADirectoryError: ``parent`` is a file.
     """
+    from pytorch_accel_trainer.state.storage import is_url  # storage imports this module
+
+    if is_url(parent):
+        return
     parent = Path(parent)
     if os.path.lexists(parent) and not parent.is_dir():
         raise NotADirectoryError(
