@@ -23,6 +23,7 @@ fi
 # torch anywhere else), and which `python3 -m venv .venv` leaves alone
 venv=.venv/lowest-accelerate
 python3 -m venv "$venv"
+"$venv/bin/pip" install -q -U pip  # the pip of `python3 -m venv` (23.2) takes three times as long to resolve
 "$venv/bin/pip" install -q -c constraints.txt torch
 "$venv/bin/pip" install -q -c constraints.txt -e . "accelerate==$lowest" pytest pytest-xdist pytest-timeout
 
