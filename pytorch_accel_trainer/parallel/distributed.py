@@ -1,10 +1,9 @@
-"""How the processes of a run start together, agree and exit: the Accelerator for the launch, per-window agreement,
-what the trainer asks of Accelerate's engine between runs, and a quick, clean exit."""
+"""How the processes of a run start together and agree: the Accelerator for the launch, per-window agreement, and
+what the trainer asks of Accelerate's engine between runs."""
 
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import platform
 import time
@@ -53,7 +52,6 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             "cannot change it once set. Use one mixed precision per process, or set it for the whole run with "
             "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
         ) from error
-    skip_the_final_garbage_collections_at_exit()
     if accelerator.num_processes > 1:
         wait_for_gloo_workers_at_exit()
     if accelerator.num_processes == 1 and launched_world_size() > 1:
@@ -86,26 +84,6 @@ _FUTEX_SYSCALLS = {"x86_64": "202", "aarch64": "98"}  # where /proc's wchan says
 _IDLE_OBSERVATIONS = 5  # consecutive, each after a pause that releases the GIL
 _EXIT_WAIT_S = 5.0
 _exit_wait_registered = False
-_gc_freeze_registered = False
-
-
-def skip_the_final_garbage_collections_at_exit() -> None:
-    """Make this process skip, at exit, the garbage collections of objects that exist by then; called once a trainer
-    creates its Accelerator.
-
-    Why: as the interpreter ends, Python runs its cyclic garbage collector over every object still alive, which
-    after ``import torch`` is most of torch's: about 0.35 s of CPU at the end of every script, rank and command (1.8 s
-    in all for ``import pytorch_accel_trainer``, 1.3 s without this). An ``atexit`` handler calls
-    :func:`gc.freeze`, after the handlers registered after it (the trainer's own exit waits): the objects alive then
-    are left out of those collections. Memory goes back to the system with the process, as it would; files are
-    closed and flushed by the trainer as it writes them, and by Python for ``sys.stdout`` / ``sys.stderr``. The one
-    difference Python allows for (it never promises ``__del__`` at exit): an object of a reference cycle that is
-    already garbage at exit is not finalised.
-    """
-    global _gc_freeze_registered
-    if not _gc_freeze_registered:
-        atexit.register(gc.freeze)
-        _gc_freeze_registered = True
 
 
 def wait_for_gloo_workers_at_exit() -> None:
