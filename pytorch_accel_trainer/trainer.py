@@ -1226,6 +1226,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             event: one of the events (``callbacks.base.EVENTS``).
             **kwargs: the event's keyword arguments, after the trainer.
         """
+        if event in self.callback_handler.unheard_events:
+            return  # no callback handles it: the common case of the step events
         try:
             self.callback_handler.call_event(event, self, **kwargs)
         except StopTrainingError as error:

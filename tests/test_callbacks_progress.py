@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import tqdm.std
 from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
 from sync_counter import make_sync_counting_trainer
 
@@ -20,6 +21,7 @@ from pytorch_accel_trainer.callbacks import (
     ProgressBarCallback,
     StepBasedEvaluationCallback,
     TrainerCallback,
+    progress,
 )
 
 CONSOLE_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "console_run.py"
@@ -59,11 +61,27 @@ def test_shows_the_interval_loss_learning_rate_and_throughput_every_n_steps(caps
     assert probe.epoch_end_postfix["loss"] == f"{final_loss:.4g}"  # the epoch's loss, once it ends
 
 
-def test_a_short_epoch_still_shows_the_learning_rate_and_throughput():
-    bar = ProgressBarCallback()  # a tenth of the epoch between refreshes: every 4 batches of a 45-batch epoch
+@pytest.mark.parametrize("mininterval", ["0", "60"])
+def test_by_default_the_postfix_is_refreshed_each_time_the_bar_is_drawn_and_no_more(monkeypatch, mininterval):
+    """By default the loss, learning rate and throughput are refreshed when tqdm draws the bar again (at most every
+    ``mininterval`` seconds): more often, no one would see them."""
+
+    class Bar(tqdm.std.tqdm):  # "0": drawn again at every batch; "60": never within the epoch
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, mininterval=float(mininterval), **kwargs)
+
+    monkeypatch.setattr(progress, "_TQDM_CLASS", Bar)
+    bar = ProgressBarCallback()
     probe = PostfixProbe(bar)
-    make_trainer(make_linear(), callbacks=[bar, probe]).train(linear_dataset(45), num_epochs=1, per_device_batch_size=1)
-    assert probe.postfixes[2] == {} and {"loss", "lr", "samples/s"} <= set(probe.postfixes[3])
+    trainer = make_trainer(make_linear(), callbacks=[bar, probe])
+    trainer.train(linear_dataset(45), num_epochs=1, per_device_batch_size=1)
+    if mininterval == "0":
+        assert all({"loss", "lr", "samples/s"} <= set(postfix) for postfix in probe.postfixes)
+        assert [postfix["loss"] for postfix in probe.postfixes] == [f"{loss:.4g}" for loss in probe.losses]
+    else:
+        assert probe.postfixes == [{}] * 45  # not drawn again: nothing computed for it
+    final_loss = trainer.run_history.get_latest_metric("train_loss_epoch")
+    assert probe.epoch_end_postfix["loss"] == f"{final_loss:.4g}"  # the epoch's loss, once it ends
 
 
 def test_shows_the_learning_rate_of_every_parameter_group():

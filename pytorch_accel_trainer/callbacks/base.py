@@ -287,6 +287,10 @@ class CallbackHandler:
         #: The custom events declared with ``events`` or :meth:`register_events`, in order.
         self.custom_events: tuple[str, ...] = ()
         self._listeners: dict[str, list] = {}
+        #: The events of :data:`EVENTS` that no callback handles and whose call does nothing else (the events that
+        #: end a run never are: their call also warns of custom methods never called). Found as each is first fired;
+        #: the trainer skips them, so that an event nobody listens to costs one set lookup.
+        self.unheard_events: set[str] = set()
         self._is_intermediate = False
         #: Undeclared custom event methods of the callbacks (``on_*`` names that are not events), by name, with the
         #: classes that define them; the custom events fired so far; the names already warned about.
@@ -322,17 +326,17 @@ class CallbackHandler:
         self.callbacks.append(instance)
         for name in custom_methods:
             self._undeclared_methods.setdefault(name, []).append(callback_class.__name__)
-        self._listeners.clear()
+        self._forget_listeners()
 
     def remove_callback(self, callback_class: type) -> None:
         """Remove the callback of class ``callback_class``."""
         self.callbacks = [cb for cb in self.callbacks if type(cb) is not callback_class]
-        self._listeners.clear()
+        self._forget_listeners()
 
     def clear_callbacks(self) -> None:
         """Remove every callback."""
         self.callbacks = []
-        self._listeners.clear()
+        self._forget_listeners()
 
     def register_events(self, *events: str) -> None:
         """Declare custom events, fired by a Trainer subclass with ``callback_handler.call_event(event, ...)``.
@@ -353,7 +357,7 @@ class CallbackHandler:
             if event not in self.events:
                 self.custom_events = (*self.custom_events, event)
             self._undeclared_methods.pop(event, None)
-        self._listeners.clear()
+        self._forget_listeners()
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -411,6 +415,11 @@ class CallbackHandler:
         for method in listeners:
             method(*args, **kwargs)
 
+    def _forget_listeners(self) -> None:
+        """The callbacks or events changed: find each event's listeners again as it fires."""
+        self._listeners.clear()
+        self.unheard_events.clear()
+
     def _find_listeners(self, event: str) -> list:
         if event in EVENTS:
             # Callbacks that keep the base no-op are left out, so an event nobody listens to costs nothing.
@@ -433,6 +442,8 @@ class CallbackHandler:
                 )
             self._fired_custom_events.add(event)
         self._listeners[event] = listeners
+        if not listeners and event in EVENTS and event not in RUN_END_EVENTS:
+            self.unheard_events.add(event)
         return listeners
 
     def _warn_of_custom_methods_never_called(self) -> None:

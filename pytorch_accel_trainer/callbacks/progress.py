@@ -168,9 +168,12 @@ class ProgressBarCallback(TrainerCallback):
     By default one bar covers an epoch's training and evaluation batches (``epoch k/n``) and disappears when the
     epoch ends, where :class:`LogMetricsCallback` prints the epoch's summary line. An evaluation run, a prediction run
     (``predict()``) and each intermediate evaluation of ``StepBasedEvaluationCallback`` get a bar of their own. While
-    training, the bar shows, refreshed every ``refresh_every_n_steps`` batches: the mean loss over the last interval,
-    the learning rate of each parameter group, and the throughput in samples per second (over all processes, counted
-    from the ``batch_size`` of each batch output when it is an ``int``).
+    training, the bar shows the mean loss since the last refresh, the learning rate of each parameter group, and the
+    throughput in samples per second (over all processes, from the trainer's count of samples,
+    ``run_state.samples_seen``, when the batch sizes are ``int``). They are refreshed each time tqdm draws the bar
+    again (at most every 0.1 s, tqdm's ``mininterval``; a value refreshed more often would never be seen), or every
+    ``refresh_every_n_steps`` batches when given. A step then costs the bar a counter increment and one running-sum
+    entry.
 
     The loss is summed on the device between refreshes and copied to the host without waiting for the device (on
     CUDA, into pinned memory, shown once the copy has arrived, at most one interval late), so the bar never adds a
@@ -179,7 +182,7 @@ class ProgressBarCallback(TrainerCallback):
 
     Args:
         refresh_every_n_steps: the batches between two refreshes of the loss, learning rate and throughput; by
-            default a tenth of the epoch, at most 50, so that even a short epoch shows them.
+            default (``None``) they are refreshed as the bar is drawn again.
         verbose: pytorch-accelerated's bars instead: one per training epoch and one per evaluation epoch, each left
             on screen, the training bar ending with the epoch's ``train_loss_epoch``.
     """
@@ -195,9 +198,10 @@ class ProgressBarCallback(TrainerCallback):
         self._loss = RunningSum()
         self._host_copy: HostCopy | None = None
         self._postfix: dict = {}
-        self._samples = 0
+        self._samples_before_epoch: Any = (
+            0  # the trainer's count of samples (run_state.samples_seen) at the epoch start
+        )
         self._epoch_start_time = 0.0
-        self._refresh_every = 50
 
     def _create_bar(self, trainer: Trainer, total: Optional[int], description: str, initial: int = 0) -> tqdm:
         return progress_bar_class()(
@@ -228,24 +232,21 @@ class ProgressBarCallback(TrainerCallback):
             description = epoch_label(trainer)
         # a resumed epoch continues where it stopped
         self.pbar = self._create_bar(trainer, total, description, initial=trainer.epoch_first_step)
-        self._refresh_every = self.refresh_every_n_steps or max(1, min(50, (train_batches or 500) // 10))
         self._loss.reset()
-        self._postfix, self._samples = {}, 0
+        self._postfix, self._samples_before_epoch = {}, trainer.run_state.samples_seen
         self._epoch_start_time = time.perf_counter()
 
     def on_train_step_end(
         self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
     ):
-        if self.pbar is not None:  # made at the epoch start
-            self.pbar.update(1)
+        if self.pbar is None:  # made at the epoch start
+            return
+        drawn = self.pbar.update(1)  # True when the bar was drawn again (a hidden bar: None)
         if not self._is_shown or batch_output is None:
             return
         self._loss.add(batch_output["loss"])
-        batch_size = batch_output.get("batch_size")
-        if isinstance(batch_size, int):  # a tensor batch size would need a sync to read
-            self._samples += batch_size
-        if (step + 1) % self._refresh_every == 0:
-            self._refresh(trainer)
+        if drawn if self.refresh_every_n_steps is None else (step + 1) % self.refresh_every_n_steps == 0:
+            self._refresh(trainer)  # by default as often as the bar is drawn: more often would never be seen
 
     def _refresh(self, trainer: Trainer) -> None:
         loss_total, host_copy = self._loss.total, self._host_copy
@@ -261,8 +262,9 @@ class ProgressBarCallback(TrainerCallback):
         if all(isinstance(lr, numbers.Real) for lr in learning_rates):  # a tensor lr would need a sync
             self._postfix["lr"] = ",".join(f"{lr:.3g}" for lr in learning_rates)
         elapsed = time.perf_counter() - self._epoch_start_time
-        if self._samples and elapsed > 0:
-            self._postfix["samples/s"] = f"{self._samples * get_run_config(trainer).num_processes / elapsed:.1f}"
+        samples = trainer.run_state.samples_seen - self._samples_before_epoch
+        if isinstance(samples, int) and samples and elapsed > 0:  # a tensor size (a hook's) would need a sync to read
+            self._postfix["samples/s"] = f"{samples * get_run_config(trainer).num_processes / elapsed:.1f}"
         self.pbar.set_postfix(self._postfix, refresh=False)
 
     def _show_arrived_loss(self, host_copy: HostCopy, epoch: int) -> None:

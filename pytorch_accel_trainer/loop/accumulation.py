@@ -102,5 +102,8 @@ def gradient_sync_context(accelerator: Accelerator, model: torch.nn.Module, is_u
     """``no_sync`` inside an accumulation window, so that DDP all-reduces the gradients once, at its last
     micro-batch."""
     if is_update or accumulation == 1:
-        return contextlib.nullcontext()
+        return _SYNCING
     return accelerator.no_sync(model)
+
+
+_SYNCING = contextlib.nullcontext()  # reusable: one for every step that syncs (or needs no sync)

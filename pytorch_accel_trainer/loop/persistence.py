@@ -326,8 +326,10 @@ def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
         step: the micro-batch about to run in the current epoch; ``None`` between epochs.
     """
     state = trainer.run_state
+    if not state.has_work_at_safe_point():
+        return  # no resume to finish, no save asked for, no preemption: the common case
     _restore_rng_if_due(state, "after_iterator")
-    saved_to = take_requested_saves(trainer, step) if state.save_requests else ()  # nothing to write: the common case
+    saved_to = take_requested_saves(trainer, step) if state.save_requests else ()
     _exit_if_preempted(trainer, step, saved_to)
 
 

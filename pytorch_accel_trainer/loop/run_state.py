@@ -138,6 +138,16 @@ class RunState:
         rng_state, self.resume = self.resume.rng_state, None
         return rng_state
 
+    def has_work_at_safe_point(self) -> bool:
+        """Whether the next point between two updates has anything to do: finish a resume, take a save asked for, or
+        look for a preemption signal (received here, or on another process when preemption is enabled)."""
+        return (
+            self.resume is not None
+            or bool(self.save_requests)
+            or self.preemption_signal is not None
+            or self.preemption_save_dir is not None
+        )
+
     def load_update_count(self, num_update_steps_completed: int) -> None:
         """Take the update count of a training state loaded outside a run (``load_training_state``)."""
         self.num_update_steps_completed = num_update_steps_completed
