@@ -198,9 +198,8 @@ class ProgressBarCallback(TrainerCallback):
         self._loss = RunningSum()
         self._host_copy: HostCopy | None = None
         self._postfix: dict = {}
-        self._samples_before_epoch: Any = (
-            0  # the trainer's count of samples (run_state.samples_seen) at the epoch start
-        )
+        # the trainer's count of samples (run_state.samples_seen) at the epoch start
+        self._samples_before_epoch: Any = 0
         self._epoch_start_time = 0.0
 
     def _create_bar(self, trainer: Trainer, total: Optional[int], description: str, initial: int = 0) -> tqdm:
@@ -245,8 +244,12 @@ class ProgressBarCallback(TrainerCallback):
         if not self._is_shown or batch_output is None:
             return
         self._loss.add(batch_output["loss"])
-        if drawn if self.refresh_every_n_steps is None else (step + 1) % self.refresh_every_n_steps == 0:
-            self._refresh(trainer)  # by default as often as the bar is drawn: more often would never be seen
+        if self.refresh_every_n_steps is None:
+            due = drawn  # as often as the bar is drawn: a value refreshed more often would never be seen
+        else:
+            due = (step + 1) % self.refresh_every_n_steps == 0
+        if due:
+            self._refresh(trainer)
 
     def _refresh(self, trainer: Trainer) -> None:
         loss_total, host_copy = self._loss.total, self._host_copy
