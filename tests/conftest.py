@@ -21,10 +21,9 @@ def pytest_report_header(config):
     return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
-#: The longest tests on 2 CPU cores (40-120 s each with -n 2, most of it starting processes), longest first: mypy
-#: on a fresh clone (no .mypy_cache), the exit-race launches, the benchmark smoke run, two-process kill and resume.
+#: The longest tests on 2 CPU cores (20-45 s each with -n 2, most of it starting processes), longest first: the
+#: exit-race launches, the two-process kill and resume, the benchmark smoke run, the extra models' resume.
 LONGEST_TESTS = (
-    "test_lint.py::test_mypy_reports_no_error_on_the_package",
     "test_exit.py::test_the_readme_quickstart_on_two_processes_exits_0_every_time",
     "test_resume_processes.py::test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise",
     "test_benchmarks.py::test_quick_benchmark_runs_every_row_and_workload_and_each_trains",

@@ -24,12 +24,13 @@ fi
 venv=.venv/lowest-accelerate
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q -U pip  # the pip of `python3 -m venv` (23.2) takes three times as long to resolve
-"$venv/bin/pip" install -q -c constraints.txt torch
-"$venv/bin/pip" install -q -c constraints.txt -e . "accelerate==$lowest" pytest pytest-xdist pytest-timeout
+# --no-compile, then PYTHONDONTWRITEBYTECODE= below: Python compiles what the tests import, not all of torch (README)
+"$venv/bin/pip" install -q --no-compile -c constraints.txt torch
+"$venv/bin/pip" install -q --no-compile -c constraints.txt -e . "accelerate==$lowest" pytest pytest-xdist pytest-timeout
 
 # what depends on Accelerate: no private state outside accelerate_internals.py, 2 processes equal 1, accumulation,
 # exact resume (the shuffled order of a resumed epoch), FSDP2 on the CPU, and the process and precision set-up
-exec "$venv/bin/python" -m pytest "$@" \
+PYTHONDONTWRITEBYTECODE= exec "$venv/bin/python" -m pytest "$@" \
     tests/test_accelerate_versions.py \
     tests/test_distributed.py::test_two_processes_equal_one_process_with_the_same_global_batch \
     tests/test_distributed.py::test_accelerate_set_up_for_one_process_under_a_multi_process_launch_is_a_clear_error \
