@@ -33,25 +33,23 @@ def _result(path):
     return torch.load(path, weights_only=True)
 
 
-def _reference(tmp_path, config, num_processes=1):
-    folder = tmp_path / "reference"
-    folder.mkdir()
-    completed = _launch({**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}, num_processes)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return _result(folder / "out.pt")
-
-
-def _interrupted_then_resumed(tmp_path, config, interruption, num_processes=1, expected_codes=(-signal.SIGKILL,)):
+def _interrupted_then_resumed(
+    tmp_path, config, interruption, num_processes=1, expected_codes=(-signal.SIGKILL,), reference=True
+):
+    """The results of a run stopped by ``interruption`` then resumed, and (``reference``) of an uninterrupted run with
+    the same config, which the resumed processes start once they are done: one launch fewer than a run of its own."""
     folder = tmp_path / "interrupted"
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
     stopped = _launch({**config, **interruption}, num_processes)
     assert stopped.returncode in expected_codes, (stopped.returncode, stopped.stderr[-3000:])
     assert not (folder / "out.pt").exists()
-    resumed = _launch(config, num_processes)
+    reference_out = {"reference_out": str(tmp_path / "reference.pt")} if reference else {}
+    resumed = _launch({**config, **reference_out}, num_processes)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming from" in resumed.stdout
-    return _result(folder / "out.pt"), folder / "states", stopped
+    uninterrupted = _result(tmp_path / "reference.pt") if reference else None
+    return _result(folder / "out.pt"), uninterrupted, folder / "states", stopped
 
 
 CASES = [
@@ -69,8 +67,7 @@ CASES = [
     ids=["sigkill-window-workers", "sigkill-eval", "sigkill-in-rename", "sigkill-in-write"],
 )
 def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
-    reference = _reference(tmp_path, config)
-    resumed, states, _ = _interrupted_then_resumed(tmp_path, config, interruption)
+    resumed, reference, states, _ = _interrupted_then_resumed(tmp_path, config, interruption)
     assert_bitwise_equal(resumed, reference)
     assert all(verify_folder(state.folder) for state in list_complete_states(states))
 
@@ -78,7 +75,6 @@ def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
 @pytest.mark.slow
 def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
     config = {"accumulation": 3, "shuffle": True, "epochs": 6, "size": 40}
-    reference = _reference(tmp_path, config)
     folder = tmp_path / "random"
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
@@ -92,18 +88,17 @@ def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
     time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))
     process.kill()
     process.communicate()
-    resumed = _launch(config)
+    resumed = _launch({**config, "reference_out": str(folder / "reference.pt")})  # then an uninterrupted run
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise_equal(_result(folder / "out.pt"), reference)
+    assert_bitwise_equal(_result(folder / "out.pt"), _result(folder / "reference.pt"))
 
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_143_and_every_sample_is_seen_exactly_once(tmp_path):
     config = {"accumulation": 3, "shuffle": True, "save_every": 1000}  # only the preemption save
-    reference = _reference(tmp_path, config)
     log = tmp_path / "samples.log"
     interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 4, "signal": "SIGTERM"}, "sample_log": str(log)}
-    resumed, states, stopped = _interrupted_then_resumed(
+    resumed, reference, states, stopped = _interrupted_then_resumed(
         tmp_path, {**config, "sample_log": str(log)}, interruption, expected_codes=(128 + signal.SIGTERM,)
     )
     assert_bitwise_equal(resumed, reference)
@@ -119,9 +114,8 @@ def test_sigterm_saves_exits_143_and_every_sample_is_seen_exactly_once(tmp_path)
 @pytest.mark.slow
 def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
     config = {"accumulation": 1, "shuffle": True}
-    reference = _reference(tmp_path, config)
     interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}}
-    resumed, states, stopped = _interrupted_then_resumed(
+    resumed, reference, _, stopped = _interrupted_then_resumed(
         tmp_path, config, interruption, expected_codes=(1, -signal.SIGINT, 130)
     )
     assert "KeyboardInterrupt" in stopped.stderr
@@ -132,17 +126,16 @@ def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
 @pytest.mark.distributed
 def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_path):
     config = {"accumulation": 1, "shuffle": True, "save_every": 2}
-    reference = _reference(tmp_path, config, num_processes=2)
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
     (tmp_path / "kill").mkdir()
-    resumed, _, _ = _interrupted_then_resumed(
+    resumed, reference, _, _ = _interrupted_then_resumed(
         tmp_path / "kill", config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,)
     )
     assert_bitwise_equal(resumed, reference)
     term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}  # one rank only
     (tmp_path / "term").mkdir()
-    resumed, _, stopped = _interrupted_then_resumed(
-        tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256))
+    resumed, _, _, stopped = _interrupted_then_resumed(
+        tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)), reference=False
     )
     assert_bitwise_equal(resumed, reference)
     # both processes stopped at the next update boundary (step 4 of epoch 1: 4 updates), with one saved state

@@ -93,7 +93,8 @@ def main(config):
         state = f"{config['save_dir']}/{config['then_resume_from']}"
         run({**config, "resume_from": state, "save_dir": f"{config['save_dir']}_again", "out": config["again_out"]})
     if config.get("reference_out"):  # then an uninterrupted run in the same processes, to compare with
-        run({**config, "save_dir": f"{config['save_dir']}_reference", "out": config["reference_out"]})
+        reference = {**config, "save_dir": f"{config['save_dir']}_reference", "out": config["reference_out"]}
+        run({**reference, "sample_log": None})
     if config.get("time_budget_out"):
         run_out_of_time(config["time_budget_out"])
 
