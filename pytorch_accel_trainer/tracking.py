@@ -215,7 +215,7 @@ class LossTracker:
             loss_batch_value = loss_batch_value.detach()
         self.loss_value = loss_batch_value
         if isinstance(loss_batch_value, torch.Tensor):
-            self._sum.add(loss_batch_value, batch_size)
+            self._sum.add_detached(loss_batch_value, batch_size)
         else:  # a number: summed on the host, exactly as given
             self._host_total += loss_batch_value * batch_size
             self._sum.weight_total = self._sum.weight_total + batch_size

@@ -522,10 +522,15 @@ class DeferredSum:
         self.weight_total: Any = 0
 
     def add(self, value: torch.Tensor, weight: Any = 1) -> None:
-        """Add ``value * weight`` (``weight`` a number or a scalar tensor)."""
+        """Add ``value * weight`` (``weight`` a number or a scalar tensor); only a detached copy is kept."""
+        self.add_detached(value.detach(), weight)
+
+    def add_detached(self, value: torch.Tensor, weight: Any = 1) -> None:
+        """:meth:`add` for a ``value`` its caller has detached already (a tensor op less: a step's loss is detached
+        once, by the loss tracker, not twice)."""
         if self._pending and (isinstance(weight, torch.Tensor) or weight != self._pending_weight):
             self.fold()
-        self._pending.append(value.detach())
+        self._pending.append(value)
         self._pending_weight = weight
         self.weight_total = self.weight_total + weight
         if isinstance(weight, torch.Tensor) or len(self._pending) >= self.fold_every:
