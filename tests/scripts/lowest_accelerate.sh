@@ -2,7 +2,7 @@
 # The accelerate-dependent tests against the oldest Accelerate the package allows: the lower bound of setup.cfg's
 # install_requires, read from there, in a second environment. The main suite runs against the newest Accelerate pip
 # finds; CI runs this after it (the README's test command). About 55 s from nothing on 2 cores (20 s of install,
-# 34 s of tests), 35 s once the environment exists. See docs/versions.md.
+# 34 s of tests). See docs/versions.md.
 #
 # Usage: sh tests/scripts/lowest_accelerate.sh [pytest arguments]
 set -eu
