@@ -522,7 +522,7 @@ class DeferredSum:
         self.weight_total: Any = 0
 
     def add(self, value: torch.Tensor, weight: Any = 1) -> None:
-        """Add ``value * weight`` (``weight`` a number or a scalar tensor); only a detached copy is kept."""
+        """Add ``value * weight`` (``weight`` a number or a scalar tensor); only a detached view of it is kept."""
         self.add_detached(value.detach(), weight)
 
     def add_detached(self, value: torch.Tensor, weight: Any = 1) -> None:

@@ -98,12 +98,12 @@ def clip_gradients(
     return norm
 
 
+_SYNCING = contextlib.nullcontext()  # reusable: one for every step that syncs (or needs no sync)
+
+
 def gradient_sync_context(accelerator: Accelerator, model: torch.nn.Module, is_update: bool, accumulation: int):
     """``no_sync`` inside an accumulation window, so that DDP all-reduces the gradients once, at its last
     micro-batch."""
     if is_update or accumulation == 1:
         return _SYNCING
     return accelerator.no_sync(model)
-
-
-_SYNCING = contextlib.nullcontext()  # reusable: one for every step that syncs (or needs no sync)

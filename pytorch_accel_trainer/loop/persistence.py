@@ -328,6 +328,7 @@ def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
     state = trainer.run_state
     if not state.has_work_at_safe_point():
         return  # no resume to finish, no save asked for, no preemption: the common case
+    # a new kind of work below must also make RunState.has_work_at_safe_point() true, or it would never run
     _restore_rng_if_due(state, "after_iterator")
     saved_to = take_requested_saves(trainer, step) if state.save_requests else ()
     _exit_if_preempted(trainer, step, saved_to)
