@@ -81,6 +81,9 @@ def _run_child_lines(args: list, count: int, timeout: float, env: Optional[dict]
     """Run ``run.py ARGS`` in a fresh interpreter and return its last ``count`` JSON lines, one per measurement
     (or as many ``error`` results)."""
     command = [sys.executable, str(Path(__file__).resolve()), *args]
+    # every row on the CPU, also on a machine with a GPU: the hand-written loops never move anything to a device, so
+    # a row that took the GPU would be measured against a CPU baseline (the GPU figures: benchmarks/gpu_checks/)
+    env = {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": ""}
     start = time.perf_counter()
     try:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env=env)

@@ -131,6 +131,7 @@ from pytorch_accel_trainer.validation import (
     validate_loss_requires_grad,
     validate_lr_find_arguments,
     validate_model_and_loss,
+    validate_model_on_device,
     validate_not_in_training_run,
     validate_optimizer_parameters,
     validate_predict_arguments,
@@ -1479,7 +1480,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         The trainer's model, callbacks, metric prefix and the training mode of every module are restored after.
 
         Args:
-            model: the module to evaluate in place of ``trainer.model``, e.g. an EMA copy of the weights.
+            model: the module to evaluate in place of ``trainer.model``, e.g. an EMA copy of the weights, on the
+                run's device (``ValueError`` otherwise).
             callbacks: a :class:`CallbackHandler` or callbacks to call during this epoch instead of the trainer's.
             metric_name_prefix: prepended to the name of every metric recorded during the epoch.
 
@@ -1495,6 +1497,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 "train(..., eval_dataset=...), or call evaluate(dataset) outside the run."
             )
         history, evaluated = self.run_history, model if model is not None else self.model
+        if model is not None:
+            validate_model_on_device(model, self.device, "run_extra_eval_epoch(model=...)")
         restore = (self.model, self.callback_handler, getattr(history, "metric_name_prefix", ""))
         modes = [(module, module.training) for module in evaluated.modules()]
         if callbacks is not None:

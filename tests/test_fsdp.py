@@ -89,15 +89,19 @@ def test_fsdp2_checkpoint_loads_into_a_plain_model_with_full_shapes(fsdp_and_ddp
     from safetensors.torch import load_model
 
     load_model(_plain_mlp(), str(root / "fsdp2" / "weights.safetensors"))  # strict
-    # loading the exported checkpoint back into the shards changes nothing
+    # loading the exported checkpoint back into the shards changes nothing, also right after an evaluation (when
+    # FSDP2 holds the root's parameters unsharded)
     assert fsdp["parameters_after_load"] == fsdp["parameters"]
+    assert fsdp["parameters_loaded_after_evaluation"] == fsdp["parameters"]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_training_state_resume_equals_the_uninterrupted_run(fsdp_and_ddp_runs):
     root, fsdp, ddp = fsdp_and_ddp_runs
-    assert fsdp["resumed_parameters"] == fsdp["parameters"]  # bit for bit, from mid-epoch 2
+    # bit for bit, from mid-epoch 2; the resumed run has an eval set, so the state loads after the check of the first
+    # evaluation batch (a forward pass after which FSDP2 leaves the root's parameters unsharded)
+    assert fsdp["resumed_parameters"] == fsdp["parameters"]
     assert ddp["resumed_parameters"] == ddp["parameters"]
     (state,) = [path for path in (root / "fsdp2" / "states").iterdir() if path.name.startswith("checkpoint-")]
     from safetensors.torch import load_model

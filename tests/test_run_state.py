@@ -144,3 +144,24 @@ def test_an_extra_eval_epoch_without_eval_data_is_a_clear_error():
     trainer = make_trainer(make_linear(), callbacks=[Extra()])
     with pytest.raises(ValueError, match=r"run_extra_eval_epoch\(\) evaluates on the eval_dataset of the training run"):
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
+
+
+def test_an_extra_eval_epoch_of_a_model_on_another_device_is_a_clear_error_that_changes_nothing():
+    # on a GPU, a module left on the CPU; here, on the CPU, a module on the meta device
+    class Extra(TrainerCallback):
+        def on_train_epoch_end(self, trainer, **kwargs):
+            handler, model = trainer.callback_handler, trainer.model
+            with pytest.raises(ValueError) as raised:
+                trainer.run_extra_eval_epoch(model=make_linear(seed=1).to("meta"), metric_name_prefix="other_")
+            self.message = str(raised.value)
+            assert trainer.callback_handler is handler and trainer.model is model
+
+    extra = Extra()
+    trainer = make_trainer(make_linear(), callbacks=[extra])
+    data = linear_dataset(8)
+    trainer.train(data, num_epochs=1, eval_dataset=data, per_device_batch_size=4)
+    assert extra.message == (
+        "run_extra_eval_epoch(model=...) has parameters on meta, but this run's batches are on cpu: move the module to "
+        "the trainer's device first (module.to(trainer.device))."
+    )
+    assert trainer.run_history.get_metric_names() == {"train_loss_epoch", "eval_loss_epoch"}

@@ -53,6 +53,18 @@ class SaveTrainingStateAt(TrainerCallback):
             trainer.save_training_state(self.folder)
 
 
+class RecordParameterTypes(TrainerCallback):
+    """The parameter types at each training epoch's end, before its evaluation: between updates. After a forward pass
+    with no backward (an evaluation, such as the one that ends a run), FSDP2 holds the root's parameters unsharded,
+    as plain ``Parameter``; inside a step too."""
+
+    def __init__(self):
+        self.types: set = set()
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        self.types.update(type(parameter).__name__ for parameter in trainer.model.parameters())
+
+
 def make_data() -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(256, 16, generator=generator)
@@ -110,7 +122,8 @@ def run(output: Path) -> None:
     data = make_data()
     arguments = {"num_epochs": NUM_EPOCHS, "per_device_batch_size": BATCH_SIZE, "gradient_clip_norm": 1.0}
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    callbacks = () if deepspeed else (SaveTrainingStateAt(output / "states", epoch=2, step=3),)
+    types = RecordParameterTypes()
+    callbacks = (types,) if deepspeed else (types, SaveTrainingStateAt(output / "states", epoch=2, step=3))
     trainer = make_trainer(seed=0, callbacks=callbacks)
     trainer.train(data, eval_dataset=data, **arguments)
     accelerator = trainer._accelerator
@@ -119,7 +132,7 @@ def run(output: Path) -> None:
         "distributed_type": accelerator.distributed_type.value,
         "fsdp_version": accelerator.state.fsdp_plugin.fsdp_version if fsdp else None,
         "num_processes": accelerator.num_processes,
-        "parameter_types": sorted({type(parameter).__name__ for parameter in trainer.model.parameters()}),
+        "parameter_types": sorted(types.types),
         "get_model_type": type(trainer.get_model()).__name__,
         "train_loss": trainer.run_history.get_metric_values("train_loss_epoch"),
         "eval_loss": trainer.run_history.get_metric_values("eval_loss_epoch"),

@@ -304,6 +304,23 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _sharded_for_loading(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The prepared model, each FSDP2 module of it back in its sharded state.
+
+    FSDP2 keeps the root module's parameters unsharded after a forward pass until a backward pass reshards them:
+    after an evaluation, or the check of the first evaluation batch that ``train()`` runs before it loads a resumed
+    state. torch's ``set_model_state_dict`` reads the parameters as they are then (plain tensors) but loads into them
+    resharded (DTensors), and fails; resharded first, it loads.
+    """
+    prepared = _prepared_model(accelerator, model)
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in prepared.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return prepared
+
+
 def _full_options(**kwargs):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -340,7 +357,7 @@ def load_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module,
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         incompatible = set_model_state_dict(
-            _prepared_model(accelerator, model), state_dict, options=_full_options(strict=True)
+            _sharded_for_loading(accelerator, model), state_dict, options=_full_options(strict=True)
         )
         if incompatible.missing_keys or incompatible.unexpected_keys:
             raise RuntimeError(
@@ -410,7 +427,7 @@ def load_full_optimizer_state_dict(
         return
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    prepared, inner = _prepared_model(accelerator, model), _torch_optimizer(optimizer)
+    prepared, inner = _sharded_for_loading(accelerator, model), _torch_optimizer(optimizer)
     # torch names each parameter of the live optimizer as it names the saved ones (this process's shards: no gather)
     live: dict[str, Any] = get_optimizer_state_dict(prepared, inner)  # as in get_full_optimizer_state_dict
     order = [name for group in live["param_groups"] for name in group["params"]]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+from accelerate.utils import send_to_device
 
 from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
 from pytorch_accel_trainer.state.checkpointing import (
@@ -871,8 +872,10 @@ def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict],
     return ResumePlan(
         position=ResumePosition(**shared["position"]),
         rng_state=rank_state["rng"],
-        train_loss_tracker=rank_state["train_loss_tracker"],
-        train_step_metrics=rank_state.get("train_step_metrics", {}),  # states written before step metrics: none
+        # read onto the CPU: the epoch's partial sums go back to the device its next losses are summed on (states
+        # written before step metrics have none)
+        train_loss_tracker=send_to_device(rank_state["train_loss_tracker"], accelerator.device),
+        train_step_metrics=send_to_device(rank_state.get("train_step_metrics", {}), accelerator.device),
         checkpoint_kwargs=shared["checkpoint_kwargs"],
         folder=folder,
         num_update_steps_completed=shared["num_update_steps_completed"],

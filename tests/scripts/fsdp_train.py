@@ -101,7 +101,7 @@ def run_sharded(output: Path, trainer_class) -> dict:
     trainer = make_trainer(
         trainer_class, seed=0, callbacks=(SaveTrainingStateAt(output / "states", epoch=2, step=1), types)
     )
-    trainer.train(data, **arguments)
+    trainer.train(data, eval_dataset=data, **arguments)  # each epoch ends with an evaluation
     result = {
         "distributed_type": trainer._accelerator.distributed_type.value,
         "parameter_types": sorted(types.types),
@@ -114,7 +114,9 @@ def run_sharded(output: Path, trainer_class) -> dict:
     result["parameters_after_load"] = full_parameters(trainer, output / "reloaded.safetensors")
 
     resumed = make_trainer(trainer_class, seed=1)  # other initial weights: the state must overwrite them
-    resumed.train(data, resume_from=output / "states", **arguments)
+    # with an eval set, train() runs its first batch through the model before it loads the state: FSDP2 leaves the
+    # root's parameters unsharded after that forward pass, and the state must load all the same
+    resumed.train(data, eval_dataset=data, resume_from=output / "states", **arguments)
     result["resumed_parameters"] = full_parameters(resumed, output / "resumed.safetensors")
 
     # a second run of the same trainer prepares again; clipping by value alone; then an evaluation
@@ -122,6 +124,8 @@ def run_sharded(output: Path, trainer_class) -> dict:
     trainer.evaluate(data, per_device_batch_size=4)
     result["second_run_parameters"] = full_parameters(trainer, output / "second.safetensors")
     result["evaluation_loss"] = trainer.run_history.get_latest_metric("evaluation_loss")
+    trainer.load_checkpoint(output / "model.pt")  # right after an evaluation (unsharded root parameters)
+    result["parameters_loaded_after_evaluation"] = full_parameters(trainer, output / "after_evaluation.safetensors")
 
     evaluator = make_trainer(trainer_class, seed=0, with_optimizer=False)  # an evaluation-only trainer
     evaluator.load_checkpoint(output / "model.pt", load_optimizer=False)
