@@ -89,8 +89,7 @@ def test_fsdp2_checkpoint_loads_into_a_plain_model_with_full_shapes(fsdp_and_ddp
     from safetensors.torch import load_model
 
     load_model(_plain_mlp(), str(root / "fsdp2" / "weights.safetensors"))  # strict
-    # loading the exported checkpoint back into the shards changes nothing, also right after an evaluation (when
-    # FSDP2 holds the root's parameters unsharded)
+    # loading the exported checkpoint back into the shards changes nothing, also right after an evaluation
     assert fsdp["parameters_after_load"] == fsdp["parameters"]
     assert fsdp["parameters_loaded_after_evaluation"] == fsdp["parameters"]
 

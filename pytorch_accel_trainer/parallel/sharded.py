@@ -307,10 +307,10 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 def _sharded_for_loading(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """The prepared model, each FSDP2 module of it back in its sharded state.
 
-    FSDP2 keeps the root module's parameters unsharded after a forward pass until a backward pass reshards them:
-    after an evaluation, or the check of the first evaluation batch that ``train()`` runs before it loads a resumed
-    state. torch's ``set_model_state_dict`` reads the parameters as they are then (plain tensors) but loads into them
-    resharded (DTensors), and fails; resharded first, it loads.
+    FSDP2 keeps the root module's parameters unsharded after a forward pass until a backward pass reshards them: after
+    a training run's evaluation epoch, or the check of the first evaluation batch that ``train()`` runs before it loads
+    a resumed state. torch's ``set_model_state_dict`` reads the parameters as they are then (plain tensors) but loads
+    into them resharded (DTensors), and fails; resharded first, it loads.
     """
     prepared = _prepared_model(accelerator, model)
     from torch.distributed.fsdp import FSDPModule

@@ -124,7 +124,7 @@ def run_sharded(output: Path, trainer_class) -> dict:
     trainer.evaluate(data, per_device_batch_size=4)
     result["second_run_parameters"] = full_parameters(trainer, output / "second.safetensors")
     result["evaluation_loss"] = trainer.run_history.get_latest_metric("evaluation_loss")
-    trainer.load_checkpoint(output / "model.pt")  # right after an evaluation (unsharded root parameters)
+    trainer.load_checkpoint(output / "model.pt")  # right after an evaluation
     result["parameters_loaded_after_evaluation"] = full_parameters(trainer, output / "after_evaluation.safetensors")
 
     evaluator = make_trainer(trainer_class, seed=0, with_optimizer=False)  # an evaluation-only trainer
