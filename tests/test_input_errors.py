@@ -381,6 +381,25 @@ def test_create_accelerator_accepts_cpu_true_from_code():
     assert accelerator.device.type == "cpu"
 
 
+def test_cpu_true_after_the_process_was_set_up_on_a_gpu_names_the_device_not_the_precision(monkeypatch):
+    """On a GPU machine, a Trainer(cpu=True) after one on the GPU: Accelerate refuses the CPU (it fixes the device once
+    per process), and the error used to speak of the mixed precision. The GPU is faked by this process's recorded
+    device; Accelerate's own check refuses it."""
+    from accelerate.state import PartialState
+
+    from pytorch_accel_trainer.parallel.distributed import create_accelerator
+
+    make_trainer(make_linear())  # the process is set up (on the CPU here)
+    monkeypatch.setitem(PartialState._shared_state, "device", torch.device("meta"))  # as if on a GPU
+    with pytest.raises(ValueError) as raised:
+        create_accelerator(cpu=True)
+    assert str(raised.value) == (
+        "Trainer(cpu=True) asks for the CPU, but Accelerate already set this process up on meta, and cannot change the "
+        "device once set. Make the first Trainer (or Accelerator) of the process the one with cpu=True, or run the "
+        "whole script on the CPU (`accelerate launch --cpu script.py`, or ACCELERATE_USE_CPU=1)."
+    )
+
+
 def test_a_dataloader_without_batch_size_or_with_a_distributed_sampler_and_an_iterator_are_refused_with_the_fix():
     dataset = linear_dataset(8)
     with pytest.raises(

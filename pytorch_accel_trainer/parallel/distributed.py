@@ -7,7 +7,7 @@ import atexit
 import os
 import platform
 import time
-from typing import Optional, cast
+from typing import Any, Optional, cast
 
 import torch
 from accelerate import Accelerator, DistributedType
@@ -25,6 +25,25 @@ from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
 _PLAIN_TORCH_STEP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
+def already_set_up_error(accelerate_message: str, mixed_precision: Any) -> ValueError:
+    """The error for an ``Accelerator`` that asks for what this process was already set up without: Accelerate
+    fixes the device and the mixed precision once per process, and names the flag it refused in its message."""
+    state = AcceleratorState()
+    if "cpu=True" in accelerate_message:
+        return ValueError(
+            f"Trainer(cpu=True) asks for the CPU, but Accelerate already set this process up on {state.device}, "
+            "and cannot change the device once set. Make the first Trainer (or Accelerator) of the process the one "
+            "with cpu=True, or run the whole script on the CPU (`accelerate launch --cpu script.py`, or "
+            "ACCELERATE_USE_CPU=1)."
+        )
+    return ValueError(
+        f"Trainer(mixed_precision={mixed_precision!r}) differs from the mixed precision Accelerate was already set up "
+        f"with in this process ({state.mixed_precision!r}); Accelerate cannot change it once set. Use one mixed "
+        "precision per process, or set it for the whole run with `accelerate launch --mixed_precision ...` and leave "
+        "mixed_precision=None."
+    )
+
+
 # Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
 def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
     """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
@@ -32,8 +51,9 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
     Raises:
         RuntimeError: Accelerate was already set up in this process for a single process while the launcher
             started several (it can then no longer be changed), naming what to set.
-        ValueError: another ``mixed_precision`` was already set up in this process, or ``"fp16"`` was asked for
-            on the CPU (where Accelerate would silently train in float32).
+        ValueError: another ``mixed_precision`` was already set up in this process, or the GPU when ``cpu=True``
+            asks for the CPU, or ``"fp16"`` was asked for on the CPU (where Accelerate would silently train in
+            float32).
     """
     cpu = bool(kwargs.pop("cpu", False)) or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
     already_set_up = process_state_is_set_up()
@@ -46,12 +66,7 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             undo_failed_set_up()
         if "already been initialized" not in str(error):
             raise
-        raise ValueError(
-            f"Trainer(mixed_precision={mixed_precision!r}) differs from the mixed precision Accelerate was already "
-            f"set up with in this process ({AcceleratorState().mixed_precision!r}); Accelerate "
-            "cannot change it once set. Use one mixed precision per process, or set it for the whole run with "
-            "`accelerate launch --mixed_precision ...` and leave mixed_precision=None."
-        ) from error
+        raise already_set_up_error(str(error), mixed_precision) from error
     if accelerator.num_processes > 1:
         wait_for_gloo_workers_at_exit()
     if accelerator.num_processes == 1 and launched_world_size() > 1:
