@@ -312,9 +312,9 @@ def _sharded_for_loading(accelerator: Accelerator, model: torch.nn.Module) -> to
     a resumed state. torch's ``set_model_state_dict`` reads the parameters as they are then (plain tensors) but loads
     into them resharded (DTensors), and fails; resharded first, it loads.
     """
-    prepared = _prepared_model(accelerator, model)
     from torch.distributed.fsdp import FSDPModule
 
+    prepared = _prepared_model(accelerator, model)
     for module in prepared.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
