@@ -2,9 +2,8 @@
 
 A prediction is a tensor with one row per sample, or a dict, tuple or list of them (nested freely): the batches'
 outputs are concatenated along the first dimension, leaf by leaf. :class:`PredictionCollector` keeps them in memory;
-:class:`PredictionWriter` writes them to a folder in chunks of about ``chunk_size`` samples as they come (Lightning's
-``BasePredictionWriter``), and :func:`load_predictions` reads such a folder back as the one structure the collector
-would have returned.
+:class:`PredictionWriter` writes them to a folder in chunks of about ``chunk_size`` samples as they come, and
+:func:`load_predictions` reads such a folder back as the one structure the collector would have returned.
 """
 
 from __future__ import annotations

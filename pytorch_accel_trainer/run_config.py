@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Optional, Protocol, Union
 
 from accelerate import Accelerator, DistributedType
@@ -46,6 +46,12 @@ class TrainOptions:
 
     def __post_init__(self):
         validate_train_options(self)
+
+    @classmethod
+    def from_arguments(cls, arguments: dict, **changes: Any) -> TrainOptions:
+        """The options among ``arguments`` (``train()``'s ``locals()``: its datasets and ``self`` are left out), with
+        ``changes`` applied."""
+        return cls(**{**{field.name: arguments[field.name] for field in fields(cls)}, **changes})
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from pytorch_accel_trainer.utils import DeferredSum
-
 if TYPE_CHECKING:  # pandas is imported only when a table is asked for
     import pandas
 
@@ -187,10 +185,84 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class DeferredSum:
+    """A weighted sum of scalar tensors kept on their device, added up in batches.
+
+    :meth:`add` only keeps a reference: the device work (one stack and one sum for up to ``fold_every``
+    values) happens in :meth:`fold`, so a training step pays no device op for it, and nothing is ever read
+    back to the host here. Values of one weight are summed together, then multiplied by it, so that no list
+    of weights is ever copied to the device.
+    """
+
+    def __init__(self, fold_every: int = 256):
+        self.fold_every = fold_every
+        self.reset()
+
+    def reset(self) -> None:
+        self._total: torch.Tensor | None = None
+        self._pending: list = []
+        self._pending_weight: Any = None
+        self.weight_total: Any = 0
+
+    def add(self, value: torch.Tensor, weight: Any = 1) -> None:
+        """Add ``value * weight`` (``weight`` a number or a scalar tensor); only a detached view of it is kept."""
+        self.add_detached(value.detach(), weight)
+
+    def add_detached(self, value: torch.Tensor, weight: Any = 1) -> None:
+        """:meth:`add` for a ``value`` its caller has detached already (a tensor op less: a step's loss is detached
+        once, by the loss tracker, not twice)."""
+        if self._pending and (isinstance(weight, torch.Tensor) or weight != self._pending_weight):
+            self.fold()
+        self._pending.append(value)
+        self._pending_weight = weight
+        self.weight_total = self.weight_total + weight
+        if isinstance(weight, torch.Tensor) or len(self._pending) >= self.fold_every:
+            self.fold()
+
+    def fold(self) -> None:
+        """Add the pending values into the total, on the device."""
+        if not self._pending:
+            return
+        folded = torch.stack(self._pending).float().sum() * self._pending_weight
+        self._total = folded if self._total is None else self._total + folded
+        self._pending = []
+
+    @property
+    def total(self) -> torch.Tensor | None:
+        """The sum so far, as a device tensor (``None`` before the first value)."""
+        self.fold()
+        return self._total
+
+    def peek(self) -> torch.Tensor | None:
+        """:attr:`total`, without folding the pending values into the kept sum, which then adds up in the same order
+        (to the last bit) whether or not it was read; one stack and sum on the device when values are pending."""
+        if not self._pending:
+            return self._total
+        pending = torch.stack(self._pending).float().sum() * self._pending_weight
+        return pending if self._total is None else self._total + pending
+
+    def state_dict(self) -> dict:
+        """The exact state, pending values included, so that a restored sum adds up in the same order."""
+        return {
+            "total": self._total,
+            "pending": torch.stack(self._pending) if self._pending else None,
+            "pending_weight": self._pending_weight,
+            "weight_total": self.weight_total,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._total, self._pending_weight, self.weight_total = (
+            state["total"],
+            state["pending_weight"],
+            state["weight_total"],
+        )
+        self._pending = [] if state["pending"] is None else list(state["pending"].unbind())
+
+
 class LossTracker:
     """Sums batch losses, weighted by batch size, without leaving the device.
 
-    An update only keeps a reference to the loss (a :class:`~pytorch_accel_trainer.utils.DeferredSum`):
+    An update only keeps a reference to the loss (a :class:`DeferredSum`):
     the device adds them up in batches, and reading the sum back to the host (a synchronisation) happens
     once, in :meth:`reduce_average`, at the end of an epoch. Plain Python numbers are summed on the host, as
     pytorch-accelerated's ``LossTracker`` does, so its API (``loss_value``, ``average``, ``total_loss``,
@@ -224,7 +296,14 @@ class LossTracker:
     def total_loss(self) -> Union[torch.Tensor, float, None]:
         """The batch-size-weighted sum of the losses so far: a device tensor for tensor losses (``None`` before
         the first), a number for numbers."""
-        device_total = self._sum.total
+        return self._with_host_total(self._sum.total)
+
+    def peek_total_loss(self) -> Union[torch.Tensor, float, None]:
+        """:attr:`total_loss`, read without changing how the sum adds up (see :meth:`DeferredSum.peek`): the epoch's
+        loss is the same to the last bit whether or not a callback read it during the epoch."""
+        return self._with_host_total(self._sum.peek())
+
+    def _with_host_total(self, device_total: Optional[torch.Tensor]) -> Union[torch.Tensor, float, None]:
         if device_total is None:
             return self._host_total if self.running_count else None
         return device_total + self._host_total if self._host_total else device_total

@@ -1,17 +1,13 @@
-"""The Trainer: a documented skeleton of hooks and events, run on Hugging Face Accelerate.
+"""The Trainer: a skeleton of overridable hooks and callback events, run on Hugging Face Accelerate.
 
-The whole Trainer reads here, in the order a run calls it: construction; ``train()`` with its setup hooks, the
-preparation by Accelerate, the epochs, the training step and the update; the evaluation epoch; ``evaluate()``;
-``predict()`` and ``lr_find()``; the one way events fire and stops are agreed; the loop's named decisions; and what
-hooks and callbacks use. The step's parts that are not hooks are collaborators in ``loop/``: ``run_state.py`` (the
-run's state and its transitions), ``accumulation.py`` (the accumulation window), ``non_finite.py`` (the non-finite
-policy), ``batches.py``, ``recording.py``, ``lr_find.py`` (the learning-rate range test's sweep and snapshot),
-``persistence.py`` (safe points, resume; and :class:`PersistenceMixin`, the saving and loading methods) and
-``extra_models.py`` (:class:`ExtraModelsMixin`, models trained beside the trainer's own).
+In the order a run calls them: construction; ``train()`` (setup hooks, preparation, epochs, the training step and
+the update); the evaluation epoch; ``evaluate()``; ``predict()``; ``lr_find()``; how events fire and stops are
+agreed; the loop's named decisions; what hooks and callbacks use. The step's other parts are in ``loop/``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -26,7 +22,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DataLoaderConfiguration, set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
-from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: importable from here, as in pytorch-accelerated)
+from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: public here)
     LIMIT_BATCHES_ENV_VAR,
     CallbackHandler,
     LimitBatchesCallback,
@@ -45,14 +41,15 @@ from pytorch_accel_trainer.loop.batches import (
     NO_TRAIN_BATCH,
     batch_loss,
     batch_size_for,
+    batch_size_of,
     batches_need_placing,
+    build_dataloader,
+    call_batch_hook,
+    checked_batch_output,
     dataset_and_dataloader,
     forward_batch,
-    given_dataloader_kwargs,
-    merge_dataloader_kwargs,
+    numbered_batches,
     real_rows_in_batch,
-    with_batch_size,
-    with_own_generator_and_checked_collate,
 )
 from pytorch_accel_trainer.loop.extra_models import (
     ExtraModelsMixin,
@@ -80,7 +77,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     warn_if_sharding_was_ignored,
 )
 from pytorch_accel_trainer.parallel.shared_folders import check_folders_are_shared
-from pytorch_accel_trainer.placeholders import (  # noqa: F401  (importable from here, as in pytorch-accelerated)
+from pytorch_accel_trainer.placeholders import (  # noqa: F401  (public here)
     TrainerPlaceholderValues,
     placeholder_values,
     replace_trainer_placeholder_values,
@@ -101,7 +98,7 @@ from pytorch_accel_trainer.run_config import (
     get_run_config,
 )
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
-from pytorch_accel_trainer.state.training_state import StoredState
+from pytorch_accel_trainer.state.files import StoredState
 from pytorch_accel_trainer.tracking import (
     InMemoryRunHistory,
     LossTracker,
@@ -110,19 +107,17 @@ from pytorch_accel_trainer.tracking import (
     metric_counts,
     metrics_recorded_since,
 )
-from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: importable from here, as in pytorch-accelerated)
-    batch_size_of,
+from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: public here)
     dataloader_length,
     dataset_length,
     remove_padding,
     require_batches,
-    with_last_flag,
+    training_modes_kept,
     worker_init_fn,
 )
 from pytorch_accel_trainer.validation import (
     mixed_precision_name,
     overrides,
-    validate_batch_output,
     validate_constructor_options,
     validate_datasets,
     validate_evaluate_arguments,
@@ -147,10 +142,8 @@ DEFAULT_CALLBACKS = (
     LogMetricsCallback,
 )
 
-#: The events that a point where every process can stop together follows (``Trainer._raise_agreed_stop``): a
-#: ``StopTrainingError`` a callback raises in one of them is held until that point. In the other events (a run's
-#: start and end, ``on_init_end``, ``on_stop_training_error``, and the events of ``predict()``, which has no such
-#: point) it is raised at once. See ``Trainer._call_event``.
+#: The events followed by a point where every process can stop together: a ``StopTrainingError`` a callback raises
+#: in one of them is held until that point (see ``Trainer._call_event``); in any other event it is raised at once.
 AGREED_STOP_EVENTS = frozenset(EVENTS) - {
     "on_init_end",
     "on_training_run_start",
@@ -164,64 +157,36 @@ AGREED_STOP_EVENTS = frozenset(EVENTS) - {
 }
 
 
-@functools.lru_cache(maxsize=128)
+#: The context of a micro-batch whose gradients sync (or need no sync): one instance, reused by every step.
+_SYNCING = contextlib.nullcontext()
+
+
 def _takes_is_update_step(function: Callable) -> bool:
     """Whether ``function``, a ``_perform_forward_and_backward_passes``, takes ``is_update_step`` (found once)."""
     try:
         parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # a builtin or C callable: called as pytorch-accelerated's
+    except (TypeError, ValueError):  # a builtin or C callable: called with (batch, step) only
         return False
     return any(
         parameter.name == "is_update_step" or parameter.kind is parameter.VAR_KEYWORD for parameter in parameters
     )
 
 
-@functools.lru_cache(maxsize=128)
-def _batch_idx_argument(function: Callable, is_method: bool) -> Optional[str]:
-    """How the batch-loss hook ``function`` takes the batch index (found once per function, not per step): by keyword
-    when it names a parameter ``batch_idx`` (``"keyword"``); as its argument after the batch when that one has no
-    default, whatever its name (``"positional"``: Dream Trainer's ``training_step(self, batch, index)``); or not at all
-    (``None``: pytorch-accelerated's ``(self, batch)``)."""
-    try:
-        parameters = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C callable: called with the batch alone
-        return None
-    if any(
-        parameter.name == "batch_idx" and parameter.kind is not parameter.POSITIONAL_ONLY for parameter in parameters
-    ):
-        return "keyword"
-    positional = [
-        parameter
-        for parameter in parameters
-        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
-    ]
-    index = 2 if is_method else 1  # after self and the batch
-    if len(positional) > index and positional[index].default is inspect.Parameter.empty:
-        return "positional"
-    return None
+def _without_update_flag(passes: Callable) -> Callable:
+    """Wrap ``passes``, an override ``(self, batch, step)``, so that the loop may pass it ``is_update_step``."""
 
+    @functools.wraps(passes)
+    def with_flag_ignored(self, batch, step, is_update_step=None, is_retry=False):
+        return passes(self, batch, step)
 
-def _call_batch_loss_hook(hook: Callable, batch: Any, batch_idx: int) -> Any:
-    """``hook(batch)``, with ``batch_idx`` too when the hook takes it (see :func:`_batch_idx_argument`)."""
-    argument = _batch_idx_argument(getattr(hook, "__func__", hook), inspect.ismethod(hook))
-    if argument == "keyword":
-        return hook(batch, batch_idx=batch_idx)
-    if argument == "positional":
-        return hook(batch, batch_idx)
-    return hook(batch)
+    return with_flag_ignored
 
 
 class Trainer(ExtraModelsMixin, PersistenceMixin):
     """Trains and evaluates a model through a fixed skeleton of overridable hooks and callback events.
 
-    The skeleton is the pseudocode of ``docs/inside_the_trainer.md``; each hook runs, then its ``on_*``
-    event. Accelerate places the model, optimizer and data on the right devices and processes, so the
-    same script runs with ``python train.py`` or ``accelerate launch train.py``. Every hook and the loop that calls
-    them are defined here, in the order they run; two features are mixins of their own, which call none of the
-    Trainer's private methods: :class:`~pytorch_accel_trainer.loop.persistence.PersistenceMixin` (``save_checkpoint``,
-    ``load_checkpoint``, ``save_training_state``, ``load_training_state``, ``save_weights``, ``enable_preemption``,
-    ``request_preemption``) and :class:`~pytorch_accel_trainer.loop.extra_models.ExtraModelsMixin` (``add_model``,
-    ``get_extra_model``, ``update_extra_model``).
+    Each hook runs, then its ``on_*`` event, in the order of ``docs/inside_the_trainer.md``. Accelerate places the
+    model, optimizer and data, so the same script runs with ``python train.py`` or ``accelerate launch train.py``.
 
     Args:
         model: the ``torch.nn.Module`` to train.
@@ -229,19 +194,17 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         optimizer: an optimizer over the model's parameters (``None`` for an evaluation-only trainer).
         callbacks: callback classes or instances, called in order for each event.
         run_history: where metrics are recorded; a new :class:`InMemoryRunHistory` by default.
-        seed: seeds torch, numpy and ``random`` (offset by the process index) at the start of each
-            ``train()``, so runs are repeatable; ``None`` leaves the random state alone. Importing the
-            package never seeds anything.
-        mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` (needs a GPU: a ``ValueError`` on the CPU) or ``"fp8"``;
-            ``None`` (the default) takes it from the Accelerate config or ``accelerate launch --mixed_precision``.
-            Other trainers' names are taken too (``"full"``/``"fp32"`` are ``"no"``, ``"bf16-mixed"`` is ``"bf16"``,
-            ``"16-mixed"`` is ``"fp16"``). Losses are logged in float32.
-        torch_compile: compile the model with ``torch.compile`` for training and evaluation: ``True``, or a dict
-            of ``torch.compile`` arguments (e.g. ``{"mode": "max-autotune"}``). Off by default. ``get_model()``
-            and checkpoints hold the uncompiled model (no ``_orig_mod.`` keys).
-        cpu: run on the CPU even where a GPU is available, from code (as ``accelerate launch --cpu``).
+        seed: seeds torch, numpy and ``random`` (plus the process index) as each ``train()`` starts; ``None``: never.
+        mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` (GPU only), ``"fp8"`` or an alias (``"fp32"``,
+            ``"bf16-mixed"``, ``"16-mixed"``, ...); ``None`` takes it from the Accelerate config.
+        torch_compile: ``True``, or a dict of ``torch.compile`` arguments: compile the model (checkpoints: uncompiled).
+        cpu: run on the CPU even where a GPU is available (as ``accelerate launch --cpu``).
         accelerator_kwargs: more arguments for :class:`accelerate.Accelerator` (``kwargs_handlers``,
             ``project_dir``, ``fsdp_plugin``, ...); those the trainer sets from its own arguments are refused.
+
+    Raises:
+        ValueError: an unknown ``mixed_precision`` or ``accelerator_kwargs`` name; ``"fp16"`` on the CPU.
+        TypeError: ``callbacks``, ``torch_compile``, ``loss_func`` or ``accelerator_kwargs`` of the wrong type.
 
     Example::
 
@@ -256,6 +219,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     #: The events of this subclass's own (``on_my_event``), beyond the trainer's: a callback may define them and
     #: ``self.callback_handler.call_event("on_my_event", self)`` calls them (see docs/callbacks.md).
     callback_events: tuple = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        passes = cls.__dict__.get("_perform_forward_and_backward_passes")
+        if passes is not None and not _takes_is_update_step(passes):  # an override written (self, batch, step)
+            cls._perform_forward_and_backward_passes = _without_update_flag(passes)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -277,7 +246,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.accelerator_kwargs = dict(accelerator_kwargs or {})
         self.torch_compile = torch_compile
         self.loss_func = loss_func
-        self.optimizer = optimizer
+        # None for an evaluation-only trainer, which train() and lr_find() refuse (see _training_optimizer)
+        self.optimizer: torch.optim.Optimizer = optimizer  # type: ignore[assignment]
         #: Models and optimizers trained beside ``model`` and ``optimizer``, by name (see :meth:`add_model`).
         self.extra_models: dict = {}
         self.extra_optimizers: dict = {}
@@ -287,17 +257,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.run_history: RunHistory = run_history if run_history is not None else InMemoryRunHistory()
         self._accelerator = self._create_accelerator()
         warn_if_sharding_was_ignored(self._accelerator)
-        #: The state of the current (or last) training run: counters, epoch position, accumulation window, the
-        #: epoch's trackers, the saves, stop and preemption asked for, the resume plan (see
-        #: :class:`~pytorch_accel_trainer.loop.run_state.RunState`).
+        #: The state of the current (or last) training run (:class:`~pytorch_accel_trainer.loop.run_state.RunState`).
         self.run_state = RunState()
         #: Agrees a decision taken on one process with every process (one small host-side collective).
         self.process_agreement = ProcessAgreement()
-        #: Whether ``backward_step`` and the optimizer call torch directly, where Accelerate's wrappers would only
-        #: call torch (set by each preparation; see ``always_use_accelerate_wrappers``).
+        #: Whether ``backward_step`` and the optimizer call torch directly (set by each preparation).
         self.calls_torch_directly = False
-        #: Keep the total norm of each update's gradients in ``last_gradient_norm`` (a device tensor, no sync),
-        #: even without clipping by norm; ``ExperimentTrackingCallback`` turns it on to log it.
+        #: Keep each update's gradient norm in ``last_gradient_norm`` (a device tensor, no sync), even without clipping.
         self.track_gradient_norm = False
         self.last_gradient_norm: Optional[torch.Tensor] = None
         # set by train() / evaluate()
@@ -306,8 +272,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.collate_fn: Optional[Callable] = None
         self.train_dataset: Any = None
         self.eval_dataset: Any = None
-        #: The prepared dataloaders of the current run; a callback may replace one (e.g. by a slice) at
-        #: ``on_training_run_start`` and put it back at ``on_training_run_end``.
+        #: The prepared dataloaders of the run; a callback may replace one (a slice) for the run and put it back.
         self.train_dataloader: Optional[Iterable] = None
         self.eval_dataloader: Optional[Iterable] = None
         #: The prepared dataloader of the running ``predict()`` (``None`` outside one), e.g. for a progress bar.
@@ -320,9 +285,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
         self._call_event("on_init_end")
 
-    # ------------------------------------------------------------------------------------------------
-    # Construction: the callback handler and the Accelerator
-    # ------------------------------------------------------------------------------------------------
+    # --- Construction: the callback handler and the Accelerator ---------------------------------------
 
     def _create_callback_handler(self) -> CallbackHandler:
         """Return the :class:`CallbackHandler` that calls the trainer's callbacks (with a
@@ -333,27 +296,19 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _create_accelerator(self) -> Accelerator:
         """Return the :class:`accelerate.Accelerator` that runs training; override to configure it.
 
-        Launched on several processes on a machine without GPUs (``accelerate launch --multi_gpu`` or
-        ``torchrun``), it runs one multi-process job on the CPU (gloo), where Accelerate alone would run
-        independent copies of the training.
-
-        The default shuffles with Accelerate's seedable sampler: the order of epoch ``e`` depends only on
-        ``seed + e`` (``seed`` 0 when ``Trainer(seed=None)``), identical on every process, so a resumed run
-        can skip to any batch by sampler offset. With CUDA, batches are copied to the device with
-        ``non_blocking=True`` (the default DataLoaders pin their memory): a blocking copy would make the host wait
-        for the device before every step.
+        Runs once, in ``__init__``. The default shuffles with Accelerate's seedable sampler (epoch ``e`` ordered by
+        ``seed + e``, so a resumed run skips to any batch: keep it in an override), copies batches to CUDA with
+        ``non_blocking=True`` (no host wait per step) and runs a multi-process launch without GPUs on the CPU (gloo).
         """
         data_seed = self.seed if self.seed is not None else 0
         dataloader_config = DataLoaderConfiguration(
             use_seedable_sampler=True, data_seed=data_seed, non_blocking=torch.cuda.is_available()
         )
         options = {"dataloader_config": dataloader_config}
-        options.update(self.accelerator_kwargs)  # the user's, from Trainer(accelerator_kwargs=...)
+        options.update(self.accelerator_kwargs)
         return create_accelerator(mixed_precision=self.mixed_precision, cpu=self.cpu, **options)
 
-    # ------------------------------------------------------------------------------------------------
-    # A training run: train(), then its setup hooks, preparation and loop, in the order they run
-    # ------------------------------------------------------------------------------------------------
+    # --- A training run: train(), then its setup hooks, preparation and loop, in the order they run ---
 
     def train(
         self,
@@ -379,126 +334,99 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
 
         Args:
-            train_dataset: the training data; a dataset without ``__len__`` (iterable, streaming) works too. A
-                ``DataLoader`` is used as it is (its batch size, sampler, workers and collate function), prepared by
-                Accelerate like the trainer's own: sharded across processes, shuffled from the trainer's seed,
-                resumable.
+            train_dataset: a dataset (with or without ``__len__``), or a ``DataLoader`` used as it is.
             num_epochs: the number of epochs; ``None`` to stop on ``max_num_train_steps`` only.
             eval_dataset: evaluated after each training epoch when given; a dataset or a ``DataLoader``.
             per_device_batch_size: the batch size on each process.
-            max_num_train_steps: the most optimizer updates to make; whichever of this and ``num_epochs``
-                comes first ends the run.
-            gradient_accumulation_steps: micro-batches per optimizer update. The gradients equal those of
-                one batch ``gradient_accumulation_steps`` times larger, and a partial window at the end of
-                an epoch is weighted by the micro-batches it really has.
+            max_num_train_steps: the most optimizer updates; whichever of this and ``num_epochs`` comes first ends.
+            gradient_accumulation_steps: micro-batches per optimizer update.
             gradient_clip_value: clip each gradient element to ``[-value, value]`` before each update.
-            create_scheduler_fn: a factory ``fn(optimizer) -> scheduler``, possibly a ``functools.partial``
-                holding :class:`TrainerPlaceholderValues`; a scheduler instance is refused.
+            create_scheduler_fn: a factory ``fn(optimizer) -> scheduler``, e.g. a ``partial`` holding placeholders.
             train_dataloader_kwargs: extra arguments for the training DataLoader.
             eval_dataloader_kwargs: extra arguments for the evaluation DataLoader.
             reset_run_history: start from an empty run history (``False`` continues the epoch count).
             collate_fn: the collate function of both dataloaders.
-            resume_from: a training state written by :meth:`save_training_state` (or a
-                ``SaveTrainingStateCallback``), or a folder of them, of which the newest complete one of the run saved
-                last is used (a run folder of the command line: its ``training_states``). The run continues exactly
-                where that state was taken: same epoch, next batch, same RNG states, same run identity. A path that
-                does not exist, or an empty folder, starts a new run (and says so); a folder that holds files but no
-                state is an error.
-            gradient_clip_norm: clip the total gradient norm to this value before each update (after pytorch-accelerated
-                0.1.61's arguments, as every argument it does not have, so that its positional calls keep working).
-            allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length
-                differ from the saved run's (the continuation is then not exact).
-            scheduler_interval: ``"step"`` steps the scheduler after each optimizer update (its ``T_max``, ``step_size``
-                or ``total_steps`` then count updates); ``"epoch"`` steps it once per epoch, after the evaluation epoch,
-                for schedules written in epochs (``CosineAnnealingLR(T_max=num_epochs)``, ``StepLR(step_size=10)``).
-            max_time: a time budget from the start of ``train()``, for clusters with a wall-clock limit: seconds,
-                ``"DD:HH:MM:SS"`` (as Lightning's ``max_time``), a ``datetime.timedelta`` or a dict of its arguments.
-                Every process stops at the same update before it is spent (judged from the longest time seen between
-                two updates, an evaluation epoch and a save), as a ``StopTrainingError`` would stop it; a training
-                state is saved (by the run's ``SaveTrainingStateCallback``, even with ``save_at_end=False``, and in
-                ``max_time_save_dir``), the reason is in ``TrainResult.stop_reason`` and one printed line says how to
-                resume. Each process reads its clock at each update (no sync, no collective of its own).
-            max_time_save_dir: a folder of training states where a run stopped by ``max_time`` saves one (optional
-                with a ``SaveTrainingStateCallback``).
+            resume_from: a training state, or a folder of them (the newest complete one is used), to continue
+                exactly; a path that does not exist, or an empty folder, starts a new run.
+            gradient_clip_norm: clip the total gradient norm to this value before each update.
+            allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length changed.
+            scheduler_interval: ``"step"`` steps the scheduler after each optimizer update; ``"epoch"`` once per
+                epoch, after the evaluation epoch, for schedules written in epochs.
+            max_time: a time budget from the start of ``train()``: seconds, ``"DD:HH:MM:SS"``, a
+                ``datetime.timedelta`` or a dict of its arguments. Every process stops at the same update before it
+                is spent, a training state is saved and ``TrainResult.stop_reason`` says why; no sync of its own.
+            max_time_save_dir: a folder where a run stopped by ``max_time`` also saves a training state.
 
         Returns:
             A :class:`~pytorch_accel_trainer.loop.run_state.TrainResult`: the metrics the run recorded (latest values),
             the best value of a monitoring callback, epochs, updates, samples, wall time and samples per second.
 
+        Raises:
+            ValueError: an invalid argument, before any work starts; the message names the fix.
+            TypeError: an argument of the wrong type (a scheduler instance for ``create_scheduler_fn``).
+            CheckpointError: ``resume_from`` holds files but no training state of this trainer.
+
         Example::
 
             trainer.train(dataset, num_epochs=10, resume_from="checkpoints")  # the same line starts or resumes
         """
+        options = self._checked_train_options(locals())
+        stored_state = find_state_to_resume(self._accelerator, resume_from) if resume_from is not None else None
+        self._start_training_run(train_dataset, eval_dataset, options)
+        self._load_resume_plan(stored_state, options)
+        self._run_training()
+        return create_train_result(self.run_state, get_run_config(self), self.run_history, self.callback_handler)
+
+    def _checked_train_options(self, arguments: dict) -> TrainOptions:
+        """``train()``'s ``arguments`` (its ``locals()``) as :class:`TrainOptions`, checked before any preparation."""
+        train_dataset, eval_dataset = arguments["train_dataset"], arguments["eval_dataset"]
         validate_datasets(train_dataset, eval_dataset)
         validate_given_dataloaders(
             (train_dataset, eval_dataset),
             ("train_dataset", "eval_dataset", "train_dataloader_kwargs", "eval_dataloader_kwargs"),
-            per_device_batch_size,
-            (train_dataloader_kwargs, eval_dataloader_kwargs),
-            collate_fn,
+            arguments["per_device_batch_size"],
+            (arguments["train_dataloader_kwargs"], arguments["eval_dataloader_kwargs"]),
+            arguments["collate_fn"],
         )
-        train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
-        warn_if_endless(train_dataset, max_num_train_steps)
-        eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
-        per_device_batch_size = batch_size_for(self._given_train_dataloader, per_device_batch_size)
-        options = TrainOptions(
-            num_epochs=num_epochs,
-            per_device_batch_size=per_device_batch_size,
-            max_num_train_steps=max_num_train_steps,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            gradient_clip_value=gradient_clip_value,
-            gradient_clip_norm=gradient_clip_norm,
-            create_scheduler_fn=create_scheduler_fn,
-            collate_fn=collate_fn,
-            train_dataloader_kwargs=train_dataloader_kwargs,
-            eval_dataloader_kwargs=eval_dataloader_kwargs,
-            reset_run_history=reset_run_history,
-            resume_from=resume_from,
-            allow_resume_changes=allow_resume_changes,
-            scheduler_interval=scheduler_interval,
-            max_time=max_time,
-            max_time_save_dir=max_time_save_dir,
+        train_dataset, given_dataloader = dataset_and_dataloader(train_dataset)
+        warn_if_endless(train_dataset, arguments["max_num_train_steps"])
+        options = TrainOptions.from_arguments(
+            arguments, per_device_batch_size=batch_size_for(given_dataloader, arguments["per_device_batch_size"])
         )
         optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
-            # none of the model's trainable parameters missing
             validate_optimizer_parameters(optimizer, self.model)
-        # several machines: the folders of training states must be shared (one clear error on every node, else)
         check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
-        stored_state = find_state_to_resume(self._accelerator, resume_from) if resume_from is not None else None
-        # the time budget's clock starts here
-        self.run_state = RunState(options=options, time_budget=create_time_budget(options, self.callback_handler))
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.create_scheduler_fn, self.collate_fn = create_scheduler_fn, collate_fn
-        if reset_run_history:
-            self.run_history.reset()
-        if self.seed is not None:
-            set_seed(
-                self.seed + PartialState().process_index
-            )  # Accelerate's device_specific=True, from the process state
+        return options
 
-        self.train_dataloader = self.create_train_dataloader(per_device_batch_size, train_dataloader_kwargs)
+    def _start_training_run(self, train_dataset: Any, eval_dataset: Any, options: TrainOptions) -> None:
+        """Set up the run of ``options`` up to its first epoch, then check what only the prepared run shows."""
+        self.run_state = RunState(options=options, time_budget=create_time_budget(options, self.callback_handler))
+        self.train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
+        self.eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
+        self.create_scheduler_fn, self.collate_fn = options.create_scheduler_fn, options.collate_fn
+        if options.reset_run_history:
+            self.run_history.reset()
+        if self.seed is not None:  # Accelerate's device_specific=True, from the process state
+            set_seed(self.seed + PartialState().process_index)
+        batch_size = options.per_device_batch_size
+        self.train_dataloader = self.create_train_dataloader(batch_size, options.train_dataloader_kwargs)
         self.eval_dataloader, self._eval_dl_kwargs = None, None
-        if eval_dataset is not None:
-            self.eval_dataloader = self.create_eval_dataloader(per_device_batch_size, eval_dataloader_kwargs)
+        if self.eval_dataset is not None:
+            self.eval_dataloader = self.create_eval_dataloader(batch_size, options.eval_dataloader_kwargs)
         self._prepare_model_optimizer_and_dataloaders()
         self.run_config = self._create_run_config(options)
         validate_sharded_run(self._accelerator, self.run_config)
-        self._check_eval_batch_size()  # says whether the last evaluation batch repeats samples
+        self._check_eval_batch_size()
         validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
-        self.scheduler = self.create_scheduler()  # None without a create_scheduler_fn, unless overridden
-        warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, scheduler_interval)
-        self._load_resume_plan(stored_state, options)
-        self._run_training()
-        return create_train_result(self.run_state, self.run_config, self.run_history, self.callback_handler)
+        self.scheduler = self.create_scheduler()
+        warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, options.scheduler_interval)
 
     def create_train_dataloader(self, batch_size: int, train_dl_kwargs: Optional[dict] = None) -> Iterable:
         """Return the training dataloader over ``self.train_dataset`` (before Accelerate prepares it).
 
-        Runs once at the start of ``train()``. The default builds a :class:`~torch.utils.data.DataLoader`
-        from :meth:`get_default_train_dl_kwargs`, updated with ``train_dl_kwargs`` (which wins, ``batch_size``
-        included), and ``self.collate_fn`` (wrapped so that a ``None`` batch is a clear ``TypeError``). The
-        DataLoader draws its shuffle order and worker seeds from a generator of its own, not the global RNG.
+        Runs once, at the start of ``train()``. The default returns a ``DataLoader`` given to ``train()`` as it is,
+        else one from :meth:`get_default_train_dl_kwargs` updated with ``train_dl_kwargs``, and ``self.collate_fn``.
 
         Args:
             batch_size: the batch size per device.
@@ -507,33 +435,23 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         Returns:
             Any iterable of batches; a DataLoader is sharded across processes by Accelerate.
         """
-        if self._given_train_dataloader is not None:  # train() received a DataLoader: Accelerate prepares it as it is
-            self._train_dl_kwargs = given_dataloader_kwargs(self._given_train_dataloader)
-            return self._given_train_dataloader
-        self._train_dl_kwargs = merge_dataloader_kwargs(
-            self.get_default_train_dl_kwargs(batch_size), train_dl_kwargs, self.train_dataset
+        defaults = self.get_default_train_dl_kwargs(batch_size)
+        dataloader, self._train_dl_kwargs = build_dataloader(
+            self.train_dataset, self._given_train_dataloader, defaults, train_dl_kwargs, self.collate_fn
         )
-        dataloader = DataLoader(dataset=self.train_dataset, collate_fn=self.collate_fn, **self._train_dl_kwargs)
-        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
+        return dataloader
 
     def create_eval_dataloader(self, batch_size: int, eval_dl_kwargs: Optional[dict] = None) -> Iterable:
         """Return the evaluation dataloader over ``self.eval_dataset``; as :meth:`create_train_dataloader`."""
-        if self._given_eval_dataloader is not None:
-            self._eval_dl_kwargs = given_dataloader_kwargs(self._given_eval_dataloader)
-            return self._given_eval_dataloader
-        self._eval_dl_kwargs = merge_dataloader_kwargs(
-            self.get_default_eval_dl_kwargs(batch_size), eval_dl_kwargs, self.eval_dataset
+        defaults = self.get_default_eval_dl_kwargs(batch_size)
+        dataloader, self._eval_dl_kwargs = build_dataloader(
+            self.eval_dataset, self._given_eval_dataloader, defaults, eval_dl_kwargs, self.collate_fn
         )
-        dataloader = DataLoader(dataset=self.eval_dataset, collate_fn=self.collate_fn, **self._eval_dl_kwargs)
-        return with_own_generator_and_checked_collate(dataloader, self.collate_fn)
+        return dataloader
 
     def get_default_train_dl_kwargs(self, batch_size: int) -> dict:
-        """Return the default training DataLoader arguments.
-
-        ``num_workers`` is 0: on small in-memory data, worker processes make each step several times
-        slower. Pass ``train_dataloader_kwargs={"num_workers": 4}`` for data that is costly to load;
-        workers then persist across epochs and seed numpy per worker.
-        """
+        """Return the default training DataLoader arguments, for :meth:`create_train_dataloader`. ``num_workers`` is 0:
+        on small in-memory data, workers make each step several times slower."""
         return {
             "shuffle": True,
             "pin_memory": torch.cuda.is_available(),
@@ -555,10 +473,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _prepare_model_optimizer_and_dataloaders(self) -> None:
         """Wrap the model, optimizer and dataloaders for the current devices and processes, via Accelerate.
 
-        Preparing shards each DataLoader across processes, which changes its length: the run config and
-        the scheduler are built after this. The two halves, :meth:`_prepare_model_and_optimizer` and
-        :meth:`_prepare_dataloaders` (pytorch-accelerated's documented internals), may be overridden: then each is
-        called, and Accelerate prepares the halves in two calls (DeepSpeed needs one: override this method there).
+        Runs in ``train()`` and ``evaluate()``, before the run config and the scheduler (sharding changes each
+        DataLoader's length). Overriding :meth:`_prepare_model_and_optimizer` or :meth:`_prepare_dataloaders` makes
+        Accelerate prepare the halves in two calls; DeepSpeed needs one: override this method there.
         """
         validate_model_and_loss(self.model, self.loss_func)  # here, not in __init__: a subclass may prepare its own
         release_prepared(self.accelerator)  # nothing of an earlier run is kept or prepared twice
@@ -609,11 +526,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self.model = cast(torch.nn.Module, torch.compile(self.model, **options))
 
     def _create_run_config(self, options: Optional[TrainOptions] = None, **train_arguments) -> TrainerRunConfig:
-        """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders.
-
-        Takes the run's :class:`TrainOptions`, or, as pytorch-accelerated's method, ``train()``'s arguments by
-        keyword (``per_device_batch_size=``, ``num_epochs=``, ``gradient_accumulation_steps=``, ...).
-        """
+        """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders, from
+        its :class:`TrainOptions` or ``train()``'s arguments by keyword (``num_epochs=``, ...)."""
         if options is None:
             options = TrainOptions(**train_arguments)
         dataloaders, kwargs = (
@@ -623,12 +537,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         return build_run_config(options, self._accelerator, dataloaders, kwargs, self.train_dataset, self.seed)
 
     def _check_eval_batch_size(self) -> None:
-        """Warn when the last evaluation batch of a multi-process run repeats samples (pytorch-accelerated's check).
-
-        Accelerate fills the last batch of every process so that all run the same steps. The evaluation loss,
-        ``gather_for_metrics`` and ``gather`` count each sample once, but a hook that collects its own per-batch
-        tensors on each process sees the repeated rows: this says how many there will be.
-        """
+        """Warn when the last evaluation batch of a multi-process run repeats samples, which per-process tensors
+        collected in a hook hold (the evaluation loss, ``gather`` and ``gather_for_metrics`` count each sample once)."""
         config = get_run_config(self)
         length = dataset_length(self.eval_dataset)
         if length is None or not config.is_distributed or not config.eval_total_batch_size:
@@ -645,13 +555,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             )
 
     def create_scheduler(self) -> Any:
-        """Return the learning-rate scheduler built by ``self.create_scheduler_fn(self.optimizer)``, or ``None``
-        when ``train()`` was given no ``create_scheduler_fn``.
+        """Return the scheduler ``self.create_scheduler_fn(self.optimizer)`` builds, or ``None`` without a factory.
 
-        Runs once in ``train()``, after the dataloaders are prepared, so that
-        :class:`TrainerPlaceholderValues` in a ``functools.partial`` factory resolve to this run's values.
-        The scheduler is stepped once per optimizer update, in :meth:`scheduler_step`. Override it to build the
-        scheduler in code: the override is called with or without a ``create_scheduler_fn``.
+        Runs once in ``train()``, after the dataloaders are prepared, so that :class:`TrainerPlaceholderValues`
+        resolve to this run's values; stored as ``self.scheduler``. An override is called even without a factory.
         """
         if self.create_scheduler_fn is None:
             return None
@@ -659,10 +566,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         return resolve_placeholders(self.create_scheduler_fn, values)(self.optimizer)
 
     def _load_resume_plan(self, stored_state: Optional[StoredState], options: TrainOptions) -> None:
-        """Load the training state to resume from, if any (``options.resume_from``), and start the run state at its
-        position."""
+        """Load the training state to resume from, if any, and start the run state at its position."""
         plan = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
-        self.run_state.begin_resume(plan, persistence.create_run_id(self, plan))  # its identity, update count, epoch
+        self.run_state.begin_resume(plan, persistence.create_run_id(self, plan))
 
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""
@@ -681,15 +587,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                     self._raise_agreed_stop("epoch_trained")  # a callback's stop, asked for on any process in the epoch
                     if self.eval_dataloader is not None:
                         self._run_eval_epoch(self.eval_dataloader)
-                    if self._steps_scheduler_per_epoch():
-                        self.scheduler_step()  # scheduler_interval="epoch": once, after the epoch's evaluation
+                    if state.scheduler_per_epoch:
+                        self.scheduler_step()
                     self.training_run_epoch_end()
                     self._call_event("on_training_run_epoch_end")
                     self._raise_agreed_stop("epoch_end")
                 except StopTrainingError as error:
                     self._stop_training(error)
                     break
-                self.run_history._increment_epoch()  # a cut-short epoch counts too, as in pytorch-accelerated
+                self.run_history._increment_epoch()  # a cut-short epoch counts too
                 if state.open_epoch_at is not None:
                     break  # the step limit fell inside the epoch: a state taken now resumes at its next batch
                 state.next_epoch()
@@ -715,25 +621,25 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         state = self.run_state
         self.train_epoch_start()
         state.start_train_epoch(dataloader_length(train_dl))  # empty trackers; the length is None without __len__
-        state.epoch_first_step, batches = self._epoch_batches(train_dl)  # not 0 when resuming inside an epoch
+        batches = self._epoch_batches(train_dl)  # from the saved step when resuming
         self._call_event("on_train_epoch_start")
-        for step, (batch, is_last_batch) in enumerate(batches, start=state.epoch_first_step):
-            self._call_event("on_train_step_start")
-            opens_window, is_update_step = self._is_window_start(step), self._is_update_step(step, is_last_batch)
+        opens_window = True  # an epoch, resumed or not, starts with a window
+        for step, batch, is_last_batch in batches:
             if opens_window:
-                persistence.reach_safe_point(self, step)  # between two optimizer updates
-            state.batch_idx = step
+                self._between_updates(step)
+            self._call_event("on_train_step_start")
+            state.batch_idx, is_update_step = step, self._is_update_step(step, is_last_batch)
             if state.non_finite_policy is not None:  # the window's batches and the epoch's loss before it, kept
                 state.non_finite_policy.remember_micro_batch(state, batch, step, opens_window)
-            self._forward_and_backward(batch, step, is_update_step)
-            if is_update_step:
-                state.end_window(step, is_last_batch)  # a stop from here on leaves the epoch at its next batch
-            if is_update_step and not self._skips_non_finite_update():
+            self._perform_forward_and_backward_passes(batch, step, is_update_step=is_update_step)
+            opens_window = is_update_step
+            if not is_update_step:
+                continue  # the window goes on: gradients accumulate
+            state.end_window(step, is_last_batch)  # a stop from here on leaves the epoch at its next batch
+            if state.non_finite_policy is None or not self._skips_non_finite_update():
                 self._update_parameters(step)
-                if self._reached_max_steps():
-                    break  # the step limit falls inside this epoch
-            if is_update_step:
-                self._raise_agreed_stop()  # a callback's stop, asked for on any process in this window
+            if state.reached_max_steps():
+                break  # the step limit falls inside this epoch
         self.train_epoch_end()
         self._record_epoch_values(
             state.train_loss_tracker, state.train_step_metrics, "train_loss_epoch", "train_{}_epoch"
@@ -747,34 +653,29 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _perform_forward_and_backward_passes(
         self, batch, step: int, is_update_step: Optional[bool] = None, is_retry: bool = False
     ) -> None:
-        """Run the forward and backward passes of one micro-batch (pytorch-accelerated's name and arguments).
+        """Run the forward and backward passes of one micro-batch, under ``no_sync`` unless it closes its window.
 
-        Inside an accumulation window the passes run under ``no_sync``; gradients sync across processes on the
-        micro-batch that closes the window. A subclass may override it with pytorch-accelerated's signature
-        ``(self, batch, step)``: the loop then calls it with those two arguments alone.
+        An override may take ``(self, batch, step)`` only: the loop then calls it with those two arguments.
 
         Args:
             batch: one batch from the training dataloader.
             step: the index of the micro-batch in the epoch, from 0.
-            is_update_step: whether the micro-batch closes its accumulation window (or the epoch), so that an update
-                follows; the loop passes it. ``None`` (an override that calls ``super()`` with ``(batch, step)``):
-                decided from ``step`` by :meth:`_is_update_step`, the epoch's last micro-batch known from the
-                dataloader's length (without ``__len__``, a last window cut short by the end of the data is then not
-                known as one).
+            is_update_step: whether the micro-batch closes its accumulation window (or the epoch); ``None``: decided
+                from ``step`` and the dataloader's length by :meth:`_is_update_step`.
             is_retry: the micro-batch runs again, for a non-finite window: no event, its samples already counted.
         """
-        if is_update_step is None:  # called with pytorch-accelerated's arguments alone
-            is_update_step = self._is_update_step(step, is_last_batch=step + 1 == self.run_state.train_epoch_length)
-        state, accumulation_steps = self.run_state, get_run_config(self).gradient_accumulation_steps
-        with accumulation.gradient_sync_context(self._accelerator, self.model, is_update_step, accumulation_steps):
-            # DDP reads the no_sync flag in forward and backward
-            batch_output = self._checked_batch_output("calculate_train_batch_loss", batch, step)
+        state = self.run_state
+        if is_update_step is None:  # called as (batch, step), e.g. by an override's super()
+            is_update_step = self._is_update_step(step, is_last_batch=step + 1 == state.train_epoch_length)
+        syncs = is_update_step or state.accumulation_steps == 1
+        with _SYNCING if syncs else self._accelerator.no_sync(self.model):  # DDP reads the flag in forward and backward
+            batch_output = checked_batch_output(self.calculate_train_batch_loss, batch, step)
             state.record_train_batch(batch_output, first_try=not is_retry)  # the unscaled loss, as it is logged
             if not is_retry:  # a step run again for non-finite gradients has had its event
                 self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
             if not self.calls_torch_directly:  # DeepSpeed must step only at the end of a window
                 set_deepspeed_gradient_sync(self._accelerator, is_update_step)
-            loss = accumulation.scale_loss_for_accumulation(batch_output, step, accumulation_steps, state)
+            loss = accumulation.scale_loss_for_accumulation(batch_output, step, state)
             # the outputs go before the backward pass, as in `loss_func(model(x), y).backward()`: the graph keeps
             # only what its backward needs (for a cross-entropy, not the logits), so the peak is a hand loop's
             del batch_output
@@ -783,45 +684,37 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def calculate_train_batch_loss(self, batch, batch_idx: Optional[int] = None) -> dict:
         """Return the loss of one training batch, with the model outputs and the batch size.
 
-        The default runs ``self.model(batch[0])`` and ``self.loss_func(outputs, batch[1])``. A batch that is a dict
-        (Hugging Face style) is passed as keyword arguments, ``self.model(**batch)``, and its targets are
-        ``batch["labels"]``; without a ``loss_func``, the ``loss`` of the model output is used (transformers models
-        return one when the batch has ``labels``).
-
-        An override may take the batch alone, ``(self, batch)`` as in pytorch-accelerated, or the batch index too,
-        ``(self, batch, batch_idx)`` as Lightning's and Dream Trainer's ``training_step``: the trainer reads the
-        signature once and passes ``batch_idx`` to a hook that names it (or has a second parameter without a
-        default). The index is also ``trainer.batch_idx``.
+        Runs for each training micro-batch, before ``on_train_step_end``. The default computes
+        ``loss_func(model(batch[0]), batch[1])``, for a dict batch ``loss_func(model(**batch), batch["labels"])``,
+        and without a ``loss_func`` takes the model output's ``loss``. An override may take ``(self, batch)`` or
+        ``(self, batch, batch_idx)`` (the index goes to a parameter so named, or a second one without a default).
 
         Args:
             batch: one batch from the training dataloader.
-            batch_idx: the index of the batch in the epoch, from 0 (the ``step`` callbacks receive).
+            batch_idx: the index of the batch in the epoch, from 0 (also ``trainer.batch_idx``).
 
         Returns:
-            A dict with ``loss`` (a scalar tensor, required), ``batch_size``, ``model_outputs`` by convention, and any
-            extra keys, which reach ``on_train_step_end``; each extra number or 0-d tensor (``accuracy``) is a step
-            metric, averaged over the epoch as ``train_<name>_epoch`` and logged by the experiment trackers. Without
-            ``batch_size`` the trainer counts the batch's samples as the default does (the targets of an
-            ``(inputs, targets)`` tuple, a dict's ``labels``, else the first tensor's rows; a ``ValueError`` when the
-            batch holds no tensor). Return the plain loss: the trainer scales it for gradient accumulation itself,
-            and logs it unscaled. For a loss averaged over items other than samples (tokens), add
-            ``num_items_in_batch``, the number of items it averages over: the trainer then weights each micro-batch
-            by it, so the update is that of the item-mean over the whole global batch, however it is split over
-            accumulation steps and processes.
+            A dict with ``loss`` (a scalar tensor, unscaled: the trainer scales it for accumulation), ``batch_size``
+            (counted from the batch when left out) and ``model_outputs``. Extra keys reach ``on_train_step_end``, and
+            each extra number or 0-d tensor is averaged over the epoch as ``train_<name>_epoch``. A loss averaged over
+            tokens adds ``num_items_in_batch``, which then weights each micro-batch. Checked after each call: a
+            ``TypeError`` or ``ValueError`` says what is wrong.
         """
         model_outputs = forward_batch(self.model, batch)
         loss = batch_loss(self.loss_func, model_outputs, batch)
         return {"loss": loss, "model_outputs": model_outputs, "batch_size": batch_size_of(batch)}
 
     def backward_step(self, loss: torch.Tensor) -> None:
-        """Run the backward pass through Accelerate (which handles mixed-precision loss scaling).
+        """Run the backward pass of one micro-batch, after ``on_train_step_end``.
 
-        Where ``Accelerator.backward`` would only divide the loss by 1 and call ``loss.backward()`` (no gradient
-        scaler, DeepSpeed or Megatron), the trainer calls ``loss.backward()`` itself: same gradients, less time.
+        The default calls ``Accelerator.backward`` (mixed-precision loss scaling), or ``loss.backward()`` where that
+        is all it would do (see ``calls_torch_directly``).
 
         Args:
-            loss: the loss of ``calculate_train_batch_loss``, already divided by the number of
-                micro-batches in the current accumulation window.
+            loss: the loss of ``calculate_train_batch_loss``, divided by the micro-batches of the current window.
+
+        Raises:
+            ValueError: ``loss`` does not require gradients (cut off from the model's graph).
         """
         if not loss.requires_grad:  # an attribute read, no sync: a detached loss would train nothing
             validate_loss_requires_grad(loss, self.model)
@@ -832,20 +725,23 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _update_parameters(self, step: int) -> None:
         """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
-        state, accumulation_steps = self.run_state, get_run_config(self).gradient_accumulation_steps
-        accumulation.complete_partial_window(step, accumulation_steps, state.train_epoch_length, self.model)
-        accumulation.normalise_by_items_in_window(state.take_window_items(), self._accelerator, self.model)
-        self._clip_gradients()
+        state, config = self.run_state, cast(TrainerRunConfig, self.run_config)  # set by train()
+        accumulation.finish_window(step, state, self._accelerator, self.model)  # a partial window, num_items_in_batch
+        if config.gradient_clip_norm is not None or config.gradient_clip_value is not None or self.track_gradient_norm:
+            self._clip_gradients()
         self.optimizer_step()
-        if not self._optimizer_step_was_skipped() and not self._steps_scheduler_per_epoch():  # fp16 overflow: skipped
+        # fp16: the gradient scaler skips an update whose gradients overflowed, and the scheduler must not step
+        skipped = self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
+        if not skipped and not state.scheduler_per_epoch:
             self.scheduler_step()
         self.optimizer_zero_grad()
-        num_update_steps_completed = state.count_update()
-        self._call_event("on_optimizer_step_end", step=step, num_update_steps_completed=num_update_steps_completed)
+        state.num_update_steps_completed += 1
+        updates = state.num_update_steps_completed
+        self._call_event("on_optimizer_step_end", step=step, num_update_steps_completed=updates)
 
     def optimizer_step(self) -> None:
         """Update the parameters: ``self.optimizer.step()``. Runs once per accumulation window."""
-        self._training_optimizer.step()
+        self.optimizer.step()
 
     def scheduler_step(self) -> None:
         """Step ``self.scheduler``, if there is one. Runs after each optimizer update that was not skipped."""
@@ -854,14 +750,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def optimizer_zero_grad(self) -> None:
         """Reset the gradients: ``self.optimizer.zero_grad()``. Runs after each optimizer update."""
-        self._training_optimizer.zero_grad()
+        self.optimizer.zero_grad()
 
     def train_epoch_end(self) -> None:
         """Runs at the end of each training epoch, before its loss is recorded. Default: nothing."""
 
-    # ------------------------------------------------------------------------------------------------
-    # The evaluation epoch (of a training run or of evaluate()), then the end of each epoch and of the run
-    # ------------------------------------------------------------------------------------------------
+    # --- The evaluation epoch (of a training run or of evaluate()), then the end of each epoch and of the run ---
 
     def _run_eval_epoch(self, valid_dl: Iterable, is_training: bool = True) -> None:
         """Run one evaluation epoch and record its loss: ``eval_loss_epoch`` in training, else ``evaluation_loss``."""
@@ -873,7 +767,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             state.batch_idx = step
             state.start_eval_batch(real_rows_in_batch(valid_dl, batch, self._accelerator))  # None unless rows repeat
             self._call_event("on_eval_step_start")
-            batch_output = self._checked_batch_output("calculate_eval_batch_loss", batch, step)
+            batch_output = checked_batch_output(self.calculate_eval_batch_loss, batch, step)
             state.record_eval_batch(batch_output)
             self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
             # released now, not when the next batch's outputs replace them: one step's outputs alive at a time
@@ -889,14 +783,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.model.eval()
 
     def calculate_eval_batch_loss(self, batch, batch_idx: Optional[int] = None) -> dict:
-        """Return the loss of one evaluation batch, computed without gradients; as :meth:`calculate_train_batch_loss`
-        (``batch_idx``: the index of the batch in the evaluation epoch, passed to an override that names it; a
-        ``batch_size`` left out is found from the batch).
+        """Return the loss of one evaluation batch, without gradients; as :meth:`calculate_train_batch_loss`.
 
-        In the last batch of a multi-process evaluation, Accelerate repeats a few samples so that every process
-        runs the same steps; the default computes the loss over the real rows only (``eval_batch_real_rows``),
-        so ``eval_loss_epoch`` equals the single-process value. ``model_outputs`` keep every row, as
-        ``gather_for_metrics`` expects.
+        Runs for each evaluation batch, before ``on_eval_step_end``. In the last batch of a multi-process evaluation
+        the default computes the loss over the real rows only (``eval_batch_real_rows``), so ``eval_loss_epoch``
+        equals the single-process value; ``model_outputs`` keep every row, as ``gather_for_metrics`` expects.
         """
         with torch.no_grad():
             model_outputs = forward_batch(self.model, batch)
@@ -920,12 +811,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def training_run_end(self) -> None:
         """Runs at the end of a training run. Default: unwraps ``self.model`` and the extra models (``add_model``)."""
-        self.model = self._unwrap_distributed_model()
-        unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+        self._unwrap_models()
 
-    # ------------------------------------------------------------------------------------------------
-    # An evaluation run: evaluate()
-    # ------------------------------------------------------------------------------------------------
+    # --- An evaluation run: evaluate() ----------------------------------------------------------------
 
     def evaluate(
         self,
@@ -934,9 +822,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         dataloader_kwargs: Optional[dict] = None,
         collate_fn: Optional[Callable] = None,
     ) -> dict:
-        """Run one evaluation epoch over ``dataset`` and record ``evaluation_loss`` in the run history.
-
-        Unlike pytorch-accelerated, the run history is kept: the metrics of an earlier ``train()`` stay.
+        """Run one evaluation epoch over ``dataset`` and add ``evaluation_loss`` to the run history, which is kept.
 
         Args:
             dataset: the data to evaluate, or a DataLoader over it (used as it is); defaults to the ``eval_dataset``
@@ -948,6 +834,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         Returns:
             The metrics this evaluation recorded, by name (``evaluation_loss``, ``evaluation_<name>`` for each step
             metric, and what callbacks recorded), each a number.
+
+        Raises:
+            ValueError: no ``dataset``, and no ``eval_dataset`` from an earlier ``train()``; an invalid argument.
+
+        Example::
+
+            metrics = trainer.evaluate(test_dataset, per_device_batch_size=64)  # {"evaluation_loss": ...}
         """
         if dataset is None and self._given_eval_dataloader is not None:  # the DataLoader of the last train()
             dataset = self._given_eval_dataloader
@@ -991,12 +884,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def evaluation_run_end(self) -> None:
         """Runs at the end of an evaluation run. Default: unwraps ``self.model`` and the extra models."""
-        self.model = self._unwrap_distributed_model()
-        unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+        self._unwrap_models()
 
-    # ------------------------------------------------------------------------------------------------
-    # A prediction run: predict()
-    # ------------------------------------------------------------------------------------------------
+    # --- A prediction run: predict() ------------------------------------------------------------------
 
     def predict(
         self,
@@ -1009,31 +899,26 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     ) -> Any:
         """Return the model's outputs for every sample of ``dataset``, in the dataset's order, on every process.
 
-        Each sample is predicted once across processes: the samples Accelerate repeats in the last batch of a
-        multi-process run so that every process runs the same steps are dropped, as ``gather_for_metrics`` drops them
-        (for map-style datasets and streams alike). The outputs of :meth:`calculate_predict_batch_output` are gathered
-        batch by batch, moved to the CPU and joined along the first dimension: a tensor for tensor outputs, the same
-        dict, tuple or list for structured ones. The model runs in evaluation mode, without gradients; the training
-        mode of every module is put back after. No evaluation hook or event runs; the events ``on_predict_run_start``,
-        ``on_predict_step_end`` (with the gathered outputs) and ``on_predict_run_end`` fire. A ``StopTrainingError``
-        raised in them is not held for an agreement point: raise it on every process, or not at all.
+        The outputs of :meth:`calculate_predict_batch_output` (model in evaluation mode, no gradients) are gathered
+        batch by batch, each sample once, moved to the CPU and joined along the first dimension. Only the
+        ``on_predict_*`` events fire; a ``StopTrainingError`` raised in them is not held for an agreement point.
 
         Args:
-            dataset: the samples (a map-style dataset, an ``IterableDataset``, or a ``DataLoader`` used as it is). A
-                batch that is a tensor is passed to the model as it is; ``(inputs, ...)`` passes ``inputs``; a dict
-                is passed as keyword arguments.
+            dataset: the samples: a dataset (with or without ``__len__``) or a ``DataLoader``, used as it is.
             per_device_batch_size: the batch size on each process.
             dataloader_kwargs: extra arguments for the DataLoader (no shuffling by default).
             collate_fn: the collate function of the DataLoader.
-            output_dir: write the outputs to this new (or empty) folder in chunk files of ``chunk_size`` samples as
-                they come, instead of keeping them in memory (outputs larger than memory), and return the folder;
-                read it back with :func:`~pytorch_accel_trainer.predictions.load_predictions`. The main process
-                writes; every process holds at most one chunk.
+            output_dir: a new or empty folder where the outputs are written in chunk files as they come, instead of
+                kept in memory (read back by :func:`~pytorch_accel_trainer.predictions.load_predictions`).
             chunk_size: the samples per chunk file, with ``output_dir``.
 
         Returns:
-            The outputs of every sample, on the CPU (``None`` for a dataset with no batch), or with ``output_dir``
-            the folder written.
+            The outputs (a tensor, or the same dict, tuple or list of tensors) on the CPU, ``None`` for a dataset with
+            no batch; with ``output_dir``, the folder written.
+
+        Raises:
+            RuntimeError: called inside a training run (from a callback or a hook).
+            FileExistsError: ``output_dir`` holds files.
 
         Example::
 
@@ -1052,28 +937,24 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         )
         if output_dir is not None and self._accelerator.is_main_process:
             Path(output_dir).mkdir(parents=True, exist_ok=True)
-        modes = [(module, module.training) for module in self.model.modules()]
-        self.model.eval()
         self.predict_dataloader = dataloader
         try:
-            self._call_event("on_predict_run_start")
-            self._run_predict_epoch(dataloader, collector)
+            with training_modes_kept(self.model):
+                self.model.eval()
+                self._call_event("on_predict_run_start")
+                self._run_predict_epoch(dataloader, collector)
         finally:
             self.predict_dataloader = None
-            for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
-                module.training = training
-            self.model = self._unwrap_distributed_model()
-            unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+            self._unwrap_models()
         result = collector.result()
         self._call_event("on_predict_run_end")
         return result
 
     def _run_predict_epoch(self, dataloader: Iterable, collector: Any) -> None:
-        """Run every batch through :meth:`calculate_predict_batch_output` and hand its gathered outputs to
-        ``collector``: each sample once (``gather_for_metrics`` drops the repeated ones), in the dataset's order."""
+        """Run every batch through :meth:`calculate_predict_batch_output`; give ``collector`` its gathered outputs."""
         for step, batch in enumerate(dataloader):
             with torch.no_grad():
-                batch_output = _call_batch_loss_hook(self.calculate_predict_batch_output, batch, step)
+                batch_output = call_batch_hook(self.calculate_predict_batch_output, batch, step)
             validate_prediction_output(batch_output)
             batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
             collector.add(batch_output)
@@ -1083,13 +964,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def calculate_predict_batch_output(self, batch, batch_idx: Optional[int] = None) -> Any:
         """Return the prediction of one batch: a tensor with one row per sample, or a dict, tuple or list of them.
 
-        Runs in :meth:`predict`, under ``torch.no_grad()``, the model in evaluation mode. The default returns the
-        model's output, as the evaluation's forward pass computes it (a tensor batch is passed to the model as it is).
-        An override may take the batch alone, or the batch index too (``batch_idx``, Lightning's ``predict_step``), as
-        the batch-loss hooks do.
-        Override it to post-process each batch before the batches are gathered from every process and joined: an
-        ``argmax``, a ``sigmoid``, a generation. Every tensor needs one row per sample of the batch; pad tensors
-        whose other dimensions differ between batches (``accelerator.pad_across_processes``), as gathering needs.
+        Runs for each batch of :meth:`predict`, under ``torch.no_grad()``. The default returns the model's output (a
+        tensor batch passed as it is). An override may take ``batch_idx`` and post-process (an ``argmax``); pad
+        tensors whose other dimensions vary between batches (``accelerator.pad_across_processes``) for gathering.
 
         Example::
 
@@ -1100,9 +977,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             return self.model(batch)
         return forward_batch(self.model, batch)
 
-    # ------------------------------------------------------------------------------------------------
-    # The learning-rate range test: lr_find()
-    # ------------------------------------------------------------------------------------------------
+    # --- The learning-rate range test: lr_find() ------------------------------------------------------
 
     def lr_find(
         self,
@@ -1116,21 +991,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         smoothing: float = 0.98,
         diverge_factor: Optional[float] = 4.0,
     ) -> LrFinderResult:
-        """Run the learning-rate range test (Smith 2015; fastai's and Lightning's ``lr_find``) and put everything back.
+        """Run the learning-rate range test, then put the model, optimizer and random states back, bit for bit.
 
-        Trains for up to ``num_steps`` updates on batches of ``train_dataset`` (restarting it if it runs out) while
+        Makes up to ``num_steps`` updates with the trainer's own step (no accumulation, clipping or scheduler) while
         the learning rate of every parameter group grows exponentially from ``start_lr`` to ``end_lr``, and records
-        the loss of each update (averaged over processes), smoothed by an exponential moving average. The sweep stops
-        early when the smoothed loss exceeds ``diverge_factor`` times its lowest value, or is not finite. The
-        suggested learning rate is where the smoothed loss falls fastest (the steepest descent, the most negative
-        slope against the log of the learning rate), leaving out the first 10 points and the last (see
-        :class:`~pytorch_accel_trainer.loop.lr_find.LrFinderResult`). Every process gets the same result.
-
-        Afterwards the model (weights, buffers, training modes), the optimizer (state and learning rates), the
-        scheduler, the fp16 gradient scaler and every random generator are exactly as before, bit for bit; no callback
-        event fires and the run history is not touched, so a ``train()`` after it runs as one without it. The
-        training step is the trainer's own: :meth:`calculate_train_batch_loss`, :meth:`backward_step`,
-        :meth:`optimizer_step`, :meth:`optimizer_zero_grad` (no accumulation, no clipping, no scheduler).
+        each update's loss, averaged over processes. No callback event fires and the run history is not touched.
 
         Args:
             train_dataset: the training data (a dataset, a stream, or a ``DataLoader`` used as it is); shuffled.
@@ -1145,12 +1010,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
         Returns:
             An :class:`~pytorch_accel_trainer.loop.lr_find.LrFinderResult`: ``lrs``, ``losses``, ``smoothed_losses``,
-            ``suggestion`` and ``plot()``.
+            ``suggestion`` (the steepest descent of the smoothed loss) and ``plot()``; the same on every process.
+
+        Raises:
+            RuntimeError: called inside a training run (from a callback or a hook).
+            ValueError: an invalid argument, or a trainer without an optimizer.
 
         Example::
 
             result = trainer.lr_find(train_dataset, per_device_batch_size=32)
-            result.plot("lr_find.png")
             trainer.optimizer.param_groups[0]["lr"] = result.suggestion
         """
         validate_not_in_training_run(self.run_state.in_training_run, "lr_find")
@@ -1169,7 +1037,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self._training_optimizer.zero_grad(set_to_none=True)  # no gradient left from before in the first step
             for step, batch in zip(range(num_steps), endless_batches(dataloader)):
                 sweep.set_learning_rate(self._training_optimizer, step)
-                batch_output = self._checked_batch_output("calculate_train_batch_loss", batch, step)
+                batch_output = checked_batch_output(self.calculate_train_batch_loss, batch, step)
                 self.backward_step(batch_output["loss"])
                 self.optimizer_step()
                 self.optimizer_zero_grad()
@@ -1177,8 +1045,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 if sweep.record(loss.item()):  # a host sync per step; the same on every process
                     break  # the loss diverged
         finally:
-            self.model = self._unwrap_distributed_model()
-            unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
+            self._unwrap_models()
             release_prepared(self.accelerator)
             snapshot.restore(self)
         return sweep.result(self._accelerator)
@@ -1186,18 +1053,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _create_dataloader(
         self, dataset, batch_size: int, dataloader_kwargs: Optional[dict], collate_fn: Optional[Callable], shuffle: bool
     ) -> Iterable:
-        """A DataLoader over ``dataset`` for predict() or lr_find(): a given DataLoader as it is, else one from the
-        default evaluation (or, to ``shuffle``, training) arguments, updated with ``dataloader_kwargs``."""
+        """A DataLoader over ``dataset`` for predict() or lr_find(): the eval (or, to ``shuffle``, train) defaults."""
         dataset, given = dataset_and_dataloader(dataset)
-        if given is not None:
-            return given
         defaults = (
             self.get_default_train_dl_kwargs(batch_size) if shuffle else self.get_default_eval_dl_kwargs(batch_size)
         )
-        kwargs = merge_dataloader_kwargs(defaults, dataloader_kwargs, dataset)
-        return with_own_generator_and_checked_collate(
-            DataLoader(dataset=dataset, collate_fn=collate_fn, **kwargs), collate_fn
-        )
+        return build_dataloader(dataset, given, defaults, dataloader_kwargs, collate_fn)[0]
 
     def _prepare_model_and(self, dataloader: Iterable) -> Iterable:
         """Prepare the model and optimizer (nothing of an earlier run kept), then ``dataloader``; return it prepared."""
@@ -1207,21 +1068,14 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         placement = [batches_need_placing(dataloader, self.device)]
         return prepare_components(self.accelerator, [dataloader], device_placement=placement)[0]
 
-    # ------------------------------------------------------------------------------------------------
-    # Events and stops: the one way events fire, and where the processes agree to stop
-    # ------------------------------------------------------------------------------------------------
+    # --- Events and stops: the one way events fire, and where the processes agree to stop -------------
 
     def _call_event(self, event: str, **kwargs: Any) -> None:
         """Fire ``event`` on the callbacks: the one way the trainer fires its events, each right after its hook.
 
-        A ``StopTrainingError`` a callback raises is handled by one rule. In an event that a point where every process
-        can stop together follows (:data:`AGREED_STOP_EVENTS`: the events of the epochs), it is held in ``run_state``
-        until that point, ``_raise_agreed_stop()``: after the update that closes the current window, after the
-        training epoch, or after ``on_training_run_epoch_end`` (in an evaluation run, after its epoch). There the
-        processes agree and all raise it, so that no process is left waiting in a collective for one that stopped.
-        In an event that starts or ends a run, or the trainer's construction, no such point follows: it is raised at
-        once, as in pytorch-accelerated. A subclass's own events, ``self.callback_handler.call_event(name, self,
-        ...)``, call the handler directly and raise at once.
+        A ``StopTrainingError`` raised in one of :data:`AGREED_STOP_EVENTS` is held in ``run_state`` until the next
+        ``_raise_agreed_stop()``, where every process raises it together, so that none is left waiting in a
+        collective for one that stopped; raised in any other event, it propagates at once.
 
         Args:
             event: one of the events (``callbacks.base.EVENTS``).
@@ -1240,8 +1094,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Raise the ``StopTrainingError`` a callback of any process asked for, or the time budget's (one collective
         per call when distributed); every process must call this at the same ``point`` (``"update"``,
         ``"epoch_trained"``, ``"epoch_end"``: the time budget estimates the time to the next one of its kind)."""
-        self.run_state.check_time_budget(point)  # train(max_time=...): a clock read, no sync
-        stop_request = self.run_state.stop_request
+        state = self.run_state
+        if state.time_budget is not None:
+            state.check_time_budget(point)  # train(max_time=...): a clock read, no sync
+        stop_request = state.stop_request
         if stop_request is None and self._accelerator.num_processes == 1:
             return  # nothing to agree on
         agreed = self.process_agreement.agreed_exception(self._accelerator, stop_request)
@@ -1249,15 +1105,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             raise agreed
 
     def _stop_training(self, error: StopTrainingError) -> None:
-        """End the run the agreed ``error`` stopped: forget it (its message is the run's ``stop_reason``), print it,
-        fire ``on_stop_training_error``."""
+        """End the run the agreed ``error`` stopped: drop it (keeping its ``stop_reason``), print it, fire the event."""
         self.run_state.drop_stop(error)
         self.print(error)
         self._call_event("on_stop_training_error")
 
-    # ------------------------------------------------------------------------------------------------
-    # Named decisions and small helpers of the loop
-    # ------------------------------------------------------------------------------------------------
+    # --- Named decisions and small helpers of the loop ------------------------------------------------
 
     def _epochs(self) -> Iterable[int]:
         """The run's epochs, from the one a resumed run continues; without ``num_epochs``, until the step limit."""
@@ -1267,35 +1120,30 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             return itertools.count(first)  # only max_num_train_steps ends this run
         return range(first, num_epochs)
 
-    def _epoch_batches(self, train_dl: Iterable) -> tuple[int, Iterable]:
-        """This epoch's first step and its batches, each with whether it is the last; resumed: from the saved step."""
+    def _epoch_batches(self, train_dl: Iterable) -> Iterable[tuple[int, Any, bool]]:
+        """This epoch's ``(step, batch, is_last_batch)``, from ``run_state.epoch_first_step`` (0 unless resuming)."""
         if hasattr(train_dl, "set_epoch"):
             train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
-        first_step, train_dl = persistence.skip_to_resume_position(self.run_state, train_dl)
-        if self.run_state.train_epoch_length == 0:
-            return first_step, with_last_flag(train_dl)  # a dataloader that says it is empty: warned at setup
-        return first_step, require_batches(with_last_flag(train_dl), NO_TRAIN_BATCH)
+        state = self.run_state
+        state.epoch_first_step, train_dl = persistence.skip_to_resume_position(state, train_dl)
+        # a dataloader that says it is empty was warned about at setup; any other must yield a batch
+        error_if_empty = None if state.train_epoch_length == 0 else NO_TRAIN_BATCH
+        return numbered_batches(train_dl, state.epoch_first_step, error_if_empty)
 
-    def _is_window_start(self, step: int) -> bool:
-        """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
-        return step % get_run_config(self).gradient_accumulation_steps == 0
+    def _between_updates(self, step: int) -> None:
+        """The point between two updates, where micro-batch ``step`` opens a window (its batch fetched, no gradient
+        pending): the end of a resume, the saves asked for, a preemption; then the agreed stop, if any."""
+        if self.run_state.has_work_at_safe_point():
+            persistence.reach_safe_point(self, step)
+        self._raise_agreed_stop()
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
-        return is_last_batch or (step + 1) % get_run_config(self).gradient_accumulation_steps == 0
+        return is_last_batch or (step + 1) % self.run_state.accumulation_steps == 0
 
     def _reached_max_steps(self) -> bool:
         """Whether the run has made its ``max_num_train_steps`` updates."""
         return self.run_state.reached_max_steps()
-
-    def _steps_scheduler_per_epoch(self) -> bool:
-        """Whether the scheduler steps once per epoch (``scheduler_interval="epoch"``), not after each update."""
-        options = self.run_state.options
-        return options is not None and options.scheduler_interval == "epoch"
-
-    def _optimizer_step_was_skipped(self) -> bool:
-        """Whether the fp16 gradient scaler skipped the update that just ran, for gradients that overflowed."""
-        return self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
 
     def _clip_gradients(self) -> None:
         """Clip by norm and/or value as set in ``train()``; keep the norm in ``last_gradient_norm`` (no sync)."""
@@ -1311,28 +1159,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if clip_norm is not None or track_norm:
             self.last_gradient_norm = norm
 
-    def _forward_and_backward(self, batch, step: int, is_update_step: bool) -> None:
-        """Call :meth:`_perform_forward_and_backward_passes` with ``is_update_step``, or with ``(batch, step)`` alone
-        where a subclass overrides it with pytorch-accelerated's signature."""
-        passes = self._perform_forward_and_backward_passes
-        if _takes_is_update_step(getattr(passes, "__func__", passes)):
-            passes(batch, step, is_update_step=is_update_step)
-        else:
-            passes(batch, step)  # it decides from the step (see its docstring)
-
-    def _checked_batch_output(self, hook_name: str, batch, step: int) -> dict:
-        """Call the batch-loss hook ``hook_name`` on ``batch`` (with ``batch_idx=step`` where it takes it) and return
-        its output, checked, with a ``batch_size`` it left out found from the batch (shapes only: no host sync)."""
-        batch_output = with_batch_size(_call_batch_loss_hook(getattr(self, hook_name), batch, step), batch)
-        validate_batch_output(batch_output, hook_name)
-        return batch_output
-
     def _skips_non_finite_update(self) -> bool:
-        """Under a non-finite policy (``skip_non_finite_steps``), whether this update is skipped for gradients that
-        are not finite, after its retries (``loop/non_finite.py``); may raise ``StopTrainingError``."""
-        policy = self.run_state.non_finite_policy
-        if policy is None:
-            return False  # the default run checks nothing: no host read
+        """Whether the non-finite policy skips this update, after its retries; may raise ``StopTrainingError``."""
+        policy = cast(NonFinitePolicy, self.run_state.non_finite_policy)  # the loop calls it under a policy only
         return policy.skips_update(self.run_state, self.model, self._training_optimizer, self._replay_window)
 
     def _end_non_finite_policy(self) -> None:
@@ -1342,8 +1171,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self.print(policy.summary())
 
     def _replay_window(self, window: list) -> None:
-        """Run the forward and backward passes of the window's micro-batches (``(batch, step)`` pairs) again, for a
-        non-finite retry: no event; gradients sync at the window's last micro-batch only."""
+        """Run the window's ``(batch, step)`` pairs again, for a non-finite retry: no event, one sync at the last."""
         for index, (batch, step) in enumerate(window):
             is_last = index == len(window) - 1
             self.run_state.batch_idx = step
@@ -1357,9 +1185,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self.run_history, self._accelerator, loss_tracker, step_metrics, loss_name, metric_name_format
         )
 
-    # ------------------------------------------------------------------------------------------------
-    # What hooks and callbacks use: device, Accelerator, run counters, model, printing, gathering
-    # ------------------------------------------------------------------------------------------------
+    # --- What hooks and callbacks use: device, Accelerator, run counters, model, printing, gathering ---
 
     @property
     def device(self) -> torch.device:
@@ -1368,8 +1194,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     @property
     def accelerator(self) -> Accelerator:
-        """The :class:`accelerate.Accelerator` of this trainer (read-only): its process index, ``reduce``,
-        ``prepare``."""
+        """The :class:`accelerate.Accelerator` of this trainer (read-only)."""
         return self._accelerator
 
     @property
@@ -1379,15 +1204,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     @property
     def epoch_first_step(self) -> int:
-        """The first micro-batch of the current training epoch: 0, or the batches already trained on when a resumed
-        run continues an epoch (a progress bar starts there)."""
+        """The first micro-batch of the current training epoch: 0, or the batches a resumed run had trained on."""
         return self.run_state.epoch_first_step
 
     @property
     def batch_idx(self) -> Optional[int]:
-        """The index in its epoch of the batch being run, from 0: a training batch during the training epoch, an
-        evaluation batch during the evaluation epoch (Lightning's and Dream Trainer's ``batch_idx``; the ``step`` the
-        step events receive); the last one's after an epoch, ``None`` before the first."""
+        """The index in its epoch of the training or evaluation batch being run, from 0 (the ``step`` the step events
+        receive); the last one's after an epoch, ``None`` before the first."""
         return self.run_state.batch_idx
 
     @property
@@ -1398,7 +1221,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     @property
     def _train_dataloader(self) -> Optional[Iterable]:
-        """pytorch-accelerated's name of :attr:`train_dataloader`, kept for scripts and callbacks written for it."""
+        """Another name of :attr:`train_dataloader` (read and set)."""
         return self.train_dataloader
 
     @_train_dataloader.setter
@@ -1407,7 +1230,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     @property
     def _eval_dataloader(self) -> Optional[Iterable]:
-        """pytorch-accelerated's name of :attr:`eval_dataloader`."""
+        """Another name of :attr:`eval_dataloader` (read and set)."""
         return self.eval_dataloader
 
     @_eval_dataloader.setter
@@ -1422,14 +1245,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         return self.optimizer
 
     def get_model(self, keep_torch_compile: bool = False) -> torch.nn.Module:
-        """Return the model without its distributed or compiled wrappers (no ``module.``/``_orig_mod.`` keys).
-
-        ``keep_torch_compile=True`` keeps the ``torch.compile`` wrapper (the distributed ones are still removed).
-
-        Under FSDP its parameters are this process's shards: for full weights use ``save_checkpoint``,
-        ``save_weights`` or ``sharded.get_full_model_state_dict`` (on every process).
-        """
+        """Return the model without its distributed wrappers, and without ``torch.compile``'s unless
+        ``keep_torch_compile``. Under FSDP its parameters are this process's shards: for full weights use
+        ``save_checkpoint``, ``save_weights`` or ``sharded.get_full_model_state_dict`` (on every process)."""
         return self._accelerator.unwrap_model(self.model, keep_torch_compile=keep_torch_compile)
+
+    def _unwrap_models(self) -> None:
+        """Take the distributed wrappers off ``self.model``, the extra models and their optimizers."""
+        self.model = self._unwrap_distributed_model()
+        unwrap_extras(self.accelerator, self.extra_models, self.extra_optimizers)
 
     def _unwrap_distributed_model(self) -> torch.nn.Module:
         # keeps the wrapper of a model the user compiled; the trainer's own (torch_compile=...) is made again by prepare
@@ -1444,11 +1268,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
         Args:
             tensor: the tensor of this process.
-            padding_value: if given, tensors of different lengths are padded with it before gathering, and
-                rows made only of it are removed afterwards; pick a value the data never holds. In the last batch of an
-                evaluation epoch, the rows Accelerate repeated (``eval_batch_real_rows``) are dropped first, so each
-                sample is returned once when the tensor's rows are the batch's samples. Without it, the
-                rows Accelerate repeats in the last batch of the data are dropped, as in :meth:`gather_for_metrics`.
+            padding_value: pads tensors of different lengths before gathering, and its rows are removed after;
+                pick a value the data never holds. Either way, the rows Accelerate repeats in the last batch of the
+                data are dropped (as in :meth:`gather_for_metrics`), so each sample is returned once.
 
         Returns:
             The gathered tensor, on every process.
@@ -1461,12 +1283,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         return remove_padding(self._accelerator.gather(tensor), padding_value)
 
     def gather_for_metrics(self, data: Any) -> Any:
-        """Gather ``data`` (tensors, or any picklable objects) from every process for computing metrics.
-
-        In the last batch of the data, the rows Accelerate repeated to give every process a full batch are dropped:
-        over an evaluation epoch, the gathered rows are exactly the dataset's, in the dataset's order. Every process
-        must call it at the same step.
-        """
+        """Gather ``data`` (tensors or picklable objects) from every process for metrics: over an evaluation epoch,
+        exactly the dataset's rows, in order. A collective: every process must call it at the same step."""
         return self._accelerator.gather_for_metrics(data)
 
     def run_extra_eval_epoch(
@@ -1474,22 +1292,20 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     ) -> None:
         """Run one more evaluation epoch now, during a training run, over its evaluation data.
 
-        For callbacks that evaluate between updates (``StepBasedEvaluationCallback``) or other weights
-        (``ModelEmaCallback``). Each metric recorded during the epoch gets ``metric_name_prefix``
-        (``eval_loss_epoch`` becomes e.g. ``ema_model_eval_loss_epoch``), so the epoch's own are never overwritten.
-        The trainer's model, callbacks, metric prefix and the training mode of every module are restored after.
+        For callbacks that evaluate between updates or other weights. The trainer's model, callbacks, metric prefix
+        and every module's training mode are restored after.
 
         Args:
-            model: the module to evaluate in place of ``trainer.model``, e.g. an EMA copy of the weights, on the
-                run's device (``ValueError`` otherwise).
+            model: the module to evaluate in place of ``trainer.model`` (an EMA copy), on the run's device.
             callbacks: a :class:`CallbackHandler` or callbacks to call during this epoch instead of the trainer's.
-            metric_name_prefix: prepended to the name of every metric recorded during the epoch.
+            metric_name_prefix: prepended to each metric recorded during the epoch, so the epoch's own stay.
+
+        Raises:
+            ValueError: the run has no evaluation data, or ``model`` is on another device.
 
         Example::
 
-            trainer.run_extra_eval_epoch(
-                model=ema_model, callbacks=[MetricCollectionCallback(...)], metric_name_prefix="ema_"
-            )
+            trainer.run_extra_eval_epoch(model=ema_model, metric_name_prefix="ema_")  # ema_eval_loss_epoch
         """
         if self.eval_dataloader is None:
             raise ValueError(
@@ -1500,18 +1316,16 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if model is not None:
             validate_model_on_device(model, self.device, "run_extra_eval_epoch(model=...)")
         restore = (self.model, self.callback_handler, getattr(history, "metric_name_prefix", ""))
-        modes = [(module, module.training) for module in evaluated.modules()]
         if callbacks is not None:
             self.callback_handler = callbacks if isinstance(callbacks, CallbackHandler) else CallbackHandler(callbacks)
         self.model = evaluated
         history.set_metric_name_prefix(metric_name_prefix)
         try:
-            self._run_eval_epoch(self.eval_dataloader)
+            with training_modes_kept(evaluated):
+                self._run_eval_epoch(self.eval_dataloader)
         finally:
             self.model, self.callback_handler = restore[:2]
             history.set_metric_name_prefix(restore[2])
-            for module, training in modes:  # module by module: frozen layers may be in eval mode on purpose
-                module.training = training
 
     def skip_non_finite_steps(
         self, max_consecutive_skips: Optional[int] = None, max_retries: int = 0, on_exhausted: str = "skip"
@@ -1519,24 +1333,21 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """For the rest of this training run, skip each optimizer update whose gradients are not finite.
 
         A skipped update leaves the weights, the optimizer and the scheduler untouched, and its loss out of
-        ``train_loss_epoch``. Checking reads one flag back from the device per optimizer update (never per
-        micro-batch); the default run, without a policy, reads nothing. ``SkipNonFiniteStepsCallback`` calls
-        this in ``on_training_run_start`` and records the skips in the run history. The policy is in
-        ``loop/non_finite.py``.
+        ``train_loss_epoch``. Checking reads one flag back from the device per update (a host-device sync; none
+        without a policy). ``SkipNonFiniteStepsCallback`` calls this in ``on_training_run_start``.
 
         Args:
             max_consecutive_skips: stop the run after this many skipped updates in a row (``None``: never).
-            max_retries: first re-run the update's accumulation window (each of its micro-batches) this many times;
-                a retry fires no event (``on_train_step_end`` fired once, for the first try).
-            on_exhausted: what happens to an update whose gradients are still not finite after its retries:
-                ``"skip"`` it and go on (after ``max_consecutive_skips`` in a row, stop); ``"stop"`` the run there,
-                cleanly (``TrainResult.stopped_early``, with the reason in ``stop_reason``); or stop it and
-                ``"raise"`` :class:`~pytorch_accel_trainer.callbacks.NonFiniteGradientsError` from ``train()`` once
-                every callback has ended the run. The console says which happened; ``TrainResult`` counts the
-                skipped updates (``non_finite_updates_skipped``).
+            max_retries: first re-run the update's accumulation window this many times (a retry fires no event).
+            on_exhausted: for an update still not finite after its retries: ``"skip"`` it and go on, ``"stop"`` the
+                run cleanly, or stop it and ``"raise"`` a
+                :class:`~pytorch_accel_trainer.callbacks.NonFiniteGradientsError` from ``train()`` once the run ended.
 
         Returns:
             The policy, which counts the skips (``skipped_in_epoch``, ``skipped_in_run``).
+
+        Raises:
+            ValueError: an invalid argument.
         """
         policy = NonFinitePolicy(
             max_consecutive_skips=max_consecutive_skips, max_retries=max_retries, on_exhausted=on_exhausted

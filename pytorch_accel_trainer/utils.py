@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import numbers
@@ -53,23 +54,6 @@ def dataloader_batch_size(dataloader: Any) -> int | None:
 def dataset_length(dataset: Any) -> int | None:
     """Return ``len(dataset)``, or ``None`` when the dataset has no ``__len__``."""
     return dataloader_length(dataset)
-
-
-def with_last_flag(iterable: Iterable) -> Iterator[tuple[Any, bool]]:
-    """Yield ``(item, is_last)`` pairs, looking one item ahead.
-
-    This tells the training loop which batch ends the epoch even for a dataset without ``__len__``, so a
-    partial accumulation window can still synchronise and step on its last micro-batch.
-    """
-    iterator = iter(iterable)
-    try:
-        current = next(iterator)
-    except StopIteration:
-        return
-    for following in iterator:
-        yield current, False
-        current = following
-    yield current, True
 
 
 def seed_worker(worker_id: int) -> None:
@@ -177,10 +161,6 @@ class DataLoaderSlice:
         self.dl = dl
         self.slice_size = slice_size
         self.is_active = is_active
-
-    #: The names ``dataloader`` and ``num_batches`` are kept for this library's earlier versions.
-    dataloader = property(lambda self: self.dl)
-    num_batches = property(lambda self: self.slice_size)
 
     def _slicing(self) -> bool:
         return self.is_active is None or bool(self.is_active())
@@ -502,95 +482,12 @@ def _pair_by_name(ema_module: nn.Module, model: nn.Module) -> tuple[list, list, 
     return ema_floats, model_floats, ema_others, model_others, watched
 
 
-class DeferredSum:
-    """A weighted sum of scalar tensors kept on their device, added up in batches.
-
-    :meth:`add` only keeps a reference: the device work (one stack and one sum for up to ``fold_every``
-    values) happens in :meth:`fold`, so a training step pays no device op for it, and nothing is ever read
-    back to the host here. Values of one weight are summed together, then multiplied by it, so that no list
-    of weights is ever copied to the device.
-    """
-
-    def __init__(self, fold_every: int = 256):
-        self.fold_every = fold_every
-        self.reset()
-
-    def reset(self) -> None:
-        self._total: torch.Tensor | None = None
-        self._pending: list = []
-        self._pending_weight: Any = None
-        self.weight_total: Any = 0
-
-    def add(self, value: torch.Tensor, weight: Any = 1) -> None:
-        """Add ``value * weight`` (``weight`` a number or a scalar tensor); only a detached view of it is kept."""
-        self.add_detached(value.detach(), weight)
-
-    def add_detached(self, value: torch.Tensor, weight: Any = 1) -> None:
-        """:meth:`add` for a ``value`` its caller has detached already (a tensor op less: a step's loss is detached
-        once, by the loss tracker, not twice)."""
-        if self._pending and (isinstance(weight, torch.Tensor) or weight != self._pending_weight):
-            self.fold()
-        self._pending.append(value)
-        self._pending_weight = weight
-        self.weight_total = self.weight_total + weight
-        if isinstance(weight, torch.Tensor) or len(self._pending) >= self.fold_every:
-            self.fold()
-
-    def fold(self) -> None:
-        """Add the pending values into the total, on the device."""
-        if not self._pending:
-            return
-        folded = torch.stack(self._pending).float().sum() * self._pending_weight
-        self._total = folded if self._total is None else self._total + folded
-        self._pending = []
-
-    @property
-    def total(self) -> torch.Tensor | None:
-        """The sum so far, as a device tensor (``None`` before the first value)."""
-        self.fold()
-        return self._total
-
-    def state_dict(self) -> dict:
-        """The exact state, pending values included, so that a restored sum adds up in the same order."""
-        return {
-            "total": self._total,
-            "pending": torch.stack(self._pending) if self._pending else None,
-            "pending_weight": self._pending_weight,
-            "weight_total": self.weight_total,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self._total, self._pending_weight, self.weight_total = (
-            state["total"],
-            state["pending_weight"],
-            state["weight_total"],
-        )
-        self._pending = [] if state["pending"] is None else list(state["pending"].unbind())
-
-
 def is_mapping(value: Any) -> bool:
     """``isinstance(value, Mapping)``, with the common cases first: the abstract-class check costs about 1 us, on
     every step."""
     if isinstance(value, dict):
         return True
     return not isinstance(value, (tuple, list, torch.Tensor)) and isinstance(value, Mapping)
-
-
-def batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch of the default hooks: ``len(batch[1])``, or for a dict the first
-    dimension of ``labels`` (else of its first tensor)."""
-    if is_mapping(batch):
-        tensor = batch.get("labels")
-        if not isinstance(tensor, torch.Tensor):
-            tensor = next((value for value in batch.values() if isinstance(value, torch.Tensor)), None)
-        if tensor is None:
-            raise TypeError(
-                f"The batch is a dict with the keys {sorted(batch)} but no tensor, so its size is unknown; override "
-                "calculate_train_batch_loss / calculate_eval_batch_loss to return 'batch_size' yourself."
-            )
-        return tensor.size(0)
-    targets = batch[1]
-    return targets.size(0) if isinstance(targets, torch.Tensor) else len(targets)
 
 
 def model_output_loss(model_outputs: Any) -> torch.Tensor:
@@ -603,6 +500,18 @@ def model_output_loss(model_outputs: Any) -> torch.Tensor:
             "'labels')."
         )
     return loss
+
+
+@contextlib.contextmanager
+def training_modes_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Put back the training mode of every submodule of ``module`` on leaving the block, module by module (a frozen
+    layer may be in evaluation mode on purpose, so one ``module.train()`` would not do)."""
+    modes = [(submodule, submodule.training) for submodule in module.modules()]
+    try:
+        yield
+    finally:
+        for submodule, training in modes:
+            submodule.training = training
 
 
 def require_batches(batches: Iterable, error_message: str) -> Iterator:
@@ -620,7 +529,7 @@ def require_batches(batches: Iterable, error_message: str) -> Iterator:
 
 
 def _count(number: int) -> str:
-    """``number`` as Lightning's ModelSummary writes it: ``97``, ``1.2 K``, ``3.4 M``, ``7.0 B``."""
+    """``number`` with a unit suffix, to one decimal: ``97``, ``1.2 K``, ``3.4 M``, ``7.0 B``."""
     for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
         if number >= size:
             return f"{number / size:.1f} {suffix}"
@@ -637,9 +546,9 @@ def _parameter_counts(module: nn.Module) -> tuple[int, int, float]:
 
 
 def model_summary_line(model: nn.Module, mixed_precision: str = "no") -> str:
-    """One line that says what a model is, as Lightning's ModelSummary does in a table: its class, its parameters
-    (total and trainable), its size in MiB (parameters and buffers, as stored) and the precision it runs in; parts
-    separated by `` · `` as the console's epoch lines are.
+    """One line that says what a model is: its class, its parameters (total and trainable), its size in MiB
+    (parameters and buffers, as stored) and the precision it runs in; parts separated by `` · `` as the console's
+    epoch lines are.
 
     Example::
 

@@ -116,7 +116,7 @@ def _validate_scheduler_factory(create_scheduler_fn: Any) -> None:
 
 
 MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16", "fp8")
-#: Other names users of other trainers write for the same choices (Hezar's "full", Lightning's "bf16-mixed", ...).
+#: Aliases accepted for the same choices (``"full"``, ``"bf16-mixed"``, ...); docs/migration.md says whose they are.
 MIXED_PRECISION_ALIASES = {
     "full": "no",
     "fp32": "no",
@@ -469,13 +469,13 @@ def validate_loss_requires_grad(loss: torch.Tensor, model: torch.nn.Module) -> N
 
 def validate_first_eval_batch(trainer: Any) -> None:
     """Run the default ``calculate_eval_batch_loss`` on the first samples of the eval dataset before training
-    starts, so that an eval set that does not fit the model fails now, not after a whole training epoch (as
-    Lightning's sanity check). It changes nothing the run depends on: the batch is built from the dataset and the
-    dataloader's ``collate_fn`` without iterating the dataloader (no sampler, iterator or worker is touched), the
-    model runs in eval mode under ``no_grad`` (each module's mode is put back), no event fires, and the RNG states
-    of torch, numpy and ``random`` are put back. Skipped for a stream (an iterable dataset may not be readable
-    twice), for a dataloader that is not a torch ``DataLoader``, and when a subclass overrides
-    ``calculate_eval_batch_loss``, which may keep state (metrics) that one extra batch would change.
+    starts, so that an eval set that does not fit the model fails now, not after a whole training epoch. It changes
+    nothing the run depends on: the batch is built from the dataset and the dataloader's ``collate_fn`` without
+    iterating the dataloader (no sampler, iterator or worker is touched), the model runs in eval mode under
+    ``no_grad`` (each module's mode is put back), no event fires, and the RNG states of torch, numpy and ``random``
+    are put back. Skipped for a stream (an iterable dataset may not be readable twice), for a dataloader that is not a
+    torch ``DataLoader``, and when a subclass overrides ``calculate_eval_batch_loss``, which may keep state (metrics)
+    that one extra batch would change.
     """
     dataloader = getattr(trainer.eval_dataloader, "base_dataloader", trainer.eval_dataloader)
     _validate_eval_batches_exist(dataloader)
@@ -585,7 +585,7 @@ def warn_if_schedule_is_in_epochs(scheduler: Any, run_config: Any, scheduler_int
         )
 
 
-#: ``train(max_time=...)`` as text: days, hours, minutes and seconds, as Lightning's ``Trainer(max_time=...)``.
+#: ``train(max_time=...)`` as text, ``"DD:HH:MM:SS"``: days, hours, minutes and seconds.
 _MAX_TIME_FIELDS = ("days", "hours", "minutes", "seconds")
 
 

@@ -10,8 +10,9 @@ from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 
 
-def make_sync_counting_trainer(monkeypatch, model, callbacks=(), **kwargs) -> tuple:
-    """Return ``(trainer, reads)``: ``reads`` collects every syncing tensor read made inside a training step.
+def count_syncs_in_steps(monkeypatch, trainer_class=Trainer) -> tuple:
+    """Return ``(subclass, marker, reads)``: a subclass of ``trainer_class`` and a callback to pass to it, and the
+    list that collects every syncing tensor read made inside a training step.
 
     A step runs from ``on_train_step_start`` until the next one, or until ``train_epoch_end`` for the last.
     """
@@ -21,7 +22,7 @@ def make_sync_counting_trainer(monkeypatch, model, callbacks=(), **kwargs) -> tu
         def on_train_step_start(self, trainer, **kwargs):
             phase["in_step"] = True
 
-    class MarkStepsDone(Trainer):
+    class MarkStepsDone(trainer_class):
         def train_epoch_end(self):
             phase["in_step"] = False
 
@@ -35,5 +36,12 @@ def make_sync_counting_trainer(monkeypatch, model, callbacks=(), **kwargs) -> tu
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counting)
-    trainer = make_trainer(model, callbacks=[MarkStepStart, *callbacks], trainer_class=MarkStepsDone, **kwargs)
+    return MarkStepsDone, MarkStepStart(), reads
+
+
+def make_sync_counting_trainer(monkeypatch, model, callbacks=(), trainer_class=Trainer, **kwargs) -> tuple:
+    """Return ``(trainer, reads)``: a ``trainer_class`` of ``model`` (conftest's make_trainer), and the list that
+    collects every syncing tensor read made inside a training step (see count_syncs_in_steps)."""
+    counting_class, marker, reads = count_syncs_in_steps(monkeypatch, trainer_class)
+    trainer = make_trainer(model, callbacks=[marker, *callbacks], trainer_class=counting_class, **kwargs)
     return trainer, reads

@@ -131,7 +131,8 @@ def private_accelerate_accesses(source: str) -> list:
         "from accelerate.utils import _private_helper",
     ],
 )
-def test_the_check_finds_each_form_of_private_access(source):
+def test_check_finds_each_private_access(source):
+    """The check finds each form of private access to Accelerate."""
     assert private_accelerate_accesses(source), source
 
 
@@ -145,11 +146,13 @@ def test_the_check_finds_each_form_of_private_access(source):
         "getattr(model, '__func__', None)",
     ],
 )
-def test_the_check_leaves_public_and_own_attributes_alone(source):
+def test_check_spares_public_attributes(source):
+    """The check leaves public attributes, and the package's own, alone."""
     assert private_accelerate_accesses(source) == []
 
 
-def test_no_private_accelerate_access_outside_the_internals_module():
+def test_private_access_only_in_internals():
+    """No private Accelerate access outside parallel/accelerate_internals.py."""
     found = {
         f"{path.relative_to(ROOT)}:{line}: {text}"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -162,7 +165,7 @@ def test_no_private_accelerate_access_outside_the_internals_module():
     )
 
 
-def test_the_internals_module_holds_what_no_public_api_does():
+def test_internals_hold_only_what_api_lacks():
     """A test that the allow-listed module is really used for private state (else the allowance is stale)."""
     assert private_accelerate_accesses(INTERNALS.read_text())
 
@@ -172,7 +175,8 @@ def test_the_internals_module_holds_what_no_public_api_does():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_the_installed_accelerate_has_every_internal_the_package_uses():
+def test_installed_accelerate_has_internals():
+    """The installed Accelerate has every internal the package uses."""
     trainer = make_trainer(make_linear())
     assert accelerate_internals.missing_internals(trainer.accelerator) == [], (
         f"accelerate {accelerate.__version__} renamed private state the trainer uses: it runs on the fallbacks "
@@ -180,7 +184,8 @@ def test_the_installed_accelerate_has_every_internal_the_package_uses():
     )
 
 
-def test_each_run_starts_with_an_accelerator_that_forgot_the_last_run_without_collecting_garbage(monkeypatch):
+def test_each_run_starts_a_fresh_accelerator(monkeypatch):
+    """Each run starts with an accelerator that forgot the last run, without collecting garbage."""
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(), num_epochs=1, per_device_batch_size=8)
     monkeypatch.setattr(Accelerator, "free_memory", lambda self, *objects: pytest.fail("free_memory (gc) was called"))
@@ -190,7 +195,8 @@ def test_each_run_starts_with_an_accelerator_that_forgot_the_last_run_without_co
     assert len(trainer.accelerator._models) == 1 and len(trainer.accelerator._optimizers) == 1  # this run's only
 
 
-def test_without_the_prepared_lists_the_public_free_memory_forgets_them(monkeypatch):
+def test_no_prepared_lists_free_memory(monkeypatch):
+    """Without the prepared lists, the public free_memory forgets them."""
     accelerator = make_trainer(make_linear()).accelerator
     freed = []
     monkeypatch.setattr(Accelerator, "free_memory", lambda self, *objects: freed.append(self))
@@ -203,7 +209,8 @@ def test_without_the_prepared_lists_the_public_free_memory_forgets_them(monkeypa
     ]
 
 
-def test_without_the_shared_process_state_set_up_means_an_accelerator_was_created(monkeypatch):
+def test_set_up_without_shared_state(monkeypatch):
+    """Without the shared process state, set up means an accelerator was created."""
     make_trainer(make_linear())  # an Accelerator: both states are set up
     assert accelerate_internals.process_state_is_set_up()
     monkeypatch.delattr(PartialState, "_shared_state")
@@ -213,13 +220,15 @@ def test_without_the_shared_process_state_set_up_means_an_accelerator_was_create
     )
 
 
-def test_without_the_state_reset_a_failed_set_up_warns_that_the_precision_stays(monkeypatch):
+def test_no_state_reset_failed_set_up_warns(monkeypatch):
+    """Without the state reset, a failed set-up warns that the precision stays."""
     monkeypatch.delattr(AcceleratorState, "_reset_state")
     with pytest.warns(UserWarning, match=rf"accelerate {re.escape(accelerate.__version__)} has no .*restart"):
         accelerate_internals.undo_failed_set_up()
 
 
-def test_with_the_state_reset_a_failed_set_up_is_undone_silently(monkeypatch):
+def test_state_reset_undoes_failed_set_up(monkeypatch):
+    """With the state reset, a failed set-up is undone silently."""
     resets = []
     monkeypatch.setattr(AcceleratorState, "_reset_state", staticmethod(lambda: resets.append(True)))
     with warnings.catch_warnings():
@@ -247,7 +256,7 @@ def _lower_bound(requirement: Requirement) -> str:
 
 
 @pytest.mark.parametrize("name", ["accelerate", "torch"])
-def test_newer_releases_than_today_satisfy_the_requirements(name):
+def test_newer_releases_satisfy_requirements(name):
     """pip installs the package beside any newer accelerate and torch: no upper bound, here or in the installed
     metadata (which pip built from setup.cfg; a stale one needs ``pip install -e .`` again)."""
     declared = _setup_cfg_requirements()[name]
@@ -265,7 +274,8 @@ def test_newer_releases_than_today_satisfy_the_requirements(name):
     assert not declared.specifier.contains("0.1"), f"{declared} has no lower bound"
 
 
-def test_the_lower_bounds_are_the_ones_the_docs_name_and_ci_tests():
+def test_lower_bounds_match_docs_and_ci():
+    """The lower bounds are the ones docs/versions.md names and CI tests."""
     requirements = _setup_cfg_requirements()
     accelerate_floor, torch_floor = _lower_bound(requirements["accelerate"]), _lower_bound(requirements["torch"])
     page = (ROOT / "docs" / "versions.md").read_text()
@@ -275,7 +285,7 @@ def test_the_lower_bounds_are_the_ones_the_docs_name_and_ci_tests():
     assert "setup.cfg" in script  # the script reads the bound from setup.cfg, so that it tests this one
 
 
-def test_the_installed_releases_are_within_the_requirements():
+def test_installed_releases_meet_requirements():
     requirements = _setup_cfg_requirements()
     for name, version in (("accelerate", accelerate.__version__), ("torch", torch.__version__.split("+")[0])):
         assert requirements[name].specifier.contains(version), f"{name} {version} is outside {requirements[name]}"

@@ -9,14 +9,10 @@ import torch
 from conftest import assert_bitwise_equal
 from test_training_state import Crash, CrashAt, _final_state, _run
 
-from pytorch_accel_trainer.state import async_save, training_state
-from pytorch_accel_trainer.state.training_state import (
-    MANIFEST_NAME,
-    CheckpointError,
-    find_resumable_state,
-    list_complete_states,
-    verify_folder,
-)
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state import async_save, crash_points
+from pytorch_accel_trainer.state.files import MANIFEST_NAME
+from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +24,8 @@ def _state_files(folder):
     return {path.name: path.read_bytes() for path in folder.iterdir() if path.name != MANIFEST_NAME}
 
 
-def test_an_asynchronous_save_writes_the_same_state_as_a_synchronous_one(tmp_path, reference):
+def test_async_save_equals_sync_save(tmp_path, reference):
+    """An asynchronous save writes the same state as a synchronous one."""
     synchronous = _run(tmp_path / "sync", num_epochs=1)
     asynchronous = _run(tmp_path / "async", num_epochs=1, asynchronous=True)
     assert not async_save.saver.pending  # the end of train() waited for the last one
@@ -42,7 +39,8 @@ def test_an_asynchronous_save_writes_the_same_state_as_a_synchronous_one(tmp_pat
         assert _state_files(async_state.folder) == _state_files(sync_state.folder)
 
 
-def test_a_crash_then_an_asynchronous_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, reference):
+def test_crash_then_async_resume_is_bitwise(tmp_path, reference):
+    """A crash then an asynchronous resume is bitwise equal to an uninterrupted run."""
     with pytest.raises(Crash):
         _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=4), asynchronous=True)
     async_save.saver.wait()  # what a process exit does
@@ -51,9 +49,8 @@ def test_a_crash_then_an_asynchronous_resume_is_bitwise_equal_to_an_uninterrupte
 
 
 @pytest.mark.parametrize("point", ["write:optimizer.pt", "hash:model.safetensors", "manifest", "rename"])
-def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_last_good_state(
-    tmp_path, reference, monkeypatch, point
-):
+def test_background_failure_raised_next_save(tmp_path, reference, monkeypatch, point):
+    """A failure in the background is raised at the next save, and leaves the last good state."""
     failed = []
 
     def fail(name):  # once, in the background thread, when earlier states exist that it must not damage
@@ -61,7 +58,7 @@ def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_l
             failed.append(name)
             raise Crash(name)
 
-    monkeypatch.setattr(training_state, "_crash_point", fail)
+    monkeypatch.setattr(crash_points, "crash_point", fail)
     with pytest.raises(
         CheckpointError,
         match=r"The asynchronous save of a training state failed \(Crash: .*\); the states saved before it are intact",
@@ -71,18 +68,20 @@ def test_a_failure_in_the_background_is_raised_at_the_next_save_and_leaves_the_l
     assert not async_save.saver.pending
     assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
     assert find_resumable_state(tmp_path) is not None
-    monkeypatch.setattr(training_state, "_crash_point", lambda name: None)
+    monkeypatch.setattr(crash_points, "crash_point", lambda name: None)
     resumed = _run(tmp_path, max_checkpoints=4, asynchronous=True)
     assert_bitwise_equal(_final_state(resumed), reference)
 
 
-def test_asynchronous_saves_of_several_processes_are_refused_naming_the_alternative():
+def test_multi_process_async_save_is_refused():
+    """Asynchronous saves of several processes are refused, naming the alternative."""
     accelerator = SimpleNamespace(num_processes=2, distributed_type="MULTI_GPU", state=None)
     with pytest.raises(ValueError, match=r"this run has 2 process\(es\).*Pass asynchronous=False"):
         async_save.validate_asynchronous_save(accelerator)
 
 
-def test_a_failure_of_the_last_background_save_is_raised_as_train_returns(tmp_path, monkeypatch):
+def test_last_save_failure_raised_at_return(tmp_path, monkeypatch):
+    """A failure of the last background save is raised as train() returns."""
     manifests = []
 
     def fail_the_last(name):  # the 11th and last save of the epoch (11 updates, one save each, none at the end)
@@ -91,14 +90,15 @@ def test_a_failure_of_the_last_background_save_is_raised_as_train_returns(tmp_pa
             if len(manifests) == 11:
                 raise Crash(name)
 
-    monkeypatch.setattr(training_state, "_crash_point", fail_the_last)
+    monkeypatch.setattr(crash_points, "crash_point", fail_the_last)
     with pytest.raises(CheckpointError, match=r"The asynchronous save of a training state failed"):
         _run(tmp_path, num_epochs=1, save_every_n_epochs=None, save_at_end=False, asynchronous=True)
     assert len(manifests) == 11 and not async_save.saver.pending
     assert len(list_complete_states(tmp_path)) == 10  # the ten before it are intact
 
 
-def test_host_buffers_are_reused_by_the_next_save_and_freed_as_the_run_ends(tmp_path):
+def test_host_buffers_reused_then_freed(tmp_path):
+    """Host buffers are reused by the next save, and freed as the run ends."""
     from pytorch_accel_trainer.state.async_save import HostBuffers, host_buffers
 
     buffers, source = HostBuffers(), torch.arange(6.0)

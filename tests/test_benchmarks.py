@@ -20,7 +20,8 @@ UNPAIRED = {"overhead_long", "logits_train", "logits_eval"}
 
 
 @pytest.mark.slow
-def test_quick_benchmark_runs_every_row_and_workload_and_each_trains(tmp_path):
+def test_quick_benchmark_runs_every_row(tmp_path):
+    """The quick benchmark runs every row and workload, and each trains."""
     completed = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"), "--quick", "--output-dir", str(tmp_path)],
         capture_output=True,
@@ -59,3 +60,13 @@ def test_quick_benchmark_runs_every_row_and_workload_and_each_trains(tmp_path):
     assert markdown.count("× one step's logits") == 2  # the memory tables of train() and evaluate()
     assert "FAIL" not in markdown
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+def test_window_trace_stays_small():
+    """One accumulation window without callbacks runs at most 25 of the package's functions, in at most 5 files
+    (benchmarks/step_trace.py): the step a newcomer reads stays in a few places."""
+    spec = importlib.util.spec_from_file_location("step_trace", REPO_ROOT / "benchmarks" / "step_trace.py")
+    step_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_trace)
+    summary, listing = step_trace.run("pytorch_accel_trainer", "none", count_all=False)
+    assert summary["functions"] <= 25 and summary["files"] <= 5, "\n".join(listing)

@@ -1,4 +1,5 @@
-"""The callback protocol and the default callbacks, on tiny real runs."""
+"""The callback protocol and the default callbacks, on tiny real runs; other trainers' event names are refused
+naming the event to use here."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from pytorch_accel_trainer.callbacks import (
     TrainerCallback,
     get_default_callbacks,
 )
+from pytorch_accel_trainer.callbacks.base import FASTAI_EVENT_NAMES, FOREIGN_EVENT_NAMES
 
 #: The public names pytorch-accelerated 0.1.61 defines in its callbacks.py (its classes, functions and module
 #: constants, read from its AST), and the names it imports that its users import from there (ModelEma).
@@ -67,7 +69,8 @@ HOOKS_WITH_EVENTS = (
 )
 
 
-def test_every_event_has_a_documented_no_op_and_every_hook_its_on_twin():
+def test_events_have_no_ops_and_hook_twins():
+    """Every event has a documented no-op, and every hook its on_ twin."""
     for event in EVENTS:
         method = getattr(TrainerCallback, event)
         assert method.__doc__ and method(TrainerCallback(), trainer=None, batch=None, batch_output=None) is None
@@ -78,20 +81,22 @@ def test_every_event_has_a_documented_no_op_and_every_hook_its_on_twin():
     assert fired == set(EVENTS)
 
 
-def test_every_name_of_pytorch_accelerated_callbacks_is_here():
+def test_peer_callback_names_exist():
+    """Every name of pytorch-accelerated's callbacks.py is here."""
     missing = [name for name in PEER_CALLBACKS_NAMES if not hasattr(callbacks_module, name)]
     assert not missing
     assert set(PEER_CALLBACKS_NAMES) - {"logger"} <= set(callbacks_module.__all__)
 
 
-def test_get_default_callbacks_is_the_trainers_default_with_or_without_the_bar():
+def test_get_default_callbacks():
+    """get_default_callbacks() is the trainer's default, with or without the progress bar."""
     assert get_default_callbacks() == get_default_callbacks(progress_bar=True) == DEFAULT_CALLBACKS
     assert get_default_callbacks(progress_bar=False) == tuple(
         cb for cb in DEFAULT_CALLBACKS if cb is not ProgressBarCallback
     )
 
 
-def test_every_event_takes_pytorch_acceleraterated_call_forms():
+def test_events_take_peer_call_forms():
     """Peer tests call events by hand with only some arguments, e.g. on_train_step_end(trainer, step=0)."""
     callback = TrainerCallback()
     for event in EVENTS:
@@ -107,7 +112,8 @@ def test_every_event_takes_pytorch_acceleraterated_call_forms():
     bar.on_train_epoch_end(trainer)
 
 
-def test_a_missing_callback_attribute_is_a_callback_method_not_implemented_error():
+def test_missing_callback_attribute_error():
+    """A missing callback attribute is a CallbackMethodNotImplementedError."""
     callback = TrainerCallback()
     with pytest.raises(
         CallbackMethodNotImplementedError, match="'TrainerCallback' object has no attribute 'on_my_event'"
@@ -117,7 +123,9 @@ def test_a_missing_callback_attribute_is_a_callback_method_not_implemented_error
     assert not hasattr(callback, "verify_train_batch") and getattr(callback, "verify_train_batch", None) is None
 
 
-def test_a_callback_that_is_also_a_module_keeps_its_module_attributes():
+def test_module_callback_keeps_attributes():
+    """A callback that is also an nn.Module keeps its module attributes."""
+
     class ModuleCallback(TrainerCallback, nn.Module):
         def __init__(self):
             nn.Module.__init__(self)
@@ -129,7 +137,8 @@ def test_a_callback_that_is_also_a_module_keeps_its_module_attributes():
         _ = callback.missing
 
 
-def test_a_custom_event_reaches_the_callbacks_that_handle_it():
+def test_custom_event_reaches_its_handlers():
+    """A custom event reaches the callbacks that handle it."""
     calls = []
 
     class Verify(TrainerCallback):
@@ -141,14 +150,16 @@ def test_a_custom_event_reaches_the_callbacks_that_handle_it():
     assert calls == [("trainer", 1, 2)]
 
 
-def test_an_undeclared_event_that_no_callback_handles_does_nothing_as_in_pytorch_accelerated():
+def test_unhandled_undeclared_event_is_no_op():
+    """An undeclared event that no callback handles does nothing, as in pytorch-accelerated."""
     handler = CallbackHandler([RecordingCallback])
     handler.call_event("verify_train_batch", trainer=None)  # nobody handles it: nothing happens
     handler.register_events("verify_train_batch")
     handler.call_event("verify_train_batch", trainer=None)
 
 
-def test_an_on_prefixed_custom_event_needs_no_declaration_and_declaring_lists_it():
+def test_custom_on_event_needs_no_declaration():
+    """An on_-prefixed custom event needs no declaration; declaring it lists it."""
     seen = []
 
     class OnMyEvent(TrainerCallback):
@@ -163,7 +174,9 @@ def test_an_on_prefixed_custom_event_needs_no_declaration_and_declaring_lists_it
         handler.register_events("_private")
 
 
-def test_every_callback_ends_its_run_even_when_an_earlier_one_raised(caplog):
+def test_every_callback_ends_the_run(caplog):
+    """Every callback ends its run, even when an earlier one raised."""
+
     class Fails(TrainerCallback):
         def __init__(self, message):
             self.message = message
@@ -203,12 +216,83 @@ def test_a_typo_in_a_callback_method_is_an_error():
         make_trainer(make_linear(), callbacks=[Typo])
 
 
+# Other trainers' event names (Lightning, Keras, Dream Trainer, fastai): refused or warned about, naming ours ----------
+
+
+class DreamCallback(TrainerCallback):
+    """Dream Trainer's (and Lightning's) callback, as its docs write it."""
+
+    def on_train_batch_end(self, trainer, outputs, batch, batch_idx):
+        pass
+
+
+class KerasCallback(TrainerCallback):
+    def on_epoch_end(self, trainer, **kwargs):
+        pass
+
+
+def test_foreign_event_name_is_refused():
+    """A callback method with another trainer's event name is refused, naming the event to use here."""
+    lightning = r"'on_train_batch_end', which is Lightning's.*here the event is 'on_train_step_end'"
+    with pytest.raises(ValueError, match=lightning):
+        make_trainer(make_linear(), callbacks=[DreamCallback()])
+    keras = r"'on_epoch_end', which is Keras's.*here the event is 'on_training_run_epoch_end'"
+    with pytest.raises(ValueError, match=keras):
+        make_trainer(make_linear(), callbacks=[KerasCallback])
+
+    class Backward(TrainerCallback):
+        def on_after_backward(self, trainer):
+            pass
+
+    with pytest.raises(ValueError, match=r"does not fire \(no event: override the trainer's backward_step hook\)"):
+        make_trainer(make_linear(), callbacks=[Backward])
+
+
+def test_declared_foreign_name_is_fired():
+    """A custom event with a foreign name is allowed once declared, and fired."""
+
+    class FiresEpochEnd(Trainer):
+        callback_events = ("on_epoch_end",)
+
+        def training_run_epoch_end(self):
+            self.callback_handler.call_event("on_epoch_end", self)
+
+    class Counts(TrainerCallback):
+        calls = 0
+
+        def on_epoch_end(self, trainer, **kwargs):
+            Counts.calls += 1
+
+    trainer = make_trainer(make_linear(), callbacks=[Counts()], trainer_class=FiresEpochEnd)
+    trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4)
+    assert Counts.calls == 2
+
+
+def test_fastai_event_name_warns():
+    class FastaiStyle(TrainerCallback):
+        def after_batch(self):
+            pass
+
+    fastai = r"'after_batch', which is fastai's name.*here the event is 'on_train_step_end'"
+    with pytest.warns(UserWarning, match=fastai):
+        make_trainer(make_linear(), callbacks=[FastaiStyle()])
+
+
+def test_foreign_names_map_to_events():
+    """Every foreign name maps to an event or says what to do, and none is one of ours."""
+    for name, (whose, here) in FOREIGN_EVENT_NAMES.items():
+        assert name not in EVENTS and whose.endswith("'s")
+        assert here in EVENTS or here.startswith("no event: "), name
+    assert set(FASTAI_EVENT_NAMES.values()) <= set(EVENTS)
+
+
 def test_duplicate_callback_classes_are_refused():
     with pytest.raises(ValueError, match="A RecordingCallback is already registered"):
         CallbackHandler([RecordingCallback, RecordingCallback()])
 
 
-def test_callbacks_are_called_in_order_and_can_be_removed():
+def test_callbacks_called_in_order_removable():
+    """Callbacks are called in order, and can be removed."""
     order = []
 
     class First(TrainerCallback):
@@ -227,7 +311,8 @@ def test_callbacks_are_called_in_order_and_can_be_removed():
     assert handler.callback_list == ["Second"]
 
 
-def test_default_callbacks_print_progress_and_metrics(capsys):
+def test_default_callbacks_print(capsys):
+    """The default callbacks print progress and metrics."""
     assert DEFAULT_CALLBACKS == (
         MoveModulesToDeviceCallback,
         TerminateOnNaNCallback,
@@ -260,7 +345,8 @@ def test_log_metrics_can_be_redirected():
     assert [set(metrics) for metrics in logged] == [{"train_loss_epoch"}, {"eval_loss_epoch"}]
 
 
-def test_move_modules_to_device_moves_extra_modules_but_not_the_model():
+def test_move_modules_to_device():
+    """MoveModulesToDeviceCallback moves extra modules, but not the model."""
     moved = []
 
     class Spy(nn.Module):
@@ -295,7 +381,8 @@ class _NaNAfter(Trainer):
         return output
 
 
-def test_terminate_on_nan_stops_at_the_next_check_and_the_run_ends_cleanly():
+def test_terminate_on_nan_stops_at_next_check():
+    """TerminateOnNaNCallback stops at the next check, and the run ends cleanly."""
     callback = TerminateOnNaNCallback(check_every_n_steps=5, raise_on_nan=False)
     recorder = RecordingCallback()
     model = make_linear()
@@ -310,7 +397,8 @@ def test_terminate_on_nan_stops_at_the_next_check_and_the_run_ends_cleanly():
     assert not callback.triggered and callback.error is None  # reset by the next run
 
 
-def test_a_diverging_run_raises_non_finite_loss_error_once_every_callback_ended_it(capsys):
+def test_diverging_run_raises_non_finite_error(capsys):
+    """A diverging run raises NonFiniteLossError once every callback has ended it."""
     recorder = RecordingCallback()
     trainer = make_trainer(
         make_linear(),
@@ -346,13 +434,8 @@ def test_a_diverged_evaluation_raises_it_too():
         trainer.evaluate(linear_dataset(8), per_device_batch_size=4)
 
 
-def test_terminate_on_nan_keeps_the_former_name_of_raise_on_nan():
-    with pytest.deprecated_call(match="pass raise_on_nan"):
-        callback = TerminateOnNaNCallback(exit_on_nan=False)
-    assert callback.raise_on_nan is False
-
-
-def test_check_for_nan_after_batch_checks_one_batch_at_once():
+def test_check_for_nan_after_batch():
+    """check_for_nan_after_batch checks one batch at once."""
     callback = TerminateOnNaNCallback()
     callback.check_for_nan_after_batch({"loss": torch.tensor(1.0)}, step="training")
     with pytest.raises(StopTrainingError, match="Stopping training due to NaN loss in validation step"):
@@ -360,7 +443,8 @@ def test_check_for_nan_after_batch_checks_one_batch_at_once():
     assert callback.triggered and callback.error.metric == "eval_loss_epoch"
 
 
-def test_terminate_on_nan_leaves_a_finite_run_alone():
+def test_terminate_on_nan_spares_finite_run():
+    """TerminateOnNaNCallback leaves a finite run alone."""
     callback = TerminateOnNaNCallback(check_every_n_steps=1)
     trainer = make_trainer(make_linear(), callbacks=[callback])
     trainer.train(linear_dataset(8), num_epochs=2, eval_dataset=linear_dataset(4), per_device_batch_size=2)

@@ -36,7 +36,8 @@ def _assert_state_equal(actual: dict, expected: dict):
         assert torch.equal(actual[key], value), key
 
 
-def test_saves_each_improvement_and_loads_the_best_at_the_end(tmp_path):
+def test_saves_improvements_loads_best(tmp_path):
+    """Saves each improvement, and loads the best at the end."""
     path = tmp_path / "best.pt"
     trainer = _train_scored(SaveBestModelCallback(path, watch_metric="score"), [3.0, 1.0, 2.0])
     checkpoint = torch.load(path, weights_only=True)
@@ -47,7 +48,8 @@ def test_saves_each_improvement_and_loads_the_best_at_the_end(tmp_path):
     assert not torch.equal(trainer.weights_by_epoch[2]["weight"], trainer.weights_by_epoch[3]["weight"])
 
 
-def test_greater_is_better_and_load_saved_checkpoint_false_keeps_the_last_weights(tmp_path):
+def test_greater_is_better_and_keep_last(tmp_path):
+    """greater_is_better works; load_saved_checkpoint=False keeps the last weights."""
     path = tmp_path / "best.pt"
     callback = SaveBestModelCallback(
         path, watch_metric="score", greater_is_better=True, load_saved_checkpoint=False, save_optimizer=False
@@ -59,7 +61,8 @@ def test_greater_is_better_and_load_saved_checkpoint_false_keeps_the_last_weight
     _assert_state_equal(trainer.get_model().state_dict(), trainer.weights_by_epoch[3])
 
 
-def test_watches_eval_loss_epoch_by_default_on_a_real_run(tmp_path):
+def test_watches_eval_loss_by_default(tmp_path):
+    """Watches eval_loss_epoch by default, on a real run."""
     callback = SaveBestModelCallback(tmp_path / "best_model.pt")
     trainer = make_trainer(make_linear(), callbacks=[callback])
     trainer.train(linear_dataset(32), num_epochs=3, eval_dataset=linear_dataset(16, seed=1), per_device_batch_size=4)
@@ -67,7 +70,8 @@ def test_watches_eval_loss_epoch_by_default_on_a_real_run(tmp_path):
     assert callback.best_metric == min(losses) and callback.best_metric_epoch == losses.index(min(losses)) + 1
 
 
-def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist(tmp_path):
+def test_unknown_watch_metric_lists_metrics(tmp_path):
+    """An unknown watch metric is an error listing the metrics that exist."""
     trainer = make_trainer(make_linear(), callbacks=[SaveBestModelCallback(tmp_path / "m.pt", watch_metric="accuracy")])
     with pytest.raises(
         ValueError,
@@ -77,7 +81,9 @@ def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist(tmp_
         trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
 
 
-def test_a_run_stopped_before_any_epoch_ended_loads_nothing(tmp_path):
+def test_run_stopped_early_loads_nothing(tmp_path):
+    """A run stopped before any epoch ended loads nothing."""
+
     class StopAtOnce(TrainerCallback):
         def on_train_epoch_start(self, trainer, **kwargs):
             raise StopTrainingError("stop before anything is saved")
@@ -88,7 +94,8 @@ def test_a_run_stopped_before_any_epoch_ended_loads_nothing(tmp_path):
     assert not path.exists()
 
 
-def test_state_dict_round_trips_and_the_restored_best_is_kept(tmp_path):
+def test_state_dict_round_trips(tmp_path):
+    """state_dict round-trips, and the restored best is kept."""
     path = tmp_path / "best.pt"
     first = SaveBestModelCallback(path, watch_metric="score")
     before = _train_scored(first, [2.0, 1.0]).weights_by_epoch[2]

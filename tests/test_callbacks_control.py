@@ -15,7 +15,8 @@ from pytorch_accel_trainer.callbacks import (
 )
 
 
-def test_limits_training_and_evaluation_epochs_and_restores_the_dataloaders():
+def test_limits_epochs_restores_dataloaders():
+    """Limits training and evaluation epochs, and restores the DataLoaders."""
     recorder = RecordingCallback()
     trainer = make_trainer(make_linear(), callbacks=[LimitBatchesCallback(3), recorder])
     trainer.train(linear_dataset(64), num_epochs=2, eval_dataset=linear_dataset(32), per_device_batch_size=4)
@@ -26,7 +27,8 @@ def test_limits_training_and_evaluation_epochs_and_restores_the_dataloaders():
     assert recorder.events.count("on_eval_step_start") == 9
 
 
-def test_a_partial_accumulation_window_at_the_limit_is_stepped():
+def test_partial_window_at_limit_is_stepped():
+    """A partial accumulation window at the limit is stepped."""
     trainer = make_trainer(make_linear(), callbacks=[LimitBatchesCallback(5)])
     trainer.train(linear_dataset(64), num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=2)
     assert trainer.num_update_steps_completed == 3  # windows of 2, 2 and 1: the limit is the epoch's length
@@ -46,7 +48,7 @@ class EnvTrainer(Trainer):
         return CallbackHandler(with_limit_batches_from_env(self._callbacks))
 
 
-def test_the_environment_variable_adds_the_callback(monkeypatch):
+def test_environment_variable_adds_callback(monkeypatch):
     monkeypatch.setenv(LIMIT_BATCHES_ENV_VAR, "2")
     recorder = RecordingCallback()
     trainer = make_trainer(make_linear(), callbacks=[recorder], trainer_class=EnvTrainer)
@@ -58,7 +60,8 @@ def test_the_environment_variable_adds_the_callback(monkeypatch):
     ]  # first, as pytorch-accelerated
 
 
-def test_the_environment_variable_adds_nothing_when_unset_empty_or_already_there(monkeypatch):
+def test_environment_variable_adds_once(monkeypatch):
+    """The environment variable adds nothing when unset, empty, or the callback is already there."""
     monkeypatch.delenv(LIMIT_BATCHES_ENV_VAR, raising=False)
     assert with_limit_batches_from_env([RecordingCallback]) == [RecordingCallback]
     monkeypatch.setenv(LIMIT_BATCHES_ENV_VAR, "")
@@ -69,7 +72,8 @@ def test_the_environment_variable_adds_nothing_when_unset_empty_or_already_there
 
 
 @pytest.mark.parametrize("value", ["two", "0", "-3", "1.5"])
-def test_an_invalid_environment_variable_is_an_error(monkeypatch, value):
+def test_invalid_environment_variable(monkeypatch, value):
+    """An invalid environment variable is an error."""
     monkeypatch.setenv(LIMIT_BATCHES_ENV_VAR, value)
     with pytest.raises(
         ValueError, match=f"The environment variable PT_ACC_LIMIT_BATCHES is '{value}', not a positive whole number"
@@ -82,7 +86,8 @@ def test_num_batches_must_be_positive():
         LimitBatchesCallback(0)
 
 
-def test_dataloader_slice_follows_its_switch_and_forwards_attributes():
+def test_dataloader_slice():
+    """DataLoaderSlice follows its switch and forwards attributes."""
     batches = list(range(10))
     active = {"on": True}
     sliced = DataLoaderSlice(batches, 3, is_active=lambda: active["on"])

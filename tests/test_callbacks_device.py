@@ -9,7 +9,9 @@ from torch import nn
 from pytorch_accel_trainer.callbacks import ConvertSyncBatchNormCallback
 
 
-def test_one_process_keeps_its_batch_norm_layers_and_trains_as_without_the_callback():
+def test_one_process_keeps_batch_norm():
+    """One process keeps its batch norm layers, and trains as without the callback."""
+
     def train(callbacks):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))

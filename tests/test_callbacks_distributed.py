@@ -30,7 +30,8 @@ def _run(tmp_path, name, command, per_device_batch_size):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_stop_together_and_compute_the_single_process_metrics(tmp_path):
+def test_two_processes_stop_together(tmp_path):
+    """Two processes stop together, and compute the single-process metrics."""
     single, single_rows = _run(tmp_path, "single", launcher(1), per_device_batch_size=8)
     double, double_rows = _run(tmp_path, "double", launcher(2), per_device_batch_size=4)
 

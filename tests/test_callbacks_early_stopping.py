@@ -35,7 +35,8 @@ def _run_scored(callback, scores, trainer=None):
     return trainer, recorder.events.count("on_train_epoch_start"), "on_stop_training_error" in recorder.events
 
 
-def test_stops_when_the_improvement_is_not_above_the_threshold_for_patience_epochs(capsys):
+def test_stops_after_patience_without_gain(capsys):
+    """Stops when the improvement is not above the threshold for patience epochs."""
     callback = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.25, watch_metric="score")
     # 1.0 sets the reference; 0.5 improves; 0.375 (by 0.125) and 0.25 (by exactly 0.25) do not
     _, epochs_run, stopped = _run_scored(callback, [1.0, 0.5, 0.375, 0.25, 0.1, 0.05])
@@ -44,19 +45,21 @@ def test_stops_when_the_improvement_is_not_above_the_threshold_for_patience_epoc
     assert "Stopping training due to no improvement after 2 epochs" in capsys.readouterr().out
 
 
-def test_an_improvement_resets_the_counter_and_greater_can_be_better():
+def test_improvement_resets_the_counter():
+    """An improvement resets the counter; greater can be better."""
     callback = EarlyStoppingCallback(2, early_stopping_threshold=None, watch_metric="score", greater_is_better=True)
     _, epochs_run, stopped = _run_scored(callback, [0.1, 0.05, 0.2, 0.2, 0.19, 0.3])
     assert (epochs_run, stopped) == (5, True)  # counter: 1 (0.05), reset (0.2), 1 (0.2), 2 (0.19)
 
 
-def test_a_run_that_keeps_improving_is_not_stopped():
+def test_improving_run_is_not_stopped():
     callback = EarlyStoppingCallback(1, watch_metric="score")
     _, epochs_run, stopped = _run_scored(callback, [4.0, 3.0, 2.0, 1.0])
     assert (epochs_run, stopped) == (4, False)
 
 
-def test_a_real_run_that_cannot_learn_stops_after_patience_epochs():
+def test_real_run_that_cannot_learn_stops():
+    """A real run that cannot learn stops after patience epochs."""
     callback = EarlyStoppingCallback(early_stopping_patience=2)
     trainer = make_trainer(make_linear(), lr=0.0, callbacks=[callback])
     trainer.train(linear_dataset(16), num_epochs=10, eval_dataset=linear_dataset(8, seed=1), per_device_batch_size=4)
@@ -64,7 +67,8 @@ def test_a_real_run_that_cannot_learn_stops_after_patience_epochs():
     assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # the reference, then two epochs without change
 
 
-def test_an_unknown_watch_metric_is_an_error_listing_the_metrics_that_exist():
+def test_unknown_watch_metric_lists_metrics():
+    """An unknown watch metric is an error listing the metrics that exist."""
     trainer = make_trainer(make_linear(), callbacks=[EarlyStoppingCallback(watch_metric="val_loss")])
     with pytest.raises(
         ValueError,
@@ -86,7 +90,8 @@ def test_invalid_arguments_are_refused(kwargs, message):
         EarlyStoppingCallback(**kwargs)
 
 
-def test_reset_on_train_decides_whether_a_second_run_starts_afresh():
+def test_reset_on_train_second_run():
+    """reset_on_train decides whether a second run starts afresh."""
     fresh = EarlyStoppingCallback(1, watch_metric="score")
     trainer, _, _ = _run_scored(fresh, [1.0, 0.5])
     assert _run_scored(fresh, [0.9, 0.8], trainer=trainer)[1:] == (2, False)  # 0.9 is the new reference
@@ -96,7 +101,8 @@ def test_reset_on_train_decides_whether_a_second_run_starts_afresh():
     assert _run_scored(kept, [0.9, 0.8], trainer=trainer)[1:] == (1, True)  # 0.9 is worse than 0.5
 
 
-def test_the_state_survives_a_checkpoint_and_the_next_run_start():
+def test_state_survives_checkpoint_and_run():
+    """The state survives a checkpoint and the next run's start."""
     first = EarlyStoppingCallback(3, watch_metric="score")
     _run_scored(first, [1.0, 0.5, 0.6, 0.55])  # best 0.5, counter 2
     buffer = io.BytesIO()

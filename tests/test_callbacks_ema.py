@@ -40,7 +40,8 @@ def _expected_ema(initial: dict, updates: list, decay: float) -> dict:
     return ema
 
 
-def test_the_ema_follows_every_optimizer_step_under_accumulation_and_a_partial_window(tmp_path):
+def test_ema_follows_every_optimizer_step(tmp_path):
+    """The EMA follows every optimizer step, under accumulation and a partial window."""
     model = make_linear()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     callback = ModelEmaCallback(decay=0.9, evaluate_during_training=False, save_path=tmp_path / "ema.pt")
@@ -56,7 +57,9 @@ def test_the_ema_follows_every_optimizer_step_under_accumulation_and_a_partial_w
     torch.testing.assert_close(saved["model_state_dict"]["weight"], expected["weight"], rtol=1e-6, atol=1e-7)
 
 
-def test_evaluating_the_ema_records_prefixed_metrics_and_leaves_training_unchanged(tmp_path):
+def test_ema_evaluation_prefixed_metrics(tmp_path):
+    """Evaluating the EMA records prefixed metrics and leaves training unchanged."""
+
     def run(callbacks):
         trainer = make_trainer(make_mlp(), lr=0.05, callbacks=callbacks)
         trainer.train(
@@ -86,7 +89,8 @@ def test_evaluating_the_ema_records_prefixed_metrics_and_leaves_training_unchang
         assert torch.equal(saved["model_state_dict"][name], value)
 
 
-def test_the_arguments_are_pytorch_accelerateds_in_its_order_with_its_defaults():
+def test_arguments_are_the_peers():
+    """The arguments are pytorch-accelerated's, in its order, with its defaults."""
     parameters = inspect.signature(ModelEmaCallback).parameters
     assert [(name, p.default) for name, p in parameters.items()] == [
         ("decay", 0.99),
@@ -99,7 +103,9 @@ def test_the_arguments_are_pytorch_accelerateds_in_its_order_with_its_defaults()
     ]
 
 
-def test_model_ema_is_the_class_that_keeps_the_average(tmp_path):
+def test_model_ema_keeps_the_average(tmp_path):
+    """ModelEma is the class that keeps the average."""
+
     class CountingEma(ModelEma):
         made_from: ClassVar[list] = []
 
@@ -126,7 +132,8 @@ def test_model_ema_is_the_class_that_keeps_the_average(tmp_path):
         ModelEmaCallback(model_ema="ModelEma")
 
 
-def test_evaluating_during_training_needs_an_eval_dataset():
+def test_evaluating_needs_an_eval_dataset():
+    """Evaluating during training needs an eval_dataset."""
     trainer = make_trainer(make_linear(), callbacks=[ModelEmaCallback()])
     with pytest.raises(
         ValueError, match="ModelEmaCallback evaluates during training, but train\\(\\) was given no eval_dataset"
@@ -140,7 +147,8 @@ def test_decay_must_be_between_zero_and_one(decay):
         ModelEmaCallback(decay=decay)
 
 
-def test_the_state_round_trips_through_a_weights_only_checkpoint_and_seeds_the_next_run(tmp_path):
+def test_state_round_trips_weights_only(tmp_path):
+    """The state round-trips through a weights_only checkpoint, and seeds the next run."""
     first = ModelEmaCallback(decay=0.5, evaluate_during_training=False, save_path=tmp_path / "a.pt")
     make_trainer(make_linear(), callbacks=[first]).train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
     buffer = io.BytesIO()
@@ -184,7 +192,9 @@ class CrashAtStep(TrainerCallback):
             raise Crash()
 
 
-def test_a_crashed_run_resumed_from_its_training_state_ends_with_the_same_ema(tmp_path):
+def test_resumed_run_ends_with_same_ema(tmp_path):
+    """A crashed run resumed from its training state ends with the same EMA."""
+
     def run(save_dir, crash=None):
         ema = ModelEmaCallback(decay=0.7, save_path=tmp_path / f"{save_dir}.pt")
         saving = SaveTrainingStateCallback(tmp_path / save_dir, save_every_n_steps=2, save_on_signals=())

@@ -22,7 +22,8 @@ def _train(callbacks, num_epochs=2, **kwargs):
     return trainer
 
 
-def test_evaluates_every_n_updates_without_changing_training_or_the_epoch_metrics():
+def test_evaluates_every_n_updates():
+    """Evaluates every n updates, without changing training or the epoch metrics."""
     with_steps = _train([StepBasedEvaluationCallback(eval_every_n_steps=5)])
     plain = _train([])
     history = with_steps.run_history
@@ -33,7 +34,8 @@ def test_evaluates_every_n_updates_without_changing_training_or_the_epoch_metric
     assert torch.equal(with_steps.get_model().weight, plain.get_model().weight)
 
 
-def test_the_intermediate_loss_is_that_of_the_model_after_the_nth_update():
+def test_intermediate_loss_after_nth_update():
+    """The intermediate loss is that of the model after the nth update."""
     history = _train([StepBasedEvaluationCallback(eval_every_n_steps=5)]).run_history
     after_five = make_trainer(make_linear(), lr=0.05, callbacks=[])
     after_five.train(TRAIN, num_epochs=1, eval_dataset=EVAL, per_device_batch_size=4, max_num_train_steps=5)
@@ -42,7 +44,8 @@ def test_the_intermediate_loss_is_that_of_the_model_after_the_nth_update():
     assert first == pytest.approx(after_five.run_history.get_latest_metric("evaluation_loss"), rel=1e-6)
 
 
-def test_the_interval_counts_optimizer_updates_and_the_training_mode_is_restored():
+def test_interval_counts_optimizer_updates():
+    """The interval counts optimizer updates, and the training mode is restored."""
     modes, intermediate = [], []
 
     class Probe(TrainerCallback):
@@ -58,7 +61,8 @@ def test_the_interval_counts_optimizer_updates_and_the_training_mode_is_restored
     assert all(modes)
 
 
-def test_the_evaluation_epoch_events_say_is_intermediate_as_in_pytorch_accelerated():
+def test_epoch_events_say_is_intermediate():
+    """The evaluation epoch events say is_intermediate, as in pytorch-accelerated."""
     flags = []
 
     class PeerStyle(TrainerCallback):  # pytorch-accelerated's LimitEvalStepsCallback reads it this way
@@ -77,7 +81,8 @@ def test_the_evaluation_epoch_events_say_is_intermediate_as_in_pytorch_accelerat
     assert flags[-2:] == [("start", False, False), ("end", False, False)]
 
 
-def test_an_intermediate_evaluation_fires_the_evaluation_events_between_two_steps():
+def test_intermediate_evaluation_events():
+    """An intermediate evaluation fires the evaluation events between two steps."""
     recorder = RecordingCallback()
     _train([StepBasedEvaluationCallback(eval_every_n_steps=15), recorder], num_epochs=1)
     step_ends = [i for i, event in enumerate(recorder.events) if event == "on_train_step_end"]
@@ -91,7 +96,8 @@ def test_an_intermediate_evaluation_fires_the_evaluation_events_between_two_step
     ]
 
 
-def test_needs_an_eval_dataset_and_a_positive_interval():
+def test_needs_eval_dataset_and_interval():
+    """Needs an eval_dataset and a positive interval."""
     trainer = make_trainer(make_linear(), callbacks=[StepBasedEvaluationCallback(2)])
     with pytest.raises(
         ValueError,
@@ -112,13 +118,15 @@ def _eval_steps_per_epoch(recorder) -> list:
     return counts
 
 
-def test_limit_eval_steps_limits_intermediate_evaluations_only_by_default():
+def test_limit_eval_steps_default():
+    """LimitEvalStepsCallback limits intermediate evaluations only, by default."""
     recorder = RecordingCallback()
     _train([LimitEvalStepsCallback(2), StepBasedEvaluationCallback(8), recorder], num_epochs=1)
     assert _eval_steps_per_epoch(recorder) == [2, 8]  # after update 8; then the full epoch evaluation
 
 
-def test_limit_eval_steps_can_limit_every_evaluation_including_evaluate():
+def test_limit_eval_steps_every_evaluation():
+    """LimitEvalStepsCallback can limit every evaluation, evaluate() included."""
     recorder = RecordingCallback()
     trainer = _train(
         [LimitEvalStepsCallback(3, limit_intermediate_only=False), StepBasedEvaluationCallback(8), recorder],

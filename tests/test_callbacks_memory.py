@@ -8,7 +8,8 @@ from pytorch_accel_trainer.callbacks import LogMetricsCallback, PeakMemoryCallba
 from pytorch_accel_trainer.callbacks.memory import HOST_MEMORY_METRIC, get_peak_host_memory_mib
 
 
-def test_records_the_peak_host_memory_of_each_epoch_where_there_is_no_cuda(capsys):
+def test_records_peak_host_memory(capsys):
+    """Records the peak host memory of each epoch where there is no CUDA."""
     trainer = make_trainer(make_linear(), callbacks=[PeakMemoryCallback, LogMetricsCallback])
     trainer.train(linear_dataset(16), num_epochs=3, per_device_batch_size=4)
     peaks = trainer.run_history.get_metric_values(HOST_MEMORY_METRIC)

@@ -13,7 +13,8 @@ from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import MetricCollectionCallback, StepBasedEvaluationCallback
 
 
-def test_the_mean_squared_error_equals_the_mse_eval_loss_of_each_epoch(capsys):
+def test_mse_metric_equals_eval_loss(capsys):
+    """The mean squared error equals the MSE eval loss of each epoch."""
     metrics = MetricCollectionCallback({"mse": MeanSquaredError(), "mae": MeanAbsoluteError()})
     trainer = make_trainer(make_linear(), callbacks=[metrics, *DEFAULT_CALLBACKS])
     trainer.train(linear_dataset(32), num_epochs=2, eval_dataset=linear_dataset(20, seed=1), per_device_batch_size=8)
@@ -25,7 +26,8 @@ def test_the_mean_squared_error_equals_the_mse_eval_loss_of_each_epoch(capsys):
     assert capsys.readouterr().out.count("mse: ") == 2  # placed first, so the default logger prints them
 
 
-def test_an_evaluation_run_and_intermediate_evaluations_record_it_too():
+def test_evaluate_and_intermediate_record_it():
+    """An evaluation run and intermediate evaluations record it too."""
     metrics = MetricCollectionCallback(MetricCollection([MeanSquaredError()], prefix="eval_"))
     trainer = make_trainer(make_linear(), callbacks=[metrics, StepBasedEvaluationCallback(2)])
     trainer.train(linear_dataset(32), num_epochs=1, eval_dataset=linear_dataset(8, seed=1), per_device_batch_size=8)
@@ -37,7 +39,9 @@ def test_an_evaluation_run_and_intermediate_evaluations_record_it_too():
     )
 
 
-def test_predictions_and_targets_come_from_a_configurable_function():
+def test_configurable_predictions_and_targets():
+    """Predictions and targets come from a configurable function."""
+
     class Classify(Trainer):
         def calculate_eval_batch_loss(self, batch):
             output = super().calculate_eval_batch_loss(batch)

@@ -44,7 +44,8 @@ class PostfixProbe(TrainerCallback):
         return dict(item.split("=") for item in self.bar.pbar.postfix.split(", ")) if self.bar.pbar.postfix else {}
 
 
-def test_shows_the_interval_loss_learning_rate_and_throughput_every_n_steps(capsys):
+def test_shows_loss_lr_and_throughput(capsys):
+    """Shows the interval loss, learning rate and throughput every n steps."""
     bar = ProgressBarCallback(refresh_every_n_steps=4)
     probe = PostfixProbe(bar)
     trainer = make_trainer(make_linear(), lr=0.1, callbacks=[bar, probe])
@@ -62,7 +63,7 @@ def test_shows_the_interval_loss_learning_rate_and_throughput_every_n_steps(caps
 
 
 @pytest.mark.parametrize("mininterval", ["0", "60"])
-def test_by_default_the_postfix_is_refreshed_each_time_the_bar_is_drawn_and_no_more(monkeypatch, mininterval):
+def test_postfix_refreshed_when_bar_is_drawn(monkeypatch, mininterval):
     """By default the loss, learning rate and throughput are refreshed when tqdm draws the bar again (at most every
     ``mininterval`` seconds): more often, no one would see them."""
 
@@ -84,7 +85,8 @@ def test_by_default_the_postfix_is_refreshed_each_time_the_bar_is_drawn_and_no_m
     assert probe.epoch_end_postfix["loss"] == f"{final_loss:.4g}"  # the epoch's loss, once it ends
 
 
-def test_shows_the_learning_rate_of_every_parameter_group():
+def test_shows_lr_of_every_param_group():
+    """Shows the learning rate of every parameter group."""
     model = make_linear()
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.01}], lr=0.1)
     bar = ProgressBarCallback(refresh_every_n_steps=2)
@@ -95,7 +97,8 @@ def test_shows_the_learning_rate_of_every_parameter_group():
     assert probe.postfixes[-1]["lr"] == "0.1,0.01"
 
 
-def test_refreshing_every_step_makes_no_host_device_sync(monkeypatch):
+def test_refreshing_every_step_makes_no_sync(monkeypatch):
+    """Refreshing every step makes no host-device sync."""
     trainer, reads = make_sync_counting_trainer(
         monkeypatch, make_linear(), callbacks=[ProgressBarCallback(refresh_every_n_steps=1)]
     )
@@ -103,7 +106,8 @@ def test_refreshing_every_step_makes_no_host_device_sync(monkeypatch):
     assert trainer.num_update_steps_completed == 32 and reads == []
 
 
-def test_an_intermediate_evaluation_gets_its_own_bar_and_the_epochs_bar_counts_its_evaluation(capsys):
+def test_intermediate_evaluation_bar(capsys):
+    """An intermediate evaluation gets its own bar; the epochs' bar counts its evaluation."""
     trainer = make_trainer(
         make_linear(), callbacks=[StepBasedEvaluationCallback(3), ProgressBarCallback(refresh_every_n_steps=2)]
     )
@@ -129,7 +133,8 @@ def _printed_metric_names(output: str) -> list:
     return [line.split(": ")[0] for line in output.splitlines() if ": " in line]
 
 
-def test_verbose_log_metrics_prints_only_the_metrics_of_the_current_run(capsys):
+def test_verbose_log_metrics_current_run(capsys):
+    """Verbose LogMetricsCallback prints only the metrics of the current run."""
     trainer = make_trainer(make_linear(), callbacks=[LogMetricsCallback(verbose=True)])
     trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     assert _printed_metric_names(capsys.readouterr().out) == ["train_loss_epoch", "eval_loss_epoch"]
@@ -146,7 +151,8 @@ EPOCH_LINE = re.compile(
 )
 
 
-def test_the_default_callbacks_print_a_start_line_one_summary_line_per_epoch_and_an_end_line(capsys):
+def test_default_callbacks_print_summary_lines(capsys):
+    """The default callbacks print a start line, one summary line per epoch, and an end line."""
     trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
     trainer.train(linear_dataset(64), num_epochs=3, eval_dataset=linear_dataset(16), per_device_batch_size=8)
     model_line, *lines = capsys.readouterr().out.splitlines()
@@ -162,7 +168,8 @@ def test_the_default_callbacks_print_a_start_line_one_summary_line_per_epoch_and
     assert re.match(r"^Finished 3 epochs in [\d.e+-]+s \(24 updates\)$", lines[4]) and len(lines) == 5
 
 
-def test_the_end_line_gives_the_best_monitored_value_and_an_evaluation_run_prints_one_line(capsys):
+def test_end_line_gives_the_best_value(capsys):
+    """The end line gives the best monitored value; an evaluation run prints one line."""
     trainer = make_trainer(
         make_linear(), callbacks=(*DEFAULT_CALLBACKS, EarlyStoppingCallback(early_stopping_patience=5))
     )
@@ -176,7 +183,8 @@ def test_the_end_line_gives_the_best_monitored_value_and_an_evaluation_run_print
     )
 
 
-def test_verbose_callbacks_print_pytorch_accelerateds_lines(capsys):
+def test_verbose_callbacks_print_peer_lines(capsys):
+    """Verbose callbacks print pytorch-accelerated's lines."""
     verbose = [PrintProgressCallback(verbose=True), LogMetricsCallback(verbose=True)]
     make_trainer(make_linear(), callbacks=verbose).train(
         linear_dataset(16), num_epochs=2, eval_dataset=linear_dataset(8), per_device_batch_size=8
@@ -186,7 +194,9 @@ def test_verbose_callbacks_print_pytorch_accelerateds_lines(capsys):
     assert _printed_metric_names(out) == ["train_loss_epoch", "eval_loss_epoch"] * 2
 
 
-def test_a_log_metrics_override_gets_the_same_calls_as_in_pytorch_accelerated(capsys):
+def test_log_metrics_override_gets_peer_calls(capsys):
+    """A log_metrics override gets the same calls as in pytorch-accelerated."""
+
     class Collect(LogMetricsCallback):
         def __init__(self):
             super().__init__()
@@ -203,7 +213,8 @@ def test_a_log_metrics_override_gets_the_same_calls_as_in_pytorch_accelerated(ca
     assert all(line.startswith("epoch ") and "loss" not in line for line in capsys.readouterr().out.splitlines())
 
 
-def test_outside_a_notebook_the_bar_is_tqdms_text_bar():
+def test_outside_notebook_bar_is_text():
+    """Outside a notebook, the bar is tqdm's text bar."""
     import tqdm.notebook
     import tqdm.std
 
@@ -213,7 +224,7 @@ def test_outside_a_notebook_the_bar_is_tqdms_text_bar():
     assert issubclass(chosen, tqdm.std.tqdm) and not issubclass(chosen, tqdm.notebook.tqdm_notebook)
 
 
-def test_a_script_s_bar_imports_no_notebook_package():
+def test_script_bar_imports_no_notebook():
     """A script pays nothing for notebooks: choosing its bar imports neither ipywidgets nor IPython (about 0.1 s
     at each run's start where they are installed, as the test extra installs them)."""
     code = (
@@ -250,7 +261,8 @@ def test_two_processes_print_each_line_once(tmp_path):
     assert [line.split(" · ")[0] for line in double[2:4]] == ["epoch 1/2", "epoch 2/2"]
 
 
-def test_get_default_callbacks_verbose_gives_the_earlier_output(capsys):
+def test_verbose_default_callbacks_output(capsys):
+    """get_default_callbacks(verbose=True) gives the earlier output."""
     from pytorch_accel_trainer.callbacks import get_default_callbacks
 
     trainer = make_trainer(make_linear(), callbacks=get_default_callbacks(verbose=True))
@@ -266,7 +278,8 @@ def test_get_default_callbacks_verbose_gives_the_earlier_output(capsys):
 # The model summary -------------------------------------------------------------------------------------------------
 
 
-def test_the_model_summary_counts_parameters_trainable_ones_size_and_precision():
+def test_model_summary_counts():
+    """The model summary counts parameters, trainable ones, size and precision."""
     from pytorch_accel_trainer.utils import model_summary_line, model_summary_table
 
     model = torch.nn.Sequential(torch.nn.Linear(100, 20), torch.nn.ReLU(), torch.nn.Linear(20, 1))
@@ -288,7 +301,8 @@ def test_the_model_summary_counts_parameters_trainable_ones_size_and_precision()
     assert table[1].split()[3:5] == ["2.0", "K"] and table[1].split()[5] == "0"  # Linear(100, 20): all frozen
 
 
-def test_the_full_summary_prints_a_table_and_none_prints_no_model_line(capsys):
+def test_full_summary_table_and_none(capsys):
+    """The full summary prints a table; None prints no model line."""
     full = make_trainer(make_linear(), callbacks=[PrintProgressCallback(model_summary="full")])
     full.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
     lines = capsys.readouterr().out.splitlines()

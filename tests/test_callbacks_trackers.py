@@ -1,7 +1,9 @@
-"""ExperimentTrackingCallback with the CSV, JSON-lines and TensorBoard trackers, on a tiny real run."""
+"""ExperimentTrackingCallback with the CSV, JSON-lines and TensorBoard trackers, on a tiny real run; the extra records
+the batch-loss hooks return are logged every n updates, as mini.trainer logs its steps' records."""
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import os
@@ -18,6 +20,7 @@ from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, m
 from sync_counter import make_sync_counting_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import CSVTracker, ExperimentTrackingCallback, JSONLinesTracker, TrainerCallback
 
 
@@ -41,7 +44,8 @@ def tracked_run(tmp_path):
     return trainer, recorder.losses, tmp_path / "run"
 
 
-def test_json_lines_hold_step_values_every_n_updates_and_every_epoch_metric(tracked_run):
+def test_json_lines_hold_steps_and_epochs(tracked_run):
+    """JSON lines hold step values every n updates, and every epoch metric."""
     trainer, losses, run_dir = tracked_run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_records = [r for r in records if "train_loss_step" in r]
@@ -77,7 +81,8 @@ def test_the_csv_holds_one_row_per_value(tracked_run):
     assert sum(row["name"] == "train_loss_step" for row in rows) == 8
 
 
-def test_tensorboard_holds_the_expected_scalar_series(tracked_run):
+def test_tensorboard_holds_scalar_series(tracked_run):
+    """TensorBoard holds the expected scalar series."""
     trainer, _, run_dir = tracked_run
     events = EventAccumulator(str(run_dir))
     events.Reload()
@@ -105,7 +110,8 @@ def test_an_evaluation_run_is_logged_too(tmp_path):
     assert record["evaluation_loss"] == pytest.approx(trainer.run_history.get_latest_metric("evaluation_loss"))
 
 
-def test_logging_makes_no_host_device_sync_during_steps(monkeypatch, tmp_path):
+def test_logging_makes_no_sync_during_steps(monkeypatch, tmp_path):
+    """Logging makes no host-device sync during steps."""
     tracking = ExperimentTrackingCallback(["jsonl"], logging_dir=tmp_path, run_name="run", log_every_n_steps=1)
     trainer, reads = make_sync_counting_trainer(monkeypatch, make_linear(), callbacks=[tracking])
     trainer.train(linear_dataset(64), num_epochs=1, per_device_batch_size=4)
@@ -113,7 +119,8 @@ def test_logging_makes_no_host_device_sync_during_steps(monkeypatch, tmp_path):
     assert len(lines) == 17 and reads == []  # 16 step logs, one epoch log
 
 
-def test_custom_tracker_instances_are_used_as_given(tmp_path):
+def test_custom_trackers_used_as_given(tmp_path):
+    """Custom tracker instances are used as given."""
     tracker = CSVTracker("mine", logging_dir=tmp_path)
     make_trainer(make_linear(), callbacks=[ExperimentTrackingCallback([tracker])]).train(
         linear_dataset(8), num_epochs=1, per_device_batch_size=4
@@ -136,7 +143,8 @@ def test_unknown_and_missing_trackers_are_errors():
 
 
 @pytest.mark.parametrize("clip", [{"gradient_clip_norm": 100.0}, {}])
-def test_gradient_norm_is_logged_with_or_without_clipping(tmp_path, clip):
+def test_gradient_norm_is_logged(tmp_path, clip):
+    """The gradient norm is logged, with or without clipping."""
     norms = []
 
     class NormRecorder(TrainerCallback):
@@ -153,7 +161,8 @@ def test_gradient_norm_is_logged_with_or_without_clipping(tmp_path, clip):
     assert set(logged) == {2, 4}
 
 
-def test_default_run_names_differ_after_the_same_seeds_in_the_same_second():
+def test_default_run_names_differ():
+    """Default run names differ after the same seeds, in the same second."""
     names = []
     for _ in range(2):
         random.seed(0)
@@ -164,7 +173,8 @@ def test_default_run_names_differ_after_the_same_seeds_in_the_same_second():
     assert all(re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", name) for name in names), names  # time, then 6 hex digits
 
 
-def test_the_project_name_is_a_folder_between_logging_dir_and_the_run_folder(tmp_path):
+def test_project_name_is_a_folder(tmp_path):
+    """The project name is a folder between logging_dir and the run folder."""
     grouped = ExperimentTrackingCallback(["jsonl"], logging_dir=tmp_path, project_name="proj", run_name="run")
     make_trainer(make_linear(), callbacks=[grouped]).evaluate(linear_dataset(8), per_device_batch_size=4)
     assert grouped.run_dir == tmp_path / "proj" / "run" and (grouped.run_dir / "metrics.jsonl").is_file()
@@ -201,7 +211,8 @@ with open(f"{sys.argv[1]}.rank{trainer.accelerator.process_index}", "w") as hand
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_on_two_processes_every_process_gets_the_main_process_drawn_run_name(tmp_path):
+def test_two_processes_share_the_run_name(tmp_path):
+    """On two processes, every process gets the run name the main process drew."""
     script, logs = tmp_path / "drawn_name.py", tmp_path / "logs"
     script.write_text(DRAWN_NAME_SCRIPT)
     tests = str(pathlib.Path(__file__).parent)  # for conftest's tiny model and data
@@ -212,3 +223,130 @@ def test_on_two_processes_every_process_gets_the_main_process_drawn_run_name(tmp
     first, second = (json.loads(logs.with_suffix(f".rank{rank}").read_text()) for rank in range(2))
     assert first == second  # each process drew its own name when it created the callback
     assert [path.name for path in logs.iterdir()] == [first]  # the main process's folder, named as everyone knows it
+
+
+# Records the batch-loss hooks return (mini.trainer's step records), logged every n updates ----------------------------
+
+
+class RecordsTrainer(Trainer):
+    """mini.trainer's ``forward`` returns ``(loss, records)``: here the records are the hook's extra keys, a tensor
+    (kept on the device) and a number (mini.trainer's ``.item()``)."""
+
+    def calculate_train_batch_loss(self, batch, batch_idx):
+        inputs, targets = batch
+        outputs = self.model(inputs)
+        penalty = 0.01 * (self.model.weight**2).sum()
+        return {
+            "loss": self.loss_func(outputs, targets) + penalty,
+            "regulariser": penalty.detach(),
+            "batch_number": torch.tensor(float(batch_idx)),
+            "epoch_number": float(self.run_state.epoch),
+        }
+
+
+def _csv_rows(path) -> dict:
+    with open(path) as handle:
+        rows = list(csv.DictReader(handle))
+    series = collections.defaultdict(dict)
+    for row in rows:
+        series[row["name"]][int(row["step"])] = float(row["value"])
+    return series
+
+
+class Regularisers(TrainerCallback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_step_end(self, trainer, batch_output, **kwargs):
+        self.values.append(batch_output["regulariser"].item())
+
+
+def test_hook_records_logged_every_n_updates(tmp_path):
+    """The CSV tracker logs the records a hook returns, as interval means, every log_every_n_steps updates."""
+    regularisers = Regularisers()
+    tracking = ExperimentTrackingCallback(["csv"], logging_dir=tmp_path, run_name="run", log_every_n_steps=2)
+    trainer = make_trainer(make_linear(), callbacks=[regularisers, tracking], trainer_class=RecordsTrainer)
+    trainer.train(linear_dataset(32), num_epochs=2, per_device_batch_size=4)  # 8 updates per epoch
+    series = _csv_rows(tmp_path / "run" / "metrics.csv")
+    steps = list(range(2, 17, 2))
+    assert list(series["train_batch_number_step"]) == steps
+    # the mean over the interval's two batches: indices (0, 1), (2, 3), ... in each epoch
+    assert list(series["train_batch_number_step"].values()) == [0.5, 2.5, 4.5, 6.5] * 2
+    assert list(series["train_epoch_number_step"].values()) == [0.0] * 4 + [1.0] * 4
+    for step in steps:
+        interval = regularisers.values[step - 2 : step]
+        assert series["train_regulariser_step"][step] == pytest.approx(sum(interval) / 2, rel=1e-6)
+    # the epoch means are still recorded, and logged at each epoch's end
+    assert series["train_batch_number_epoch"] == {8: 3.5, 16: 3.5}
+    assert list(series["train_loss_step"]) == steps
+
+
+def test_logging_records_makes_no_sync(monkeypatch, tmp_path):
+    """Logging the hooks' records reads nothing back from the device during steps."""
+    tracking = ExperimentTrackingCallback(["csv"], logging_dir=tmp_path, run_name="run", log_every_n_steps=1)
+    trainer, reads = make_sync_counting_trainer(
+        monkeypatch, make_linear(), callbacks=[tracking], trainer_class=RecordsTrainer
+    )
+    trainer.train(linear_dataset(32), num_epochs=1, per_device_batch_size=4)
+    assert len(_csv_rows(tmp_path / "run" / "metrics.csv")["train_regulariser_step"]) == 8 and reads == []
+
+
+def test_partial_records_and_over_16_records(tmp_path):
+    """A record only some batches return is the mean of those; more records than 16 slots fit too."""
+
+    class Sometimes(Trainer):
+        def calculate_train_batch_loss(self, batch, batch_idx):
+            output = super().calculate_train_batch_loss(batch)
+            extra = {f"metric_{index:02d}": torch.tensor(float(index)) for index in range(20)}  # more than 16 slots
+            if batch_idx % 2 == 1:
+                extra["odd_only"] = torch.tensor(float(batch_idx))
+            return {**output, **extra}
+
+    tracking = ExperimentTrackingCallback(["csv"], logging_dir=tmp_path, run_name="run", log_every_n_steps=4)
+    trainer = make_trainer(make_linear(), callbacks=[tracking], trainer_class=Sometimes)
+    trainer.train(linear_dataset(32), num_epochs=1, per_device_batch_size=4)
+    series = _csv_rows(tmp_path / "run" / "metrics.csv")
+    assert series["train_odd_only_step"] == {4: 2.0, 8: 6.0}  # (1 + 3) / 2 and (5 + 7) / 2
+    assert series["train_metric_19_step"] == {4: 19.0, 8: 19.0}
+
+
+RECORDS_ON_TWO_PROCESSES_SCRIPT = """
+import sys
+
+import torch
+from conftest import linear_dataset, make_linear, make_trainer
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback
+
+
+class RankRecords(Trainer):
+    def calculate_train_batch_loss(self, batch, batch_idx):
+        output = super().calculate_train_batch_loss(batch)
+        rank = self.accelerator.process_index
+        records = {"rank": torch.tensor(float(rank))}
+        if rank == 1:
+            records["rank_one_only"] = 7.0  # a record only one process returns: still logged
+        return {**output, **records}
+
+
+tracking = ExperimentTrackingCallback(["csv"], logging_dir=sys.argv[1], run_name="run", log_every_n_steps=2)
+trainer = make_trainer(make_linear(), callbacks=[tracking], trainer_class=RankRecords)
+trainer.train(linear_dataset(32), num_epochs=1, per_device_batch_size=4)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_average_records(tmp_path):
+    """On two processes the records are averaged over both; a record of one process alone is logged too."""
+    script = tmp_path / "records.py"
+    script.write_text(RECORDS_ON_TWO_PROCESSES_SCRIPT)
+    tests = os.path.dirname(__file__)  # for conftest's tiny model and data
+    env = {**CPU_PROCESSES_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    command = [*launcher(2), str(script), str(tmp_path / "logs")]
+    completed = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    series = _csv_rows(tmp_path / "logs" / "run" / "metrics.csv")
+    assert series["train_rank_step"] == {2: 0.5, 4: 0.5}  # 4 updates per process: the mean of ranks 0 and 1
+    assert series["train_rank_one_only_step"] == {2: 7.0, 4: 7.0}

@@ -1,9 +1,11 @@
-"""Export checkpoints: one portable file, atomic, loadable with weights_only=True."""
+"""Export checkpoints: one portable file, atomic, loadable with weights_only=True, and loadable into a model with
+another head (``strict=False``) for fine-tuning."""
 
 from __future__ import annotations
 
 import errno
 import functools
+import math
 import os
 import re
 import shutil
@@ -11,13 +13,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
-from conftest import make_mlp, make_trainer, regression_dataset
+from conftest import classification_dataset, make_mlp, make_trainer, regression_dataset
+from torch import nn
 
-from pytorch_accel_trainer import Trainer, checkpointing
-from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state import checkpointing
+from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, SkippedWeights, load_checkpoint_file
 
 
 def _trained_trainer(**train_kwargs):
@@ -27,7 +33,8 @@ def _trained_trainer(**train_kwargs):
     return trainer
 
 
-def test_round_trip_then_evaluate_gives_the_same_loss(tmp_path):
+def test_round_trip_gives_the_same_loss(tmp_path):
+    """A round trip, then evaluate, gives the same loss."""
     trainer = _trained_trainer(create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=3))
     eval_data = regression_dataset(12, seed=5)
     trainer.evaluate(eval_data, per_device_batch_size=5)
@@ -48,7 +55,8 @@ def test_round_trip_then_evaluate_gives_the_same_loss(tmp_path):
     assert fresh.optimizer.state_dict()["state"][0]["step"] == trainer.optimizer.state_dict()["state"][0]["step"]
 
 
-def test_checkpoint_loads_with_weights_only_and_keys_have_no_wrapper_prefix(tmp_path):
+def test_loads_weights_only_without_prefix(tmp_path):
+    """A checkpoint loads with weights_only=True, and its keys have no wrapper prefix."""
     trainer = _trained_trainer()
     path = tmp_path / "model.pt"
     trainer.save_checkpoint(path, save_optimizer=False)
@@ -58,7 +66,8 @@ def test_checkpoint_loads_with_weights_only_and_keys_have_no_wrapper_prefix(tmp_
     assert [name for name in os.listdir(tmp_path)] == ["model.pt"]  # no temporary file left behind
 
 
-def test_scheduler_state_round_trips_once_the_trainer_has_a_scheduler(tmp_path):
+def test_scheduler_state_round_trips(tmp_path):
+    """The scheduler state round-trips once the trainer has a scheduler."""
     factory = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
     trainer = _trained_trainer(create_scheduler_fn=factory)
     trainer.save_checkpoint(tmp_path / "model.pt")
@@ -67,7 +76,8 @@ def test_scheduler_state_round_trips_once_the_trainer_has_a_scheduler(tmp_path):
     assert other.scheduler.state_dict() == trainer.scheduler.state_dict()
 
 
-def test_values_that_need_pickle_are_refused_before_writing(tmp_path):
+def test_pickle_values_refused_before_writing(tmp_path):
+    """Values that need pickle are refused before writing."""
     trainer = _trained_trainer()
     with pytest.raises(
         TypeError,
@@ -94,7 +104,8 @@ def test_a_hostile_pickle_is_never_executed(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_missing_or_foreign_files_are_clear_errors(tmp_path):
+def test_missing_or_foreign_files(tmp_path):
+    """Missing or foreign files are clear errors."""
     trainer = make_trainer(make_mlp())
     with pytest.raises(FileNotFoundError, match="No checkpoint file at"):
         trainer.load_checkpoint(tmp_path / "absent.pt")
@@ -112,7 +123,8 @@ def test_overwriting_keeps_a_complete_file(tmp_path):
     assert trainer.load_checkpoint(path)["version"] == 2
 
 
-def test_a_compiled_model_trains_and_saves_without_orig_mod_keys(tmp_path):
+def test_compiled_model_saves_plain_keys(tmp_path):
+    """A compiled model trains, and saves without _orig_mod keys."""
     model = make_mlp()
     compiled = torch.compile(model, backend="eager")  # the OptimizedModule wrapper, without a C++ build
     trainer = Trainer(compiled, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=())
@@ -164,7 +176,8 @@ def _temporaries(folder):
     return sorted(name for name in os.listdir(folder) if ".tmp-" in name)
 
 
-def test_a_later_save_removes_the_temporaries_of_killed_saves_and_never_a_live_ones(tmp_path):
+def test_later_save_removes_stale_temporaries(tmp_path):
+    """A later save removes the temporaries of killed saves, and never a live one's."""
     trainer = _trained_trainer()
     live = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "live.pt"), "live"], stdout=subprocess.PIPE, text=True
@@ -186,9 +199,10 @@ def test_a_later_save_removes_the_temporaries_of_killed_saves_and_never_a_live_o
     assert _temporaries(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["model.pt"]
 
 
-def test_a_full_disk_is_an_enospc_error_naming_the_file_and_leaves_the_old_one(tmp_path, monkeypatch):
-    """The write goes to /dev/full, a real device that is always full, so the kernel's own ENOSPC reaches the save.
-    (A small full filesystem cannot be mounted here: torch.save is redirected to the device instead.)"""
+def test_full_disk_is_enospc_error(tmp_path, monkeypatch):
+    """A full disk is an ENOSPC error naming the file, and the old file stays. The write goes to /dev/full, a real
+    device that is always full, so the kernel's own ENOSPC reaches the save. (A small full filesystem cannot be mounted
+    here: torch.save is redirected to the device instead.)"""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     trainer = _trained_trainer()
@@ -210,10 +224,11 @@ def test_a_full_disk_is_an_enospc_error_naming_the_file_and_leaves_the_old_one(t
     assert _temporaries(tmp_path) == [] and trainer.load_checkpoint(path)["version"] == 1
 
 
-def test_torchs_enforce_fail_on_a_full_disk_becomes_the_same_enospc_error(tmp_path, monkeypatch):
-    """torch's own writer (given a path) reports a full disk as "enforce fail at inline_container.cc ... unexpected
-    pos", without an errno: the message is taken from a real write to /dev/full, then raised by a patched
-    torch.save while shutil.disk_usage reports the disk full (a mock: no full filesystem can be made here)."""
+def test_torch_enforce_fail_becomes_enospc(tmp_path, monkeypatch):
+    """torch's "enforce fail" on a full disk becomes the same ENOSPC error. torch's own writer (given a path) reports a
+    full disk as "enforce fail at inline_container.cc ... unexpected pos", without an errno: the message is taken from a
+    real write to /dev/full, then raised by a patched torch.save while shutil.disk_usage reports the disk full (a mock:
+    no full filesystem can be made here)."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     with pytest.raises(RuntimeError, match="enforce fail at inline_container.cc") as real:
@@ -233,7 +248,8 @@ def test_torchs_enforce_fail_on_a_full_disk_becomes_the_same_enospc_error(tmp_pa
     assert os.listdir(tmp_path) == []  # the partial temporary is removed
 
 
-def test_other_write_errors_are_not_reported_as_a_full_disk(tmp_path, monkeypatch):
+def test_other_write_errors_not_full_disk(tmp_path, monkeypatch):
+    """Other write errors are not reported as a full disk."""
     trainer = _trained_trainer()
 
     def fail(obj, handle):
@@ -246,7 +262,8 @@ def test_other_write_errors_are_not_reported_as_a_full_disk(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_a_truncated_or_empty_file_is_a_clear_error(tmp_path, damage):
+def test_truncated_or_empty_file(tmp_path, damage):
+    """A truncated or empty file is a clear error."""
     _trained_trainer().save_checkpoint(tmp_path / "model.pt")
     data = (tmp_path / "model.pt").read_bytes()
     (tmp_path / "model.pt").write_bytes(data[: len(data) // 2] if damage == "truncated" else b"")
@@ -258,11 +275,10 @@ def test_a_truncated_or_empty_file_is_a_clear_error(tmp_path, damage):
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_earlier_states_stay(
-    tmp_path, monkeypatch, asynchronous
-):
-    """The optimizer file's write goes to /dev/full, so the kernel's own ENOSPC reaches the save (synchronous, and
-    the background writer of an asynchronous one); the partial state folder is removed, the earlier state resumes."""
+def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous):
+    """A full disk during a training-state save is an ENOSPC error, and the earlier states stay. The optimizer file's
+    write goes to /dev/full, so the kernel's own ENOSPC reaches the save (synchronous, and the background writer of an
+    asynchronous one); the partial state folder is removed, the earlier state resumes."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
     from pytorch_accel_trainer.loop import persistence
@@ -296,3 +312,72 @@ def test_a_full_disk_during_a_training_state_save_is_an_enospc_error_and_the_ear
     monkeypatch.undo()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["before", "latest"]  # no partial folder left
     assert training_state.find_resumable_state(tmp_path).folder == first
+
+
+# A checkpoint loaded into a model with another head (strict=False), as Hezar's init_weights_from ----------------------
+
+
+def _cross_entropy_trainer(model, lr=0.5):
+    return make_trainer(model, lr=lr, loss_func=nn.CrossEntropyLoss())
+
+
+def _backbone_and_head(num_classes: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, num_classes))
+
+
+def _pretrained_checkpoint(tmp_path):
+    pretrained = _backbone_and_head(num_classes=10, seed=0)
+    trainer = _cross_entropy_trainer(pretrained, lr=0.3)  # the file's optimizer state has lr 0.3
+    trainer.train(classification_dataset(16), num_epochs=1, per_device_batch_size=8)
+    path = tmp_path / "pretrained.pt"
+    trainer.save_checkpoint(path)
+    return path, trainer.get_model()
+
+
+def test_other_head_is_refused_naming_keys(tmp_path):
+    """A checkpoint into a model with another head is refused, naming the keys; nothing is loaded."""
+    path, _ = _pretrained_checkpoint(tmp_path)
+    model = _backbone_and_head(num_classes=3, seed=1)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    trainer = _cross_entropy_trainer(model)
+    with pytest.raises(CheckpointError, match=r"2\.weight \(file \(10, 8\), model \(3, 8\)\).*strict=False"):
+        trainer.load_checkpoint(path)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())  # nothing loaded
+
+
+def test_new_head_loads_the_backbone(tmp_path):
+    """strict=False into a model with a new head loads the backbone, says what it skipped, and trains."""
+    path, pretrained = _pretrained_checkpoint(tmp_path)
+    model = _backbone_and_head(num_classes=3, seed=1)
+    head_before = model[2].weight.clone()
+    trainer = _cross_entropy_trainer(model)
+    with pytest.warns(UserWarning, match=r"skipped: shapes differ: 2\.weight.*optimizer state was not loaded"):
+        checkpoint = trainer.load_checkpoint(path, strict=False)
+    skipped = checkpoint["skipped_weights"]
+    assert skipped == SkippedWeights(mismatched_shapes={"2.weight": ((10, 8), (3, 8)), "2.bias": ((10,), (3,))})
+    assert torch.equal(model[0].weight, pretrained[0].weight) and torch.equal(model[0].bias, pretrained[0].bias)
+    assert torch.equal(model[2].weight, head_before)  # the new head keeps its own initialisation
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.5  # the old model's optimizer state was not loaded
+    result = trainer.train(classification_dataset(30), num_epochs=2, per_device_batch_size=8)
+    assert math.isfinite(result.metrics["train_loss_epoch"])
+
+
+def test_one_sided_keys_listed_fit_is_silent(tmp_path):
+    """Keys on one side only are listed; a file that fits loads silently, optimizer state included."""
+    path, pretrained = _pretrained_checkpoint(tmp_path)
+    torch.manual_seed(2)
+    deeper = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 10), nn.Tanh(), nn.Linear(10, 4))
+    trainer = _cross_entropy_trainer(deeper)
+    with pytest.warns(UserWarning, match=r"not in the file \(the model keeps its own\): 4\.weight, 4\.bias"):
+        skipped = trainer.load_checkpoint(path, strict=False)["skipped_weights"]
+    assert skipped.missing_keys == ["4.weight", "4.bias"] and not skipped.mismatched_shapes
+    smaller = _cross_entropy_trainer(nn.Sequential(nn.Linear(2, 8)))
+    with pytest.warns(UserWarning, match=r"not in the model \(ignored\): 2\.weight, 2\.bias"):
+        assert smaller.load_checkpoint(path, strict=False)["skipped_weights"].unexpected_keys == ["2.weight", "2.bias"]
+    same = _cross_entropy_trainer(_backbone_and_head(num_classes=10, seed=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint = same.load_checkpoint(path, strict=False)
+    assert not checkpoint["skipped_weights"] and same.optimizer.param_groups[0]["lr"] == 0.3  # all fits: all loaded
+    assert torch.equal(same.get_model()[2].weight, pretrained[2].weight)

@@ -69,7 +69,8 @@ def _assert_same_run(compiled, eager, atol: float) -> None:
     torch.testing.assert_close(compiled.get_model().state_dict(), eager.get_model().state_dict(), rtol=1e-5, atol=atol)
 
 
-def test_compiled_run_trains_compiled_and_matches_an_uncompiled_one():
+def test_compiled_run_matches_uncompiled():
+    """A compiled run trains compiled, and matches an uncompiled one."""
     recorder = RecordModelTypes()
     compiled = _train(AOT_EAGER, callbacks=[recorder])
     eager = _train(False)
@@ -81,14 +82,16 @@ def test_compiled_run_trains_compiled_and_matches_an_uncompiled_one():
 
 
 @pytest.mark.slow
-def test_empty_options_dict_compiles_with_the_defaults():
+def test_empty_options_use_defaults():
+    """An empty options dict compiles with the defaults."""
     recorder = RecordModelTypes()
     _train({}, callbacks=[recorder], num_epochs=1)  # {} is "compile, no options" (inductor), not "off"
 
     assert recorder.train_types == {OptimizedModule}
 
 
-def test_after_training_the_model_and_its_state_dict_are_uncompiled():
+def test_model_uncompiled_after_training():
+    """After training, the model and its state_dict are uncompiled."""
     compiled = _train(AOT_EAGER)
 
     assert not isinstance(compiled.model, OptimizedModule)
@@ -98,7 +101,8 @@ def test_after_training_the_model_and_its_state_dict_are_uncompiled():
     assert set(compiled.model.state_dict()) == set(make_mlp().state_dict())
 
 
-def test_evaluate_runs_compiled_and_equals_the_uncompiled_loss():
+def test_evaluate_compiled_equals_uncompiled():
+    """evaluate() runs compiled, and equals the uncompiled loss."""
     compiled, eager = _train(AOT_EAGER), _train(False)
     recorder = RecordModelTypes()
     compiled.callback_handler.add_callback(recorder)
@@ -128,7 +132,8 @@ class SaveCheckpointMidRun(TrainerCallback):
             self.state = {name: tensor.clone() for name, tensor in trainer.get_model().state_dict().items()}
 
 
-def test_checkpoints_saved_during_and_after_a_compiled_run_load_back(tmp_path):
+def test_compiled_run_checkpoints_load_back(tmp_path):
+    """Checkpoints saved during and after a compiled run load back."""
     saver = SaveCheckpointMidRun(tmp_path / "epoch1.pt")
     trainer = _train(AOT_EAGER, callbacks=[saver])
     trainer.save_checkpoint(tmp_path / "final.pt")
@@ -156,7 +161,8 @@ class SaveTrainingStateAfterFirstEpoch(TrainerCallback):
             trainer.save_training_state(self.path)  # taken at the end of the epoch, while the model is compiled
 
 
-def test_a_compiled_run_resumes_from_a_training_state_exactly(tmp_path):
+def test_compiled_run_resumes_exactly(tmp_path):
+    """A compiled run resumes from a training state exactly."""
     uninterrupted = _train(AOT_EAGER, callbacks=[SaveTrainingStateAfterFirstEpoch(tmp_path / "states")])
 
     resumed = make_trainer(make_mlp(seed=1), lr=0.2, torch_compile=AOT_EAGER)
@@ -174,7 +180,8 @@ def test_a_compiled_run_resumes_from_a_training_state_exactly(tmp_path):
     torch.testing.assert_close(resumed.get_model().state_dict(), uninterrupted.get_model().state_dict(), rtol=0, atol=0)
 
 
-def test_a_second_train_compiles_again_and_continues():
+def test_second_train_compiles_again():
+    """A second train() compiles again, and continues."""
     recorder = RecordModelTypes()
     trainer = _train(AOT_EAGER, callbacks=[recorder])
     first_losses = trainer.run_history.get_metric_values("train_loss_epoch")
@@ -199,7 +206,8 @@ def test_torch_compile_must_be_a_bool_or_a_dict(torch_compile):
 
 
 @pytest.mark.slow
-def test_inductor_trains_evaluates_saves_and_trains_again(tmp_path):
+def test_inductor_end_to_end(tmp_path):
+    """Inductor trains, evaluates, saves, and trains again."""
     recorder = RecordModelTypes()
     compiled = _train(True, callbacks=[recorder])
     eager = _train(False)

@@ -55,7 +55,8 @@ def _trainer(trainer_class=ProjectTrainer, callbacks=None):
     return trainer_class(model, nn.MSELoss(), optimizer, callbacks=callbacks)
 
 
-def test_undeclared_custom_events_fired_from_overridden_steps_reach_their_callbacks():
+def test_undeclared_events_reach_callbacks():
+    """Undeclared custom events fired from overridden steps reach their callbacks."""
     trainer = _trainer()
     with pytest.warns(UserWarning, match=r"on_invoke_debug_parameters.*never called") as caught:
         result = trainer.train(linear_dataset(32), num_epochs=2, per_device_batch_size=8)
@@ -68,7 +69,8 @@ def test_undeclared_custom_events_fired_from_overridden_steps_reach_their_callba
     assert "on_invoke_save_checkpoint" not in str(never_called[0].message)
 
 
-def test_the_never_called_warning_comes_once_per_handler():
+def test_never_called_warning_once():
+    """The never-called warning comes once per handler."""
     trainer = _trainer()
     with pytest.warns(UserWarning, match="on_invoke_debug_parameters"):
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=8)
@@ -77,7 +79,7 @@ def test_the_never_called_warning_comes_once_per_handler():
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=8)
 
 
-def test_declaring_the_custom_events_silences_the_warning():
+def test_declaring_events_silences_warning():
     class DeclaringTrainer(ProjectTrainer):
         callback_events = ("on_invoke_save_checkpoint", "on_invoke_debug_parameters", "on_invoke_log_train_losses")
 
@@ -100,7 +102,8 @@ def test_declaring_the_custom_events_silences_the_warning():
         ("on_evaluation_run_ending", "on_evaluation_run_end"),
     ],
 )
-def test_a_misspelt_trainer_event_is_still_refused_with_the_suggestion(name, suggestion):
+def test_misspelt_event_method_is_refused(name, suggestion):
+    """A misspelt trainer event is still refused, with the suggestion."""
     callback_class = type("Misspelt", (TrainerCallback,), {name: lambda self, trainer, **kwargs: None})
     with pytest.raises(ValueError, match=rf"'{name}'.*did you mean '{suggestion}'"):
         CallbackHandler([callback_class])
@@ -108,7 +111,8 @@ def test_a_misspelt_trainer_event_is_still_refused_with_the_suggestion(name, sug
         _trainer(Trainer, callbacks=[callback_class])
 
 
-def test_firing_a_misspelt_trainer_event_is_refused_and_an_unhandled_custom_event_does_nothing():
+def test_firing_misspelt_event_is_refused():
+    """Firing a misspelt trainer event is refused; an unhandled custom event does nothing."""
     handler = CallbackHandler([CheckpointEveryUpdate()])
     with pytest.raises(ValueError, match=r"'on_train_epoch_ends'.*did you mean 'on_train_epoch_end'"):
         handler.call_event("on_train_epoch_ends", None)

@@ -6,13 +6,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from accelerate.utils import ProjectConfiguration
 from conftest import linear_dataset, make_linear, make_trainer
 
 from pytorch_accel_trainer.validation import MIXED_PRECISION_ALIASES, mixed_precision_name
 
 
-def test_cpu_true_sets_accelerate_up_for_the_cpu_from_code():
+def test_cpu_true_sets_accelerate_up():
+    """Trainer(cpu=True) sets Accelerate up for the CPU, from code."""
     code = (
         "import torch\n"
         "from accelerate import PartialState\n"
@@ -24,6 +26,33 @@ def test_cpu_true_sets_accelerate_up_for_the_cpu_from_code():
     )  # a fresh process: Accelerate's state is set up once per process, by its first Accelerator
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
+
+
+def test_create_accelerator_cpu_true():
+    """``create_accelerator(cpu=True)`` works from code: ``cpu`` reaches Accelerator once."""
+    from pytorch_accel_trainer.parallel.distributed import create_accelerator
+
+    accelerator = create_accelerator(cpu=True)
+    assert accelerator.device.type == "cpu"
+
+
+def test_cpu_true_after_gpu_set_up(monkeypatch):
+    """On a GPU machine, a Trainer(cpu=True) after one on the GPU: Accelerate refuses the CPU (it fixes the device once
+    per process), and the error names the device, not the mixed precision. The GPU is faked by this process's
+    recorded device; Accelerate's own check refuses it."""
+    from accelerate.state import PartialState
+
+    from pytorch_accel_trainer.parallel.distributed import create_accelerator
+
+    make_trainer(make_linear())  # the process is set up (on the CPU here)
+    monkeypatch.setitem(PartialState._shared_state, "device", torch.device("meta"))  # as if on a GPU
+    with pytest.raises(ValueError) as raised:
+        create_accelerator(cpu=True)
+    assert str(raised.value) == (
+        "Trainer(cpu=True) asks for the CPU, but Accelerate already set this process up on meta, and cannot change the "
+        "device once set. Make the first Trainer (or Accelerator) of the process the one with cpu=True, or run the "
+        "whole script on the CPU (`accelerate launch --cpu script.py`, or ACCELERATE_USE_CPU=1)."
+    )
 
 
 def test_accelerator_kwargs_reach_the_accelerator(tmp_path):
@@ -53,7 +82,8 @@ def test_accelerator_kwargs_reach_the_accelerator(tmp_path):
         ),
     ],
 )
-def test_accelerator_kwargs_the_trainer_sets_or_accelerate_lacks_are_refused_with_the_fix(kwargs, message):
+def test_bad_accelerator_kwargs_are_refused(kwargs, message):
+    """accelerator_kwargs the trainer sets, or Accelerate lacks, are refused with the fix."""
     with pytest.raises(ValueError, match=message):
         make_trainer(make_linear(), accelerator_kwargs=kwargs)
     with pytest.raises(TypeError, match=r"accelerator_kwargs=\['cpu'\] is not valid: pass a dict"):
@@ -72,12 +102,14 @@ def test_accelerator_kwargs_the_trainer_sets_or_accelerate_lacks_are_refused_wit
         ("no", "no"),
     ],
 )
-def test_other_trainers_precision_names_map_to_accelerates(name, expected):
+def test_other_precision_names_map(name, expected):
+    """Other trainers' precision names map to Accelerate's."""
     assert mixed_precision_name(name) == expected
     assert set(MIXED_PRECISION_ALIASES.values()) <= {"no", "bf16", "fp16"}
 
 
-def test_hezars_full_precision_trains_in_float32_and_an_unknown_name_is_refused_with_the_choices():
+def test_full_precision_and_unknown_name():
+    """Hezar's full precision trains in float32; an unknown name is refused with the choices."""
     trainer = make_trainer(make_linear(), mixed_precision="full")
     assert trainer.mixed_precision == "no"
     trainer.train(linear_dataset(8), num_epochs=1)

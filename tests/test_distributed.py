@@ -38,7 +38,8 @@ def single(tmp_path_factory) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, single):
+def test_two_processes_equal_one(tmp_path, single):
+    """Two processes equal one process with the same global batch."""
     accumulated, _ = _launch(tmp_path, "accumulated", 1, per_device_batch_size=4, accumulation=2)
     double, completed = _launch(tmp_path, "double", 2, per_device_batch_size=4)
 
@@ -59,7 +60,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(tmp_path, si
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_token_level_losses_do_not_depend_on_how_the_global_batch_is_split(tmp_path):
+def test_token_losses_independent_of_split(tmp_path):
     """num_items_in_batch: each micro-batch's mean over its tokens is weighted by its tokens, over accumulation
     steps and processes, so 1 x 8, 1 x 4 x 2 and 2 x 4 make the same updates and log the same token means."""
     single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8, loss_kind="tokens")
@@ -82,8 +83,9 @@ def test_token_level_losses_do_not_depend_on_how_the_global_batch_is_split(tmp_p
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
-def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp_path, launcher, single):
-    """Accelerate alone would run two independent trainings here: the trainer runs one 2-process job on gloo."""
+def test_launch_without_gpus_is_one_job(tmp_path, launcher, single):
+    """A multi-process launch without GPUs is one job, even without use_cpu. Accelerate alone would run two independent
+    trainings here: the trainer runs one 2-process job on gloo."""
     env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
     env["OMP_NUM_THREADS"] = "1"
     if launcher == "accelerate":
@@ -102,8 +104,9 @@ def test_a_multi_process_launch_without_gpus_is_one_job_even_without_use_cpu(tmp
     )
 
 
-def test_accelerate_set_up_for_one_process_under_a_multi_process_launch_is_a_clear_error():
-    """Accelerate was set up (here by a PartialState) before the launcher's variables were seen: it cannot change."""
+def test_one_process_set_up_under_launch():
+    """Accelerate set up for one process under a multi-process launch is a clear error. Accelerate was set up (here by a
+    PartialState) before the launcher's variables were seen: it cannot change."""
     code = (
         "import os, torch\n"
         "from accelerate import PartialState\n"

@@ -34,7 +34,8 @@ def _launch(tmp_path, modes):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_decision_on_one_process_ends_every_process_at_the_same_step(tmp_path):
+def test_one_process_decision_ends_all(tmp_path):
+    """A decision on one process ends every process at the same step."""
     completed, ranks, _ = _launch(tmp_path, "stop_step,stop_epoch,max_steps,tiny,nan")
     assert completed.returncode == 0, completed.stderr[-3000:]
     first, second = ranks
@@ -55,7 +56,8 @@ def test_a_decision_on_one_process_ends_every_process_at_the_same_step(tmp_path)
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_an_exception_on_one_process_ends_the_whole_job_quickly(tmp_path):
+def test_one_process_exception_ends_job(tmp_path):
+    """An exception on one process ends the whole job quickly."""
     completed, ranks, elapsed = _launch(tmp_path, "error")
     assert completed.returncode != 0 and ranks == []
     assert "RuntimeError: boom on rank 1" in completed.stderr

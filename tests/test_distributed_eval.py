@@ -26,7 +26,8 @@ def _launch(tmp_path, num_processes):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_every_sample_is_evaluated_exactly_once_in_dataset_order(tmp_path, num_processes):
+def test_every_sample_evaluated_once_in_order(tmp_path, num_processes):
+    """Every sample is evaluated exactly once, in dataset order."""
     for result in _launch(tmp_path, num_processes):
         assert result["num_processes"] == num_processes
         assert len(result["cases"]) == 17 * 4 * 2

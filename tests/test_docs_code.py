@@ -113,7 +113,8 @@ def _environment() -> dict:
 
 
 @pytest.mark.parametrize("page", [_page_param(page) for page in PAGES_WITH_PYTHON])
-def test_the_python_blocks_of_each_page_run_as_one_script(page, tmp_path):
+def test_each_page_runs_as_one_script(page, tmp_path):
+    """The python blocks of each page run as one script."""
     script = tmp_path / ("page_" + re.sub(r"\W", "_", _name(page)) + ".py")
     script.write_text(page_script(fenced_blocks(page.read_text())))
 
@@ -169,7 +170,7 @@ def _placeholder_ellipses(tree: ast.AST) -> list[int]:
 
 
 @pytest.mark.parametrize("page", [pytest.param(page, id=_name(page)) for page in PAGES_WITH_PYTHON])
-def test_python_blocks_are_whole_programs_not_pseudocode(page):
+def test_python_blocks_are_whole_programs(page):
     """Each python block parses on its own and leaves no code out with ``...``; pseudocode is labelled ```text."""
     problems = []
     for block in fenced_blocks(page.read_text()):
@@ -189,7 +190,8 @@ def test_python_blocks_are_whole_programs_not_pseudocode(page):
     )
 
 
-def test_the_block_parser_finds_indented_blocks_and_line_numbers():
+def test_block_parser_finds_indented_blocks():
+    """The block parser finds indented blocks and line numbers."""
     page = "# Title\n\n```python\nx = 1\n```\n\n- item:\n\n  ```python\n  y = x + 1\n  ```\n\n```bash\nls\n```\n"
     blocks = fenced_blocks(page)
     assert [(block.label, block.first_line, block.code) for block in blocks] == [
@@ -201,7 +203,8 @@ def test_the_block_parser_finds_indented_blocks_and_line_numbers():
     assert page_script(blocks).splitlines()[9] == "y = x + 1"
 
 
-def test_pseudocode_detection_spares_real_uses_of_the_ellipsis():
+def test_pseudocode_check_spares_ellipsis():
+    """Pseudocode detection spares real uses of the ellipsis."""
     real = "def f(x): ...\nclass A:\n    ...\ny = z[..., 0]\n"
     pseudo = "a = f(...)\nb, c = 1, ...\n"
     assert _placeholder_ellipses(ast.parse(real)) == []

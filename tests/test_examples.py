@@ -15,7 +15,8 @@ def _import_example(name: str):
     return load_module_from(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
-def test_train_digits_eval_set_splits_evenly_over_processes():
+def test_digits_eval_set_splits_evenly():
+    """train_digits' eval set splits evenly over processes."""
     train_digits = _import_example("train_digits")
     train_dataset, eval_dataset = train_digits.create_datasets()
 

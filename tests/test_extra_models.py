@@ -15,7 +15,8 @@ from torch import nn
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.state.training_state import CheckpointError, list_complete_states, verify_folder
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "extra_models_run.py"
 
@@ -113,7 +114,8 @@ class RecordPreparedExtras(TrainerCallback):
         self._record(trainer)
 
 
-def test_extras_are_prepared_with_the_trainers_model_in_each_run_and_given_back_after_it():
+def test_extras_prepared_each_run_given_back():
+    """Extras are prepared with the trainer's model in each run, and given back after it."""
     recorder = RecordPreparedExtras()
     trainer = make_critic_trainer(with_teacher=True, callbacks=[recorder])
     critic, teacher, critic_optimizer = (
@@ -136,7 +138,8 @@ def test_extras_are_prepared_with_the_trainers_model_in_each_run_and_given_back_
 @pytest.mark.parametrize(
     "clipping", [{}, {"gradient_clip_value": 0.05}, {"gradient_clip_norm": 0.05}], ids=["none", "value", "norm"]
 )
-def test_an_update_steps_on_the_losss_own_gradients_clipped_as_the_run_clips(clipping):
+def test_update_steps_on_its_own_gradients(clipping):
+    """An update steps on the loss's own gradients, clipped as the run clips."""
     dataset = linear_dataset(8)
     torch.manual_seed(1)
     critic = nn.Linear(1, 1)
@@ -169,7 +172,8 @@ def test_an_update_steps_on_the_losss_own_gradients_clipped_as_the_run_clips(cli
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_checkpoint_round_trip_restores_both_models_and_both_optimizers(tmp_path):
+def test_checkpoint_restores_both_models(tmp_path):
+    """A checkpoint round trip restores both models and both optimizers."""
     trained = make_critic_trainer(seed=0, with_teacher=True)
     trained.train(linear_dataset(16), num_epochs=2, per_device_batch_size=4)
     trained.save_checkpoint(tmp_path / "run.pt")
@@ -183,7 +187,8 @@ def test_a_checkpoint_round_trip_restores_both_models_and_both_optimizers(tmp_pa
     assert_bitwise_equal(final_states(fresh), final_states(trained))
 
 
-def test_a_checkpoint_without_optimizers_loads_the_extra_models_alone(tmp_path):
+def test_checkpoint_without_optimizers(tmp_path):
+    """A checkpoint without optimizers loads the extra models alone."""
     trained = make_critic_trainer(seed=0)
     trained.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
     trained.save_checkpoint(tmp_path / "weights.pt", save_optimizer=False)
@@ -196,7 +201,8 @@ def test_a_checkpoint_without_optimizers_loads_the_extra_models_alone(tmp_path):
     assert not fresh.extra_optimizers["critic"].state  # nothing was saved for it
 
 
-def test_a_checkpoint_must_hold_exactly_the_registered_extras_and_nothing_is_loaded_otherwise(tmp_path):
+def test_checkpoint_must_hold_the_extras(tmp_path):
+    """A checkpoint must hold exactly the registered extras; otherwise nothing is loaded."""
     plain = make_plain_trainer()
     plain.save_checkpoint(tmp_path / "plain.pt")
     make_critic_trainer(seed=3).save_checkpoint(tmp_path / "critic.pt")
@@ -222,7 +228,8 @@ def test_a_checkpoint_must_hold_exactly_the_registered_extras_and_nothing_is_loa
         plain.load_checkpoint(tmp_path / "critic.pt")
 
 
-def test_a_checkpoint_whose_extra_has_no_optimizer_state_loads_with_load_optimizer_false(tmp_path):
+def test_extra_without_optimizer_state(tmp_path):
+    """A checkpoint whose extra has no optimizer state loads with load_optimizer=False."""
     untrained_critic = make_plain_trainer()
     untrained_critic.add_model("critic", make_critic_trainer(seed=3).extra_models["critic"])  # no optimizer
     untrained_critic.save_checkpoint(tmp_path / "run.pt")
@@ -241,7 +248,8 @@ def test_a_checkpoint_whose_extra_has_no_optimizer_state_loads_with_load_optimiz
     assert_bitwise_equal(final_states(trainer)["extra_models"], final_states(untrained_critic)["extra_models"])
 
 
-def test_checkpoint_kwargs_cannot_use_the_extras_keys(tmp_path):
+def test_checkpoint_kwargs_reserve_extra_keys(tmp_path):
+    """checkpoint_kwargs cannot use the extras' keys."""
     trainer = make_critic_trainer()
     with pytest.raises(ValueError, match="checkpoint_kwargs uses the key 'extra_model_state_dicts'.*rename it"):
         trainer.save_checkpoint(tmp_path / "run.pt", checkpoint_kwargs={"extra_model_state_dicts": 1})
@@ -284,9 +292,8 @@ def run_with_states(save_dir, crash=None, accumulation=1, asynchronous=False) ->
 @pytest.mark.parametrize(
     ("accumulation", "asynchronous"), [(1, False), (2, False), (1, True)], ids=["sync", "sync-accumulation", "async"]
 )
-def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit_for_both_models_and_optimizers(
-    tmp_path, accumulation, asynchronous
-):
+def test_resumed_run_equals_uninterrupted(tmp_path, accumulation, asynchronous):
+    """A resumed run equals an uninterrupted one bit for bit, for both models and optimizers."""
     reference = final_states(
         run_with_states(tmp_path / "reference", accumulation=accumulation, asynchronous=asynchronous)
     )
@@ -300,7 +307,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit_for_both_models_a
     assert {"extra_model-critic.safetensors", "extra_optimizer-critic.pt"} <= set(newest.manifest["files"])
 
 
-def test_the_extras_files_are_verified_by_the_manifest(tmp_path):
+def test_extras_files_verified_by_manifest(tmp_path):
     run_with_states(tmp_path)
     folder = list_complete_states(tmp_path)[-1].folder
     path = folder / "extra_optimizer-critic.pt"
@@ -312,7 +319,8 @@ def test_the_extras_files_are_verified_by_the_manifest(tmp_path):
         verify_folder(folder)
 
 
-def test_a_state_must_hold_exactly_the_registered_extras(tmp_path):
+def test_state_must_hold_the_extras(tmp_path):
+    """A state must hold exactly the registered extras."""
     run_with_states(tmp_path / "critic")
     plain = make_plain_trainer()
     with pytest.raises(
@@ -332,7 +340,8 @@ def test_a_state_must_hold_exactly_the_registered_extras(tmp_path):
         make_critic_trainer().load_training_state(tmp_path / "plain")
 
 
-def test_a_state_refuses_an_extra_optimizer_of_another_class(tmp_path):
+def test_state_refuses_other_optimizer_class(tmp_path):
+    """A state refuses an extra optimizer of another class."""
     run_with_states(tmp_path)
     trainer = make_critic_trainer(critic_optimizer=torch.optim.SGD)
     with pytest.raises(
@@ -389,13 +398,16 @@ def _add_model_errors():
 
 
 @pytest.mark.parametrize(("call", "error", "message"), _add_model_errors())
-def test_add_model_and_update_extra_model_refuse_mistakes_with_the_fix(call, error, message):
+def test_add_and_update_refuse_mistakes(call, error, message):
+    """add_model and update_extra_model refuse mistakes, with the fix."""
     trainer = make_critic_trainer()
     with pytest.raises(error, match=message):
         call(trainer)
 
 
-def test_update_extra_model_needs_an_optimizer_and_a_loss_with_gradients():
+def test_update_needs_optimizer_and_gradients():
+    """update_extra_model needs an optimizer, and a loss with gradients."""
+
     class Teacher(CriticTrainer):
         loss_transform = staticmethod(lambda loss: loss)
 
@@ -446,7 +458,8 @@ def _launch(tmp_path: Path, name: str, num_processes: int, **config) -> tuple:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_wrap_the_extra_model_in_ddp_and_train_it_as_one_process_with_the_same_global_batch(tmp_path):
+def test_two_processes_train_extra_in_ddp(tmp_path):
+    """Two processes wrap the extra model in DDP, and train it as one process with the same global batch."""
     single, completed = _launch(tmp_path, "single", 1, batch_size=8)
     assert completed.returncode == 0, completed.stderr[-3000:]
     double, completed = _launch(tmp_path, "double", 2, batch_size=4)
@@ -461,7 +474,8 @@ def test_two_processes_wrap_the_extra_model_in_ddp_and_train_it_as_one_process_w
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_resume_both_models_and_optimizers_bit_for_bit(tmp_path):
+def test_two_processes_resume_both_models(tmp_path):
+    """Two processes resume both models and both optimizers bit for bit."""
     reference, completed = _launch(tmp_path, "reference", 2, batch_size=4, save_dir=str(tmp_path / "reference_states"))
     assert completed.returncode == 0, completed.stderr[-3000:]
     states = str(tmp_path / "states")

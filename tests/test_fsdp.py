@@ -48,7 +48,8 @@ def fsdp_and_ddp_runs(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_trains_like_ddp_with_gradient_clipping(fsdp_and_ddp_runs):
+def test_fsdp2_trains_like_ddp(fsdp_and_ddp_runs):
+    """FSDP2 trains like DDP, with gradient clipping."""
     _, fsdp, ddp = fsdp_and_ddp_runs
 
     assert fsdp["distributed_type"] == "FSDP" and fsdp["parameter_types"] == ["DTensor"]  # really sharded
@@ -68,7 +69,8 @@ def test_fsdp2_trains_like_ddp_with_gradient_clipping(fsdp_and_ddp_runs):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_checkpoint_loads_into_a_plain_model_with_full_shapes(fsdp_and_ddp_runs):
+def test_fsdp2_checkpoint_is_plain(fsdp_and_ddp_runs):
+    """An FSDP2 checkpoint loads into a plain model, with full shapes."""
     root, fsdp, _ = fsdp_and_ddp_runs
     checkpoint = torch.load(root / "fsdp2" / "model.pt", weights_only=True)
     plain = _plain_mlp()
@@ -96,7 +98,8 @@ def test_fsdp2_checkpoint_loads_into_a_plain_model_with_full_shapes(fsdp_and_ddp
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp2_training_state_resume_equals_the_uninterrupted_run(fsdp_and_ddp_runs):
+def test_fsdp2_resume_equals_uninterrupted(fsdp_and_ddp_runs):
+    """An FSDP2 training-state resume equals the uninterrupted run."""
     root, fsdp, ddp = fsdp_and_ddp_runs
     # bit for bit, from mid-epoch 2; the resumed run has an eval set, so the state loads after the check of the first
     # evaluation batch (a forward pass after which FSDP2 leaves the root's parameters unsharded)
@@ -110,7 +113,8 @@ def test_fsdp2_training_state_resume_equals_the_uninterrupted_run(fsdp_and_ddp_r
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp_plugin_on_cpu_falls_back_to_ddp_and_says_so(tmp_path):
+def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
+    """An FSDP plugin on the CPU falls back to DDP, and says so."""
     result = _launch(tmp_path / "plugin", "plugin_on_cpu", launcher(2))
     assert result["distributed_type"] == "MULTI_CPU"
     assert len(result["warnings"]) == 1 and "Accelerate runs FSDP only on GPUs" in result["warnings"][0]
@@ -118,7 +122,8 @@ def test_fsdp_plugin_on_cpu_falls_back_to_ddp_and_says_so(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_deepspeed_steps_once_per_update_and_refuses_what_it_would_ignore(tmp_path):
+def test_deepspeed_steps_once_per_update(tmp_path):
+    """DeepSpeed steps once per update, and refuses what it would ignore."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
     launcher = [
         sys.executable,

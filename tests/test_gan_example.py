@@ -49,7 +49,8 @@ def test_generated_samples_move_onto_the_ring(train_gan):
         assert len(values) == 10 and all(math.isfinite(value) for value in values)
 
 
-def test_both_models_train_and_a_second_run_prepares_the_discriminator_again(train_gan, tmp_path):
+def test_both_models_train_twice(train_gan, tmp_path):
+    """Both models train; a second run prepares the discriminator again."""
     torch.manual_seed(0)
     generator, discriminator = train_gan.create_generator(), train_gan.create_discriminator()
     trainer = train_gan.GANTrainer(

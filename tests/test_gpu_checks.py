@@ -46,7 +46,8 @@ def _run(*arguments: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_smoke_run_lists_every_check_fails_none_and_writes_the_table_and_figures(tmp_path):
+def test_smoke_run_lists_every_check(tmp_path):
+    """The smoke run lists every check, fails none, and writes the table and figures."""
     completed = _run("--smoke", "--output-dir", str(tmp_path))
 
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
@@ -74,8 +75,9 @@ def test_smoke_run_lists_every_check_fails_none_and_writes_the_table_and_figures
     ]
 
 
-def test_only_runs_the_checks_named_in_their_order_and_refuses_an_unknown_one(tmp_path):
+def test_only_runs_named_checks_in_order(tmp_path):
     # both need CUDA, so the smoke run skips them without starting a process
+    """--only runs the checks named, in their order, and refuses an unknown one."""
     completed = _run("--smoke", "--only", "fsdp2,memory", "--output-dir", str(tmp_path), timeout=60)
 
     assert completed.returncode == 0, completed.stderr
@@ -85,7 +87,8 @@ def test_only_runs_the_checks_named_in_their_order_and_refuses_an_unknown_one(tm
     assert "unknown check(s) ['memroy']; choose among throughput_bf16, throughput_fp16" in refused.stderr
 
 
-def test_every_check_of_the_command_has_an_implementation():
+def test_every_check_is_implemented():
+    """Every check of the command has an implementation."""
     run, checks = _load("run"), _load("checks")
 
     assert [check.name for check in run.CHECKS] == CHECKS
@@ -120,7 +123,8 @@ print(json.dumps({"clean": clean, "syncing": checks.check_sync_free("no", smoke=
 
 
 @pytest.mark.slow
-def test_sync_check_passes_a_clean_run_and_names_every_step_that_synchronised():
+def test_sync_check_names_syncing_steps():
+    """The sync check passes a clean run, and names every step that synchronised."""
     completed = subprocess.run(
         [sys.executable, "-c", SIMULATED_SYNC_DEBUG, str(GPU_CHECKS)],
         capture_output=True,

@@ -35,7 +35,8 @@ def dropout_trainer(callbacks=()) -> Trainer:
 SCHEDULER = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
 
 
-def test_lr_find_puts_model_optimizer_scheduler_random_state_and_callbacks_back_bit_for_bit():
+def test_lr_find_puts_everything_back():
+    """lr_find puts the model, optimizer, scheduler, random state and callbacks back, bit for bit."""
     recorder = RecordingCallback()
     trainer = dropout_trainer(callbacks=[recorder])
     trainer.train(regression_dataset(32), num_epochs=1, per_device_batch_size=8, create_scheduler_fn=SCHEDULER)
@@ -62,7 +63,9 @@ def test_lr_find_puts_model_optimizer_scheduler_random_state_and_callbacks_back_
     assert trainer.run_history.to_dataframe().equals(history)
 
 
-def test_a_train_after_lr_find_equals_one_without_it():
+def test_train_after_lr_find_is_unchanged():
+    """A train() after lr_find equals one without it."""
+
     def trained_weights(with_lr_find: bool) -> dict:
         trainer = dropout_trainer()
         torch.manual_seed(1), np.random.seed(1), random.seed(1)
@@ -75,10 +78,11 @@ def test_a_train_after_lr_find_equals_one_without_it():
 
 
 @pytest.mark.slow
-def test_the_suggestion_is_within_a_factor_of_3_of_the_best_learning_rate_of_a_grid_search():
-    """The grid search: SGD on a small MLP regression, 3 epochs of batches of 16, the learning rate of the lowest
-    evaluation loss among 15 from 1e-3 to 3. (The best learning rate of a longer training is larger: the steepest
-    descent is a rate that trains fast from the start, not the largest that still converges.)"""
+def test_suggestion_near_grid_search_best():
+    """The suggestion is within a factor of 3 of the best learning rate of a grid search. The grid search: SGD on a
+    small MLP regression, 3 epochs of batches of 16, the learning rate of the lowest evaluation loss among 15 from 1e-3
+    to 3. (The best learning rate of a longer training is larger: the steepest descent is a rate that trains fast from
+    the start, not the largest that still converges.)"""
     train, evaluation = regression_dataset(256, 4), regression_dataset(256, 4, seed=1)
 
     def evaluation_loss(lr: float) -> float:
@@ -94,7 +98,8 @@ def test_the_suggestion_is_within_a_factor_of_3_of_the_best_learning_rate_of_a_g
     assert best / 3 <= result.suggestion <= best * 3, (best, result.suggestion)
 
 
-def test_the_suggestion_is_the_steepest_descent_of_the_smoothed_loss():
+def test_suggestion_is_steepest_descent():
+    """The suggestion is the steepest descent of the smoothed loss."""
     lrs = [10.0**exponent for exponent in range(-6, 1)]
     losses = [5.0, 5.0, 4.9, 4.0, 2.0, 1.5, 9.0]  # steepest between 1e-3 and 1e-2; the last point is left out
     assert suggest_lr(lrs, losses, skip_start=0, skip_end=1) == pytest.approx(1e-3)
@@ -119,7 +124,7 @@ def test_the_plot_is_written(tmp_path):
         ({"per_device_batch_size": 0}, "per_device_batch_size=0 is not valid"),
     ],
 )
-def test_bad_arguments_are_refused_before_any_step(arguments, message):
+def test_bad_arguments_refused_before_a_step(arguments, message):
     trainer = make_trainer(make_mlp())
     weights = copy.deepcopy(trainer.model.state_dict())
     with pytest.raises(ValueError, match=message):
@@ -128,7 +133,8 @@ def test_bad_arguments_are_refused_before_any_step(arguments, message):
 
 
 @pytest.mark.parametrize("method", ["lr_find", "predict"])
-def test_lr_find_and_predict_are_refused_inside_a_training_run(method):
+def test_refused_inside_a_training_run(method):
+    """lr_find and predict are refused inside a training run."""
     from pytorch_accel_trainer.callbacks import TrainerCallback
 
     class Sneaky(TrainerCallback):
@@ -140,7 +146,8 @@ def test_lr_find_and_predict_are_refused_inside_a_training_run(method):
         trainer.train(regression_dataset(8), num_epochs=1)
 
 
-def test_an_evaluation_only_trainer_cannot_run_lr_find():
+def test_evaluation_only_trainer_refused():
+    """An evaluation-only trainer cannot run lr_find."""
     trainer = Trainer(make_mlp(), nn.MSELoss(), optimizer=None, callbacks=())
     with pytest.raises(ValueError, match="no optimizer"):
         trainer.lr_find(regression_dataset(8))

@@ -1,5 +1,5 @@
 """Nothing of a finished step is kept while the next one runs: its batch, outputs and loss dict are released once
-the step's events have fired, so the peak memory is one step's, as in a hand-written loop (issue 21).
+the step's events have fired, so the peak memory is one step's, as in a hand-written loop.
 
 Proved with weak references taken in the step and read at the start of the next forward pass; the garbage collector
 is off during the runs, so what is gone was freed by its last reference going away, as CPython frees tensors.
@@ -79,7 +79,8 @@ def _assert_previous_steps_released(trainer: WatchedOutputs, phases: set) -> Non
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
-def test_training_and_evaluation_steps_release_what_they_made(no_gc, accumulation):
+def test_steps_release_what_they_made(no_gc, accumulation):
+    """Training and evaluation steps release what they made."""
     model = make_linear()
     callbacks = [*DEFAULT_CALLBACKS, ReadsTheOutputs()]
     trainer = WatchedOutputs(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=callbacks)
@@ -101,7 +102,9 @@ def test_evaluate_releases_each_step(no_gc):
     _assert_previous_steps_released(trainer, {"eval"})
 
 
-def test_a_step_with_an_extra_model_releases_both_models_outputs(no_gc):
+def test_extra_model_outputs_are_released(no_gc):
+    """A step with an extra model releases both models' outputs."""
+
     class WithCritic(WatchedOutputs):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -142,7 +145,7 @@ class WatchedAtBackward(Trainer):
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_the_outputs_are_released_before_the_backward_pass(no_gc, accumulation):
+def test_outputs_released_before_backward(no_gc, accumulation):
     """As in ``loss_func(model(x), y).backward()``: once the step's events have had them, the outputs are dropped and
     the graph keeps only what its backward needs. For a cross-entropy over a language model's logits that is the
     difference between one and two logits tensors alive at the backward pass (benchmarks: workload logits_train)."""

@@ -53,7 +53,8 @@ def bf16_run(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-def test_bf16_on_the_cpu_autocasts_and_logs_float32_losses(bf16_run):
+def test_bf16_on_cpu_autocasts(bf16_run):
+    """bf16 on the CPU autocasts, and logs float32 losses."""
     result = bf16_run
 
     assert "error" not in result
@@ -63,7 +64,8 @@ def test_bf16_on_the_cpu_autocasts_and_logs_float32_losses(bf16_run):
 
 
 @pytest.mark.slow
-def test_mixed_precision_none_takes_the_precision_from_the_environment(tmp_path):
+def test_none_takes_environment_precision(tmp_path):
+    """mixed_precision=None takes the precision from the environment."""
     result = run_in_fresh_process(tmp_path, "none", environment_precision="bf16")
 
     assert result["mixed_precision"] == "bf16"
@@ -72,7 +74,8 @@ def test_mixed_precision_none_takes_the_precision_from_the_environment(tmp_path)
 
 
 @pytest.mark.slow
-def test_an_explicit_mixed_precision_wins_over_the_environment(tmp_path):
+def test_explicit_precision_wins(tmp_path):
+    """An explicit mixed_precision wins over the environment."""
     result = run_in_fresh_process(tmp_path, "no", environment_precision="bf16")
 
     assert result["mixed_precision"] == "no"
@@ -81,7 +84,8 @@ def test_an_explicit_mixed_precision_wins_over_the_environment(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_second_trainer_keeps_the_precision_of_the_process(bf16_run):
+def test_second_trainer_keeps_precision(bf16_run):
+    """A second trainer keeps the precision of the process."""
     result = bf16_run
 
     assert result["second_trainer_mixed_precision"] == "bf16"  # mixed_precision=None: what the process has
@@ -110,10 +114,9 @@ def test_a_second_trainer_keeps_the_precision_of_the_process(bf16_run):
     ],
     ids=["argument", "environment"],
 )
-def test_fp16_on_the_cpu_is_a_clear_error_that_leaves_the_process_usable(
-    tmp_path, precision, environment_precision, message
-):
+def test_fp16_on_cpu_is_a_clear_error(tmp_path, precision, environment_precision, message):
     # Accelerate alone accepts fp16 on the CPU, then neither autocasts nor scales: a float32 run labelled fp16
+    """fp16 on the CPU is a clear error that leaves the process usable."""
     result = run_in_fresh_process(tmp_path, precision, environment_precision)
 
     assert re.search(message, result["error"])
@@ -127,7 +130,8 @@ def test_fp16_on_the_cpu_is_a_clear_error_that_leaves_the_process_usable(
     importlib.util.find_spec("transformer_engine") is not None or importlib.util.find_spec("msamp") is not None,
     reason="an fp8 backend is installed",
 )
-def test_fp8_without_a_backend_is_an_error_that_leaves_the_process_usable(tmp_path):
+def test_fp8_without_backend_is_an_error(tmp_path):
+    """fp8 without a backend is an error that leaves the process usable."""
     result = run_in_fresh_process(tmp_path, "fp8")
 
     assert re.search(
@@ -136,7 +140,8 @@ def test_fp8_without_a_backend_is_an_error_that_leaves_the_process_usable(tmp_pa
     assert result["mixed_precision"] == "bf16"
 
 
-def test_an_unknown_mixed_precision_names_the_choices():
+def test_unknown_precision_names_choices():
+    """An unknown mixed_precision names the choices."""
     with pytest.raises(
         ValueError,
         match=r"^mixed_precision='fp64' is not valid: choose one of \('no', 'bf16', 'fp16', 'fp8'\) "
@@ -145,7 +150,8 @@ def test_an_unknown_mixed_precision_names_the_choices():
         make_trainer(make_linear(), mixed_precision="fp64")
 
 
-def test_another_precision_than_the_process_has_is_refused_in_process():
+def test_other_precision_refused_in_process():
+    """Another precision than the process has is refused, in process."""
     first = make_trainer(make_linear())  # sets Accelerate up in this process, if no test has yet
     first.train(linear_dataset(16), num_epochs=1)
     current = first.run_config.mixed_precision

@@ -71,7 +71,8 @@ def _launch_two_nodes(config: dict, folders: list, timeout: int = 240, env: Opti
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs)]
 
 
-def test_from_two_local_folders_every_node_stops_before_the_first_batch_naming_the_fixes(tmp_path):
+def test_local_folders_stop_every_node(tmp_path):
+    """From two local folders, every node stops before the first batch, naming the fixes."""
     folders = [tmp_path / "machine_a", tmp_path / "machine_b"]
     for folder in folders:
         folder.mkdir()
@@ -84,7 +85,8 @@ def test_from_two_local_folders_every_node_stops_before_the_first_batch_naming_t
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_from_one_shared_folder_a_sigkill_of_one_node_then_resume_equals_an_uninterrupted_run(tmp_path):
+def test_shared_folder_sigkill_then_resume(tmp_path):
+    """From one shared folder, a SIGKILL of one node then a resume equals an uninterrupted run."""
     config = {**CONFIG, "out": str(tmp_path / "out.pt")}
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
     killed = _launch_two_nodes({**config, **kill}, [tmp_path] * 2)
@@ -106,7 +108,8 @@ def test_from_one_shared_folder_a_sigkill_of_one_node_then_resume_equals_an_unin
     assert stops[0]["stop_reason"] == f"{stops[1]['stop_reason']} (on process 1)"
 
 
-def test_from_two_local_folders_states_in_object_storage_save_and_resume_exactly(tmp_path, s3_endpoint):
+def test_local_folders_with_object_storage(tmp_path, s3_endpoint):
+    """From two local folders, states in object storage save and resume exactly."""
     folders = [tmp_path / "machine_a", tmp_path / "machine_b"]
     for folder in folders:
         folder.mkdir()

@@ -55,7 +55,8 @@ def _train(nan_calls, callbacks, **kwargs):
     return trainer
 
 
-def test_a_non_finite_update_is_skipped_leaving_weights_optimizer_and_scheduler_untouched():
+def test_non_finite_update_is_skipped():
+    """A skipped update leaves the weights, the optimizer and the scheduler untouched."""
     snapshots = Snapshots()
     trainer = _train({3}, [SkipNonFiniteStepsCallback(), snapshots, *DEFAULT_CALLBACKS])
     before, after = snapshots.states[3], snapshots.states[4]
@@ -82,12 +83,13 @@ def test_a_retry_that_succeeds_makes_the_update():
     assert trainer.calls == 16  # one batch ran twice
 
 
-def test_without_the_callback_the_nan_spreads_and_terminate_on_nan_stops_the_run():
+def test_without_callback_nan_spreads():
+    """Without the callback the NaN spreads, and TerminateOnNaNCallback stops the run."""
     trainer = _train({3}, [*DEFAULT_CALLBACKS[:1], *DEFAULT_CALLBACKS[2:]])  # no TerminateOnNaN
     assert not all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
-def test_bad_policy_arguments_are_refused_with_the_fix():
+def test_bad_policy_arguments_are_refused():
     import pytest
 
     with pytest.raises(
@@ -98,7 +100,7 @@ def test_bad_policy_arguments_are_refused_with_the_fix():
         SkipNonFiniteStepsCallback(max_retries=-1)
 
 
-def test_a_retried_step_fires_its_step_events_once():
+def test_retried_step_fires_events_once():
     recorder = RecordingCallback()
     trainer = _train({3}, [SkipNonFiniteStepsCallback(max_retries=1), recorder])
     assert trainer.calls == 16  # batch 3 ran twice
@@ -106,7 +108,8 @@ def test_a_retried_step_fires_its_step_events_once():
     assert recorder.events.count("on_optimizer_step_end") == 16
 
 
-def test_under_accumulation_a_retry_reruns_the_whole_window_and_ends_where_a_clean_run_ends():
+def test_retry_reruns_the_whole_window():
+    """Under accumulation a retry reruns the whole window and ends where a clean run ends."""
     recorder = RecordingCallback()
     retried = _train({3}, [SkipNonFiniteStepsCallback(max_retries=1), recorder], gradient_accumulation_steps=2)
     clean = _train(set(), [], gradient_accumulation_steps=2)
@@ -121,7 +124,8 @@ def test_under_accumulation_a_retry_reruns_the_whole_window_and_ends_where_a_cle
     assert recorder.events.count("on_train_step_end") == 16 and recorder.events.count("on_optimizer_step_end") == 8
 
 
-def test_under_accumulation_a_window_still_non_finite_after_its_retries_is_skipped():
+def test_exhausted_retries_skip_the_window():
+    """Under accumulation a window still non-finite after its retries is skipped."""
     trainer = _train({3, 5, 7}, [SkipNonFiniteStepsCallback(max_retries=2)], gradient_accumulation_steps=2)
     assert trainer.calls + 1 == 16 + 4  # batches 2 and 3 again (call 5: NaN), then again (call 7: NaN): skipped
     assert trainer.num_update_steps_completed == 7

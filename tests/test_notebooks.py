@@ -61,12 +61,13 @@ def _shows_something(source: str) -> bool:
     return ends_with_value or prints
 
 
-def test_execute_script_runs_exactly_these_notebooks():
+def test_execute_script_runs_these_notebooks():
     assert [path.name for path in execute_script.notebook_paths()] == NOTEBOOKS
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_committed_notebook_holds_the_outputs_of_a_clean_run(name):
+def test_committed_outputs_are_a_clean_run(name):
+    """A committed notebook holds the outputs of a clean run."""
     notebook = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
     nbformat.validate(notebook)
     assert notebook.metadata.kernelspec.name == "python3"
@@ -87,7 +88,7 @@ def test_finetuning_notebook_shows_its_plot():
     assert ("execute_result", "image/png") in _output_kinds(plot_cells[0])
 
 
-def test_lr_find_notebook_shows_its_plot_and_its_search():
+def test_lr_find_notebook_shows_plot_and_search():
     notebook = nbformat.read(NOTEBOOKS_DIR / "05_lr_find_and_search.ipynb", as_version=4)
     cells = _code_cells(notebook)
     (plot,) = [cell for cell in cells if cell.source.strip().endswith("result.plot()")]
@@ -97,7 +98,9 @@ def test_lr_find_notebook_shows_its_plot_and_its_search():
     assert "trial-0000 · eval_loss_epoch" in printed and "best: trial" in printed
 
 
-def test_output_problems_finds_what_a_reader_should_not_see():
+def test_output_problems_finds_bad_outputs():
+    """output_problems finds what a reader should not see, and passes a clean notebook."""
+
     def cell_with(*outputs):
         return new_code_cell("x", outputs=list(outputs))
 

@@ -77,9 +77,8 @@ def memory_store():
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
-def test_states_in_memory_store_resume_exactly_are_pruned_and_no_local_folder_appears(
-    tmp_path, memory_store, monkeypatch, asynchronous
-):
+def test_memory_store_states_resume_and_prune(tmp_path, memory_store, monkeypatch, asynchronous):
+    """States in a memory:// store resume exactly, are pruned, and no local folder appears."""
     monkeypatch.chdir(tmp_path)
     reference = _end_state(_run(tmp_path / "reference"))
     url = "memory://bucket/states"
@@ -94,7 +93,7 @@ def test_states_in_memory_store_resume_exactly_are_pruned_and_no_local_folder_ap
 
 
 def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypatch):
-    from pytorch_accel_trainer.state import training_state
+    from pytorch_accel_trainer.state import crash_points
 
     reference = _end_state(_run(tmp_path / "reference"))
     url = "memory://bucket/partial"
@@ -105,7 +104,7 @@ def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypa
         if uploads.count("upload:optimizer.pt") == 3:
             raise Crash()
 
-    monkeypatch.setattr(training_state, "_crash_point", crash_in_the_third_upload)
+    monkeypatch.setattr(crash_points, "crash_point", crash_in_the_third_upload)
     with pytest.raises(Crash):
         _run(url, resume_from=url)
     monkeypatch.undo()
@@ -134,7 +133,7 @@ def test_checkpoints_and_weights_in_a_store(tmp_path, memory_store):
     assert_bitwise_equal(fresh.state_dict(), trainer.get_model().state_dict())
 
 
-def test_save_best_model_callback_writes_to_a_store(memory_store):
+def test_save_best_model_writes_to_a_store(memory_store):
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     callback = SaveBestModelCallback(save_path="memory://bucket/best/model.pt", watch_metric="eval_loss_epoch")
@@ -153,9 +152,8 @@ def test_save_best_model_callback_writes_to_a_store(memory_store):
         ("nosuch://bucket/states", ValueError, r"fsspec knows no store nosuch://"),
     ],
 )
-def test_a_url_whose_store_is_not_installed_is_one_clear_error_never_a_local_folder(
-    tmp_path, monkeypatch, url, error, message
-):
+def test_url_of_uninstalled_store_is_an_error(tmp_path, monkeypatch, url, error, message):
+    """A URL whose store is not installed is one clear error, never a local folder."""
     monkeypatch.chdir(tmp_path)
     for package in ("gcsfs", "adlfs"):
         if package in message and importlib.util.find_spec(package) is not None:
@@ -172,7 +170,7 @@ def test_a_url_whose_store_is_not_installed_is_one_clear_error_never_a_local_fol
     assert sorted(path.name for path in tmp_path.iterdir()) == ["local"]  # never a folder named after the URL
 
 
-def test_without_fsspec_a_url_names_what_to_install(monkeypatch):
+def test_no_fsspec_url_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "fsspec", None)  # as if it were not installed
     with pytest.raises(
         ImportError, match=r"'s3://bucket/states' is an object-storage URL, which needs fsspec s3fs: pip"
@@ -186,7 +184,7 @@ def test_without_fsspec_a_url_names_what_to_install(monkeypatch):
 
 
 @pytest.mark.slow
-def test_states_on_s3_save_prune_and_resume_exactly(tmp_path, s3_endpoint):
+def test_s3_states_save_prune_and_resume(tmp_path, s3_endpoint):
     reference = _end_state(_run(tmp_path / "reference"))
     url = "s3://states-bucket/in-process"
     with pytest.raises(Crash):
@@ -199,7 +197,8 @@ def test_states_on_s3_save_prune_and_resume_exactly(tmp_path, s3_endpoint):
 
 
 @pytest.mark.slow
-def test_a_process_killed_mid_upload_to_s3_resumes_from_the_last_complete_state_bitwise(tmp_path, s3_endpoint):
+def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
+    """A process killed mid-upload to S3 resumes from the last complete state, bit for bit."""
     import json
     import signal
     import subprocess
@@ -237,7 +236,8 @@ def test_a_process_killed_mid_upload_to_s3_resumes_from_the_last_complete_state_
     )
 
 
-def test_a_url_naming_a_missing_state_beside_others_is_an_error_not_a_new_run(memory_store):
+def test_url_of_missing_state_is_an_error(memory_store):
+    """A URL naming a missing state beside others is an error, not a new run."""
     _run("memory://bucket/named", num_epochs=1)
     with pytest.raises(
         FileNotFoundError, match=r"'memory://bucket/named/step_5' holds no training state, but .*'final'"
@@ -270,7 +270,8 @@ def test_load_training_state_from_a_store(memory_store):
     assert other.num_update_steps_completed == trainer.num_update_steps_completed
 
 
-def test_a_damaged_state_in_a_store_is_skipped_with_a_warning_and_none_good_is_an_error(memory_store):
+def test_damaged_state_in_store_is_skipped(memory_store):
+    """A damaged state in a store is skipped with a warning; a store with no good state is an error."""
     _run("memory://bucket/damaged", num_epochs=1)  # 8 updates: step_6 and final kept
     memory_store.pipe_file("/bucket/damaged/final/optimizer.pt", b"not the optimizer state")
     with pytest.warns(

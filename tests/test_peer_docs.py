@@ -198,7 +198,7 @@ def torchvision(monkeypatch):
 # --- the docs themselves ----------------------------------------------------------------------------------------
 
 
-def test_every_vendored_snippet_is_listed_and_attributed():
+def test_vendored_snippets_listed_and_attributed():
     vendored = {name for name in BLOCKS.values() if name.endswith(".py")}
     assert vendored == {path.name for path in SNIPPETS.glob("*.py")} - {"prelude.py"}
     for name in vendored:
@@ -207,8 +207,8 @@ def test_every_vendored_snippet_is_listed_and_attributed():
         assert "Apache License 2.0" in header, name
 
 
-def test_every_code_block_of_the_docs_is_vendored_unchanged_or_named_a_fragment():
-    """Against the published docs when they are at hand (not in CI)."""
+def test_every_docs_block_is_vendored():
+    """Every code block is vendored unchanged or named a fragment (against the published docs, not in CI)."""
     if not PEER_SDIST.is_dir():
         pytest.skip(f"pytorch-accelerated's sdist is not unpacked at {PEER_SDIST} (set PEER_SDIST_DIR)")
     blocks = peer_doc_blocks()
@@ -224,7 +224,7 @@ def test_every_code_block_of_the_docs_is_vendored_unchanged_or_named_a_fragment(
 
 
 @pytest.mark.parametrize("name", ["quickstart_train_mnist.py", "readme_train_mnist.py"])
-def test_the_quickstart_script_trains_and_evaluates(names, torchvision, capsys, name, tmp_path, monkeypatch):
+def test_quickstart_trains_and_evaluates(names, torchvision, capsys, name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # MNIST(os.getcwd(), download=True): the stand-in reads and writes nothing
     run_snippet(name, names)  # __name__ == "__main__": the script's main() runs
     output = capsys.readouterr().out
@@ -232,7 +232,7 @@ def test_the_quickstart_script_trains_and_evaluates(names, torchvision, capsys, 
     assert "Finished 8 epochs in " in output and "\nevaluation · " in output
 
 
-def test_the_quickstart_main_runs_under_notebook_launcher(names, torchvision, capsys):
+def test_quickstart_under_notebook_launcher(names, torchvision, capsys):
     names["__name__"] = "quickstart"  # defines main() without calling it, as in a notebook cell
     run_snippet("quickstart_train_mnist.py", names)
     run_snippet("quickstart_notebook_launcher.py", names)  # notebook_launcher(main, num_processes=num_gpus)
@@ -243,7 +243,8 @@ def test_the_quickstart_main_runs_under_notebook_launcher(names, torchvision, ca
 # --- callbacks.rst ------------------------------------------------------------------------------------------------
 
 
-def test_the_classification_metrics_callback_records_its_metrics(names, capsys):
+def test_classification_metrics_callback(names, capsys):
+    """The classification metrics callback records its metrics."""
     run_snippet("callbacks_classification_metrics.py", names)
     metrics = names["ClassificationMetricsCallback"](num_classes=peer_prelude.NUM_CLASSES)
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(metrics, *DEFAULT_CALLBACKS))
@@ -268,7 +269,7 @@ def mlflow(monkeypatch):
     return stand_in
 
 
-def test_the_azureml_logger_sends_every_epochs_metrics(names, mlflow):
+def test_azureml_logger_sends_epoch_metrics(names, mlflow):
     run_snippet("callbacks_azureml_logger.py", names)
     trainer = Trainer(
         names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),)
@@ -291,7 +292,8 @@ def test_the_azureml_logger_sends_every_epochs_metrics(names, mlflow):
     ]
 
 
-def test_the_azureml_logger_sends_every_epochs_metrics_after_an_evaluation_run(names, mlflow):
+def test_azureml_logger_after_evaluation(names, mlflow):
+    """The AzureML logger sends every epoch's metrics after an evaluation run too."""
     run_snippet("callbacks_azureml_logger.py", names)
     trainer = Trainer(
         names["model"], names["loss_func"], names["optimizer"], callbacks=(names["AzureMLLoggerCallback"](),)
@@ -304,7 +306,8 @@ def test_the_azureml_logger_sends_every_epochs_metrics_after_an_evaluation_run(n
     assert [list(metrics) for metrics in mlflow.logged_metrics] == [["train_loss_epoch"], ["eval_loss_epoch"]] * 2
 
 
-def test_the_save_predictions_callback_writes_the_evaluation_predictions(names, tmp_path, monkeypatch):
+def test_save_predictions_callback(names, tmp_path, monkeypatch):
+    """The save-predictions callback writes the evaluation predictions."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs").mkdir()  # the callback's default './outputs/valid_predictions.csv'; pandas makes no folders
     run_snippet("callbacks_save_predictions.py", names)
@@ -322,7 +325,8 @@ def test_the_save_predictions_callback_writes_the_evaluation_predictions(names, 
     assert saved["targets"].tolist() == labels.tolist()
 
 
-def test_a_custom_callback_event_reaches_the_callback_every_step(names, monkeypatch):
+def test_custom_event_reaches_callback(names, monkeypatch):
+    """A custom callback event reaches the callback every step."""
     run_snippet("callbacks_custom_event.py", names)
     verify = names["VerifyBatchCallback"].verify_train_batch
     shapes = []
@@ -343,13 +347,13 @@ def test_a_custom_callback_event_reaches_the_callback_every_step(names, monkeypa
 
 
 @pytest.mark.parametrize("name", ["trainer_step_lr.py", "trainer_step_lr_placeholder.py"])
-def test_the_scheduler_factory_snippets_fail_on_the_docs_own_typo(names, name):
+def test_scheduler_snippets_fail_on_docs_typo(names, name):
     """`from functools import Partial` fails before any library code runs, under pytorch-accelerated too."""
     with pytest.raises(ImportError, match="cannot import name 'Partial' from 'functools'"):
         run_snippet(name, names)
 
 
-def test_the_step_lr_factory_steps_after_every_batch(names):
+def test_step_lr_factory_steps_every_batch(names):
     """trainer.rst: with `step_size=7`, StepLR counts batches, so the rate falls after 7 updates, not 7 epochs."""
     run_snippet("trainer_step_lr.py", names, text=with_doc_typos_fixed("trainer_step_lr.py"))
     rates = LearningRates()
@@ -380,7 +384,8 @@ def test_the_placeholder_step_size_counts_epochs(names):
     assert rates.values == pytest.approx([lr] * 56 + [lr * 0.1] * 8)
 
 
-def test_the_cosine_scheduler_factory_warms_up_anneals_and_cools_down(names):
+def test_cosine_factory_warmup_and_cooldown(names):
+    """The cosine scheduler factory warms up, anneals and cools down."""
     rates = LearningRates()
     names["trainer"] = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(rates,))
     run_snippet("trainer_cosine_scheduler.py", names)  # 12 epochs of 8 updates: 5 warm-up, 2 cosine, 5 cool-down
@@ -392,7 +397,7 @@ def test_the_cosine_scheduler_factory_warms_up_anneals_and_cools_down(names):
     assert values[-39:] == pytest.approx([1e-6] * 39)  # cool-down at lr_min
 
 
-def test_resume_from_a_saved_training_state_finishes_the_run(names, tmp_path, monkeypatch, capsys):
+def test_resume_from_saved_state_finishes(names, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     names["trainer"].train(train_dataset=names["dataset"], num_epochs=2)  # "Save during training": a run to save
     capsys.readouterr()
@@ -403,16 +408,15 @@ def test_resume_from_a_saved_training_state_finishes_the_run(names, tmp_path, mo
     assert len(names["trainer"].run_history.get_metric_values("train_loss_epoch")) == 10  # the history is kept
 
 
-def test_the_trainer_with_metrics_snippet_predates_torchmetrics_0_11(names):
+def test_metrics_snippet_predates_torchmetrics(names):
     """`Accuracy(num_classes=...)` without `task`: torchmetrics rejects it, whichever trainer is used."""
     run_snippet("trainer_with_metrics.py", names)
     with pytest.raises(TypeError, match="task"):
         names["TrainerWithMetrics"](peer_prelude.NUM_CLASSES, names["model"], names["loss_func"], names["optimizer"])
 
 
-def test_the_trainer_with_metrics_records_its_metrics_with_the_torchmetrics_it_was_written_for(
-    names, monkeypatch, capsys
-):
+def test_metrics_snippet_on_older_torchmetrics(names, monkeypatch, capsys):
+    """The trainer-with-metrics snippet records its metrics with the torchmetrics it was written for."""
     monkeypatch.setitem(sys.modules, "torchmetrics", peer_prelude.torchmetrics_before_0_11())
     run_snippet("trainer_with_metrics.py", names)
     trainer = names["TrainerWithMetrics"](
@@ -473,7 +477,8 @@ def recording_trainer(names: dict, called: set, calls: list, **kwargs) -> Traine
     return trainer_class(names["model"], names["loss_func"], names["optimizer"], callbacks=(callback,), **kwargs)
 
 
-def test_a_training_run_calls_the_hooks_and_events_in_the_documented_order(names):
+def test_training_run_documented_order(names):
+    """A training run calls the hooks and events in the documented order."""
     expected = pseudocode_calls(
         "trainer_training_run_pseudocode.py",
         {"num_epochs": range(2), "create_train_dataloader": range(3), "create_eval_dataloader": range(2)},
@@ -492,7 +497,8 @@ def test_a_training_run_calls_the_hooks_and_events_in_the_documented_order(names
     assert calls == expected
 
 
-def test_an_evaluation_run_calls_the_hooks_and_events_in_the_documented_order(names):
+def test_evaluation_run_documented_order(names):
+    """An evaluation run calls the hooks and events in the documented order."""
     expected = pseudocode_calls(
         "trainer_evaluation_run_pseudocode.py", {"num_epochs": None, "create_eval_dataloader": range(3)}
     )
@@ -517,14 +523,15 @@ def with_state_dict(scheduler_class: type) -> type:
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULER_SNIPPETS))
-def test_the_docs_schedulers_can_be_created_as_written(names, name):
+def test_docs_schedulers_create_as_written(names, name):
     run_snippet(name, names)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, weight_decay=0.1)
     scheduler = names[SCHEDULER_SNIPPETS[name]](optimizer)
     scheduler.load_state_dict(scheduler.state_dict())
 
 
-def test_the_milestone_scheduler_halves_the_rate_of_every_group_at_each_milestone(names):
+def test_milestone_scheduler_halves_rate(names):
+    """The milestone scheduler halves the rate of every parameter group at each milestone."""
     run_snippet("schedulers_milestone_lr.py", names)
     groups = [{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (1.0, 0.5)]
     optimizer = torch.optim.SGD(groups)
@@ -538,7 +545,7 @@ def test_the_milestone_scheduler_halves_the_rate_of_every_group_at_each_mileston
     assert rates == [[1.0 * 0.5**count, 0.5 * 0.5**count] for count in halvings]  # powers of 2: exact
 
 
-def test_the_milestone_scheduler_counts_epochs_in_the_trainer(names):
+def test_milestone_scheduler_counts_epochs(names):
     run_snippet("schedulers_milestone_lr.py", names)
     rates = LearningRates()
     trainer = Trainer(names["model"], names["loss_func"], names["optimizer"], callbacks=(rates,))
@@ -552,7 +559,8 @@ def test_the_milestone_scheduler_counts_epochs_in_the_trainer(names):
     assert rates.values == pytest.approx(expected)
 
 
-def test_the_weight_decay_scheduler_grows_the_decay_every_n_updates(names):
+def test_weight_decay_scheduler_grows_decay(names):
+    """The weight decay scheduler grows the decay every n updates."""
     run_snippet("schedulers_step_wd.py", names)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, weight_decay=0.1)
     scheduler = with_state_dict(names["StepWdScheduler"])(optimizer, n=3, gamma=1.1)

@@ -55,7 +55,7 @@ def _printed_metric_names(output: str) -> list:
     ]
 
 
-def test_only_the_imports_and_the_data_differ_from_pytorch_accelerated():
+def test_only_imports_and_data_differ():
     """Against the published examples when they are at hand (not in CI): every other line is the same."""
     if not os.path.isdir(PEER_SOURCE):
         pytest.skip(f"pytorch-accelerated's examples are not at {PEER_SOURCE} (set PEER_EXAMPLES_DIR)")
@@ -102,7 +102,7 @@ def test_custom_callback_event(quick, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_custom_callback_event_example_runs_as_a_script():
+def test_custom_event_example_as_a_script():
     env = {**os.environ, LIMIT_BATCHES_ENV_VAR: "2"}
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "custom_callback_event.py")],

@@ -41,7 +41,8 @@ def test_an_unknown_value_is_a_clear_error():
         resolve_placeholders(factory, VALUES)
 
 
-def test_plain_callables_pass_through_and_names_match_pytorch_accelerated():
+def test_plain_callables_pass_through():
+    """Plain callables pass through, and the placeholder names match pytorch-accelerated's."""
     assert resolve_placeholders(_factory, VALUES) is _factory
     assert P.placeholder_set() == {
         "NUM_EPOCHS",
@@ -56,7 +57,8 @@ def test_resolution_uses_no_eval():
     assert "eval(" not in inspect.getsource(placeholders)
 
 
-def test_placeholder_text_of_a_config_file_becomes_the_same_placeholders_without_evaluating_code():
+def test_config_text_becomes_placeholders():
+    """Placeholder text of a config file becomes the same placeholders, without evaluating code."""
     import functools
 
     import pytest

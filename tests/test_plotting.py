@@ -21,7 +21,8 @@ def history():
     return trainer.run_history
 
 
-def test_writes_a_valid_png_with_one_panel_per_numeric_metric(tmp_path, history):
+def test_png_has_one_panel_per_metric(tmp_path, history):
+    """Writes a valid PNG with one panel per numeric metric."""
     path = tmp_path / "history.png"
     figure = plot_run_history(history, path)
     assert path.read_bytes().startswith(PNG_SIGNATURE)
@@ -33,7 +34,7 @@ def test_writes_a_valid_png_with_one_panel_per_numeric_metric(tmp_path, history)
     assert list(epochs) == [1, 2, 3] and list(losses) == history.get_metric_values("train_loss_epoch")
 
 
-def test_plots_the_metrics_asked_for_and_refuses_unknown_ones(tmp_path, history):
+def test_plots_chosen_metrics_refuses_unknown(tmp_path, history):
     figure = plot_run_history(history, tmp_path / "one.svg", metric_names=["eval_loss_epoch"])
     assert [ax.get_title() for ax in figure.axes] == ["eval_loss_epoch"]
     with pytest.raises(
@@ -46,7 +47,7 @@ def test_plots_the_metrics_asked_for_and_refuses_unknown_ones(tmp_path, history)
         plot_run_history(history, metric_names=["per_class"])
 
 
-def test_without_matplotlib_the_error_names_the_extra_to_install(monkeypatch, history):
+def test_without_matplotlib_names_the_extra(monkeypatch, history):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
     with pytest.raises(ImportError, match=r'pip install "pytorch-accel-trainer\[plot\]"'):
         plot_run_history(history)

@@ -38,7 +38,7 @@ def identity_trainer(trainer_class=Trainer, callbacks=()) -> Trainer:
 
 
 @pytest.mark.parametrize("kind", ["map", "iterable"])
-def test_one_process_predicts_every_sample_once_in_order(kind):
+def test_one_process_every_sample_in_order(kind):
     trainer = identity_trainer()
     for size in (1, 2, 5, 8, 17):
         ids = torch.arange(size, dtype=torch.float32).unsqueeze(1)
@@ -62,7 +62,8 @@ def two_process_report(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_predict_every_sample_once_in_order_on_each_process(two_process_report):
+def test_two_processes_every_sample_in_order(two_process_report):
+    """Two processes predict every sample once, in order, on each process."""
     for report in two_process_report:
         assert report["num_processes"] == 2
         assert len(report["cases"]) == 17 * 4 * 2
@@ -79,8 +80,8 @@ def test_two_processes_predict_every_sample_once_in_order_on_each_process(two_pr
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_a_search_runs_each_trial_on_every_process_and_prunes_them_together(two_process_report):
-    """tune() under a 2-process launch (in the same launch as the predictions: one launch for the module)."""
+def test_search_trials_run_on_every_process(two_process_report):
+    """tune() on 2 processes runs each trial on every process and prunes them together (in the predictions' launch)."""
     pytest.importorskip("optuna")
     main, other = (report["tune"] for report in two_process_report)
     assert main == {"pruned": ["PRUNED", [1]], "complete": ["COMPLETE", True], "num_processes": 2}
@@ -104,7 +105,8 @@ def test_structured_outputs_keep_their_structure():
     assert torch.equal(predicted["pair"][1], predicted["outputs"].sigmoid())
 
 
-def test_the_chunked_mode_writes_what_predict_returns_in_memory(tmp_path):
+def test_chunked_mode_matches_in_memory(tmp_path):
+    """The chunked mode writes what predict returns in memory."""
     trainer = make_trainer(make_mlp())
     dataset = regression_dataset(23)
     in_memory = trainer.predict(dataset, per_device_batch_size=4)
@@ -122,7 +124,8 @@ def test_the_chunked_mode_writes_what_predict_returns_in_memory(tmp_path):
         load_predictions(folder)
 
 
-def test_predict_fires_its_events_and_no_evaluation_event_and_restores_training_modes():
+def test_predict_events_and_training_modes():
+    """predict fires its events and no evaluation event, and restores the training modes."""
     recorder = RecordingCallback()
     trainer = make_trainer(make_mlp(), callbacks=[recorder])
     trainer.model.train()
@@ -132,7 +135,8 @@ def test_predict_fires_its_events_and_no_evaluation_event_and_restores_training_
     assert trainer.model.training and not trainer.model[0].training
 
 
-def test_the_default_callbacks_show_a_bar_while_predicting_and_print_nothing(capsys):
+def test_default_callbacks_while_predicting(capsys):
+    """The default callbacks show a progress bar while predicting, and print nothing."""
     trainer = make_trainer(make_linear(), callbacks=DEFAULT_CALLBACKS)
     trainer.predict(linear_dataset(10), per_device_batch_size=4)
     captured = capsys.readouterr()
@@ -140,7 +144,7 @@ def test_the_default_callbacks_show_a_bar_while_predicting_and_print_nothing(cap
     assert trainer.predict_dataloader is None  # only while predicting
 
 
-def test_predict_after_training_and_a_tensor_batch_dataset():
+def test_predict_after_training_on_tensors():
     trainer = make_trainer(make_linear())
     dataset = linear_dataset(16)
     trainer.train(dataset, num_epochs=1, per_device_batch_size=4)
@@ -151,7 +155,8 @@ def test_predict_after_training_and_a_tensor_batch_dataset():
     assert torch.equal(trainer.predict(loader), predicted)
 
 
-def test_predict_refuses_bad_arguments_and_outputs_with_one_clear_error():
+def test_predict_refuses_bad_arguments():
+    """predict refuses bad arguments and bad outputs, each with one clear error."""
     trainer = make_trainer(make_linear())
     with pytest.raises(ValueError, match="per_device_batch_size=0 is not valid"):
         trainer.predict(linear_dataset(4), per_device_batch_size=0)
@@ -173,7 +178,7 @@ def test_predict_refuses_bad_arguments_and_outputs_with_one_clear_error():
         make_trainer(make_linear(), trainer_class=Strings).predict(linear_dataset(4))
 
 
-def test_a_trainer_without_optimizer_or_loss_predicts():
+def test_predict_without_optimizer_or_loss():
     model = make_mlp()
     predictor = Trainer(model, loss_func=None, optimizer=None, callbacks=())
     dataset = regression_dataset(7)

@@ -73,7 +73,7 @@ def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
 
 
 @pytest.mark.slow
-def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
+def test_random_sigkill_then_resume_bitwise(tmp_path):
     config = {"accumulation": 3, "shuffle": True, "epochs": 6, "size": 40}
     folder = tmp_path / "random"
     folder.mkdir()
@@ -94,7 +94,8 @@ def test_sigkill_at_a_random_moment_then_resume_is_bitwise_equal(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_143_and_every_sample_is_seen_exactly_once(tmp_path):
+def test_sigterm_saves_and_exits_143(tmp_path):
+    """SIGTERM saves and exits 143, and every sample is seen exactly once."""
     config = {"accumulation": 3, "shuffle": True, "save_every": 1000}  # only the preemption save
     log = tmp_path / "samples.log"
     interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 4, "signal": "SIGTERM"}, "sample_log": str(log)}
@@ -112,7 +113,8 @@ def test_sigterm_saves_exits_143_and_every_sample_is_seen_exactly_once(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
+def test_second_sigint_exits_at_once(tmp_path):
+    """A second SIGINT exits at once and keeps the last good state."""
     config = {"accumulation": 1, "shuffle": True}
     interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}}
     resumed, reference, _, stopped = _interrupted_then_resumed(
@@ -124,7 +126,8 @@ def test_a_second_sigint_exits_at_once_and_keeps_the_last_good_state(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_processes_sigkill_and_sigterm_to_one_rank_then_resume_bitwise(tmp_path):
+def test_one_rank_killed_then_resume_bitwise(tmp_path):
+    """Two processes: SIGKILL and SIGTERM to one rank, then a resume equal bit for bit."""
     config = {"accumulation": 1, "shuffle": True, "save_every": 2}
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
     (tmp_path / "kill").mkdir()

@@ -30,7 +30,7 @@ PYTORCH_ACCELERATED_FIELDS = {
 
 
 @pytest.mark.parametrize(("batches", "accumulation", "expected"), [(10, 1, 10), (10, 4, 3), (8, 4, 2), (None, 2, None)])
-def test_count_update_steps_counts_a_partial_window(batches, accumulation, expected):
+def test_count_update_steps_partial_window(batches, accumulation, expected):
     assert count_update_steps(batches, accumulation) == expected
 
 
@@ -46,9 +46,10 @@ def test_count_update_steps_counts_a_partial_window(batches, accumulation, expec
         (None, 7, None, (None, 7)),
     ],
 )
-def test_plan_run_length_takes_whichever_limit_comes_first(num_epochs, max_steps, per_epoch, expected):
+def test_plan_run_length_first_limit_wins(num_epochs, max_steps, per_epoch, expected):
     assert plan_run_length(num_epochs, max_steps, per_epoch) == expected
 
 
-def test_run_config_has_every_pytorch_accelerated_field():
+def test_run_config_has_every_peer_field():
+    """TrainerRunConfig has every field of pytorch-accelerated's run config."""
     assert PYTORCH_ACCELERATED_FIELDS <= {field.name for field in dataclasses.fields(TrainerRunConfig)}

@@ -34,7 +34,8 @@ class UpdateLog(TrainerCallback):
 
 
 @pytest.mark.parametrize("accumulation, expected_steps", [(1, [0, 1, 2, 3, 4]), (2, [1, 3, 4]), (4, [3, 4])])
-def test_the_event_after_each_update_fires_once_per_window_with_its_step_and_count(accumulation, expected_steps):
+def test_optimizer_step_end_once_per_window(accumulation, expected_steps):
+    """on_optimizer_step_end fires once per window, with its step and update count."""
     log = UpdateLog()
     trainer = make_trainer(make_linear(), callbacks=[log])
     trainer.train(linear_dataset(10), num_epochs=2, per_device_batch_size=2, gradient_accumulation_steps=accumulation)
@@ -46,7 +47,8 @@ def test_the_event_after_each_update_fires_once_per_window_with_its_step_and_cou
     assert trainer.num_update_steps_completed == 2 * per_epoch
 
 
-def test_the_event_stops_at_the_step_limit_and_a_stop_raised_in_it_ends_the_run_after_that_update():
+def test_optimizer_step_end_limit_and_stop():
+    """on_optimizer_step_end stops at the step limit; a stop raised in it ends the run after that update."""
     log = UpdateLog()
     trainer = make_trainer(make_linear(), callbacks=[log])
     trainer.train(linear_dataset(40), num_epochs=None, max_num_train_steps=7, per_device_batch_size=4)
@@ -65,7 +67,8 @@ def test_the_event_stops_at_the_step_limit_and_a_stop_raised_in_it_ends_the_run_
     assert recorder.events[-2:] == ["on_stop_training_error", "on_training_run_end"]
 
 
-def test_each_train_creates_a_new_run_state_holding_its_validated_options():
+def test_each_train_creates_a_new_run_state():
+    """Each train() creates a new run state, holding its validated options."""
     trainer = make_trainer(make_mlp())
     before = trainer.run_state
     assert isinstance(before, RunState) and before.options is None and trainer.num_update_steps_completed == 0
@@ -82,7 +85,8 @@ def test_each_train_creates_a_new_run_state_holding_its_validated_options():
         trainer.run_state.options.num_epochs = 5
 
 
-def test_train_options_are_validated_when_created_with_the_fix_in_the_message():
+def test_train_options_validated_on_creation():
+    """Train options are validated when created, with the fix in the message."""
     assert TrainOptions(num_epochs=3).per_device_batch_size == 8  # train()'s defaults
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=0 is not valid: it must be a positive integer"):
         TrainOptions(num_epochs=1, gradient_accumulation_steps=0)
@@ -90,7 +94,8 @@ def test_train_options_are_validated_when_created_with_the_fix_in_the_message():
         TrainOptions(num_epochs=None)
 
 
-def test_the_position_of_a_save_is_the_next_batch_inside_an_epoch_or_the_next_epoch_between_epochs():
+def test_save_position_is_the_next_batch():
+    """A save's position is the next batch inside an epoch, or the next epoch between epochs."""
     state = RunState(epoch=3)
     assert (state.position(5).loop_epoch, state.position(5).batches_seen, state.position(5).rng_restore_point) == (
         3,
@@ -100,7 +105,9 @@ def test_the_position_of_a_save_is_the_next_batch_inside_an_epoch_or_the_next_ep
     assert (state.position(None).batches_seen, state.position(None).rng_restore_point) == (0, "before_iterator")
 
 
-def test_an_extra_eval_epoch_evaluates_other_weights_with_other_callbacks_and_restores_everything():
+def test_extra_eval_epoch_restores_everything():
+    """An extra eval epoch evaluates other weights with other callbacks, and restores everything."""
+
     class Extra(TrainerCallback):
         def __init__(self):
             self.losses = []
@@ -127,7 +134,8 @@ def test_an_extra_eval_epoch_evaluates_other_weights_with_other_callbacks_and_re
     assert getattr(trainer.run_history, "metric_name_prefix", "") == ""
 
 
-def test_a_dataloader_alias_keeps_pytorch_accelerated_scripts_working():
+def test_dataloader_aliases_for_peer_scripts():
+    """_train_dataloader and _eval_dataloader keep pytorch-accelerated scripts working."""
     trainer = make_trainer(make_linear())
     trainer.train(StreamDataset(linear_dataset(8)), num_epochs=1, per_device_batch_size=4)
     assert trainer._train_dataloader is trainer.train_dataloader is not None
@@ -136,7 +144,7 @@ def test_a_dataloader_alias_keeps_pytorch_accelerated_scripts_working():
     assert trainer.eval_dataloader is replacement
 
 
-def test_an_extra_eval_epoch_without_eval_data_is_a_clear_error():
+def test_extra_eval_epoch_without_eval_data():
     class Extra(TrainerCallback):
         def on_train_epoch_end(self, trainer, **kwargs):
             trainer.run_extra_eval_epoch(metric_name_prefix="other_")
@@ -146,8 +154,10 @@ def test_an_extra_eval_epoch_without_eval_data_is_a_clear_error():
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
 
 
-def test_an_extra_eval_epoch_of_a_model_on_another_device_is_a_clear_error_that_changes_nothing():
+def test_extra_eval_epoch_on_other_device():
     # on a GPU, a module left on the CPU; here, on the CPU, a module on the meta device
+    """An extra eval epoch of a model on another device is a clear error that changes nothing."""
+
     class Extra(TrainerCallback):
         def on_train_epoch_end(self, trainer, **kwargs):
             handler, model = trainer.callback_handler, trainer.model

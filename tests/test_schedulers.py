@@ -109,7 +109,7 @@ def train_linear(callbacks=(), num_epochs=4, per_device_batch_size=4, accumulati
 
 
 @pytest.mark.parametrize(("batch_size", "accumulation"), [(4, 1), (2, 2)])
-def test_cosine_gives_each_update_its_learning_rate_also_with_accumulation(batch_size, accumulation):
+def test_cosine_learning_rate_per_update(batch_size, accumulation):
     """12 updates (3 epochs of 4), 4 of warmup from 0, 4 of cosine from 0.1 to 0.01, 4 held at 0.01; with
     accumulation the schedule counts updates, not batches."""
     recorder = LearningRateRecorder()
@@ -133,7 +133,8 @@ def test_cosine_gives_each_update_its_learning_rate_also_with_accumulation(batch
     assert trainer.scheduler.state_dict()["num_updates"] == trainer.num_update_steps_completed == 12
 
 
-def test_cosine_warmup_from_a_ratio_rises_linearly_to_the_base_lr():
+def test_cosine_warmup_ratio_is_linear():
+    """A warmup given as a ratio rises linearly to the base learning rate."""
     optimizer = torch.optim.SGD(make_linear().parameters(), lr=0.2)
     scheduler = CosineLrScheduler(optimizer, 4, 5, num_warmup_epochs=1, warmup_starting_lr_ratio=0.1)
     assert [scheduler.get_updated_values(n)[0] for n in range(6)] == pytest.approx(
@@ -143,7 +144,8 @@ def test_cosine_warmup_from_a_ratio_rises_linearly_to_the_base_lr():
 
 
 @pytest.mark.parametrize(("batch_size", "accumulation"), [(4, 1), (2, 2)])
-def test_wsd_gives_each_update_its_learning_rate_also_with_accumulation(batch_size, accumulation):
+def test_wsd_learning_rate_per_update(batch_size, accumulation):
+    """WSD gives each update its learning rate, also with gradient accumulation."""
     recorder = LearningRateRecorder()
     trainer = train_linear([recorder], per_device_batch_size=batch_size, accumulation=accumulation)
     assert recorder.sequence() == pytest.approx(WSD_LRS, rel=1e-12)
@@ -190,7 +192,8 @@ def _resumable_run(save_dir, scheduler, recorder, crash=None, **save_kwargs) -> 
     [({"save_every_n_steps": 1, "save_every_n_epochs": None}, 6), ({"save_every_n_epochs": 1}, 9)],
     ids=["inside-an-epoch", "between-epochs"],
 )
-def test_save_then_resume_continues_the_schedule_bit_for_bit(tmp_path, scheduler, save_kwargs, crash_after):
+def test_resume_continues_the_schedule(tmp_path, scheduler, save_kwargs, crash_after):
+    """Save then resume continues the schedule bit for bit."""
     reference_lrs = LearningRateRecorder()
     reference = _resumable_run(tmp_path / "reference", scheduler, reference_lrs, **save_kwargs)
     resumed_lrs = LearningRateRecorder()
@@ -205,7 +208,8 @@ def test_save_then_resume_continues_the_schedule_bit_for_bit(tmp_path, scheduler
     assert resumed.scheduler.state_dict() == reference.scheduler.state_dict()
 
 
-def test_a_state_without_its_optimizer_state_still_sets_the_learning_rate():
+def test_state_without_optimizer_sets_lr():
+    """A scheduler state loaded without its optimizer state still sets the learning rate."""
     optimizer = torch.optim.SGD(make_linear().parameters(), lr=0.1)
     scheduler = create_stepped_once(
         WSDLrScheduler, optimizer, total_steps=20, num_warmup_steps=10, warmup_starting_lr=0.0
@@ -241,7 +245,8 @@ def test_a_deleted_scheduler_is_freed():
         (50, 3, [12, 25, 50]),
     ],
 )
-def test_checkpoints_double_and_the_last_ends_the_schedule(total_steps, num_checkpoints, expected):
+def test_checkpoint_steps_double_to_the_end(total_steps, num_checkpoints, expected):
+    """estimate_checkpoint_steps: the steps double, and the last ends the schedule."""
     assert estimate_checkpoint_steps(total_steps, num_checkpoints) == expected
 
 
@@ -266,7 +271,7 @@ def _launch(tmp_path, name: str, num_processes: int, per_device_batch_size: int,
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_use_the_learning_rates_of_one_process(tmp_path):
+def test_two_processes_same_lr_as_one(tmp_path):
     """Global batch 4: 1 process x 4 against 2 processes x 1 x 2 accumulation steps; 16 updates each."""
     single = _launch(tmp_path, "single", 1, per_device_batch_size=4, accumulation=1)
     double = _launch(tmp_path, "double", 2, per_device_batch_size=1, accumulation=2)
@@ -316,7 +321,8 @@ class KeepWeights(TrainerCallback):
         self.after_update[num_update_steps_completed] = {name: value.clone() for name, value in state.items()}
 
 
-def test_wsd_callback_saves_a_state_before_each_decay_and_an_export_after_it(tmp_path):
+def test_wsd_callback_saves_around_decays(tmp_path):
+    """WSDCheckpointCallback saves a state before each decay and an export after it."""
     weights = KeepWeights()
     trainer = train_linear([weights, WSDCheckpointCallback(tmp_path)])  # updates 5-8 and 13-16 decay
 
@@ -338,7 +344,8 @@ def test_wsd_callback_saves_a_state_before_each_decay_and_an_export_after_it(tmp
     assert_bitwise_equal(export[MODEL_KEY], trainer.get_model().state_dict())
 
 
-def test_wsd_continuation_from_a_pre_decay_state_holds_then_decays_over_its_own_length(tmp_path):
+def test_wsd_continuation_from_pre_decay_state(tmp_path):
+    """A continuation from a pre-decay state holds, then decays over its own length."""
     train_linear([WSDCheckpointCallback(tmp_path / "first")])
     pre_decay = tmp_path / "first" / "checkpoint_12_wsd_pre_decay"
     saved_weights = load_file(str(find_resumable_state(pre_decay).folder / "model.safetensors"))
@@ -361,7 +368,8 @@ def test_wsd_continuation_from_a_pre_decay_state_holds_then_decays_over_its_own_
     assert (tmp_path / "second" / "checkpoint_8_wsd_post_decay.pt").is_file()
 
 
-def test_a_run_resumed_after_its_last_update_still_writes_its_final_export(tmp_path):
+def test_resume_after_last_update_exports(tmp_path):
+    """A run resumed after its last update still writes its final export."""
     states = tmp_path / "states"
     train_linear(
         [WSDCheckpointCallback(tmp_path), SaveTrainingStateCallback(states, save_on_signals=())], resume_from=states
@@ -375,7 +383,8 @@ def test_a_run_resumed_after_its_last_update_still_writes_its_final_export(tmp_p
     assert_bitwise_equal(load_checkpoint_file(final_export)[MODEL_KEY], resumed.get_model().state_dict())
 
 
-def test_an_interrupted_continuation_resumes_exactly_without_loading_its_initial_checkpoint_again(tmp_path):
+def test_interrupted_continuation_resumes(tmp_path):
+    """An interrupted continuation resumes exactly, without loading its initial checkpoint again."""
     train_linear([WSDCheckpointCallback(tmp_path / "first")])
     pre_decay = tmp_path / "first" / "checkpoint_12_wsd_pre_decay"
 
@@ -400,7 +409,8 @@ def test_an_interrupted_continuation_resumes_exactly_without_loading_its_initial
     assert resumed.scheduler.state_dict() == reference.scheduler.state_dict()
 
 
-def test_wsd_continuation_from_a_post_decay_export(tmp_path):
+def test_wsd_continuation_from_export(tmp_path):
+    """A continuation from a post-decay export starts a new stable phase and writes its own final export."""
     train_linear([WSDCheckpointCallback(tmp_path)])
     export = tmp_path / "checkpoint_16_wsd_post_decay.pt"
     recorder = LearningRateRecorder()
@@ -471,14 +481,16 @@ def test_wsd_arguments_are_checked(kwargs, message):
         WSDLrScheduler(_optimizer(), **{"total_steps": 100, **kwargs})
 
 
-def test_argument_errors_are_value_errors_and_assertion_errors_as_before():
+def test_argument_errors_keep_assertion_error():
+    """Argument errors are ValueErrors, and AssertionErrors as pytorch-accelerated's asserts raised."""
     with pytest.raises(ValueError):
         WSDLrScheduler(_optimizer(), total_steps=0)
     with pytest.raises(AssertionError):  # pytorch-accelerated asserted
         WSDLrScheduler(_optimizer(), total_steps=0)
 
 
-def test_factories_check_their_arguments_when_created():
+def test_factories_check_arguments_early():
+    """The scheduler factories check their arguments when created, not when called."""
     with pytest.raises(SchedulerArgumentError, match=r"num_warmup_epochs is -1"):
         CosineLrScheduler.create_scheduler_fn(num_warmup_epochs=-1)
     with pytest.raises(SchedulerArgumentError, match=r"num_warmup_epochs is 0.5; pass a whole number"):

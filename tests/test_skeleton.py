@@ -68,9 +68,10 @@ HOOKS = tuple(
     for name, _ in inspect.getmembers(Trainer, inspect.isfunction)
     if not name.startswith("_") and name not in NOT_HOOKS
 )
-#: The most lines the skeleton may have: a skeleton, not a second copy of the loop (which grew to 175 lines). 70 for
-#: training and evaluation, and the 7 lines of a prediction run.
-MAX_SKELETON_LINES = 77
+#: The most lines the skeleton may have: a skeleton, not a second copy of the loop (which grew to 175 lines). 73 for
+#: training and evaluation (the update and the point between two updates are procedures of their own, as in the
+#: code), and the 7 lines of a prediction run.
+MAX_SKELETON_LINES = 80
 
 # the runs: 3 training batches (an odd number, so the second accumulation window of 2 is partial), 2 eval batches
 TRAIN_SAMPLES, EVAL_SAMPLES, BATCH_SIZE, ACCUMULATION = 6, 4, 2, 2
@@ -397,7 +398,7 @@ def training_run_log() -> list:
 # ------------------------------------------------------------------------------------------------
 
 
-def test_the_skeleton_shows_every_hook_and_every_event():
+def test_skeleton_shows_every_hook_and_event():
     page = PAGE.read_text()
     calls = named_calls(page)
     assert sorted(set(HOOKS) - calls) == [], "hooks missing from the skeleton"
@@ -405,7 +406,8 @@ def test_the_skeleton_shows_every_hook_and_every_event():
     assert {"Trainer", "train", "evaluate", "predict"} <= set(parse_skeleton(page))
 
 
-def test_the_skeleton_names_only_what_the_package_defines():
+def test_skeleton_names_only_defined_names():
+    """The skeleton names only what the package defines."""
     source = "\n".join(path.read_text() for path in (ROOT / "pytorch_accel_trainer").rglob("*.py"))
     defined = set(re.findall(r"def (\w+)\(", source)) | set(re.findall(r"class (\w+)\b", source))
     missing = sorted(named_calls(PAGE.read_text()) - defined)
@@ -431,7 +433,7 @@ def test_a_training_run_follows_the_skeleton(training_run_log):
 
 
 @pytest.mark.parametrize(("with_eval", "scheduler_interval"), [(False, "step"), (True, "epoch")])
-def test_the_other_branches_of_a_training_run_follow_the_skeleton(with_eval, scheduler_interval):
+def test_other_run_branches_follow_skeleton(with_eval, scheduler_interval):
     log = record_training_run(with_eval, scheduler_interval=scheduler_interval)
     run = Run(eval_batches=EVAL_BATCHES if with_eval else 0, scheduler_interval=scheduler_interval)
     assert_same_sequence(log, expected_sequence(run))
@@ -475,14 +477,14 @@ def test_a_resumed_run_follows_the_skeleton(tmp_path, every, state, epochs, firs
         ("on_eval_epoch_end", 2),  # held to the end of the last epoch, after on_training_run_epoch_end
     ],
 )
-def test_a_run_a_callback_stops_follows_the_skeleton(stop_after):
+def test_stopped_run_follows_the_skeleton(stop_after):
     log = record_training_run(stop_after=stop_after)
     expected = expected_sequence(Run(stop_after=stop_after))
     assert expected.count("on_stop_training_error") == 1
     assert_same_sequence(log, expected)
 
 
-def test_an_evaluation_run_a_callback_stops_follows_the_skeleton():
+def test_stopped_evaluation_follows_skeleton():
     stop_after = ("on_eval_step_start", 1)  # held to the end of the evaluation epoch
     log: list = []
     recorded_trainer(log, stop_after).evaluate(linear_dataset(5), per_device_batch_size=BATCH_SIZE)
@@ -531,7 +533,7 @@ PAGE_DRIFTS = {
 
 
 @pytest.mark.parametrize("drift", PAGE_DRIFTS)
-def test_a_page_that_drifts_from_the_trainer_fails_the_comparison(training_run_log, drift):
+def test_drifted_page_fails_the_comparison(training_run_log, drift):
     page = PAGE.read_text()
     drifted = PAGE_DRIFTS[drift](page)
     assert drifted != page, f"the drift {drift!r} changed nothing: the page no longer has the lines it edits"
@@ -539,7 +541,7 @@ def test_a_page_that_drifts_from_the_trainer_fails_the_comparison(training_run_l
         assert_same_sequence(training_run_log, expected_sequence(Run(), drifted))
 
 
-def test_a_trainer_that_drifts_from_the_page_fails_the_comparison():
+def test_drifted_trainer_fails_the_comparison():
     class ExtraHookCall(Trainer):
         def optimizer_step(self):
             super().optimizer_step()

@@ -1,6 +1,6 @@
 """Training states are input too: confined to their folder, bounded, skipped when damaged, refused when of another
-format, cleaned up, never pruned through a link, and checked against the optimizer they are resumed into (real files,
-real runs)."""
+format, cleaned up, never pruned through a link, checked against the optimizer they are resumed into, and kept apart by
+run: two runs never mix in one folder, and resume_from says what it found (real files, real runs)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,12 @@ import torch
 from conftest import regression_dataset
 from torch import nn
 
-from pytorch_accel_trainer import Trainer, training_state
+from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.state.files import CHECKSUM, file_digest
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state.files import CHECKSUM, MANIFEST_NAME, TRAINER_FILE, file_digest
 from pytorch_accel_trainer.state.training_state import (
-    MANIFEST_NAME,
-    TRAINER_FILE,
-    CheckpointError,
     StateFormatError,
     find_resumable_state,
     list_complete_states,
@@ -122,7 +121,8 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_a_damaged_newest_state_is_skipped_with_a_warning_naming_it_for_the_newest_good_one(states, capsys, damage):
+def test_damaged_newest_state_is_skipped(states, capsys, damage):
+    """A damaged newest state is skipped, with a warning naming it, for the newest good one."""
     newest = states / "step_4"
     apply, problem = DAMAGES[damage]
     apply(newest, states.parent / "secret")
@@ -136,7 +136,7 @@ def test_a_damaged_newest_state_is_skipped_with_a_warning_naming_it_for_the_newe
     assert resumed.num_update_steps_completed == 8  # continued from the older state, to the end of epoch 2
 
 
-def test_a_name_outside_the_folder_gets_the_same_answer_whatever_its_size_or_hash(states):
+def test_outside_file_name_is_no_oracle(states):
     """No oracle: a guessed size or hash of an outside file changes nothing in what the loader says."""
     folder, secret = states / "step_4", states.parent / "secret"
     messages = set()
@@ -195,7 +195,8 @@ BAD_FIELDS = [
 
 
 @pytest.mark.parametrize(("name", "value", "problem"), BAD_FIELDS, ids=lambda value: str(value)[:20])
-def test_every_manifest_field_is_checked_for_type_and_range_before_use(states, name, value, problem):
+def test_manifest_fields_are_checked(states, name, value, problem):
+    """Every manifest field is checked for type and range before use."""
     folder = states / "step_4"
     _edit_manifest(folder, lambda manifest: manifest.update({name: value}))
     with pytest.raises(CheckpointError, match=rf"{MANIFEST_NAME}: damaged manifest: {problem}"):
@@ -203,7 +204,8 @@ def test_every_manifest_field_is_checked_for_type_and_range_before_use(states, n
     assert folder not in [state.folder for state in list_complete_states(states)]  # never pruned by a forged claim
 
 
-def test_a_pickle_planted_as_model_safetensors_is_a_checkpoint_error_and_never_runs(states):
+def test_planted_pickle_never_runs(states):
+    """A pickle planted as model.safetensors is a CheckpointError and never runs."""
     folder, marker = states / "step_4", states.parent / "pwned"
 
     class Hostile:
@@ -220,7 +222,8 @@ def test_a_pickle_planted_as_model_safetensors_is_a_checkpoint_error_and_never_r
     assert not marker.exists()
 
 
-def test_resuming_from_an_export_checkpoint_file_says_it_is_one_and_what_to_use(tmp_path):
+def test_resume_from_export_checkpoint_file(tmp_path):
+    """Resuming from an export checkpoint file says it is one, and what to use."""
     model = nn.Linear(4, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
     trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=2)
@@ -236,7 +239,9 @@ def test_resuming_from_an_export_checkpoint_file_says_it_is_one_and_what_to_use(
     assert trainer.num_update_steps_completed == 4  # nothing was loaded or trained
 
 
-def test_resuming_into_another_optimizer_is_refused_naming_both_before_any_step(states):
+def test_resume_into_another_optimizer(states):
+    """Resuming into another optimizer is refused, naming both, before any step."""
+
     class NoStep(TrainerCallback):
         def on_train_step_start(self, trainer, **kwargs):
             raise AssertionError("training resumed")
@@ -251,7 +256,8 @@ def test_resuming_into_another_optimizer_is_refused_naming_both_before_any_step(
         _run(states, optimizer=torch.optim.Adam, num_epochs=2, crash=NoStep())
 
 
-def test_resuming_into_other_parameter_groups_of_the_same_optimizer_class_is_refused_naming_both(states):
+def test_resume_into_other_param_groups(states):
+    """Resuming into other parameter groups of the same optimizer class is refused, naming both."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     two_groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.01)
@@ -264,7 +270,8 @@ def test_resuming_into_other_parameter_groups_of_the_same_optimizer_class_is_ref
     assert _run(states, num_epochs=2).num_update_steps_completed == 8
 
 
-def test_a_trainer_file_without_the_optimizer_class_is_refused_as_altered(states):
+def test_trainer_file_without_optimizer_class(states):
+    """A trainer file without the optimizer class is refused as altered."""
     folder = states / "step_4"
     shared = torch.load(folder / TRAINER_FILE, weights_only=True)
     del shared["optimizer_class"]  # every state of the format read stores it
@@ -309,7 +316,8 @@ class _NoStep(TrainerCallback):
         raise AssertionError("training resumed")
 
 
-def test_a_state_of_format_2_is_refused_naming_it_the_versions_and_the_fix_before_anything_is_loaded(states):
+def test_format_2_state_is_refused(states):
+    """A state of format 2 is refused, naming it, the versions and the fix, before anything is loaded."""
     folder = states / "step_4"
     _as_format_2(folder)
     torch.manual_seed(0)
@@ -325,7 +333,8 @@ def test_a_state_of_format_2_is_refused_naming_it_the_versions_and_the_fix_befor
     assert issubclass(StateFormatError, CheckpointError)  # caught as every other training-state problem
 
 
-def test_older_format_states_beside_good_ones_are_skipped_with_a_warning_that_says_so_and_never_pruned(states):
+def test_older_format_states_are_skipped(states):
+    """Older-format states beside good ones are skipped with a warning that says so, and never pruned."""
     for name in ("step_1", "step_2"):
         _as_format_2(states / name)
     with pytest.warns(UserWarning) as warned:
@@ -340,7 +349,8 @@ def test_older_format_states_beside_good_ones_are_skipped_with_a_warning_that_sa
     assert [state.folder.name for state in list_complete_states(states)] == ["step_8"]
 
 
-def test_a_folder_of_older_format_states_only_stops_listing_each_rather_than_starting_over(states):
+def test_folder_of_older_formats_only_stops(states):
+    """A folder of older-format states only stops, listing each, rather than starting over."""
     for folder in list(states.iterdir()):
         if folder.is_dir():
             _as_format_2(folder)
@@ -371,7 +381,7 @@ def test_a_folder_of_older_format_states_only_stops_listing_each_rather_than_sta
         (None, r"manifest\.json: damaged manifest: format_version is None; it must be 3\."),
     ],
 )
-def test_any_other_format_version_is_refused_naming_it(states, version, problem):
+def test_other_format_versions_are_refused(states, version, problem):
     folder = states / "step_4"
     _edit_manifest(folder, lambda manifest: manifest.update(format_version=version))
     with pytest.raises(CheckpointError, match=problem) as refused:
@@ -388,7 +398,8 @@ _STOPPED_SAVE = textwrap.dedent(
     import os, signal, sys, time
     import torch
     from torch import nn
-    from pytorch_accel_trainer import Trainer, training_state
+    from pytorch_accel_trainer import Trainer
+    from pytorch_accel_trainer.state import crash_points
 
     def stop(name):  # in the middle of a save: die, or stay alive writing
         if name == "write:optimizer.pt":
@@ -397,7 +408,7 @@ _STOPPED_SAVE = textwrap.dedent(
             print("writing", flush=True)
             time.sleep(120)
 
-    training_state._crash_point = stop
+    crash_points.crash_point = stop
     model = nn.Linear(1, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
     samples = int(sys.argv[3])
@@ -408,7 +419,8 @@ _STOPPED_SAVE = textwrap.dedent(
 )
 
 
-def test_a_later_save_removes_the_temporary_folders_of_killed_saves_and_never_a_live_ones(tmp_path):
+def test_later_save_removes_killed_temporaries(tmp_path):
+    """A later save removes the temporary folders of killed saves, and never a live save's."""
     parent = tmp_path / "states"
     live = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_SAVE, str(parent), "live", "9"], stdout=subprocess.PIPE, text=True
@@ -431,7 +443,8 @@ def test_a_later_save_removes_the_temporary_folders_of_killed_saves_and_never_a_
     assert not [path for path in parent.iterdir() if path.name.startswith(".tmp-")]
 
 
-def test_a_symlinked_parent_or_state_never_ends_a_run_nor_is_deleted_through(tmp_path):
+def test_symlinked_parent_or_state(tmp_path):
+    """A symlinked parent or state never ends a run, nor is deleted through."""
     real = tmp_path / "real"
     real.mkdir()
     (tmp_path / "link").symlink_to(real, target_is_directory=True)
@@ -450,7 +463,8 @@ def test_a_symlinked_parent_or_state_never_ends_a_run_nor_is_deleted_through(tmp
     assert sorted(state.folder.name for state in list_complete_states(real)) == ["step_7", "step_8"]
 
 
-def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_unprunable_state_is_left_with_warning(tmp_path, monkeypatch):
+    """A state that cannot be pruned is left with a warning, and the run goes on."""
     parent, outside = tmp_path / "states", tmp_path / "outside"
 
     def swap_for_a_link(name):  # the folder to prune becomes a link at that moment: rmtree refuses it (OSError)
@@ -458,7 +472,7 @@ def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_o
             shutil.move(parent / "step_1", outside)
             (parent / "step_1").symlink_to(outside, target_is_directory=True)
 
-    monkeypatch.setattr(training_state, "_crash_point", swap_for_a_link)
+    monkeypatch.setattr(crash_points, "crash_point", swap_for_a_link)
     with pytest.warns(
         UserWarning, match=r"Could not prune the training state \S*step_1 \(.*symbolic link.*\); it is left in place"
     ):
@@ -468,7 +482,7 @@ def test_a_state_that_cannot_be_pruned_is_left_with_a_warning_and_the_run_goes_o
         assert find_resumable_state(parent).folder.name == "step_4"
 
 
-def test_a_folder_of_another_kind_of_state_is_refused_rather_than_restarted(tmp_path):
+def test_other_kind_of_state_is_refused(tmp_path):
     """pytorch-accelerated's training states are Accelerate save_state folders: resuming one must not start over."""
     import pytest
     import torch
@@ -489,3 +503,158 @@ def test_a_folder_of_another_kind_of_state_is_refused_rather_than_restarted(tmp_
         match=r"holds \['random_states_0.pkl', 'model.safetensors'\] but no training state of this trainer",
     ):
         trainer.train(data, num_epochs=1, resume_from=folder)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs: every state knows its run; two runs never mix in one folder; resume_from says what it found
+# ------------------------------------------------------------------------------------------------
+
+
+class DieAtEpoch(Exception):
+    """Stands for the process dying."""
+
+
+class DieAt(TrainerCallback):
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, **kwargs):
+        if trainer.run_history.current_epoch == self.epoch:
+            raise DieAtEpoch()
+
+
+def _trainer(save_dir, lr, die_at=None, **callback_kwargs):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    callbacks = [SaveTrainingStateCallback(save_dir, save_every_n_epochs=1, **callback_kwargs)]
+    if die_at is not None:
+        callbacks.append(DieAt(die_at))
+    return Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=lr), callbacks=callbacks)
+
+
+def _train(trainer, resume_from=None, num_epochs=6):
+    trainer.train(regression_dataset(8), num_epochs=num_epochs, per_device_batch_size=2, resume_from=resume_from)
+
+
+def _manifests(folder):
+    return {path.parent.name: json.loads(path.read_text()) for path in folder.glob(f"*/{MANIFEST_NAME}")}
+
+
+def test_new_run_refuses_another_runs_folder(tmp_path):
+    """A new run refuses a folder holding another run's states, before any step."""
+    ck = tmp_path / "ck"
+    _train(_trainer(ck, lr=0.1, max_checkpoints=3))  # run A
+    a_states = _manifests(ck)
+    assert sorted(a_states) == ["epoch_5", "epoch_6", "final"]
+    assert len({manifest["run_id"] for manifest in a_states.values()}) == 1  # each state names its run
+    trainer_b = _trainer(ck, lr=0.5, max_checkpoints=3)
+    weights_before = trainer_b.model.weight.detach().clone()
+    with pytest.raises(
+        CheckpointError,
+        match=(
+            r"(?s)ck holds training states of another run \(epoch_5, epoch_6, final \(run [0-9a-f]{32}\)\), and this "
+            r"run is a new run \(no state resumed\).*another folder.*resume_from=.*ck'.*allow_other_runs=True"
+        ),
+    ):
+        _train(trainer_b)
+    assert torch.equal(trainer_b.model.weight, weights_before)  # refused before any step
+    assert _manifests(ck) == a_states
+
+
+def test_two_runs_in_one_folder_kept_apart(tmp_path, capsys):
+    """Run B in run A's folder (allowed explicitly), with max_checkpoints, dies in epoch 4;
+    its resume continues B (B's learning rate, B's update count), and neither run prunes the other's states."""
+    ck = tmp_path / "ck"
+    _train(_trainer(ck, lr=0.1, max_checkpoints=3))  # run A: 6 epochs of 4 updates
+    a_states = _manifests(ck)
+    with pytest.raises(DieAtEpoch):
+        _train(_trainer(ck, lr=0.5, die_at=4, max_checkpoints=3, allow_other_runs=True))  # run B
+    states = _manifests(ck)
+    b_states = {name: manifest for name, manifest in states.items() if name not in a_states}
+    assert sorted(b_states) == ["epoch_1", "epoch_2", "epoch_3"]  # not pruned for A's later ones
+    assert {name: states[name] for name in a_states} == a_states  # A's untouched
+    (b_run,) = {manifest["run_id"] for manifest in b_states.values()}
+    assert (ck / "latest").read_text().strip() == "epoch_3"
+    capsys.readouterr()
+    resumed = _trainer(ck, lr=0.3, max_checkpoints=3, allow_other_runs=True)
+    with pytest.warns(UserWarning, match=r"also holds the states of other runs \(epoch_5, epoch_6, final"):
+        _train(resumed, resume_from=ck, num_epochs=4)
+    assert f"Resuming from {ck / 'epoch_3'} (after 12 optimizer updates), run {b_run}" in capsys.readouterr().out
+    assert resumed.optimizer.param_groups[0]["lr"] == 0.5  # B's optimizer state, not A's (0.1)
+    assert resumed.num_update_steps_completed == 16
+    states = _manifests(ck)
+    assert {name: states[name] for name in a_states} == a_states  # B's pruning left A's states alone
+    assert sorted(name for name in states if states[name]["run_id"] == b_run) == ["epoch_3", "epoch_4", "final-2"]
+
+
+def test_state_without_run_id_resumes(tmp_path, capsys):
+    """A state saved before runs had an identity still resumes, and counts as another run."""
+    ck = tmp_path / "ck"
+    _train(_trainer(ck, lr=0.1), num_epochs=2)
+    for path in ck.glob(f"*/{MANIFEST_NAME}"):  # as an earlier version wrote them
+        manifest = json.loads(path.read_text())
+        del manifest["run_id"]
+        path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"\(no run identity: saved by an earlier version\)"):
+        _train(_trainer(ck, lr=0.1), num_epochs=3)
+    trainer = _trainer(ck, lr=0.1)
+    _train(trainer, resume_from=ck, num_epochs=3)
+    assert f"Resuming from {ck / 'final'} (after 8 optimizer updates)" in capsys.readouterr().out
+    assert trainer.num_update_steps_completed == 12
+
+
+def test_resume_from_says_what_it_found(tmp_path, capsys):
+    """Only an absent or empty folder starts a new run; a run folder means its states."""
+    trainer = _trainer(tmp_path / "ck", lr=0.1)
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("not a state")
+    with pytest.raises(CheckpointError, match=r"resume_from='.*stray' holds notes.txt but no training state"):
+        _train(trainer, resume_from=stray)
+    link = tmp_path / "link"
+    link.symlink_to(stray)
+    with pytest.raises(CheckpointError, match="holds notes.txt but no training state"):
+        _train(trainer, resume_from=link)
+    run_folder = tmp_path / "runs" / "x"
+    _train(_trainer(run_folder / "training_states", lr=0.1), num_epochs=1)
+    (run_folder / "config.yaml").write_text("model: {}\n")
+    resumed = _trainer(run_folder / "training_states", lr=0.1)
+    _train(resumed, resume_from=run_folder, num_epochs=2)
+    assert f"from {run_folder / 'training_states' / 'final'} (after 4 optimizer updates" in capsys.readouterr().out
+    assert resumed.num_update_steps_completed == 8
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _train(_trainer(empty, lr=0.1), resume_from=empty, num_epochs=1)
+    assert "empty' holds no training state yet: starting a new run." in capsys.readouterr().out
+
+
+def test_edited_older_manifest_is_skipped(tmp_path):
+    """A manifest edited to look newer than its files is a damaged state, skipped as
+    docs/training_state.md says, and the newest good state is resumed."""
+    ck = tmp_path / "ck"
+    _train(_trainer(ck, lr=0.1, save_at_end=False), num_epochs=2)
+    path = ck / "epoch_1" / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["num_update_steps_completed"] = 999
+    path.write_text(json.dumps(manifest))
+    trainer = _trainer(ck, lr=0.1, save_at_end=False)
+    with pytest.warns(UserWarning, match=r"(?s)Skipped a damaged training state \(resuming from .*epoch_2\).*epoch_1"):
+        _train(trainer, resume_from=ck, num_epochs=3)
+    assert trainer.num_update_steps_completed == 12
+
+
+def test_second_train_call_is_not_refused(tmp_path, capsys):
+    """Progressive unfreezing: one script, one trainer and callback, train() twice without resume_from."""
+    ck = tmp_path / "ck"
+    trainer = _trainer(ck, lr=0.1)
+    _train(trainer, num_epochs=1)
+    _train(trainer, num_epochs=2)
+    runs = {name: manifest["run_id"] for name, manifest in _manifests(ck).items()}
+    assert sorted(runs) == ["epoch_1", "epoch_1-2", "epoch_2", "final", "final-2"]
+    assert runs["epoch_1"] == runs["final"] != runs["epoch_1-2"] == runs["epoch_2"] == runs["final-2"]
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"also holds the states of other runs \(epoch_1, final \(run"):
+        _train(_trainer(ck, lr=0.1), resume_from=ck, num_epochs=3)  # the second call's run, saved last
+    assert (
+        f"Resuming from {ck / 'final-2'} (after 8 optimizer updates), run {runs['final-2']}" in capsys.readouterr().out
+    )

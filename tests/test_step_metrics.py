@@ -60,7 +60,8 @@ def make_trainer(callbacks=(), trainer_class=AccuracyTrainer, **kwargs) -> Train
     )
 
 
-def test_extra_scalars_are_recorded_as_the_sample_weighted_mean_of_each_epoch():
+def test_extra_scalars_are_epoch_means():
+    """Extra scalars are recorded as the sample-weighted mean of each epoch."""
     batches = BatchAccuracies()
     trainer = make_trainer([batches])
     trainer.train(
@@ -79,7 +80,8 @@ def test_extra_scalars_are_recorded_as_the_sample_weighted_mean_of_each_epoch():
     assert history.get_metric_values("train_accuracy_epoch")[-1] > 0.7  # the model learns the rule
 
 
-def test_evaluate_records_evaluation_metrics_next_to_evaluation_loss_and_returns_them():
+def test_evaluate_records_and_returns_metrics():
+    """evaluate records evaluation metrics next to the evaluation loss, and returns them."""
     trainer = make_trainer()
     result = trainer.evaluate(classification_dataset(30), per_device_batch_size=7)
     model = trainer.model
@@ -91,7 +93,8 @@ def test_evaluate_records_evaluation_metrics_next_to_evaluation_loss_and_returns
     assert trainer.run_history.get_latest_metric("evaluation_accuracy") == result["evaluation_accuracy"]
 
 
-def test_step_metrics_are_the_same_under_gradient_accumulation():
+def test_step_metrics_under_accumulation():
+    """Step metrics are the same with and without gradient accumulation."""
     runs = []
     for batch_size, accumulation in ((8, 1), (4, 2)):
         trainer = make_trainer()
@@ -106,7 +109,9 @@ def test_step_metrics_are_the_same_under_gradient_accumulation():
     assert runs[0] == runs[1] == [1.0]
 
 
-def test_a_step_metric_resumes_exactly_from_a_state_taken_inside_an_epoch(tmp_path):
+def test_step_metric_resumes_mid_epoch(tmp_path):
+    """A step metric resumes exactly from a state taken inside an epoch."""
+
     class SaveAtStep(TrainerCallback):
         def on_optimizer_step_end(self, trainer, num_update_steps_completed=0, **kwargs):
             if num_update_steps_completed == 3:
@@ -122,7 +127,9 @@ def test_a_step_metric_resumes_exactly_from_a_state_taken_inside_an_epoch(tmp_pa
         assert resumed.run_history.get_metric_values(name) == full.run_history.get_metric_values(name)
 
 
-def test_a_skipped_non_finite_window_is_taken_out_of_the_step_metrics():
+def test_skipped_window_leaves_step_metrics():
+    """A skipped non-finite window is taken out of the step metrics."""
+
     class NaNOnThirdBatch(AccuracyTrainer):
         calls = 0
 
@@ -138,7 +145,7 @@ def test_a_skipped_non_finite_window_is_taken_out_of_the_step_metrics():
     assert trainer.run_history.get_metric_values("train_ones_epoch") == [1.0]  # not (3 * 8 + 1000 * 8) / 32
 
 
-def test_the_tracker_takes_numbers_and_0_d_tensors_only():
+def test_tracker_takes_numbers_and_0d_tensors():
     assert is_scalar_metric(1) and is_scalar_metric(0.5) and is_scalar_metric(torch.tensor(2))
     assert not any(is_scalar_metric(v) for v in (True, torch.tensor([1.0]), "a", None, torch.tensor(1j)))
     tracker = StepMetricsTracker()
@@ -150,7 +157,8 @@ def test_the_tracker_takes_numbers_and_0_d_tensors_only():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_record_the_mean_over_every_sample_even_for_a_metric_one_process_lacks(tmp_path):
+def test_two_processes_mean_over_all_samples(tmp_path):
+    """Two processes record the mean over every sample, even of a metric one process lacks."""
     output = tmp_path / "metrics.json"
     completed = subprocess.run(
         [*launcher(2), str(SCRIPT), str(output)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300

@@ -27,17 +27,18 @@ def test_public_names_match_pytorch_accelerated():
 
 
 def _runtime_imports_of(path: pathlib.Path) -> set:
-    """Modules imported when ``path`` runs (imports under ``if TYPE_CHECKING:`` are left out)."""
+    """Modules imported when ``path`` runs, at its top or inside a function (imports under ``if TYPE_CHECKING:`` are
+    left out): ``from a.b import c`` imports ``a.b.c`` when that is one of the package's modules, else ``a.b``."""
     names = set()
 
     def visit(nodes):
         for node in nodes:
             if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
                 continue
-            if isinstance(node, ast.ImportFrom) and node.module == "pytorch_accel_trainer":
-                names.update(f"pytorch_accel_trainer.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    names.add(submodule if _is_package_module(submodule) else node.module)
             elif isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             visit(ast.iter_child_nodes(node))
@@ -47,7 +48,7 @@ def _runtime_imports_of(path: pathlib.Path) -> set:
 
 
 #: The package's units, lowest first: a unit imports (at run time) only units of a lower rank, and the modules of
-#: one subpackage import each other freely. A new top-level module or subpackage must be placed here.
+#: one subpackage import each other one way (no cycle). A new top-level module or subpackage must be placed here.
 UNIT_RANKS = {
     "errors": 0, "utils": 0,  # leaves: nothing of the package
     "parallel": 1, "validation": 1, "tracking": 1, "placeholders": 1, "finetuning": 1,  # over the leaves only
@@ -59,19 +60,6 @@ UNIT_RANKS = {
     "cli": 6, "__init__": 7, "__main__": 8,  # runs described by data, the package's names, python -m
 }  # fmt: skip
 
-#: Top-level modules that are only another import path of a module that moved (``sys.modules`` aliases): the
-#: package never imports them, users' scripts and our docs' older pages do.
-ALIASES = {
-    "checkpointing": "state.checkpointing",
-    "training_state": "state.training_state",
-    "run_state": "loop.run_state",
-    "distributed": "parallel.distributed",
-    "sharded": "parallel.sharded",
-    "config": "cli.config",
-    "run_folder": "cli.run_folder",
-    "freezing": "finetuning",
-}
-
 
 def _unit(relative: str) -> str:
     """``loop/run_state.py`` -> ``loop``; ``trainer.py`` -> ``trainer``."""
@@ -79,9 +67,14 @@ def _unit(relative: str) -> str:
 
 
 def _module_file(module: str) -> str:
+    """``pytorch_accel_trainer.loop.run_state`` -> ``loop/run_state.py``; the package itself -> ``__init__.py``."""
     parts = module.split(".")[1:]
     path = PACKAGE.joinpath(*parts)
     return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(PACKAGE).as_posix()
+
+
+def _is_package_module(name: str) -> bool:
+    return name.split(".")[0] == "pytorch_accel_trainer" and (PACKAGE / _module_file(name)).is_file()
 
 
 PACKAGE_FILES = sorted(PACKAGE.rglob("*.py"))
@@ -91,14 +84,11 @@ PACKAGE_FILES = sorted(PACKAGE.rglob("*.py"))
 def test_imports_run_one_way_between_units(path):
     relative = path.relative_to(PACKAGE).as_posix()
     unit = _unit(relative)
-    if unit in ALIASES:
-        return  # an alias imports the module it stands for, and nothing imports it
     assert unit in UNIT_RANKS, f"{relative} belongs to no unit of UNIT_RANKS: place it"
-    for module in sorted(name for name in _runtime_imports_of(path) if name.startswith("pytorch_accel_trainer.")):
+    for module in sorted(name for name in _runtime_imports_of(path) if _is_package_module(name)):
         imported = _unit(_module_file(module))
-        assert imported not in ALIASES, f"{relative} imports the alias {module}: import {ALIASES[imported]}"
         if imported == unit:
-            continue  # one subpackage: its modules may use each other
+            continue  # one subpackage: its modules may use each other, one way (see the test of cycles below)
         assert UNIT_RANKS[imported] < UNIT_RANKS[unit], f"{relative} ({unit}) imports {module} ({imported})"
 
 
@@ -106,7 +96,48 @@ def test_at_most_about_twenty_top_level_modules():
     top_level = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top_level) <= 20, top_level
     units = {_unit(path.relative_to(PACKAGE).as_posix()) for path in PACKAGE_FILES}
-    assert units == set(UNIT_RANKS) | set(ALIASES), "UNIT_RANKS and ALIASES name exactly the package's units"
+    assert units == set(UNIT_RANKS), "UNIT_RANKS names exactly the package's units"
+
+
+def test_no_import_cycle_between_modules():
+    """Between units the ranks hold the direction; inside a subpackage, imports between its modules run one way too.
+    An import inside a function counts: the two modules still need each other."""
+    imports = {path.relative_to(PACKAGE).as_posix(): _runtime_imports_of(path) for path in PACKAGE_FILES}
+    graph = {
+        module: {_module_file(name) for name in names if _is_package_module(name)} for module, names in imports.items()
+    }
+    cycles, visiting, done = [], [], set()
+
+    def visit(module):
+        visiting.append(module)
+        for imported in sorted(graph[module]):
+            if imported in visiting:
+                cycles.append(" -> ".join([*visiting[visiting.index(imported) :], imported]))
+            elif imported not in done:
+                visit(imported)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    assert not cycles, f"import cycles: {cycles}. Move what both modules need into the lower one, or its own module."
+
+
+def test_the_package_has_no_alias_module():
+    """No module stands for another by setting ``sys.modules[...]``: each module has one import path. The package
+    was never released, so none is kept for a path it used before."""
+    aliases = [
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE_FILES
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        and any(
+            isinstance(target, ast.Subscript) and ast.unparse(target.value) == "sys.modules"
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        )
+    ]
+    assert not aliases, f"{aliases} set sys.modules[...]: import the module from its one path instead"
 
 
 @pytest.mark.parametrize("package", sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py")))
@@ -115,8 +146,9 @@ def test_each_subpackage_says_what_it_owns(package):
     assert docstring and len(docstring) > 80, f"{package}/__init__.py must say what the subpackage owns"
 
 
-#: Every import path users have today: pytorch-accelerated 0.1.61's public modules and every module our docs name,
-#: with a name each must hold.
+#: Every import path users have: pytorch-accelerated 0.1.61's public modules (``trainer``, ``callbacks``, ``tracking``,
+#: ``run_config``, ``schedulers``, ``finetuning``, ``utils``; tests/test_peer_api.py checks all their names) and every
+#: module our docs name, with a name each must hold.
 PUBLIC_PATHS = {
     "pytorch_accel_trainer": "Trainer",
     "pytorch_accel_trainer.trainer": "Trainer",
@@ -134,14 +166,17 @@ PUBLIC_PATHS = {
     "pytorch_accel_trainer.errors": "CheckpointError",
     "pytorch_accel_trainer.validation": "validate_train_options",
     "pytorch_accel_trainer.cli": "main",
-    "pytorch_accel_trainer.checkpointing": "build_checkpoint",
-    "pytorch_accel_trainer.training_state": "find_resumable_state",
-    "pytorch_accel_trainer.run_state": "TrainResult",
-    "pytorch_accel_trainer.distributed": "create_accelerator",
-    "pytorch_accel_trainer.sharded": "get_full_model_state_dict",
-    "pytorch_accel_trainer.config": "TrainingConfig",
-    "pytorch_accel_trainer.run_folder": "RunFolderCallback",
-    "pytorch_accel_trainer.freezing": "ModelFreezer",
+    "pytorch_accel_trainer.state.checkpointing": "build_checkpoint",
+    "pytorch_accel_trainer.state.training_state": "find_resumable_state",
+    "pytorch_accel_trainer.loop.run_state": "TrainResult",
+    "pytorch_accel_trainer.loop.lr_find": "suggest_lr",
+    "pytorch_accel_trainer.parallel.distributed": "create_accelerator",
+    "pytorch_accel_trainer.parallel.sharded": "get_full_model_state_dict",
+    "pytorch_accel_trainer.cli.config": "TrainingConfig",
+    "pytorch_accel_trainer.cli.commands": "console_main",
+    "pytorch_accel_trainer.cli.parsing": "parse_command",
+    "pytorch_accel_trainer.cli.run_folder": "RunFolderCallback",
+    "pytorch_accel_trainer.cli.tune": "tune",
 }
 
 
@@ -149,9 +184,6 @@ PUBLIC_PATHS = {
 def test_every_public_import_path_keeps_working(path):
     module = importlib.import_module(path)
     assert hasattr(module, PUBLIC_PATHS[path]), f"{path} lost {PUBLIC_PATHS[path]}"
-    alias = path.removeprefix("pytorch_accel_trainer.")
-    if alias in ALIASES:  # the very module, so that monkeypatching one path patches the other
-        assert module is importlib.import_module(f"pytorch_accel_trainer.{ALIASES[alias]}")
 
 
 def test_docs_name_only_import_paths_that_exist():
@@ -193,7 +225,8 @@ def _readme_commands() -> list:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-def test_readme_opens_with_two_commands_and_ci_runs_the_test_command():
+def test_readme_commands_and_ci_agree():
+    """The README opens with two commands, and CI runs its test command."""
     commands = _readme_commands()
     assert len(commands) == 2
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
@@ -205,7 +238,7 @@ def test_readme_quickstart_is_the_tested_example():
     assert readme_code == example  # tests/test_examples.py runs the example
 
 
-def test_the_pseudocode_page_names_only_functions_that_exist():
+def test_pseudocode_names_existing_functions():
     """docs/inside_the_trainer.md names the method or function behind each block: each must exist in the code."""
     page = (ROOT / "docs" / "inside_the_trainer.md").read_text()
     source = "\n".join(path.read_text() for path in PACKAGE.rglob("*.py"))
@@ -220,10 +253,7 @@ def test_the_pseudocode_page_names_only_functions_that_exist():
 MODEL_ASSIGNMENTS = {
     ("trainer.py", "Trainer.__init__"): "the model the trainer is given",
     ("trainer.py", "Trainer._prepare"): "preparation: unwrapped from an earlier run, prepared by Accelerate, compiled",
-    ("trainer.py", "Trainer.training_run_end"): "unwrapping at the end of a training run",
-    ("trainer.py", "Trainer.evaluation_run_end"): "unwrapping at the end of an evaluation run",
-    ("trainer.py", "Trainer.predict"): "unwrapping at the end of a prediction run",
-    ("trainer.py", "Trainer.lr_find"): "unwrapping at the end of the learning-rate range test",
+    ("trainer.py", "Trainer._unwrap_models"): "unwrapping at the end of a training, evaluation or prediction run",
     ("trainer.py", "Trainer.run_extra_eval_epoch"): "its swap: the model evaluated, then the trainer's put back",
     ("callbacks/ema.py", "ModelEmaCallback._ema_weights_in"): "its swap: the EMA weights saved and evaluated, put back",
     ("callbacks/device.py", "ConvertSyncBatchNormCallback.on_training_run_start"): "SyncBatchNorm conversion",
@@ -261,7 +291,7 @@ def _assignments_in_package():
         yield from _assignments_in(ast.parse(path.read_text()), path.relative_to(PACKAGE).as_posix())
 
 
-def test_run_state_has_one_writer_and_the_model_is_assigned_only_where_documented():
+def test_run_state_has_one_writer():
     """A RunState field is assigned only in trainer.py's loop and RunState's own transitions (``state.x = ...``,
     ``run_state.x = ...``, ``self.run_state.x = ...``); everything else calls a RunState method. ``trainer.model`` is
     assigned only where MODEL_ASSIGNMENTS says why."""

@@ -25,7 +25,8 @@ def _from_data_pipeline() -> bool:
     return False
 
 
-def test_two_hundred_steps_make_no_sync_outside_the_check_interval_and_epoch_end(monkeypatch):
+def test_no_sync_outside_check_interval(monkeypatch):
+    """Two hundred steps make no sync outside the check interval and the epoch end."""
     syncs: collections.Counter = collections.Counter()
     phase = {"now": "setup"}
 

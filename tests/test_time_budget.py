@@ -25,7 +25,7 @@ from pytorch_accel_trainer.validation import max_time_seconds
         (None, None),
     ],
 )
-def test_a_time_budget_is_given_as_seconds_text_or_a_timedelta(max_time, seconds):
+def test_budget_as_seconds_text_or_timedelta(max_time, seconds):
     assert max_time_seconds(max_time) == seconds
 
 
@@ -42,7 +42,7 @@ def test_a_time_budget_is_given_as_seconds_text_or_a_timedelta(max_time, seconds
         ({"max_time_save_dir": "states"}, ValueError, r"max_time_save_dir='states' .* but max_time is None"),
     ],
 )
-def test_a_bad_time_budget_is_refused_before_any_work(kwargs, error, message):
+def test_bad_budget_is_refused_before_work(kwargs, error, message):
     trainer = make_trainer(make_linear())
     with pytest.raises(error, match=message):
         trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4, **kwargs)
@@ -54,7 +54,8 @@ class UpdatesTakeTime(TrainerCallback):
         time.sleep(0.05)
 
 
-def test_without_a_save_callback_the_state_goes_to_max_time_save_dir_and_the_line_says_so(tmp_path, capsys):
+def test_without_save_callback_uses_save_dir(tmp_path, capsys):
+    """Without a save callback the state goes to max_time_save_dir, and the stop line says so."""
     trainer = make_trainer(make_linear(), callbacks=[UpdatesTakeTime()])
     result = trainer.train(
         linear_dataset(64), num_epochs=3, per_device_batch_size=2, max_time=0.4, max_time_save_dir=tmp_path / "budget"
@@ -65,7 +66,8 @@ def test_without_a_save_callback_the_state_goes_to_max_time_save_dir_and_the_lin
     assert f"resume_from={str(tmp_path / 'budget')!r}" in capsys.readouterr().out
 
 
-def test_without_anywhere_to_save_the_line_says_how_to_keep_the_state():
+def test_nowhere_to_save_says_how_to_keep():
+    """Without anywhere to save, the stop line says how to keep the state."""
     trainer = make_trainer(make_linear(), callbacks=[UpdatesTakeTime()])
     result = trainer.train(linear_dataset(64), num_epochs=3, per_device_batch_size=2, max_time=0.3)
     assert result.stopped_early

@@ -29,12 +29,12 @@ def test_run_history_api():
     assert history.get_metric_names() == set() and history.current_epoch == 1
 
 
-def test_unknown_metric_lists_the_metrics_that_exist():
+def test_unknown_metric_lists_existing_ones():
     with pytest.raises(KeyError, match=r"No metric named 'eval_acc'.*\['eval_loss_epoch', 'train_loss_epoch'\]"):
         _history().get_latest_metric("eval_acc")
 
 
-def test_dataframe_and_csv_hold_every_metric_by_epoch(tmp_path):
+def test_dataframe_and_csv_hold_every_metric(tmp_path):
     frame = _history().to_dataframe()
     assert list(frame.index) == [1, 2] and frame.index.name == "epoch"
     assert frame.loc[2, "train_loss_epoch"] == 0.5 and pandas.isna(frame.loc[2, "eval_loss_epoch"])
@@ -53,7 +53,8 @@ def test_prefix_and_delete():
     assert "ema_eval_loss_epoch" not in history.get_metric_names()
 
 
-def test_loss_tracker_weights_by_batch_size_and_handles_an_empty_process():
+def test_loss_tracker_weights_by_batch_size():
+    """LossTracker weights by batch size; a process with no batch reduces to None."""
     tracker = LossTracker()
     tracker.update(torch.tensor(1.0), 2)
     tracker.update(torch.tensor(4.0), 1)

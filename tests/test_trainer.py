@@ -80,7 +80,7 @@ def _shared_log_callback(log):
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_training_run_follows_documented_hook_and_event_order(accumulation):
+def test_training_run_follows_documented_order(accumulation):
     log: list = []
     trainer = make_trainer(
         make_linear(), callbacks=[_shared_log_callback(log)], trainer_class=_recording_trainer_class(log)
@@ -113,7 +113,7 @@ def test_evaluation_run_follows_documented_order():
     assert log == expected
 
 
-def test_fits_a_linear_function_and_records_losses():
+def test_fits_a_line_and_records_losses():
     model = make_linear()
     trainer = make_trainer(model)
     trainer.train(linear_dataset(64), num_epochs=6, eval_dataset=linear_dataset(32, seed=1), per_device_batch_size=8)
@@ -125,7 +125,8 @@ def test_fits_a_linear_function_and_records_losses():
     assert trainer.run_history.current_epoch == 7
 
 
-def test_train_mode_and_eval_mode_are_set_by_epoch_start_hooks(recorder):
+def test_modes_set_by_epoch_start_hooks(recorder):
+    """Train mode and eval mode are set by the epoch-start hooks."""
     modes = []
 
     class ModeSpy(TrainerCallback):
@@ -144,9 +145,8 @@ def test_train_mode_and_eval_mode_are_set_by_epoch_start_hooks(recorder):
     ("num_epochs", "max_steps", "expected_steps", "expected_epochs"),
     [(10, 5, 5, 2), (1, 100, 3, 1), (None, 7, 7, 3), (2, None, 6, 2)],
 )
-def test_whichever_of_num_epochs_and_max_steps_comes_first_ends_the_run(
-    num_epochs, max_steps, expected_steps, expected_epochs
-):
+def test_first_of_epochs_and_max_steps_ends(num_epochs, max_steps, expected_steps, expected_epochs):
+    """Whichever of num_epochs and max_num_train_steps comes first ends the run."""
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(6), num_epochs=num_epochs, per_device_batch_size=2, max_num_train_steps=max_steps)
     assert trainer.num_update_steps_completed == expected_steps
@@ -155,7 +155,7 @@ def test_whichever_of_num_epochs_and_max_steps_comes_first_ends_the_run(
     assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == expected_epochs
 
 
-def test_dataset_without_len_trains_with_max_steps():
+def test_unsized_dataset_trains_with_max_steps():
     trainer = make_trainer(make_linear())
     trainer.train(StreamDataset(linear_dataset(10)), num_epochs=None, max_num_train_steps=12, per_device_batch_size=4)
     assert trainer.num_update_steps_completed == 12  # 3 batches per pass, so 4 passes
@@ -163,7 +163,8 @@ def test_dataset_without_len_trains_with_max_steps():
     assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == 4
 
 
-def test_dataset_without_len_refuses_a_placeholder_that_needs_its_length():
+def test_unsized_dataset_refuses_placeholder():
+    """A dataset without len refuses a placeholder that needs its length."""
     trainer = make_trainer(make_linear())
     factory = functools.partial(
         torch.optim.lr_scheduler.OneCycleLR,
@@ -192,7 +193,8 @@ def test_stop_training_error_ends_the_run_cleanly():
     assert trainer.run_history.current_epoch == 1
 
 
-def test_evaluate_records_evaluation_loss_and_keeps_the_training_history():
+def test_evaluate_keeps_the_training_history():
+    """evaluate records the evaluation loss and keeps the training history."""
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(8), num_epochs=2, per_device_batch_size=4)
     trainer.evaluate(linear_dataset(6, seed=3), per_device_batch_size=4)
@@ -205,7 +207,8 @@ def test_evaluate_records_evaluation_loss_and_keeps_the_training_history():
     assert trainer.run_history.get_latest_metric("evaluation_loss") == pytest.approx(expected, rel=1e-5)
 
 
-def test_evaluate_defaults_to_the_last_eval_dataset_and_refuses_none():
+def test_evaluate_defaults_to_last_eval_data():
+    """evaluate defaults to the last eval dataset, and refuses to run without any."""
     trainer = make_trainer(make_linear())
     with pytest.raises(ValueError, match=r"evaluate\(\) received no dataset"):
         trainer.evaluate()
@@ -214,7 +217,7 @@ def test_evaluate_defaults_to_the_last_eval_dataset_and_refuses_none():
     assert len(trainer.run_history.get_metric_values("evaluation_loss")) == 1
 
 
-def test_extra_batch_output_keys_reach_on_train_step_end():
+def test_extra_output_keys_reach_step_end():
     seen = []
 
     class WithExtras(Trainer):
@@ -231,7 +234,9 @@ def test_extra_batch_output_keys_reach_on_train_step_end():
     assert seen == [(0, "value", True), (1, "value", True)]
 
 
-def test_same_seed_gives_the_same_run_and_another_seed_does_not():
+def test_same_seed_gives_the_same_run():
+    """The same seed gives the same run, and another seed does not."""
+
     def run(seed):
         model = make_mlp()
         make_trainer(model, seed=seed).train(regression_dataset(16), num_epochs=2, per_device_batch_size=4)
@@ -241,7 +246,8 @@ def test_same_seed_gives_the_same_run_and_another_seed_does_not():
     assert not torch.equal(run(1), run(2))
 
 
-def test_default_dataloaders_use_no_workers_and_workers_persist_when_asked():
+def test_default_dataloader_workers():
+    """The default dataloaders use no workers, and workers persist when asked."""
     trainer = make_trainer(make_linear())
     assert trainer.get_default_train_dl_kwargs(4)["num_workers"] == 0
     assert trainer.get_default_eval_dl_kwargs(4)["num_workers"] == 0
@@ -250,7 +256,8 @@ def test_default_dataloaders_use_no_workers_and_workers_persist_when_asked():
     assert trainer.run_config.train_per_device_batch_size == 4
 
 
-def test_run_config_is_frozen_and_has_pytorch_accelerated_fields():
+def test_run_config_frozen_with_peer_fields():
+    """The run config is frozen and has pytorch-accelerated's fields."""
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(10), num_epochs=2, per_device_batch_size=4, gradient_accumulation_steps=2)
     config = trainer.run_config
@@ -263,7 +270,8 @@ def test_run_config_is_frozen_and_has_pytorch_accelerated_fields():
     assert config.mixed_precision == "no"
 
 
-def test_model_is_unwrapped_after_a_run_and_get_model_and_device_work():
+def test_model_unwrapped_after_a_run():
+    """The model is unwrapped after a run, and get_model and device work."""
     model = make_linear()
     trainer = make_trainer(model)
     trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=2)
@@ -287,7 +295,9 @@ def test_callbacks_may_be_classes_or_instances(recorder):
     assert [type(cb).__name__ for cb in trainer.callback_handler] == ["RecordingCallback", "TrainerCallback"]
 
 
-def test_a_run_starts_from_clean_gradients_and_fresh_dataloader_settings():
+def test_run_starts_from_clean_gradients():
+    """A run starts from clean gradients and fresh dataloader settings."""
+
     def run(leftover_gradients):
         model = make_mlp()
         trainer = make_trainer(model)
@@ -305,7 +315,8 @@ def test_a_run_starts_from_clean_gradients_and_fresh_dataloader_settings():
     assert trainer.run_config.train_dl_kwargs is None
 
 
-def test_evaluate_without_a_dataset_keeps_the_collate_function_of_train():
+def test_evaluate_keeps_train_collate_fn():
+    """evaluate without a dataset keeps the collate function of train."""
     collated = []
 
     def collate(samples):
@@ -321,7 +332,8 @@ def test_evaluate_without_a_dataset_keeps_the_collate_function_of_train():
     assert collated == [2, 2]
 
 
-def test_a_missing_optimizer_does_not_reset_the_history_first():
+def test_missing_optimizer_keeps_history():
+    """A missing optimizer is refused before the history is reset."""
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(4), num_epochs=1, per_device_batch_size=4)
     trainer.optimizer = None
@@ -331,7 +343,8 @@ def test_a_missing_optimizer_does_not_reset_the_history_first():
 
 
 @pytest.mark.parametrize("dataset", [linear_dataset(10), StreamDataset(linear_dataset(10))], ids=["sized", "stream"])
-def test_overrides_of_the_forward_and_backward_step_get_the_window_flag_or_pytorch_accelerated_arguments(dataset):
+def test_forward_backward_override_arguments(dataset):
+    """Overrides of the forward and backward step get the window flag, or pytorch-accelerated's arguments."""
     flags, legacy_steps = [], []
 
     class TakesTheFlag(Trainer):
@@ -362,9 +375,9 @@ def test_overrides_of_the_forward_and_backward_step_get_the_window_flag_or_pytor
         ("on_eval_epoch_end", False, 8),  # held until the end of the epoch: its 8 steps ran
     ],
 )
-def test_a_stop_from_a_callback_is_held_until_the_processes_agree_unless_it_starts_or_ends_a_run(
-    event, raised_from_train, steps_run
-):
+def test_callback_stop_waits_for_agreement(event, raised_from_train, steps_run):
+    """A stop from a callback is held until the processes agree, unless it starts or ends a run."""
+
     class StopAt(RecordingCallback):
         pass
 
@@ -393,7 +406,8 @@ def test_a_stop_from_a_callback_is_held_until_the_processes_agree_unless_it_star
     assert trainer.run_state.stop_request is None and not trainer.run_state.in_training_run
 
 
-def test_evaluation_state_lives_in_the_run_state_and_eval_batch_real_rows_is_read_only():
+def test_evaluation_state_in_run_state():
+    """Evaluation state lives in the run state, and eval_batch_real_rows is read-only."""
     trainer = make_trainer(make_linear())
     trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=linear_dataset(4), per_device_batch_size=4)
     assert trainer.eval_batch_real_rows is None and trainer.run_state.eval_batch_real_rows is None

@@ -1,4 +1,9 @@
-"""Exact resume, crash-safe writes and verified loads of training states (in one process, fast)."""
+"""Exact resume, crash-safe writes and verified loads of training states (in one process, fast).
+
+A run stopped inside an epoch (the step limit, a StopTrainingError, a signal, the time budget) and then extended
+continues exactly: the state saved at the stop holds the next batch, and the resumed run ends bit for bit where an
+uninterrupted run ends.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,20 @@ import functools
 import json
 import os
 import pickle
+import signal
+import time
 
 import pytest
 import torch
 from conftest import assert_bitwise_equal, regression_dataset
 from torch import nn
 
-from pytorch_accel_trainer import Trainer, training_state
+from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
-from pytorch_accel_trainer.state.files import CHECKSUM, file_digest
-from pytorch_accel_trainer.state.training_state import (
-    MANIFEST_NAME,
-    CheckpointError,
-    find_resumable_state,
-    list_complete_states,
-    verify_folder,
-)
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state.files import CHECKSUM, MANIFEST_NAME, file_digest
+from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
 
 
 class Crash(Exception):
@@ -113,14 +116,16 @@ CRASHES = [
 
 
 @pytest.mark.parametrize(("config", "crash"), CRASHES, ids=lambda value: getattr(value, "event", str(value)))
-def test_crash_then_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, references, config, crash):
+def test_crash_then_resume_is_bitwise_equal(tmp_path, references, config, crash):
+    """A crash then a resume is bitwise equal to an uninterrupted run."""
     with pytest.raises(Crash):
         _run(tmp_path, crash=crash, **config)
     resumed = _run(tmp_path, **config)
     assert_bitwise_equal(_final_state(resumed), references(**config))
 
 
-def test_resume_continues_the_epoch_and_adds_no_epoch(tmp_path):
+def test_resume_continues_the_epoch(tmp_path):
+    """A resume continues the epoch and adds no epoch."""
     with pytest.raises(Crash):
         _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=6))
     resumed = _run(tmp_path)
@@ -144,9 +149,8 @@ def test_resume_continues_the_epoch_and_adds_no_epoch(tmp_path):
         "prune:step_5",
     ],
 )
-def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exactly(
-    tmp_path, references, monkeypatch, point
-):
+def test_crash_during_save_resumes_exactly(tmp_path, references, monkeypatch, point):
+    """A crash at any point of a save leaves a loadable state, and resumes exactly."""
     crashed = []
 
     def crash(name):  # once, when earlier states exist that the crash must not damage
@@ -154,14 +158,14 @@ def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_state_and_resumes_exac
             crashed.append(name)
             raise Crash(name)
 
-    monkeypatch.setattr(training_state, "_crash_point", crash)
+    monkeypatch.setattr(crash_points, "crash_point", crash)
     with pytest.raises(Crash):
         _run(tmp_path, max_checkpoints=4)
     assert crashed == [point]
     newest = find_resumable_state(tmp_path)
     assert newest is not None and verify_folder(newest.folder)
     assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
-    monkeypatch.setattr(training_state, "_crash_point", lambda name: None)
+    monkeypatch.setattr(crash_points, "crash_point", lambda name: None)
     resumed = _run(tmp_path, max_checkpoints=4)
     assert_bitwise_equal(_final_state(resumed), references())
 
@@ -185,7 +189,7 @@ def damage_file(path, damage: str) -> None:
     "name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"]
 )
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, name, damage):
+def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
     folder = _saved_state(tmp_path, max_checkpoints=1)
     damage_file(folder / name, damage)
     with pytest.raises(CheckpointError, match=rf"{name}: .*(XXH3-128 does not match|truncated)"):
@@ -197,7 +201,8 @@ def test_a_flipped_byte_or_a_truncation_is_detected_naming_the_file(tmp_path, na
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-def test_a_hostile_pickle_is_never_executed_even_with_a_forged_manifest(tmp_path):
+def test_hostile_pickle_is_never_executed(tmp_path):
+    """A hostile pickle is never executed, even with a forged manifest."""
     folder = _saved_state(tmp_path, max_checkpoints=1)
     marker = tmp_path / "pwned"
 
@@ -230,7 +235,8 @@ def test_empty_missing_and_damaged_folders(tmp_path, capsys):
         _run(empty, num_epochs=2)
 
 
-def test_a_changed_setup_is_refused_with_each_difference_unless_allowed(tmp_path):
+def test_changed_setup_is_refused(tmp_path):
+    """A changed setup is refused, naming each difference, unless allowed."""
     _run(tmp_path, num_epochs=1)
     with pytest.raises(
         CheckpointError,
@@ -252,7 +258,8 @@ def test_a_changed_setup_is_refused_with_each_difference_unless_allowed(tmp_path
         )
 
 
-def test_allowing_changes_resumes_with_another_batch_size(tmp_path):
+def test_allowed_change_of_batch_size(tmp_path):
+    """Allowing changes resumes with another batch size."""
     _run(tmp_path, num_epochs=1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
@@ -269,7 +276,8 @@ def test_allowing_changes_resumes_with_another_batch_size(tmp_path):
     assert len(trainer.run_history.get_metric_values("train_loss_epoch")) == 2
 
 
-def test_rolling_permanent_and_best_states_are_kept_as_asked(tmp_path):
+def test_rolling_permanent_and_best_states(tmp_path):
+    """Rolling, permanent and best states are kept as asked."""
     _run(
         tmp_path,
         num_epochs=3,
@@ -287,7 +295,8 @@ def test_rolling_permanent_and_best_states_are_kept_as_asked(tmp_path):
     assert (tmp_path / "latest").read_text().strip() == states[-1].folder.name
 
 
-def test_names_continue_across_a_resume_and_nothing_is_overwritten(tmp_path):
+def test_names_continue_across_a_resume(tmp_path):
+    """State names continue across a resume, and nothing is overwritten."""
     with pytest.raises(Crash):
         _run(tmp_path, crash=CrashAt("train_step", epoch=2, step=2))
     names_before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir() if p.is_dir()}
@@ -297,7 +306,9 @@ def test_names_continue_across_a_resume_and_nothing_is_overwritten(tmp_path):
         assert name not in after or after[name] == mtime
 
 
-def test_a_save_asked_inside_an_accumulation_window_is_taken_when_it_closes(tmp_path):
+def test_save_inside_window_waits_for_close(tmp_path):
+    """A save asked inside an accumulation window is taken when the window closes."""
+
     class SaveMidWindow(TrainerCallback):
         def on_train_step_end(self, trainer, step, **kwargs):
             if trainer.run_history.current_epoch == 1 and step == 4:  # window of steps 3, 4, 5
@@ -310,7 +321,9 @@ def test_a_save_asked_inside_an_accumulation_window_is_taken_when_it_closes(tmp_
     assert state.manifest["position"] == {"loop_epoch": 0, "batches_seen": 6, "rng_restore_point": "after_iterator"}
 
 
-def test_a_step_save_due_at_an_update_that_stops_the_run_is_written_once(tmp_path):
+def test_step_save_at_stop_is_written_once(tmp_path):
+    """A step save due at the update that stops the run is written once."""
+
     class StopAfter(TrainerCallback):
         def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
             if num_update_steps_completed == 15:  # inside the second epoch (11 updates per epoch)
@@ -324,7 +337,8 @@ def test_a_step_save_due_at_an_update_that_stops_the_run_is_written_once(tmp_pat
     assert position == {"loop_epoch": 1, "batches_seen": 4, "rng_restore_point": "after_iterator"}  # the next batch
 
 
-def test_resuming_skips_by_sampler_offset_without_loading_skipped_samples(tmp_path):
+def test_resume_skips_by_sampler_offset(tmp_path):
+    """Resuming skips by sampler offset, without loading the skipped samples."""
     loaded = []
 
     class CountingDataset(torch.utils.data.Dataset):
@@ -377,7 +391,8 @@ def test_exhaustive_resume_matrix(tmp_path, references, shuffle, accumulation, s
     assert_bitwise_equal(_final_state(_run(tmp_path, **config)), references(**config))
 
 
-def test_a_resumed_epoch_starts_its_progress_bar_at_the_saved_step(tmp_path):
+def test_resumed_bar_starts_at_saved_step(tmp_path):
+    """A resumed epoch starts its progress bar at the saved step."""
     from pytorch_accel_trainer.callbacks import ProgressBarCallback
 
     class BarStart(TrainerCallback):
@@ -405,7 +420,7 @@ def test_a_resumed_epoch_starts_its_progress_bar_at_the_saved_step(tmp_path):
     assert spy.starts == [(2, 6, 6), (3, 0, 0)]
 
 
-def test_bad_save_intervals_are_refused_with_the_fix(tmp_path):
+def test_bad_save_intervals_are_refused(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"save_every_n_steps is 0; pass a positive whole number of updates, e.g. save_every_n_steps=100",
@@ -415,3 +430,142 @@ def test_bad_save_intervals_are_refused_with_the_fix(tmp_path):
         ValueError, match=r"max_checkpoints is -1; pass a positive whole number of states, e.g. max_checkpoints=3"
     ):
         SaveTrainingStateCallback(tmp_path, max_checkpoints=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A run stopped inside an epoch, then extended: it resumes at the next batch, bit for bit
+# ------------------------------------------------------------------------------------------------
+
+#: 24 samples, batches of 2, windows of 2 micro-batches: 6 updates per epoch; the extended run ends inside epoch 3.
+UPDATES_PER_EPOCH, TOTAL_UPDATES = 6, 15
+
+
+class StopAtUpdate(TrainerCallback):
+    """Stops the run after update ``update`` (a callback's ``StopTrainingError``)."""
+
+    def __init__(self, update):
+        self.update = update
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+        if num_update_steps_completed == self.update:
+            raise StopTrainingError(f"stopped after update {self.update}")
+
+
+class SignalAtUpdate(StopAtUpdate):
+    """Asks the run to save and exit after update ``update``, as SIGUSR1 from a cluster does."""
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+        if num_update_steps_completed == self.update:
+            trainer.request_preemption(signal.SIGUSR1)
+
+
+class StopAtEpochEnd(TrainerCallback):
+    """Stops the run as its first epoch ends, after its evaluation (as early stopping does)."""
+
+    def on_training_run_epoch_end(self, trainer, **kwargs):
+        raise StopTrainingError("enough epochs")
+
+
+def _run_with_limits(
+    save_dir, max_num_train_steps=TOTAL_UPDATES, stop=None, resume=True, save_at_end=True, **train_kwargs
+):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    callbacks = [SaveTrainingStateCallback(save_dir, save_at_end=save_at_end)] + ([stop] if stop is not None else [])
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
+    result = trainer.train(
+        regression_dataset(24),
+        num_epochs=5,
+        eval_dataset=regression_dataset(6, seed=1),
+        per_device_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_num_train_steps=max_num_train_steps,
+        create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
+        resume_from=save_dir if resume else None,
+        **train_kwargs,
+    )
+    return trainer, result
+
+
+def _end_state(trainer):
+    return {
+        "model": trainer.get_model().state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "updates": trainer.num_update_steps_completed,
+        "epoch": trainer.run_history.current_epoch,
+        "train_loss": trainer.run_history.get_latest_metric("train_loss_epoch"),
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer, _ = _run_with_limits(tmp_path_factory.mktemp("uninterrupted"), resume=False)
+    return _end_state(trainer)
+
+
+def _saved_position(save_dir):
+    return list_complete_states(save_dir)[-1].manifest["position"]
+
+
+def test_step_limit_then_higher_one_resumes(tmp_path, uninterrupted):
+    """A step limit inside an epoch, then a higher one, continues exactly."""
+    trainer, result = _run_with_limits(tmp_path, max_num_train_steps=4)
+    assert result.num_update_steps == 4 and not result.stopped_early
+    assert trainer.run_history.current_epoch == 2  # the cut-short epoch counts in the history, as pytorch-accelerated
+    assert _saved_position(tmp_path) == {"loop_epoch": 0, "batches_seen": 8, "rng_restore_point": "after_iterator"}
+    resumed, _ = _run_with_limits(tmp_path)
+    assert_bitwise_equal(_end_state(resumed), uninterrupted)
+
+
+def test_stop_error_resumes_at_next_batch(tmp_path, uninterrupted):
+    """A StopTrainingError inside an epoch resumes at the next batch."""
+    _, result = _run_with_limits(tmp_path, stop=StopAtUpdate(9))
+    assert result.num_update_steps == 9 and result.stopped_early and result.stop_reason == "stopped after update 9"
+    assert _saved_position(tmp_path) == {"loop_epoch": 1, "batches_seen": 6, "rng_restore_point": "after_iterator"}
+    resumed, _ = _run_with_limits(tmp_path)
+    assert_bitwise_equal(_end_state(resumed), uninterrupted)
+
+
+def test_epoch_end_stop_resumes_next_epoch(tmp_path, uninterrupted):
+    _run_with_limits(tmp_path, stop=StopAtEpochEnd())
+    assert _saved_position(tmp_path) == {"loop_epoch": 1, "batches_seen": 0, "rng_restore_point": "before_iterator"}
+    resumed, _ = _run_with_limits(tmp_path)
+    assert_bitwise_equal(_end_state(resumed), uninterrupted)
+
+
+def test_signal_saves_next_batch_and_resumes(tmp_path, uninterrupted):
+    """A signal inside an epoch saves the position of the next batch, and resumes exactly."""
+    with pytest.raises(SystemExit) as exit_info:
+        _run_with_limits(tmp_path, stop=SignalAtUpdate(8))
+    assert exit_info.value.code == 128 + signal.SIGUSR1
+    assert _saved_position(tmp_path) == {"loop_epoch": 1, "batches_seen": 4, "rng_restore_point": "after_iterator"}
+    resumed, _ = _run_with_limits(tmp_path)
+    assert_bitwise_equal(_end_state(resumed), uninterrupted)
+
+
+class SlowUpdates(TrainerCallback):
+    """Makes each update take at least ``seconds``, and notes when each one ended."""
+
+    def __init__(self, seconds):
+        self.seconds, self.ended_at = seconds, []
+
+    def on_optimizer_step_end(self, trainer, **kwargs):
+        time.sleep(self.seconds)
+        self.ended_at.append(time.monotonic())
+
+
+def test_time_budget_stop_resumes_exactly(tmp_path, uninterrupted, capsys):
+    """The time budget stops before it is spent, and the saved state resumes exactly."""
+    slow = SlowUpdates(0.05)
+    started = time.monotonic()
+    _, result = _run_with_limits(tmp_path, stop=slow, max_time=0.6, save_at_end=False)
+    assert 0 < result.num_update_steps < TOTAL_UPDATES and result.stopped_early
+    assert slow.ended_at[-1] - started < 0.6  # no update ran past the budget
+    assert result.stop_reason.startswith("Time budget max_time=0.6 (0.6 s) nearly spent")
+    resume_line = f"to continue, run the same train(...) with resume_from={str(tmp_path)!r}"
+    assert resume_line in result.stop_reason and resume_line in capsys.readouterr().out
+    (state,) = list_complete_states(tmp_path)  # saved although save_at_end=False: the run can be continued
+    assert state.folder.name == "final" and state.manifest["num_update_steps_completed"] == result.num_update_steps
+    resumed, _ = _run_with_limits(tmp_path)
+    assert_bitwise_equal(_end_state(resumed), uninterrupted)

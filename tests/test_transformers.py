@@ -94,7 +94,8 @@ def _mean_model_loss(model: torch.nn.Module, samples: list[dict]) -> float:
         return model(**batch).loss.item()
 
 
-def test_model_trains_on_the_loss_it_returns_with_the_default_callbacks_and_a_metric(capsys):
+def test_classifier_trains_on_its_own_loss(capsys):
+    """A classifier trains on the loss it returns, with the default callbacks and a metric."""
     accuracy = MetricCollectionCallback({"accuracy": MulticlassAccuracy(num_classes=2)})  # logits and labels by default
     trainer = _train_bert(loss_func=None, callbacks=(accuracy, *DEFAULT_CALLBACKS))
 
@@ -108,7 +109,8 @@ def test_model_trains_on_the_loss_it_returns_with_the_default_callbacks_and_a_me
     assert "eval_loss_epoch" in output and "accuracy" in output
 
 
-def test_evaluate_records_the_mean_of_the_models_own_loss():
+def test_evaluate_averages_the_models_loss():
+    """evaluate records the mean of the model's own loss."""
     trainer = _train_bert(loss_func=None, num_epochs=1)
     eval_samples = token_dataset(20, seed=2)  # 20 = 8 + 8 + 4: a short last batch, weighted by its size
 
@@ -118,7 +120,9 @@ def test_evaluate_records_the_mean_of_the_models_own_loss():
     assert trainer.run_history.get_latest_metric("evaluation_loss") == pytest.approx(expected, rel=1e-5)
 
 
-def test_loss_func_on_the_logits_trains_exactly_as_the_models_own_loss():
+def test_loss_func_on_logits_equals_own_loss():
+    """A loss_func on the logits trains exactly as the model's own loss."""
+
     def cross_entropy_on_logits(outputs, labels):  # targets of a dict batch are batch["labels"]
         return F.cross_entropy(outputs.logits, labels)
 
@@ -132,7 +136,7 @@ def test_loss_func_on_the_logits_trains_exactly_as_the_models_own_loss():
     torch.testing.assert_close(explicit.get_model().state_dict(), own_loss.get_model().state_dict())
 
 
-def test_causal_language_model_trains_on_its_own_loss():
+def test_causal_lm_trains_on_its_own_loss():
     model = make_gpt2()
     trainer = Trainer(model, loss_func=None, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), callbacks=())
 
@@ -144,7 +148,8 @@ def test_causal_language_model_trains_on_its_own_loss():
 
 
 @pytest.mark.parametrize("entry_point", ["train", "evaluate"])
-def test_model_returning_no_loss_without_loss_func_is_a_clear_error(entry_point):
+def test_no_loss_and_no_loss_func_is_an_error(entry_point):
+    """A model returning no loss, without a loss_func, is a clear error."""
     model = make_bert()
     trainer = Trainer(model, loss_func=None, optimizer=torch.optim.AdamW(model.parameters()), callbacks=())
     unlabelled = token_dataset(16, with_labels=False)  # no "labels": transformers models then return no loss

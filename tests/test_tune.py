@@ -35,7 +35,8 @@ def _study(folder: pathlib.Path):
 
 
 @pytest.mark.slow
-def test_the_tune_command_runs_each_trial_in_a_run_folder_and_the_best_config_reruns_to_its_value(in_tests, tmp_path):
+def test_tune_command_and_best_config_rerun(in_tests, tmp_path):
+    """The tune command runs each trial in a run folder, and the best config reruns to its value."""
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**CONFIG, "output_dir": str(tmp_path / "search")}))
     (tmp_path / "space.yaml").write_text(
         "optimizer.init_args.lr: {low: 1e-3, high: 0.3, log: true}\ntrain.per_device_batch_size: {choices: [8, 16]}\n"
@@ -56,7 +57,8 @@ def test_the_tune_command_runs_each_trial_in_a_run_folder_and_the_best_config_re
     assert len(again.study.trials) == 3
 
 
-def test_a_pruned_trial_stops_after_the_epoch_the_pruner_stops(in_tests, tmp_path):
+def test_pruned_trial_stops_after_its_epoch(in_tests, tmp_path):
+    """A pruned trial stops after the epoch the pruner stops."""
     pruner = optuna.pruners.ThresholdPruner(upper=0.0)  # every reported loss is above 0: pruned at the first report
     result = tune(CONFIG, SPACE, n_trials=1, output_dir=tmp_path, pruner=pruner)
     (trial,) = result.study.trials
@@ -92,7 +94,8 @@ def test_a_killed_search_resumes_where_it_stopped(in_tests, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_sharing_one_study_complete_its_trials_without_a_duplicate(tmp_path):
+def test_shared_study_has_no_duplicate_trial(tmp_path):
+    """Two processes sharing one study complete its trials without a duplicate."""
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
     workers = []
     for worker in ("a", "b"):
@@ -125,12 +128,13 @@ def test_two_processes_sharing_one_study_complete_its_trials_without_a_duplicate
         ({}, "empty"),
     ],
 )
-def test_a_bad_search_space_is_one_error_naming_the_key(space, message):
+def test_bad_search_space_names_the_key(space, message):
     with pytest.raises(ConfigError, match=message):
         load_search_space(space)
 
 
-def test_a_key_the_config_does_not_have_is_refused_before_any_trial(in_tests, tmp_path):
+def test_unknown_key_refused_before_any_trial(in_tests, tmp_path):
+    """A key the config does not have is refused before any trial."""
     with pytest.raises(ConfigError, match="optimizer.init_args.learning_rate|learning_rate"):
         tune(CONFIG, {"optimizer.init_args.learning_rate": {"low": 0.1, "high": 1.0}}, n_trials=1, output_dir=tmp_path)
     assert not (tmp_path / "trials").exists() and not (tmp_path / "study.db").exists()
@@ -159,7 +163,8 @@ def test_a_key_the_config_does_not_have_is_refused_before_any_trial(in_tests, tm
         )
 
 
-def test_a_space_where_every_trial_diverges_ends_after_n_trials(in_tests, tmp_path):
+def test_all_diverging_trials_end_after_n(in_tests, tmp_path):
+    """A space where every trial diverges ends after n_trials."""
     diverging = {"optimizer.init_args.lr": {"low": 1e4, "high": 1e5, "log": True}}  # SGD at these rates overflows
     result = tune(CONFIG, diverging, n_trials=2, output_dir=tmp_path, pruner=optuna.pruners.NopPruner())
     assert [trial.state for trial in result.study.trials] == [optuna.trial.TrialState.FAIL] * 2

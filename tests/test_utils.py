@@ -43,7 +43,8 @@ def _set_weights(model: nn.Module, value: float) -> None:
             parameter.fill_(value)
 
 
-def test_model_ema_after_k_updates_is_the_closed_form_average():
+def test_model_ema_is_the_closed_form_average():
+    """ModelEma after k updates is the closed-form average."""
     model, decay, values = make_mlp(), 0.8, [1.0, -2.0, 0.5, 3.0]
     initial = {name: tensor.double().clone() for name, tensor in model.state_dict().items()}
     ema = ModelEma(model, decay=decay)
@@ -57,7 +58,8 @@ def test_model_ema_after_k_updates_is_the_closed_form_average():
         torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_model_ema_is_a_gradient_free_eval_copy_and_calls_its_module():
+def test_model_ema_is_a_gradient_free_copy():
+    """ModelEma is a gradient-free copy in eval mode, and calls its module."""
     model = make_mlp()
     model.train()
     model(torch.randn(2, 4)).sum().backward()  # the model has gradients: the copy must not
@@ -70,7 +72,8 @@ def test_model_ema_is_a_gradient_free_eval_copy_and_calls_its_module():
     assert set(ema.state_dict()) == {f"module.{name}" for name in model.state_dict()}  # as pytorch-accelerated's
 
 
-def test_model_ema_averages_float_buffers_and_copies_the_others():
+def test_model_ema_averages_float_buffers():
+    """ModelEma averages float buffers and copies the others."""
     model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
     ema = ModelEma(model, decay=0.5)
     model.train()
@@ -81,7 +84,8 @@ def test_model_ema_averages_float_buffers_and_copies_the_others():
     torch.testing.assert_close(ema.module[1].running_mean, 0.5 * model[1].running_mean)  # started at 0
 
 
-def test_model_ema_follows_a_wrapped_model_by_name():
+def test_model_ema_follows_a_wrapped_model():
+    """ModelEma follows a wrapped model by parameter name."""
     model = make_mlp()
     compiled = torch.compile(model)  # nothing is compiled until it is called: only the wrapper is tested here
     ema = ModelEma(compiled, decay=0.5)
@@ -115,7 +119,8 @@ def test_model_ema_averages_a_tied_weight_once():
     assert ema.module.output.weight is ema.module.embedding.weight
 
 
-def test_model_ema_casts_to_its_own_dtype_and_follows_tensors_replaced_between_updates():
+def test_model_ema_dtype_and_replaced_tensors():
+    """ModelEma casts to its own dtype, and follows tensors replaced between updates."""
     model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     ema = ModelEma(model, decay=0.5, device="cpu")
     initial = ema.module[0].weight.detach().double().clone()
@@ -133,7 +138,9 @@ def test_model_ema_casts_to_its_own_dtype_and_follows_tensors_replaced_between_u
     )  # 0, then 0, then 4
 
 
-def test_an_overridden_update_fn_is_used_and_set_copies_the_weights():
+def test_model_ema_update_fn_and_set():
+    """An overridden update_fn is used, and set copies the weights."""
+
     class KeepTheLargest(ModelEma):
         def update_fn(self, ema_model_weights, updated_model_weights):
             return torch.maximum(ema_model_weights, updated_model_weights)
@@ -165,7 +172,8 @@ def _has_limit(trainer: Trainer, num_batches: int) -> bool:
     )
 
 
-def test_limit_batches_adds_the_callback_and_restores_the_environment(monkeypatch):
+def test_limit_batches_adds_the_callback(monkeypatch):
+    """LimitBatches adds the callback and restores the environment."""
     monkeypatch.delenv(LIMIT_BATCHES_ENV_VAR, raising=False)
     model = make_linear()
     with LimitBatches(3) as limit:
@@ -186,12 +194,13 @@ def test_limit_batches_adds_the_callback_and_restores_the_environment(monkeypatc
 
 
 @pytest.mark.parametrize("num_batches", [0, -1, 2.5, True])
-def test_limit_batches_needs_a_positive_whole_number(num_batches):
+def test_limit_batches_needs_a_positive_int(num_batches):
     with pytest.raises(ValueError, match=f"num_batches is {num_batches!r}; pass a positive whole number"):
         LimitBatches(num_batches)
 
 
-def test_a_dataloader_slice_yields_its_first_batches_and_passes_set_epoch_through():
+def test_dataloader_slice_first_batches():
+    """A DataLoaderSlice yields its first batches and passes set_epoch through."""
     accelerator = Accelerator(cpu=True)
     dataloader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(10.0)), batch_size=2))
     sliced = DataLoaderSlice(dataloader, 3)
@@ -201,7 +210,7 @@ def test_a_dataloader_slice_yields_its_first_batches_and_passes_set_epoch_throug
     sliced.set_epoch(4)
     assert dataloader.iteration == 4
     assert not hasattr(DataLoaderSlice([1, 2], 1), "set_epoch")  # only where the wrapped dataloader has it
-    assert (sliced.dataloader, sliced.num_batches) == (sliced.dl, sliced.slice_size) == (dataloader, 3)
+    assert (sliced.dl, sliced.slice_size) == (dataloader, 3)
     with pytest.raises(TypeError, match="the wrapped dataloader has no __len__"):
         len(DataLoaderSlice(iter([1, 2, 3]), 2))
 
@@ -212,7 +221,8 @@ def test_a_dataloader_slice_yields_its_first_batches_and_passes_set_epoch_throug
 
 
 @pytest.mark.parametrize("decorator", [local_process_zero_only, local_process_zero_first, world_process_zero_only])
-def test_the_process_decorators_call_the_function_once_on_one_process(decorator):
+def test_process_decorators_on_one_process(decorator):
+    """The process decorators call the function once on one process."""
     calls = []
 
     @decorator
@@ -232,7 +242,8 @@ def test_the_process_decorators_call_the_function_once_on_one_process(decorator)
         fails()
 
 
-def test_worker_init_fn_is_seed_worker_and_seeds_numpy_and_random_from_torch():
+def test_worker_init_fn_seeds_numpy_and_random():
+    """worker_init_fn is seed_worker, and seeds numpy and random from torch."""
     assert worker_init_fn is seed_worker
 
     def draw():
@@ -255,7 +266,8 @@ def test_worker_init_fn_is_seed_worker_and_seeds_numpy_and_random_from_torch():
         ([[[0, 1], [1, 2]], [[-1, -1], [-1, -1]]], [[[0, 1], [1, 2]]]),
     ],
 )
-def test_remove_padding_drops_the_rows_made_only_of_padding(padded, expected):
+def test_remove_padding_drops_padding_rows(padded, expected):
+    """remove_padding drops the rows made only of padding."""
     assert torch.equal(remove_padding(torch.tensor(padded), -1), torch.tensor(expected))
 
 
@@ -268,7 +280,8 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_utils.py"
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_on_two_processes_the_decorators_order_the_calls_and_an_error_on_the_main_process_hangs_no_one(tmp_path):
+def test_process_decorators_on_two_processes(tmp_path):
+    """On two processes the decorators order the calls, and an error on the main process hangs no one."""
     output = tmp_path / "utils"
     completed = subprocess.run(
         [*launcher(2), str(SCRIPT), str(output)],

@@ -4,14 +4,11 @@ from pytorch_accel_trainer.callbacks.base import (
     EVENTS,
     CallbackHandler,
     CallbackMethodNotImplementedError,
-    StopTrainingError,
     TrainerCallback,
 )
 from pytorch_accel_trainer.callbacks.base import logger as logger  # as in pytorch-accelerated; not in __all__
 from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
 from pytorch_accel_trainer.callbacks.control import (
-    LIMIT_BATCHES_ENV_VAR,
-    DataLoaderSlice,
     LimitBatchesCallback,
     NonFiniteLossError,
     TerminateOnNaNCallback,
@@ -26,7 +23,7 @@ from pytorch_accel_trainer.callbacks.evaluation import (
     StepBasedEvaluationCallback,
     is_intermediate_evaluation,
 )
-from pytorch_accel_trainer.callbacks.fine_tuning import GradualUnfreezingCallback
+from pytorch_accel_trainer.callbacks.finetuning import GradualUnfreezingCallback
 from pytorch_accel_trainer.callbacks.memory import PeakMemoryCallback
 from pytorch_accel_trainer.callbacks.metrics import MetricCollectionCallback
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
@@ -43,7 +40,12 @@ from pytorch_accel_trainer.callbacks.progress import (
 from pytorch_accel_trainer.callbacks.trackers import CSVTracker, ExperimentTrackingCallback, JSONLinesTracker
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
-from pytorch_accel_trainer.utils import ModelEma  # importable from here, as in pytorch-accelerated
+from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.utils import (  # importable from here, as in pytorch-accelerated
+    LIMIT_BATCHES_ENV_VAR,
+    DataLoaderSlice,
+    ModelEma,
+)
 
 __all__ = [
     "EVENTS",

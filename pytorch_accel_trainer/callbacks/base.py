@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from pytorch_accel_trainer.errors import StopTrainingError, validate_positive_int  # noqa: F401  (users import them here)
-
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
 
@@ -45,10 +43,9 @@ RUN_END_EVENTS = ("on_training_run_end", "on_evaluation_run_end", "on_predict_ru
 #: The events that receive ``is_intermediate``: ``True`` in the evaluation epochs of ``StepBasedEvaluationCallback``.
 EVAL_EPOCH_EVENTS = ("on_eval_epoch_start", "on_eval_epoch_end")
 
-#: Other trainers' names for these events (Lightning's, which Dream Trainer uses, Keras's, Hugging Face
-#: transformers', mini.trainer's): ``name: (whose name it is, what it is here)``, what it is here being the event that
-#: means the same or, where there is none, what to do instead. A callback that defines one of them, undeclared, is
-#: refused when it is added (it would never be called); declared as a custom event, it is allowed.
+#: Other trainers' names for these events: ``name: (whose name it is, what it is here)``, what it is here being the
+#: event that means the same or, where there is none, what to do instead. A callback that defines one of them,
+#: undeclared, is refused when it is added (it would never be called); declared as a custom event, it is allowed.
 FOREIGN_EVENT_NAMES: dict[str, tuple[str, str]] = {
     "on_fit_start": ("Lightning's", "on_training_run_start"),
     "on_fit_end": ("Lightning's", "on_training_run_end"),
@@ -177,7 +174,7 @@ class TrainerCallback:
                 its ``loss`` is the unscaled loss, whatever the gradient accumulation.
 
         Keyword Args:
-            step: the index of the batch in the epoch, from 0 (Lightning's and Dream Trainer's ``batch_idx``).
+            step: the index of the batch in the epoch, from 0 (also ``trainer.batch_idx``).
         """
 
     def on_optimizer_step_end(self, trainer: Trainer, **kwargs):
@@ -218,7 +215,7 @@ class TrainerCallback:
             batch_output: the dictionary ``calculate_eval_batch_loss`` returned, extra keys included.
 
         Keyword Args:
-            step: the index of the batch in the evaluation epoch, from 0 (Lightning's ``batch_idx``).
+            step: the index of the batch in the evaluation epoch, from 0 (also ``trainer.batch_idx``).
         """
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback, validate_positive_int
-from pytorch_accel_trainer.utils import LIMIT_BATCHES_ENV_VAR, DataLoaderSlice, DeferredSum
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.errors import StopTrainingError, validate_positive_int
+from pytorch_accel_trainer.utils import LIMIT_BATCHES_ENV_VAR, DataLoaderSlice
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -55,8 +55,8 @@ class NonFiniteLossError(RuntimeError):
 class TerminateOnNaNCallback(TrainerCallback):
     """Stops the run when a training or evaluation loss is NaN or infinite, then raises :class:`NonFiniteLossError`.
 
-    The losses are summed on the device (in batches, so a step pays no device op), and whether the sum is
-    finite is read back (a host-device sync) only every ``check_every_n_steps`` training steps and at the
+    It reads the trainer's own sums of the epoch's losses (kept on the device, so a step costs it nothing), and whether
+    the sum is finite is read back (a host-device sync) only every ``check_every_n_steps`` training steps and at the
     end of each epoch, so ordinary steps never wait for the device. The sum is combined over processes before it is
     read, so every process takes the same decision at the same step. A non-finite loss stops the run with a
     ``StopTrainingError`` (``"Stopping training due to NaN loss in training step"``, as in pytorch-accelerated);
@@ -68,7 +68,6 @@ class TerminateOnNaNCallback(TrainerCallback):
             the end of each epoch.
         raise_on_nan: raise :class:`NonFiniteLossError` once a run it stopped has ended; ``False`` returns
             instead (``triggered`` is then ``True`` and ``error`` holds the error).
-        exit_on_nan: the former name of ``raise_on_nan`` (deprecated).
 
     Example::
 
@@ -78,28 +77,18 @@ class TerminateOnNaNCallback(TrainerCallback):
             print(f"diverged: {error.metric} became {error.value} in epoch {error.epoch}")
     """
 
-    def __init__(
-        self, check_every_n_steps: int | None = 100, raise_on_nan: bool = True, exit_on_nan: bool | None = None
-    ):
+    def __init__(self, check_every_n_steps: int | None = 100, raise_on_nan: bool = True):
         if check_every_n_steps is not None:
             validate_positive_int("check_every_n_steps", check_every_n_steps, "training batches", 100)
-        if exit_on_nan is not None:
-            warnings.warn(
-                "TerminateOnNaNCallback(exit_on_nan=...) is deprecated: the callback raises NonFiniteLossError instead "
-                "of exiting; pass raise_on_nan=... instead.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            raise_on_nan = exit_on_nan
         self.check_every_n_steps = check_every_n_steps
         self.raise_on_nan = raise_on_nan
         self.triggered = False
         #: The error of the last run it stopped (raised at the run's end when ``raise_on_nan``), else ``None``.
         self.error: NonFiniteLossError | None = None
-        # Per stage, the sum of the losses not checked yet (non-finite as soon as one of its terms is) and the first
-        # and last step in it: an intermediate evaluation must not mix its losses with those of the training steps.
-        self._losses = {stage: DeferredSum() for stage in _STAGES}
-        self._steps: dict = dict.fromkeys(_STAGES)
+        # Per stage, the first step not checked yet. The check reads the trainer's own sums of the epoch's losses
+        # (run_state's loss trackers: non-finite as soon as one of their terms is), so a step costs this callback
+        # nothing; an evaluation, intermediate or not, has sums of its own.
+        self._first_unchecked: dict = dict.fromkeys(_STAGES, 0)
         self._eval_step = 0
         self._in_evaluation_run = False
 
@@ -117,23 +106,21 @@ class TerminateOnNaNCallback(TrainerCallback):
         if not bool(torch.isfinite(loss).all()):  # host-device sync, by design
             self._stop("loss" if step is None else _STAGES.get(step, "loss"), float(loss.sum()), step)
 
-    def _record(self, stage: str, loss: torch.Tensor, step: int) -> None:
-        self._losses[stage].add(loss)  # no device op per step: the losses are added up in batches
-        first = step if self._steps[stage] is None else self._steps[stage][0]
-        self._steps[stage] = (first, step)
-
-    def _check(self, trainer: Trainer, stage: str, metric: str) -> None:
-        total, steps = self._losses[stage].total, self._steps[stage]
-        self._losses[stage].reset()
-        self._steps[stage] = None
+    def _check(self, trainer: Trainer, stage: str, metric: str, last_step: int) -> None:
+        first, self._first_unchecked[stage] = self._first_unchecked[stage], last_step + 1
+        if self.triggered:
+            return  # the stop it asked for is held until the processes agree: the first non-finite sum stays the error
         if trainer.run_state.non_finite_policy is not None:
             return  # SkipNonFiniteStepsCallback handles non-finite steps instead
-        local = torch.zeros((), device=trainer.device) if total is None else total.to(trainer.device)
+        state = trainer.run_state
+        tracker = state.train_loss_tracker if stage == "training" else state.eval_loss_tracker
+        total = tracker.peek_total_loss()  # the epoch's sum so far, on the device
+        local = torch.zeros((), device=trainer.device) if total is None else torch.as_tensor(total).to(trainer.device)
         if trainer.accelerator.num_processes > 1:
-            local = trainer.accelerator.reduce(local, "sum")
+            local = trainer.accelerator.reduce(local.float(), "sum")
         value = local.item()  # host-device sync, by design
         if not math.isfinite(value):
-            self._stop(metric, value, stage, trainer.run_history.current_epoch, steps)
+            self._stop(metric, value, stage, trainer.run_history.current_epoch, (first, last_step))
 
     def _stop(self, metric: str, value: float, stage: str | None, epoch=None, steps=None) -> None:
         self.triggered = True
@@ -147,9 +134,7 @@ class TerminateOnNaNCallback(TrainerCallback):
 
     def _start_run(self, in_evaluation_run: bool) -> None:
         self.triggered, self.error, self._in_evaluation_run = False, None, in_evaluation_run
-        for stage in _STAGES:
-            self._losses[stage].reset()
-            self._steps[stage] = None
+        self._first_unchecked = dict.fromkeys(_STAGES, 0)
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(in_evaluation_run=False)
@@ -157,27 +142,27 @@ class TerminateOnNaNCallback(TrainerCallback):
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(in_evaluation_run=True)
 
+    def on_train_epoch_start(self, trainer: Trainer, **kwargs):
+        self._first_unchecked["training"] = trainer.epoch_first_step  # a resumed epoch starts at its saved step
+
     def on_train_step_end(
         self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
     ):
-        if batch_output is not None:  # None only in a call by hand: no loss to record
-            self._record("training", batch_output["loss"], step)
         if self.check_every_n_steps and (step + 1) % self.check_every_n_steps == 0:
-            self._check(trainer, "training", "train_loss_epoch")
+            self._check(trainer, "training", "train_loss_epoch", step)
 
     def on_train_epoch_end(self, trainer: Trainer, **kwargs):
-        self._check(trainer, "training", "train_loss_epoch")
+        last_step = trainer.batch_idx if trainer.batch_idx is not None else -1
+        self._check(trainer, "training", "train_loss_epoch", last_step)
 
     def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
-        self._eval_step = 0
+        self._eval_step, self._first_unchecked["validation"] = 0, 0
 
     def on_eval_step_end(self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, **kwargs):
-        if batch_output is not None:  # None only in a call by hand: no loss to record
-            self._record("validation", batch_output["loss"], self._eval_step)
         self._eval_step += 1
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
-        self._check(trainer, "validation", self._eval_metric(trainer))
+        self._check(trainer, "validation", self._eval_metric(trainer), self._eval_step - 1)
 
     def on_training_run_end(self, trainer: Trainer, **kwargs):
         self._raise_if_stopped()

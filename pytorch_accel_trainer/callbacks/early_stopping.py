@@ -5,8 +5,8 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any
 
-from pytorch_accel_trainer.callbacks.base import StopTrainingError, validate_positive_int
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
+from pytorch_accel_trainer.errors import StopTrainingError, validate_positive_int
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.utils import DataLoaderSlice
 

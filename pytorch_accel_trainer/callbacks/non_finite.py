@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.errors import validate_positive_int
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
@@ -17,8 +18,7 @@ ON_EXHAUSTED_CHOICES = ("skip", "stop", "raise")
 class NonFiniteGradientsError(RuntimeError):
     """The gradients of an update were not finite after every retry, under ``on_exhausted="raise"``.
 
-    ``train()`` raises it once every callback has ended the run (as mini.trainer raises a ``RuntimeError`` when its
-    ``max_non_finite_grad_retries`` run out); the update was not applied.
+    ``train()`` raises it once every callback has ended the run; the update was not applied.
     """
 
 
@@ -58,7 +58,7 @@ class SkipNonFiniteStepsCallback(TrainerCallback):
         on_exhausted: what happens to an update whose gradients are still not finite after its retries: ``"skip"``
             (the default) skips it and the run goes on; ``"stop"`` ends the run there, cleanly (``TrainResult``:
             ``stopped_early=True``, the reason in ``stop_reason``); ``"raise"`` ends it the same way, then ``train()``
-            raises :class:`NonFiniteGradientsError` (mini.trainer's behaviour when its retries run out).
+            raises :class:`NonFiniteGradientsError`.
 
     Example::
 

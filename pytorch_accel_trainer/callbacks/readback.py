@@ -6,12 +6,12 @@ from typing import Any, Optional
 
 import torch
 
-from pytorch_accel_trainer.utils import DeferredSum
+from pytorch_accel_trainer.tracking import DeferredSum
 
 
 class RunningSum(DeferredSum):
     """A sum of scalar tensors kept on their device and added up in batches: no device op per value, and
-    no host-device sync (see :class:`~pytorch_accel_trainer.utils.DeferredSum`)."""
+    no host-device sync (see :class:`~pytorch_accel_trainer.tracking.DeferredSum`)."""
 
     @property
     def count(self) -> int:

@@ -16,8 +16,9 @@ import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
 from accelerate.utils import broadcast_object_list, gather_object
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, is_scalar_metric, metric_counts
 from pytorch_accel_trainer.validation import overrides
@@ -211,9 +212,9 @@ class ExperimentTrackingCallback(TrainerCallback):
     name=run_name)``; MLflow the experiment ``project_name`` and the run ``run_name``; trackio and SwanLab likewise;
     the other trackers of Accelerate get ``project_name`` as ``Accelerator.init_trackers`` would give it. The trackers
     that write files (TensorBoard, CSV, JSON lines) write to :attr:`run_dir`, ``logging_dir/project_name/run_name/``,
-    or ``logging_dir/run_name/`` when ``project_name`` is ``None`` (the layout of earlier versions). A callback has
-    one run name: a later ``train()`` or ``evaluate()`` with it logs under the same name (file trackers append to the
-    same files; W&B and MLflow start another run of that name); create a new callback for a new name.
+    or ``logging_dir/run_name/`` when ``project_name`` is ``None``. A callback has one run name: a later ``train()``
+    or ``evaluate()`` with it logs under the same name (file trackers append to the same files; W&B and MLflow start
+    another run of that name); create a new callback for a new name.
 
     Args:
         trackers: names of trackers (``"csv"``, ``"jsonl"``, ``"tensorboard"``, or any other name Accelerate

@@ -6,8 +6,9 @@ import operator
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback, validate_positive_int
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
+from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
 from pytorch_accel_trainer.state.storage import as_location, validate_location
 from pytorch_accel_trainer.state.training_state import validate_save_dir

@@ -40,8 +40,8 @@ class TrainerSettings:
     Args:
         seed: seeds every random generator before the model is built and at the start of ``train()``; ``null``
             leaves them alone (the run is then not repeatable).
-        mixed_precision: ``no``, ``bf16``, ``fp16``, ``fp8`` (or another trainer's name: ``full``, ``bf16-mixed``,
-            ...); ``null`` takes it from ``accelerate launch``.
+        mixed_precision: ``no``, ``bf16``, ``fp16``, ``fp8`` (or an alias: ``full``, ``bf16-mixed``, ...); ``null``
+            takes it from ``accelerate launch``.
         torch_compile: compile the model with ``torch.compile``.
         cpu: run on the CPU even where a GPU is available.
     """

@@ -27,9 +27,11 @@ from typing import TYPE_CHECKING, Any, Optional, Union, cast
 import yaml
 from accelerate.utils import broadcast_object_list
 
-from pytorch_accel_trainer.callbacks.base import StopTrainingError, TrainerCallback
-from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig
+from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.cli.config import ConfigError, TrainingConfig, run_training_config
+from pytorch_accel_trainer.cli.parsing import parse_command
 from pytorch_accel_trainer.cli.run_folder import CONFIG_FILE, RunFolderCallback
+from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.utils import _process_state, launched_world_size
 
 if TYPE_CHECKING:
@@ -375,8 +377,6 @@ def tune(
 def _validate_flags(base_config: Path, space: dict, flags: Sequence[str], metric: str) -> None:
     """Parse the command of a trial with the first value of each range (none runs), so that a key or value the
     config does not take is one error now, not a failed trial later."""
-    from pytorch_accel_trainer.cli.commands import parse_command
-
     first = {key: spec["choices"][0] if "choices" in spec else spec["low"] for key, spec in space.items()}
     parsed = parse_command(["fit", "--config", str(base_config), *flags, *value_flags(first)], instantiate=False)
     if metric.startswith("eval") and parsed.namespace.data.eval is None:
@@ -397,9 +397,6 @@ def _run_trial(
     flags: Sequence[str],
 ) -> None:
     """Run one trial on every process and, on the main one, tell the study how it ended."""
-    from pytorch_accel_trainer.cli.commands import parse_command
-    from pytorch_accel_trainer.cli.config import run_training_config
-
     optuna = _import_optuna()
     argv = [
         "fit",

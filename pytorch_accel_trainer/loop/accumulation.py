@@ -6,7 +6,6 @@ device. ``docs/inside_the_trainer.md`` explains the arithmetic ("Scaling the los
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterable, Optional
 
 import torch
@@ -21,47 +20,44 @@ def _gradients(parameters: Iterable[torch.nn.Parameter]) -> list:
     return [parameter.grad for parameter in parameters if parameter.grad is not None]
 
 
-def is_window_start(step: int, accumulation: int) -> bool:
-    """Whether micro-batch ``step`` opens an accumulation window: no gradient is pending before it."""
-    return step % accumulation == 0
+def scale_loss_for_accumulation(batch_output: dict, step: int, state: RunState) -> torch.Tensor:
+    """The loss to back-propagate: its gradients, added over the window, are those of one large batch.
 
-
-def micro_batches_in_window(step: int, accumulation: int, epoch_length: Optional[int]) -> int:
-    """The number of micro-batches in the accumulation window of ``step``, where it is known."""
-    if epoch_length is None:
-        return accumulation  # corrected by complete_partial_window if the stream ends early
-    window_start = step - step % accumulation
-    return min(accumulation, epoch_length - window_start)
-
-
-def scale_loss_for_accumulation(batch_output: dict, step: int, accumulation: int, state: RunState) -> torch.Tensor:
-    """The loss to back-propagate: its gradients, added over the window, are those of one large batch."""
-    loss = batch_output["loss"]
-    if "num_items_in_batch" in batch_output:  # summed over items here, divided by the window's total at the update
+    The loss is divided by the micro-batches of its window (fewer in a partial last window of an epoch of known
+    length), or, with ``num_items_in_batch``, multiplied by it (the window's total divides the gradients at the
+    update, :func:`finish_window`).
+    """
+    loss, accumulation = batch_output["loss"], state.accumulation_steps
+    if "num_items_in_batch" in batch_output:
         items = batch_output["num_items_in_batch"]
-        state.add_window_items(items, opens_window=is_window_start(step, accumulation))
+        state.add_window_items(items, opens_window=step % accumulation == 0)
         return loss * items
-    micro_batches = micro_batches_in_window(step, accumulation, state.train_epoch_length)  # also a partial window
+    if accumulation == 1:
+        return loss
+    window_start = step - step % accumulation
+    epoch_length = state.train_epoch_length  # None: unknown, corrected by finish_window if the stream ends early
+    micro_batches = accumulation if epoch_length is None else min(accumulation, epoch_length - window_start)
     return loss if micro_batches == 1 else loss / micro_batches
 
 
-def complete_partial_window(step: int, accumulation: int, epoch_length: Optional[int], model: torch.nn.Module) -> None:
-    """Rescale the gradients of a partial last window of an epoch of unknown length (once per epoch)."""
-    micro_batches = step % accumulation + 1
-    if epoch_length is not None or micro_batches == accumulation:
-        return
-    torch._foreach_mul_(_gradients(model.parameters()), accumulation / micro_batches)
+def finish_window(step: int, state: RunState, accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Before the update that closes the window at micro-batch ``step``: rescale the gradients of a partial last
+    window of an epoch of unknown length, and divide those of item-weighted losses by the window's items. A full
+    window without ``num_items_in_batch`` (the common case) costs no tensor operation."""
+    micro_batches, accumulation = step % state.accumulation_steps + 1, state.accumulation_steps
+    if state.train_epoch_length is None and micro_batches != accumulation:  # the stream ended inside the window
+        torch._foreach_mul_(_gradients(model.parameters()), accumulation / micro_batches)
+    if not (isinstance(state.items_in_window, int) and state.items_in_window == 0):
+        _normalise_by_items_in_window(state.take_window_items(), accelerator, model)
 
 
-def normalise_by_items_in_window(items: Any, accelerator: Accelerator, model: torch.nn.Module) -> None:
+def _normalise_by_items_in_window(items: Any, accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Divide the gradients of a window of item-weighted losses by its ``items`` (the window's ``num_items_in_batch``
-    sum on this process, ``RunState.take_window_items``), summed over every process.
+    sum on this process), summed over every process.
 
     One small all-reduce per update in a multi-process run, kept on the device: no synchronisation. DDP has
     averaged the gradients over processes, hence the factor ``num_processes``.
     """
-    if isinstance(items, int) and items == 0:
-        return  # the losses of this window carry no num_items_in_batch
     validate_gradients_visible(accelerator, "num_items_in_batch")
     items = torch.as_tensor(items, device=accelerator.device, dtype=torch.float32)
     if accelerator.num_processes > 1:
@@ -96,14 +92,3 @@ def clip_gradients(
     elif clip_value is not None:
         clip_gradients_by_value(accelerator, model.parameters(), clip_value)
     return norm
-
-
-_SYNCING = contextlib.nullcontext()  # reusable: one for every step that syncs (or needs no sync)
-
-
-def gradient_sync_context(accelerator: Accelerator, model: torch.nn.Module, is_update: bool, accumulation: int):
-    """``no_sync`` inside an accumulation window, so that DDP all-reduces the gradients once, at its last
-    micro-batch."""
-    if is_update or accumulation == 1:
-        return _SYNCING
-    return accelerator.no_sync(model)

@@ -1,20 +1,24 @@
-"""Batches: the DataLoader arguments the trainer builds, and what a batch's loss counts for in an epoch's mean."""
+"""Batches: the DataLoader arguments the trainer builds, how a batch reaches the model and its loss hook, and what a
+batch's loss counts for in an epoch's mean."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+import inspect
+from types import MethodType
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from accelerate.utils import find_batch_size
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from pytorch_accel_trainer.utils import (
-    batch_size_of,
     dataloader_batch_size,
     is_mapping,
     model_output_loss,
     seed_worker,
 )
+from pytorch_accel_trainer.validation import validate_batch_output
 
 NO_TRAIN_BATCH = (
     "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
@@ -102,6 +106,20 @@ class CheckedCollateFn:
         return batch
 
 
+def build_dataloader(
+    dataset: Any, given: Optional[DataLoader], defaults: dict, overrides: Optional[dict], collate_fn: Optional[Callable]
+) -> tuple[Any, dict]:
+    """The dataloader of a run and its arguments: a DataLoader the run was given (``given``), as it is; else a new one
+    over ``dataset`` from ``defaults`` updated with the user's ``overrides`` (which win), with ``collate_fn`` (a
+    ``None`` batch is then a clear ``TypeError``), drawing its shuffle order and worker seeds from a generator of its
+    own, not the global RNG."""
+    if given is not None:
+        return given, given_dataloader_kwargs(given)
+    kwargs = merge_dataloader_kwargs(defaults, overrides, dataset)
+    dataloader = DataLoader(dataset=dataset, collate_fn=collate_fn, **kwargs)
+    return with_own_generator_and_checked_collate(dataloader, collate_fn), kwargs
+
+
 def checked_collate_fn(collate_fn: Optional[Callable]) -> Optional[Callable]:
     """Return ``collate_fn`` wrapped in a :class:`CheckedCollateFn`; ``None`` (torch's default) as it is."""
     return None if collate_fn is None else CheckedCollateFn(collate_fn)
@@ -179,24 +197,126 @@ def with_batch_size(batch_output: Any, batch: Any) -> Any:
 def forward_batch(model: Any, batch: Any) -> Any:
     """The model's output for a batch of the default hooks: ``(inputs, targets, ...)``, or a dict of keyword
     arguments."""
-    if is_mapping(batch):
+    if not isinstance(batch, (tuple, list)) and is_mapping(batch):
         return model(**batch)
     return model(batch[0])
 
 
 def batch_loss(loss_func: Any, model_outputs: Any, batch: Any) -> torch.Tensor:
     """``loss_func(outputs, targets)``, or without a ``loss_func`` the loss the model returned."""
-    if loss_func is not None:
-        try:
-            return loss_func(model_outputs, batch["labels"] if is_mapping(batch) else batch[1])
-        except (TypeError, AttributeError) as error:
-            if not is_mapping(model_outputs):
-                raise
-            raise TypeError(
-                f"loss_func {getattr(loss_func, '__name__', type(loss_func).__name__)!r} failed on the model's output, "
-                f"a {type(model_outputs).__name__} with keys {list(model_outputs)[:8]}, not a tensor ({error}). Pass "
-                "loss_func=None to use the output's 'loss' (transformers models return one when the batch has "
-                "labels), return the tensor from the model's forward, or override calculate_train_batch_loss and "
-                "calculate_eval_batch_loss to pick it (e.g. outputs['logits'])."
-            ) from error
-    return model_output_loss(model_outputs)
+    if loss_func is None:
+        return model_output_loss(model_outputs)
+    targets = batch["labels"] if not isinstance(batch, (tuple, list)) and is_mapping(batch) else batch[1]
+    try:
+        return loss_func(model_outputs, targets)
+    except (TypeError, AttributeError) as error:
+        if not is_mapping(model_outputs):
+            raise
+        raise TypeError(
+            f"loss_func {getattr(loss_func, '__name__', type(loss_func).__name__)!r} failed on the model's output, "
+            f"a {type(model_outputs).__name__} with keys {list(model_outputs)[:8]}, not a tensor ({error}). Pass "
+            "loss_func=None to use the output's 'loss' (transformers models return one when the batch has "
+            "labels), return the tensor from the model's forward, or override calculate_train_batch_loss and "
+            "calculate_eval_batch_loss to pick it (e.g. outputs['logits'])."
+        ) from error
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch of the default hooks: ``len(batch[1])``, or for a dict the first
+    dimension of ``labels`` (else of its first tensor)."""
+    if isinstance(batch, (tuple, list)) or not is_mapping(batch):
+        targets = batch[1]
+        return targets.size(0) if isinstance(targets, torch.Tensor) else len(targets)
+    tensor = batch.get("labels")
+    if not isinstance(tensor, torch.Tensor):
+        tensor = next((value for value in batch.values() if isinstance(value, torch.Tensor)), None)
+    if tensor is None:
+        raise TypeError(
+            f"The batch is a dict with the keys {sorted(batch)} but no tensor, so its size is unknown; override "
+            "calculate_train_batch_loss / calculate_eval_batch_loss to return 'batch_size' yourself."
+        )
+    return tensor.size(0)
+
+
+@functools.lru_cache(maxsize=128)
+def _batch_idx_argument(function: Callable, is_method: bool) -> Optional[str]:
+    """How the batch hook ``function`` takes the batch index (found once per function, not per step): by keyword
+    when it names a parameter ``batch_idx`` (``"keyword"``); as its argument after the batch when that one has no
+    default, whatever its name (``"positional"``: ``training_step(self, batch, index)``); or not at all (``None``:
+    pytorch-accelerated's ``(self, batch)``)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: called with the batch alone
+        return None
+    if any(
+        parameter.name == "batch_idx" and parameter.kind is not parameter.POSITIONAL_ONLY for parameter in parameters
+    ):
+        return "keyword"
+    positional = [
+        parameter
+        for parameter in parameters
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    index = 2 if is_method else 1  # after self and the batch
+    if len(positional) > index and positional[index].default is inspect.Parameter.empty:
+        return "positional"
+    return None
+
+
+def call_batch_hook(hook: Callable, batch: Any, batch_idx: int) -> Any:
+    """``hook(batch)``, with ``batch_idx`` too when the hook takes it (see :func:`_batch_idx_argument`)."""
+    argument = _batch_idx_argument(getattr(hook, "__func__", hook), isinstance(hook, MethodType))
+    if argument == "keyword":
+        return hook(batch, batch_idx=batch_idx)
+    if argument == "positional":
+        return hook(batch, batch_idx)
+    return hook(batch)
+
+
+def checked_batch_output(hook: Callable, batch: Any, batch_idx: int) -> dict:
+    """Call the batch-loss ``hook`` (``calculate_train_batch_loss``, ``calculate_eval_batch_loss``) on ``batch`` and
+    return its output, with a ``batch_size`` it left out found from the batch (shapes only: no host sync).
+
+    Raises:
+        TypeError, ValueError: the output is not a dict with a scalar tensor ``loss`` (and a ``batch_size``, given or
+            found); the message names the hook.
+    """
+    argument = _batch_idx_argument(getattr(hook, "__func__", hook), isinstance(hook, MethodType))
+    if argument is None:
+        batch_output = hook(batch)
+    else:
+        batch_output = hook(batch, batch_idx=batch_idx) if argument == "keyword" else hook(batch, batch_idx)
+    if isinstance(batch_output, dict) and "batch_size" in batch_output:
+        loss = batch_output.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return batch_output  # the common shape, checked in a few reads; else the full check says what is wrong
+    batch_output = with_batch_size(batch_output, batch)
+    validate_batch_output(batch_output, getattr(hook, "__name__", "the batch-loss hook"))
+    return batch_output
+
+
+def numbered_batches(
+    batches: Iterable, first_step: int, error_message: Optional[str]
+) -> Iterator[tuple[int, Any, bool]]:
+    """Yield ``(step, batch, is_last)`` from ``first_step`` on, looking one batch ahead, so that the loop knows which
+    batch ends the epoch even for a dataset without ``__len__``.
+
+    Raises:
+        ValueError: ``error_message``, when ``batches`` yields nothing (``None``: an empty epoch is allowed).
+    """
+    iterator = iter(batches)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        if error_message is None:
+            return
+        raise ValueError(error_message) from None
+    except ValueError as error:  # Accelerate's dispatcher (iterable datasets) says it in its own words
+        if error_message is None or "does not contain any data" not in str(error):
+            raise
+        raise ValueError(error_message) from error
+    step = first_step
+    for following in iterator:
+        yield step, current, False
+        current, step = following, step + 1
+    yield step, current, True

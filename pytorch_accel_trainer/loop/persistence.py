@@ -53,12 +53,15 @@ from pytorch_accel_trainer.state.checkpointing import (
 from pytorch_accel_trainer.state.files import (
     LATEST_NAME,
     MANIFEST_NAME,
+    StoredState,
     follow_umask,
     is_real_directory,
     is_state_name,
+    temporary_folder,
     validate_state_name,
 )
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
+from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
     Location,
     RemoteStates,
@@ -71,14 +74,11 @@ from pytorch_accel_trainer.state.storage import (
 from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
     ResumePosition,
-    StoredState,
     find_resumable_state,
     list_complete_states,
     read_manifest,
     read_training_state,
     report_skipped_states,
-    restore_rng_state,
-    temporary_folder,
     validate_save_dir,
     verify_folder,
     write_training_state,

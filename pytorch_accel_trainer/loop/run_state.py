@@ -18,7 +18,7 @@ from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.loop.batches import loss_weight
 from pytorch_accel_trainer.state.storage import Location, as_location
 from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
-from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
+from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, LossTracker, StepMetricsTracker
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
@@ -80,6 +80,9 @@ class RunState:
             a state taken before the loop moves on then resumes at the next epoch.
         time_budget: the run's ``max_time``, checked at each point where the processes agree to stop.
         stopped_by_time_budget: whether the time budget ended the run.
+        accumulation_steps: the micro-batches of an accumulation window (``options.gradient_accumulation_steps``).
+        scheduler_per_epoch: whether the scheduler steps once per epoch (``scheduler_interval="epoch"``), not after
+            each update.
     """
 
     options: Optional[TrainOptions] = None
@@ -117,6 +120,13 @@ class RunState:
     epoch_trained: bool = False
     time_budget: Optional[TimeBudget] = None
     stopped_by_time_budget: bool = False
+    accumulation_steps: int = field(init=False, default=1)
+    scheduler_per_epoch: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if self.options is not None:  # what the step reads of the options, without an Optional to check each time
+            self.accumulation_steps = self.options.gradient_accumulation_steps
+            self.scheduler_per_epoch = self.options.scheduler_interval == "epoch"
 
     # ------------------------------------------------------------------------------------------------
     # The run and its epochs
@@ -214,7 +224,8 @@ class RunState:
         samples count once, on its first try (not when a non-finite window is run again)."""
         weight = loss_weight(batch_output, None)
         self.train_loss_tracker.update(batch_output["loss"], weight)
-        self.train_step_metrics.update(batch_output, weight)  # accuracy etc.: averaged like the loss
+        if not BATCH_OUTPUT_KEYS.issuperset(batch_output):  # accuracy etc.: averaged like the loss
+            self.train_step_metrics.update(batch_output, weight)
         if first_try:
             self.samples_seen += batch_output["batch_size"]
 
@@ -231,11 +242,6 @@ class RunState:
         """Note that the accumulation window closing at micro-batch ``step`` has run: a stop from here on leaves
         the epoch at its next batch, or (``is_last_batch``) after all of it."""
         self.open_epoch_at, self.epoch_trained = (None, True) if is_last_batch else (step + 1, False)
-
-    def count_update(self) -> int:
-        """Count an optimizer update that was made; return the run's updates so far."""
-        self.num_update_steps_completed += 1
-        return self.num_update_steps_completed
 
     # ------------------------------------------------------------------------------------------------
     # An evaluation epoch

@@ -222,7 +222,7 @@ def wrappers_only_call_torch(accelerator: Accelerator) -> bool:
     Without a gradient scaler (fp16), DeepSpeed, FSDP, Megatron, XLA or a LOMO optimizer, the wrapper's
     ``step()`` and ``zero_grad()`` and ``Accelerator.backward`` only call torch, after checks that cost about
     100 us per step on a small model (two uncached package lookups, ``inspect.signature``, a division by 1;
-    ``benchmarks/``). The trainer then calls torch directly; ``tests/test_fast_path.py`` shows the result is
+    ``benchmarks/``). The trainer then calls torch directly; ``tests/test_accelerate_wrappers.py`` shows the result is
     bitwise identical. The optimizer state was already placed on the device by ``prepare``.
     """
     return (

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import training_state
+from pytorch_accel_trainer.state import crash_points, training_state
 from pytorch_accel_trainer.state.checkpointing import reporting_out_of_space, validate_plain
 from pytorch_accel_trainer.state.files import (
     MODEL_FILE,
@@ -40,6 +40,7 @@ from pytorch_accel_trainer.state.files import (
     unused_folder_name,
     write_bytes_file,
 )
+from pytorch_accel_trainer.state.rng import capture_rng_state
 
 
 def validate_asynchronous_save(accelerator) -> None:
@@ -158,7 +159,7 @@ def stage_training_state(
     files = {
         rank_file(0): to_host(
             {
-                "rng": training_state.capture_rng_state(),
+                "rng": capture_rng_state(),
                 "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
                 "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
                 "callbacks": training_state._callback_states(trainer.callback_handler),
@@ -207,7 +208,7 @@ def write_staged_state(staged: StagedState) -> Path:
         temporary, final, "the training state", f"the earlier states in {final.parent} are unchanged"
     ):
         for name, content in staged.files.items():  # the rank file first, the trainer file last, as a synchronous save
-            training_state._crash_point(f"write:{name}")
+            crash_points.crash_point(f"write:{name}")
             if isinstance(content, SafetensorsContent):
                 checksums[name] = write_bytes_file(content.to_bytes(), temporary / name)
             else:

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Union
 
-from pytorch_accel_trainer.state import training_state  # its _crash_point, which tests replace
+from pytorch_accel_trainer.state import crash_points
 from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX
 
 #: A local path, or the URL of a folder or file in object storage.
@@ -226,9 +226,9 @@ class RemoteStates:
         remote = f"{self.root}/{folder.name}"
         files = sorted(path for path in folder.iterdir() if path.is_file() and path.name != self._manifest)
         for path in files:
-            training_state._crash_point(f"upload:{path.name}")
+            crash_points.crash_point(f"upload:{path.name}")
             self.fs.put_file(str(path), f"{remote}/{path.name}")
-        training_state._crash_point(f"upload:{self._manifest}")
+        crash_points.crash_point(f"upload:{self._manifest}")
         self.fs.put_file(str(folder / self._manifest), f"{remote}/{self._manifest}")  # visible from here on
         self.fs.pipe_file(f"{self.root}/{self._latest}", f"{folder.name}\n".encode())
         for path in files:
@@ -240,7 +240,7 @@ class RemoteStates:
         process uploads the manifest, which lists them, after every machine did this."""
         for path in sorted(temporary.iterdir()):
             if path.is_file() and not path.name.startswith(WRITER_MARKER_PREFIX):
-                training_state._crash_point(f"upload:{path.name}")
+                crash_points.crash_point(f"upload:{path.name}")
                 self.fs.put_file(str(path), f"{self.root}/{name}/{path.name}")
         shutil.rmtree(temporary, ignore_errors=True)
 

@@ -29,7 +29,8 @@ from typing import Any, Iterable, Optional
 import torch
 from accelerate.utils import send_to_device
 
-from pytorch_accel_trainer.errors import CheckpointError  # re-exported: users import it here
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state import crash_points
 from pytorch_accel_trainer.state.checkpointing import (
     describe_unreadable_torch_file,
     is_abandoned,
@@ -38,7 +39,7 @@ from pytorch_accel_trainer.state.checkpointing import (
     validate_plain,
     writer_tag,
 )
-from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names are re-exported: they were always here)
+from pytorch_accel_trainer.state.files import (
     CHECKSUM,
     FORMAT_VERSION,
     LATEST_NAME,
@@ -47,7 +48,6 @@ from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names a
     OPTIMIZER_FILE,
     SCALER_FILE,
     SCHEDULER_FILE,
-    STATE_PREFIX,
     TEMPORARY_PREFIX,
     TRAINER_FILE,
     WRITER_MARKER_PREFIX,
@@ -75,7 +75,8 @@ from pytorch_accel_trainer.state.files import (  # noqa: F401  (the file names a
     write_extra_files,
     write_text_atomically,
 )
-from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state  # noqa: F401  (re-exported)
+from pytorch_accel_trainer.state.rng import capture_rng_state
+from pytorch_accel_trainer.state.storage import is_url
 
 #: Reads back the checksum of a file another library wrote while this thread writes the next (threads start lazily).
 _CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-checksum")
@@ -84,10 +85,6 @@ _CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainin
 class StateFormatError(CheckpointError):
     """A training state of a format this version does not read: written by a development version of the library
     before its first release (formats 1 and 2), or by a newer version. Raised before anything is loaded."""
-
-
-def _crash_point(name: str) -> None:
-    """Called between the steps of a save; tests replace it to simulate a crash at ``name``."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -166,7 +163,7 @@ def finish_save(
     for path in sorted(temporary.iterdir()):
         if path.name.startswith(WRITER_MARKER_PREFIX):
             continue
-        _crash_point(f"hash:{path.name}")
+        crash_points.crash_point(f"hash:{path.name}")
         known = checksums.get(path.name)
         if known is None:
             size, digest = file_digest(path)
@@ -174,15 +171,15 @@ def finish_save(
             size, digest = known.result() if hasattr(known, "result") else known
         files[path.name] = {"size": size, CHECKSUM: digest}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
-    _crash_point("manifest")
+    crash_points.crash_point("manifest")
     write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
     fsync_path(temporary)
-    _crash_point("rename")
+    crash_points.crash_point("rename")
     os.rename(temporary, final_folder)
     for marker in final_folder.glob(f"{WRITER_MARKER_PREFIX}*"):
         marker.unlink(missing_ok=True)  # left by a crash here, it is harmless: not in the manifest
     fsync_path(final_folder.parent)
-    _crash_point("latest")
+    crash_points.crash_point("latest")
     write_text_atomically(final_folder.parent / LATEST_NAME, final_folder.name + "\n")
 
 
@@ -376,8 +373,6 @@ def validate_save_dir(parent: Any, run_state, allow_other_runs: bool = False, ac
         CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`).
         NotADirectoryError: ``parent`` is a file.
     """
-    from pytorch_accel_trainer.state.storage import is_url  # storage imports this module
-
     if is_url(parent):
         return
     parent = Path(parent)
@@ -507,7 +502,7 @@ def prune_states(
             ("best" not in state.kinds) or state.folder in superseded_best
         )
         if removable:
-            _crash_point(f"prune:{state.folder.name}")
+            crash_points.crash_point(f"prune:{state.folder.name}")
             try:
                 shutil.rmtree(state.folder)  # refuses a link, and never follows one inside the folder
             except OSError as error:
@@ -648,7 +643,7 @@ def write_training_state(
     with reporting_out_of_space(
         temporary, final, "the training state", f"the earlier states in {parent} are unchanged"
     ):
-        _crash_point(f"write:{rank_file(accelerator.process_index)}")
+        crash_points.crash_point(f"write:{rank_file(accelerator.process_index)}")
         checksums: dict[str, Any] = {  # (size, checksum) pairs, or futures of them
             rank_file(accelerator.process_index): save_tensors_file(
                 rank_state, temporary / rank_file(accelerator.process_index)
@@ -657,7 +652,7 @@ def write_training_state(
         elsewhere = _files_of_other_machines(accelerator, checksums, temporary) if node_local else {}
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            _crash_point(f"write:{MODEL_FILE}")
+            crash_points.crash_point(f"write:{MODEL_FILE}")
             if gathered_model is None:
                 save_model(trainer.get_model(), str(temporary / MODEL_FILE))
             else:
@@ -668,7 +663,7 @@ def write_training_state(
             # safetensors writes the file itself: its checksum is read back (from the page cache) on a thread while
             # the rest is written
             checksums[MODEL_FILE] = _CHECKSUM_READER.submit(file_digest, temporary / MODEL_FILE)
-            _crash_point(f"write:{OPTIMIZER_FILE}")
+            crash_points.crash_point(f"write:{OPTIMIZER_FILE}")
             optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
             checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
             checksums.update(
@@ -679,13 +674,13 @@ def write_training_state(
                 )
             )
             if trainer.scheduler is not None:
-                _crash_point(f"write:{SCHEDULER_FILE}")
+                crash_points.crash_point(f"write:{SCHEDULER_FILE}")
                 scheduler_state = trainer.scheduler.state_dict()
                 validate_plain(scheduler_state, "scheduler.state_dict()")
                 checksums[SCHEDULER_FILE] = save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
             if accelerator.scaler is not None:
                 checksums[SCALER_FILE] = save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
-            _crash_point(f"write:{TRAINER_FILE}")
+            crash_points.crash_point(f"write:{TRAINER_FILE}")
             checksums[TRAINER_FILE] = save_tensors_file(
                 {
                     "position": asdict(position),

@@ -1,18 +1,23 @@
-"""Runs described by a config file or flags: parsing, the run folder, reruns, trackers, and clear errors."""
+"""The command line: runs described by a config file or flags, the run folder, reruns, evaluate and predict, trackers;
+each bad config or user mistake is one `error:` line with exit status 2, before any work and without an empty run
+folder left behind."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
+from config_data.tiny import TINY_CONFIG
 from conftest import CPU_PROCESSES_ENV, launcher
 from safetensors.torch import load_file
 
+from pytorch_accel_trainer.callbacks import NonFiniteLossError
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
 from pytorch_accel_trainer.cli import console_main, create_parser, main
 from pytorch_accel_trainer.cli.config import ConfigError
@@ -43,14 +48,28 @@ def config_file(tmp_path, monkeypatch):
     return path
 
 
-def test_a_config_file_with_flags_trains_and_flags_win(config_file):
+#: The tiny config of config_data/tiny.py for one epoch of 4 batches: no scheduler, no clipping.
+TINY_RUN = {**TINY_CONFIG, "train": {"num_epochs": 1, "per_device_batch_size": 16}}
+
+
+@pytest.fixture
+def tiny_config_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(TESTS)  # import paths resolve from the current folder, as with `python -m`
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY_RUN))
+    return path
+
+
+def test_config_file_and_flags_flags_win(config_file):
+    """A config file with flags trains; the flags win."""
     result = main(["fit", "--config", str(config_file), "--train.num_epochs", "2", "--optimizer.lr", "0.01"])
     assert isinstance(result, TrainResult)
     assert result.num_epochs == 2 and result.num_update_steps == 16
     assert result.metrics["eval_loss_epoch"] < result.metrics["train_loss_epoch"] * 10
 
 
-def test_a_time_budget_from_the_command_line_stops_the_run_and_saves_where_it_says(config_file, tmp_path):
+def test_time_budget_from_the_command_line(config_file, tmp_path):
+    """A time budget from the command line stops the run and saves where it says."""
     budget = ["--train.max_time", "00:00:00:00", "--train.max_time_save_dir", str(tmp_path / "budget")]
     with pytest.raises(ValueError, match=r"max_time='00:00:00:00' is not a time budget longer than 0 s"):
         main(["fit", "--config", str(config_file), *budget])
@@ -60,7 +79,8 @@ def test_a_time_budget_from_the_command_line_stops_the_run_and_saves_where_it_sa
     assert (tmp_path / "budget" / "latest").is_file()
 
 
-def test_the_run_folder_holds_what_reproduces_the_run_and_its_config_reruns_it_exactly(config_file, tmp_path):
+def test_run_folder_reruns_the_run_exactly(config_file, tmp_path):
+    """The run folder holds what reproduces the run; its config reruns it exactly."""
     main(
         [
             "fit",
@@ -98,7 +118,32 @@ def test_the_run_folder_holds_what_reproduces_the_run_and_its_config_reruns_it_e
     assert (folder / "history.csv").read_text() == (rerun / "history.csv").read_text()
 
 
-def test_print_config_dumps_a_complete_config_that_reloads_to_the_same(config_file, tmp_path, capsys):
+def test_three_states_kept_and_folder_resume(tiny_config_file, tmp_path, capsys):
+    """Config runs keep three training states by default, and resume from a run folder."""
+    runs = tmp_path / "runs"
+    common = ["--config", str(tiny_config_file), "--output_dir", str(runs), "--save_training_states", "true"]
+    main(["fit", *common, "--run_name", "first", "--train.num_epochs", "5"])
+    states = runs / "first" / "training_states"
+    assert sorted(path.name for path in states.iterdir()) == ["epoch_3", "epoch_4", "epoch_5", "latest"]
+    result = main(["fit", *common, "--train.num_epochs", "6", "--train.resume_from", str(runs / "first")])
+    assert f"from {states / 'epoch_5'} (after 20 optimizer updates), run " in capsys.readouterr().out
+    assert result.num_update_steps == 24 and result.num_epochs == 1
+    help_text = create_parser().command_parsers["fit"].format_help()
+    assert "max_training_states" in help_text and "3 by default" in help_text
+
+
+def test_nan_run_writes_no_weights(tiny_config_file, tmp_path, capsys):
+    """A run stopped by non-finite values writes its history but no NaN weights."""
+    flags = ["--optimizer.init_args.lr", "1e30", "--train.num_epochs", "2", "--default_callbacks", "true"]
+    with pytest.raises(NonFiniteLossError):
+        main(["fit", "--config", str(tiny_config_file), "--output_dir", str(tmp_path), "--run_name", "nan", *flags])
+    assert not (tmp_path / "nan" / "model.safetensors").exists()
+    assert (tmp_path / "nan" / "history.csv").exists()
+    assert "model.safetensors was not written: the model's weights are NaN or infinite" in capsys.readouterr().out
+
+
+def test_print_config_round_trips(config_file, tmp_path, capsys):
+    """--print_config dumps a complete config that reloads to the same."""
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--config", str(config_file), "--train.gradient_clip_value", "2.5", "--print_config"])
     assert exit_info.value.code == 0
@@ -111,7 +156,8 @@ def test_print_config_dumps_a_complete_config_that_reloads_to_the_same(config_fi
     assert capsys.readouterr().out == dumped
 
 
-def test_evaluate_loads_the_weights_of_a_run_folder_or_a_checkpoint_and_returns_the_metrics(config_file, tmp_path):
+def test_evaluate_loads_folder_or_checkpoint(config_file, tmp_path):
+    """evaluate loads the weights of a run folder or a checkpoint, and returns the metrics."""
     trained = main(["fit", "--config", str(config_file), "--output_dir", str(tmp_path), "--run_name", "r"])
     weights = tmp_path / "r" / "model.safetensors"
     metrics = main(["evaluate", "--config", str(config_file), "--checkpoint", str(weights)])
@@ -130,7 +176,36 @@ def test_evaluate_loads_the_weights_of_a_run_folder_or_a_checkpoint_and_returns_
     assert untrained["evaluation_loss"] > metrics["evaluation_loss"]  # the weights were loaded
 
 
-def test_predict_writes_the_outputs_of_a_run_folder_s_weights_to_a_file_or_a_folder_of_chunks(config_file, tmp_path):
+def test_evaluate_needs_a_checkpoint(tiny_config_file, tmp_path):
+    """evaluate needs a checkpoint, takes a run folder, and leaves no empty run folder."""
+    with pytest.raises(
+        ConfigError, match=r"checkpoint is missing: `evaluate` would measure .*--evaluate_initial_weights"
+    ):
+        main(["evaluate", "--config", str(tiny_config_file)])
+    main(["fit", "--config", str(tiny_config_file), "--output_dir", str(tmp_path / "runs"), "--run_name", "r"])
+    from_folder = main(["evaluate", "--config", str(tiny_config_file), "--checkpoint", str(tmp_path / "runs" / "r")])
+    from_file = main(
+        ["evaluate", "--config", str(tiny_config_file), "--checkpoint", str(tmp_path / "runs/r/model.safetensors")]
+    )
+    assert from_folder == from_file
+    initial = main(["evaluate", "--config", str(tiny_config_file), "--evaluate_initial_weights", "true"])
+    assert initial["evaluation_loss"] > from_folder["evaluation_loss"]
+    main(
+        [
+            "evaluate",
+            "--config",
+            str(tiny_config_file),
+            "--checkpoint",
+            str(tmp_path / "runs" / "r"),
+            "--output_dir",
+            str(tmp_path / "eval"),
+        ]
+    )
+    assert not (tmp_path / "eval").exists() or not any((tmp_path / "eval").iterdir())  # no empty run folder
+
+
+def test_predict_writes_a_file_or_chunks(config_file, tmp_path):
+    """predict writes the outputs of a run folder's weights to a file, or a folder of chunks."""
     from config_data.tiny import eval_dataset
     from safetensors.torch import load_model
 
@@ -151,7 +226,8 @@ def test_predict_writes_the_outputs_of_a_run_folder_s_weights_to_a_file_or_a_fol
         main(["predict", "--config", str(config_file), "--checkpoint", str(tmp_path), "--output", "p.pt"])
 
 
-def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):
+def test_trackers_receive_both_configs(config_file, tmp_path):
+    """Trackers receive the config and the run config."""
     callback = {
         "class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
         "init_args": {"trackers": ["jsonl"], "logging_dir": str(tmp_path / "logs"), "run_name": "tracked"},
@@ -162,7 +238,8 @@ def test_trackers_receive_the_config_and_the_run_config(config_file, tmp_path):
     assert values["run_config.num_update_steps_per_epoch"] == 8  # the run config, from the trainer
 
 
-def test_the_trackers_run_is_named_as_the_run_folder_unless_the_config_names_it(config_file, tmp_path):
+def test_tracker_run_named_as_run_folder(config_file, tmp_path):
+    """The trackers' run is named as the run folder unless the config names it."""
     callback = {
         "class_path": "pytorch_accel_trainer.callbacks.ExperimentTrackingCallback",
         "init_args": {"trackers": ["csv"], "logging_dir": str(tmp_path / "logs")},
@@ -185,7 +262,8 @@ def test_the_trackers_run_is_named_as_the_run_folder_unless_the_config_names_it(
     assert (tmp_path / "logs" / "named" / "metrics.csv").is_file()
 
 
-def test_a_trainer_subclass_and_its_own_arguments_are_given_by_import_path(config_file):
+def test_trainer_subclass_by_import_path(config_file):
+    """A Trainer subclass and its own arguments are given by import path."""
     import config_data.tiny as tiny
 
     tiny.TaggedTrainer.instances.clear()
@@ -206,7 +284,8 @@ def test_a_trainer_subclass_and_its_own_arguments_are_given_by_import_path(confi
     assert trainer.tag == "x" and trainer.num_update_steps_completed == 8
 
 
-def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
+def test_clip_options_serialise():
+    """The clip options of train() serialise in a parser of its signature."""
     from jsonargparse import ArgumentParser
 
     from pytorch_accel_trainer import Trainer
@@ -219,7 +298,23 @@ def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
     assert "gradient_clip_norm: 1.0" in parser.dump(parsed) and "gradient_clip_value: 3" in parser.dump(parsed)
 
 
-# Bad configs: one clear error each, before any work ------------------------------------------------------------------
+def test_trackers_get_plain_config_values():
+    values = {"a": {"b": 1, "c": None}, "d": [1, 2], "e": "x", "f": plain_hyperparameters}
+    assert plain_hyperparameters(values) == {
+        "a.b": 1,
+        "a.c": "null",
+        "d": "[1, 2]",
+        "e": "x",
+        "f": "pytorch_accel_trainer.callbacks.trackers.plain_hyperparameters",
+    }
+
+
+def test_parser_has_the_four_commands():
+    """The parser has fit, evaluate, predict and tune."""
+    assert set(create_parser().command_parsers) == {"fit", "evaluate", "predict", "tune"}
+
+
+# Bad configs and user mistakes: one clear error each, before any work -------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -256,12 +351,14 @@ def test_the_clip_options_of_train_serialise_in_a_parser_of_its_signature():
         ),
     ],
 )
-def test_each_bad_config_is_one_error_naming_the_key_and_the_fix(config_file, flags, message):
+def test_bad_config_names_key_and_fix(config_file, flags, message):
+    """Each bad config is one error naming the key and the fix."""
     with pytest.raises(ConfigError, match=f"(?s){message}"):
         main(["fit", "--config", str(config_file), *flags])
 
 
-def test_a_missing_required_value_and_an_unknown_key_in_the_file_are_named(config_file, tmp_path):
+def test_missing_value_and_unknown_key(config_file, tmp_path):
+    """A missing required value and an unknown key in the file are named."""
     partial = tmp_path / "partial.yaml"
     partial.write_text(
         yaml.safe_dump({**CONFIG, "model": {"class_path": "torch.nn.Linear", "init_args": {"in_features": 3}}})
@@ -276,28 +373,102 @@ def test_a_missing_required_value_and_an_unknown_key_in_the_file_are_named(confi
         main(["evaluate", "--config", str(config_file), "--data.eval", "null"])
 
 
-def test_the_console_script_prints_one_error_line_and_exits_2(config_file, capsys):
+def test_console_script_error_exits_2(config_file, capsys):
+    """The console script prints one error line and exits 2."""
     assert console_main(["fit", "--config", str(config_file), "--train.num_epochs", "zero"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("pytorch-accel-trainer: error: The configuration is not valid") and "Traceback" not in error
 
 
-def test_the_config_reaches_trackers_as_plain_values():
-    values = {"a": {"b": 1, "c": None}, "d": [1, 2], "e": "x", "f": plain_hyperparameters}
-    assert plain_hyperparameters(values) == {
-        "a.b": 1,
-        "a.c": "null",
-        "d": "[1, 2]",
-        "e": "x",
-        "f": "pytorch_accel_trainer.callbacks.trackers.plain_hyperparameters",
-    }
+def test_key_given_twice_names_its_lines(tiny_config_file, tmp_path):
+    """A key given twice in a config file is an error naming it and its lines; so is an empty or a list file."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(tiny_config_file.read_text() + "train:\n  gradient_clip_norm: 1.0\n")
+    line = len(tiny_config_file.read_text().splitlines()) + 1
+    with pytest.raises(
+        ConfigError, match=rf"twice.yaml, line {line}: the key 'train' is given a second time \(first on"
+    ):
+        main(["fit", "--config", str(twice)])
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train:\n  num_epochs: 1\n  num_epochs: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"line 3: the key 'train.num_epochs' is given a second time \(first on line 2"
+    ):
+        main(["fit", "--config", str(tiny_config_file), "--config", str(nested)])
+    empty, listed = tmp_path / "empty.yaml", tmp_path / "list.yaml"
+    empty.write_text("")
+    listed.write_text("- model\n- train\n")
+    with pytest.raises(ConfigError, match="empty.yaml is empty: a config file is a mapping of keys"):
+        main(["fit", "--config", str(empty)])
+    with pytest.raises(ConfigError, match="list.yaml holds a YAML seq, not a mapping of keys"):
+        main(["fit", "--config", str(listed)])
 
 
-def test_the_parser_has_fit_evaluate_predict_and_tune():
-    assert set(create_parser().command_parsers) == {"fit", "evaluate", "predict", "tune"}
+EARLY_STOPPING = '[{"class_path": "pytorch_accel_trainer.callbacks.EarlyStoppingCallback"}]'
 
 
-# The digits example from the command line --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--train.num_epochs", "0"], r"train.num_epochs=0 is not valid: it must be a positive integer"),
+        (
+            ["--optimizer.init_args.lr", "-0.1"],
+            r"optimizer: the optimizer refused its arguments \(Invalid learning rate",
+        ),
+        (["--train.resume_from", "{stray}"], r"train.resume_from='.*stray' holds notes.txt but no training state"),
+        (["--output_dir", "{file}"], r"output_dir: '.*afile.txt' cannot hold run folders: .* is a file"),
+        (["--run_name", "../../escaped"], r"run_name is '../../escaped': it must be one plain folder name"),
+        (["--max_training_states", "0"], r"max_training_states is 0: pass a positive number of states to keep"),
+        (["--checkpoint", "{stray}"], r"checkpoint: '.*stray' is a folder without model.safetensors"),
+        (["--data.train", "config_data.tiny.tensors"], r"train_dataset is a tuple of 2 tensors of 64 rows, not a"),
+        (
+            ["--data.eval", "null", "--callbacks", EARLY_STOPPING],
+            r"EarlyStoppingCallback watches 'eval_loss_epoch', which only an evaluation epoch records",
+        ),
+        (
+            ["--train.eval_dataloader_kwargs", '{"drop_last": true}', "--train.per_device_batch_size", "40"],
+            r"eval_dataset has 32 samples, fewer than one batch \(40\).*drop_last=True",
+        ),
+        (
+            [
+                "--scheduler",
+                '{"import_path": "torch.optim.lr_scheduler.StepLR", "arguments": {"step_size": "num_epochs"}}',
+            ],
+            r"scheduler.arguments.step_size: 'num_epochs' names no placeholder \(did you mean NUM_EPOCHS\?\)",
+        ),
+        (
+            [
+                "--scheduler",
+                '{"import_path": "torch.optim.lr_scheduler.CosineAnnealingLR", "arguments": {"T_max": "NUM_EPOCH"}}',
+            ],
+            r"'NUM_EPOCH' names no placeholder \(did you mean NUM_EPOCHS\?\)",
+        ),
+    ],
+)
+def test_user_mistake_is_one_error_line(tiny_config_file, tmp_path, capsys, flags, message):
+    """Each user mistake is one error line with exit status 2, and leaves no run folder."""
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("not a state")
+    (tmp_path / "afile.txt").write_text("a file")
+    flags = [flag.replace("{stray}", str(stray)).replace("{file}", str(tmp_path / "afile.txt")) for flag in flags]
+    runs = tmp_path / "runs"
+    output = [] if "--output_dir" in flags else ["--output_dir", str(runs), "--save_training_states", "true"]
+    assert console_main(["fit", "--config", str(tiny_config_file), *output, *flags]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("pytorch-accel-trainer: error: ") and "Traceback" not in error
+    assert error.count("pytorch-accel-trainer: error:") == 1
+    assert re.search(message, error, flags=re.DOTALL), error
+    assert not runs.exists() or not any(runs.iterdir()), "a failing run left its run folder"
+
+
+def test_user_code_error_keeps_traceback(tiny_config_file):
+    """An error of the user's own code keeps its traceback."""
+    with pytest.raises(ValueError, match="a bug in the user's data function"):
+        console_main(["fit", "--config", str(tiny_config_file), "--data.train", "config_data.tiny.broken"])
+
+
+# The digits example from the command line -----------------------------------------------------------------------------
 
 
 def _digits_command(tmp_path, launcher_prefix):
@@ -316,7 +487,8 @@ def _digits_command(tmp_path, launcher_prefix):
 
 
 @pytest.mark.slow
-def test_the_digits_yaml_trains_from_the_console_script(tmp_path):
+def test_digits_yaml_from_console_script(tmp_path):
+    """The digits YAML trains from the console script."""
     script = pathlib.Path(sys.executable).parent / "pytorch-accel-trainer"
     completed = subprocess.run(
         _digits_command(tmp_path, [str(script)]), cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -328,7 +500,8 @@ def test_the_digits_yaml_trains_from_the_console_script(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_digits_yaml_trains_under_a_2_process_launch(tmp_path):
+def test_digits_yaml_on_two_processes(tmp_path):
+    """The digits YAML trains under a 2-process launch."""
     launch = [*launcher(2), "-m", "pytorch_accel_trainer"]
     completed = subprocess.run(
         _digits_command(tmp_path, launch), cwd=ROOT, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300
@@ -340,7 +513,8 @@ def test_the_digits_yaml_trains_under_a_2_process_launch(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_digits_config_is_the_python_example_run_bit_for_bit(tmp_path, monkeypatch):
+def test_digits_config_equals_python_example(tmp_path, monkeypatch):
+    """The digits config is the Python example's run, bit for bit."""
     monkeypatch.chdir(ROOT)
     main(
         [

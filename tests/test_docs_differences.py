@@ -221,7 +221,8 @@ def _seed_bullets():
 SEED_BULLETS = list(_seed_bullets())
 
 
-def test_each_seed_trainer_has_its_section_with_its_habits():
+def test_each_seed_trainer_has_its_section():
+    """Each seed trainer has its section on docs/differences.md, with its habits."""
     assert [heading for heading, _ in _sections(DIFFERENCES) if heading.removeprefix("### ") in SEEDS] == [
         f"### {seed}" for seed in SEEDS
     ]
@@ -232,7 +233,8 @@ def test_each_seed_trainer_has_its_section_with_its_habits():
 @pytest.mark.parametrize(
     ("seed", "bullet"), SEED_BULLETS, ids=[f"{seed}-{index}" for index, (seed, _) in enumerate(SEED_BULLETS)]
 )
-def test_every_habit_is_answered_by_a_feature_that_exists_or_a_reason(seed, bullet, trained):
+def test_every_habit_is_answered(seed, bullet, trained):
+    """Every habit is answered by a feature that exists, or by the reason it is not supported."""
     habit = re.match(r"\*\*(.+?)\*\*", bullet, flags=re.DOTALL)
     assert habit, f"{seed}: a bullet that does not open with the habit in bold: {bullet[:80]!r}"
     answer = " ".join(bullet[habit.end() :].split())
@@ -251,7 +253,8 @@ def test_every_habit_is_answered_by_a_feature_that_exists_or_a_reason(seed, bull
 @pytest.mark.parametrize(
     "heading", [heading for heading, _ in _sections(DIFFERENCES[: DIFFERENCES.index(SEED_SECTION)])]
 )
-def test_every_section_before_names_only_features_that_exist(heading, trained):
+def test_other_sections_name_real_features(heading, trained):
+    """Every section before the seed trainers' names only features that exist."""
     body = dict(_sections(DIFFERENCES))[heading]
     problems = []
     for span in _spans(body):
@@ -259,7 +262,8 @@ def test_every_section_before_names_only_features_that_exist(heading, trained):
     assert problems == []
 
 
-def test_the_checks_catch_a_name_that_does_not_exist(trained):
+def test_checks_catch_a_missing_name(trained):
+    """The checks catch a name that does not exist."""
     assert check_reference("trainer.no_such_method()", trained, True)[0]
     assert check_reference("train(gradient_clip=1.0)", trained, True)[0]
     assert check_reference("Trainer(device='cuda')", trained, True)[0]
@@ -273,7 +277,8 @@ def test_the_checks_catch_a_name_that_does_not_exist(trained):
     assert check_reference("TrainResult.stop_reason", trained, True) == ([], True)
 
 
-def test_the_page_no_longer_says_a_config_file_is_the_scripts_job():
+def test_config_file_is_not_the_scripts_job():
+    """The page does not say a config file is the script's job: the command line reads one."""
     assert "Building them from a config file is the script's job" not in DIFFERENCES
     assert "pytorch-accel-trainer fit --config" in DIFFERENCES
 
@@ -290,7 +295,8 @@ def _callbacks_page_table(first_column: str) -> dict:
     return rows
 
 
-def test_the_table_of_other_trainers_names_on_callbacks_md_is_the_one_the_trainer_refuses():
+def test_callbacks_md_foreign_names_table():
+    """The table of other trainers' event names on callbacks.md is the one the trainer refuses."""
     documented = _callbacks_page_table("name")
     assert set(documented) == set(FOREIGN_EVENT_NAMES)
     for name, (_, here) in FOREIGN_EVENT_NAMES.items():
@@ -298,7 +304,8 @@ def test_the_table_of_other_trainers_names_on_callbacks_md_is_the_one_the_traine
     assert _callbacks_page_table("fastai's name") == FASTAI_EVENT_NAMES
 
 
-def test_the_train_signature_on_trainer_md_is_the_code_s():
+def test_trainer_md_train_signature():
+    """The train() signature on trainer.md is the code's."""
     from pytorch_accel_trainer import Trainer
 
     text = (ROOT / "docs" / "trainer.md").read_text()
@@ -307,7 +314,8 @@ def test_the_train_signature_on_trainer_md_is_the_code_s():
     assert documented == [name for name in inspect.signature(Trainer.train).parameters if name != "self"]
 
 
-def test_a_bad_reference_in_a_bullet_fails_the_check(trained):
+def test_bad_bullet_reference_fails(trained):
+    """A bad reference in a bullet fails the check."""
     bullet = "**`fit(model)`.** `trainer.fit(model)` does it."
     answer = bullet[re.match(r"\*\*(.+?)\*\*", bullet).end() :]
     assert check_reference(_spans(answer)[0], trained, True)[0]

@@ -1,4 +1,5 @@
-"""Calling torch directly where Accelerate's wrappers would only call torch changes nothing but time."""
+"""Accelerate's wrappers, only where they do something: calling torch directly where Accelerate's optimizer wrapper and
+backward() would only call torch changes nothing but time (``always_use_accelerate_wrappers`` keeps them)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def _run(trainer_class, optimizer_cls):
     return trainer
 
 
-def test_plain_torch_step_is_bitwise_identical_to_accelerate_wrappers():
+def test_plain_torch_step_equals_wrappers():
+    """Calling torch directly is bitwise identical to Accelerate's wrappers, with SGD and AdamW."""
     for optimizer_cls in (
         functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
         functools.partial(torch.optim.AdamW, lr=0.01),

@@ -1,5 +1,5 @@
-"""A careless user's mistakes with the Python API, each caught before any work with one clear error, and files
-written as a user expects (issue 24, findings 7 and 9 to 12)."""
+"""Paths and files given to the trainer: a path of the wrong kind or a file that is no checkpoint gets one clear
+error, before anything is written; the files it writes follow the umask and never hold NaN weights."""
 
 from __future__ import annotations
 
@@ -9,17 +9,11 @@ import stat
 import pytest
 import safetensors.torch
 import torch
-from conftest import StreamDataset, regression_dataset
+from conftest import make_linear, make_trainer, regression_dataset
 from torch import nn
-from torch.utils.data import DataLoader
 
 from pytorch_accel_trainer import Trainer
-from pytorch_accel_trainer.callbacks import (
-    EarlyStoppingCallback,
-    NonFiniteLossError,
-    SaveTrainingStateCallback,
-    TerminateOnNaNCallback,
-)
+from pytorch_accel_trainer.callbacks import NonFiniteLossError, SaveTrainingStateCallback, TerminateOnNaNCallback
 from pytorch_accel_trainer.cli.run_folder import RunFolderCallback
 
 
@@ -40,7 +34,8 @@ def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def test_weights_and_states_follow_the_umask_like_every_other_file(tmp_path, umask_027):
+def test_written_files_follow_the_umask(tmp_path, umask_027):
+    """Weights, training states and the run folder's files follow the umask like every other file."""
     trainer = _trainer([SaveTrainingStateCallback(tmp_path / "states"), RunFolderCallback(tmp_path, "run")])
     trainer.train(regression_dataset(4), num_epochs=1, per_device_batch_size=2)
     trainer.save_weights(tmp_path / "weights.safetensors")
@@ -54,7 +49,8 @@ def test_weights_and_states_follow_the_umask_like_every_other_file(tmp_path, uma
     assert {path.name: _mode(path) for path in written} == {path.name: 0o640 for path in written}
 
 
-def test_save_paths_of_the_wrong_kind_are_clear_errors_and_leave_no_temporary(tmp_path, monkeypatch):
+def test_save_paths_of_the_wrong_kind(tmp_path, monkeypatch):
+    """A save path of the wrong kind is a clear error; a failed write leaves no temporary file."""
     trainer = _trainer()
     trainer.train(regression_dataset(4), num_epochs=1, per_device_batch_size=2)
     (tmp_path / "afile.txt").write_text("notes")
@@ -75,7 +71,8 @@ def test_save_paths_of_the_wrong_kind_are_clear_errors_and_leave_no_temporary(tm
     assert sorted(path.name for path in tmp_path.iterdir()) == ["a_directory", "afile.txt"]
 
 
-def test_files_that_are_no_checkpoint_are_named_for_what_they_are(tmp_path):
+def test_non_checkpoint_files_are_named(tmp_path):
+    """A file that is no checkpoint is named for what it is: random bytes, safetensors, a folder."""
     trainer = _trainer()
     (tmp_path / "random.pt").write_bytes(bytes(range(7, 207)))
     with pytest.raises(ValueError, match=r"random.pt' is not a file written by torch.save \(random bytes"):
@@ -87,46 +84,20 @@ def test_files_that_are_no_checkpoint_are_named_for_what_they_are(tmp_path):
         trainer.load_checkpoint(tmp_path / "run")
 
 
-class DictModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return {"logits": self.linear(x)}
-
-
-def test_mistakes_found_before_the_first_batch(tmp_path):
-    trainer = _trainer([EarlyStoppingCallback()])
-    before = trainer.model.weight.detach().clone()
-    with pytest.raises(ValueError, match=r"EarlyStoppingCallback watches 'eval_loss_epoch', .* no eval_dataset"):
-        trainer.train(regression_dataset(8), num_epochs=2, per_device_batch_size=2)
-    with pytest.raises(ValueError, match=r"SaveTrainingStateCallback watches 'eval_loss_epoch'"):
-        _trainer([SaveTrainingStateCallback(tmp_path, watch_metric="eval_loss_epoch")]).train(
-            regression_dataset(8), num_epochs=2, per_device_batch_size=2
-        )
-    eval_loader = DataLoader(regression_dataset(3), batch_size=4, drop_last=True)
-    with pytest.raises(ValueError, match=r"eval_dataset has 3 samples, fewer than one batch \(4\).*drop_last=True"):
-        trainer.train(regression_dataset(8), num_epochs=2, eval_dataset=eval_loader, per_device_batch_size=2)
-    x, y = regression_dataset(8).tensors
+def test_save_training_state_before_train(tmp_path):
+    """save_training_state before any train() says to train first, or to save the weights alone."""
+    trainer = make_trainer(make_linear())
     with pytest.raises(
-        TypeError, match=r"train_dataset is a tuple of 2 tensors of 8 rows, not a dataset.*TensorDataset"
+        RuntimeError,
+        match=r"this trainer has not run train\(\) yet. Call it during or after train\(\); to save the weights alone, "
+        r"use save_checkpoint\(save_path\) or save_weights\(save_path\)",
     ):
-        trainer.train((x, y), num_epochs=1)
-    with pytest.raises(TypeError, match=r"train_dataset is a dict of tensors \(x, y\), not a dataset"):
-        trainer.train({"x": x, "y": y}, num_epochs=1)
-    assert torch.equal(trainer.model.weight, before)  # nothing trained
-    dict_trainer = _trainer(model=DictModel())
-    with pytest.raises(TypeError, match=r"failed on the model's output, a dict with keys \['logits'\], not a tensor"):
-        dict_trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=2)
+        trainer.save_training_state(tmp_path / "states")
+    assert not (tmp_path / "states").exists()
 
 
-def test_a_stream_without_a_step_limit_is_warned_about_at_the_start():
-    with pytest.warns(UserWarning, match=r"StreamDataset\) has no length.*an infinite stream trains forever.*max_num"):
-        _trainer().train(StreamDataset(regression_dataset(4)), num_epochs=1, per_device_batch_size=2)
-
-
-def test_a_run_folder_keeps_no_non_finite_weights_and_stays_inside_output_dir(tmp_path, capsys):
+def test_run_folder_name_and_nan_weights(tmp_path, capsys):
+    """A run folder stays inside output_dir, and keeps no NaN or infinite weights."""
     with pytest.raises(ValueError, match=r"run_name is '../escaped': it must be one plain folder name"):
         RunFolderCallback(tmp_path, "../escaped")
     trainer = _trainer([TerminateOnNaNCallback(), RunFolderCallback(tmp_path, "nan")], lr=1e30)

@@ -1,4 +1,4 @@
-"""finetuning.ModelFreezer (freezing.py) and GradualUnfreezingCallback: which parameters train, on tiny real runs."""
+"""finetuning.ModelFreezer and GradualUnfreezingCallback: which parameters train, on tiny real runs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from conftest import regression_dataset
 from torch import nn
 
-from pytorch_accel_trainer import Trainer, freezing
+from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import GradualUnfreezingCallback, TrainerCallback
 from pytorch_accel_trainer.finetuning import BN_MODULES, Layer, LayerGroup, ModelFreezer, _module_is_batch_norm
 
@@ -35,7 +35,8 @@ def _train(model, callbacks=(), optimizer=None, num_epochs=1, **kwargs):
     return trainer
 
 
-def test_freeze_by_default_freezes_every_group_but_the_last_and_leaves_batch_norms_trainable():
+def test_freeze_all_but_last_group():
+    """freeze() by default freezes every group but the last, and leaves batch norms trainable."""
     model = make_model()
     freezer = ModelFreezer(model)
     freezer.freeze()
@@ -48,7 +49,8 @@ def test_freeze_by_default_freezes_every_group_but_the_last_and_leaves_batch_nor
     assert _changed(before, model) == trained
 
 
-def test_frozen_batch_norms_in_eval_mode_keep_their_statistics_through_training():
+def test_frozen_batch_norms_keep_statistics():
+    """Frozen batch norms in eval mode keep their statistics through training."""
     model = make_model()
     freezer = ModelFreezer(model, freeze_batch_norms=True)
     freezer.freeze(to_index=-2, set_modules_as_eval=True)
@@ -58,7 +60,8 @@ def test_frozen_batch_norms_in_eval_mode_keep_their_statistics_through_training(
     assert _changed(before, model) == {"3.weight", "3.bias"}
 
 
-def test_unfreeze_returns_the_parameters_it_unfroze_by_group():
+def test_unfreeze_returns_parameters_by_group():
+    """unfreeze() returns the parameters it unfroze, by group."""
     model = make_model()
     freezer = ModelFreezer(model)
     freezer.freeze(from_index=0, to_index=2)
@@ -68,7 +71,8 @@ def test_unfreeze_returns_the_parameters_it_unfroze_by_group():
     assert freezer.unfreeze() == {0: {"params": [model[0].weight, model[0].bias]}}
 
 
-def test_an_index_out_of_range_and_a_model_without_groups_are_errors():
+def test_bad_index_and_groupless_model():
+    """An index out of range, and a model without groups, are errors."""
     freezer = ModelFreezer(make_model())
     with pytest.raises(
         IndexError,
@@ -79,8 +83,9 @@ def test_an_index_out_of_range_and_a_model_without_groups_are_errors():
         ModelFreezer(nn.Linear(2, 2))
 
 
-def test_finetuning_is_the_public_module_of_the_one_freezer():
-    assert ModelFreezer is freezing.ModelFreezer and (Layer, LayerGroup) == (freezing.Layer, freezing.LayerGroup)
+def test_finetuning_is_the_public_module():
+    """finetuning is the public module of the one freezer."""
+    assert ModelFreezer.__module__ == "pytorch_accel_trainer.finetuning"  # one freezer, in one module
     assert Layer._fields == LayerGroup._fields == ("layer_group_idx", "module", "is_frozen")
     assert [_module_is_batch_norm(m) for m in (nn.BatchNorm1d(2), nn.SyncBatchNorm(2), nn.LayerNorm(2))] == [
         True,
@@ -90,7 +95,8 @@ def test_finetuning_is_the_public_module_of_the_one_freezer():
     assert BN_MODULES == (nn.modules.batchnorm._BatchNorm,)
 
 
-def test_convert_idxs_orders_and_makes_indexes_positive_and_freeze_bn_is_the_option():
+def test_convert_idxs_and_freeze_bn():
+    """convert_idxs orders the indexes and makes them positive; freeze_bn is the option."""
     freezer = ModelFreezer(make_model(), freeze_batch_norms=True)
     assert [freezer._convert_idxs(*pair) for pair in [(0, 3), (3, 0), (-2, -1), (-1, -2), (0, -1)]] == [(0, 3)] * 2 + [
         (2, 3)
@@ -100,9 +106,10 @@ def test_convert_idxs_orders_and_makes_indexes_positive_and_freeze_bn_is_the_opt
     assert freezer.freeze_batch_norms is False
 
 
-def test_freezing_into_eval_mode_freezes_and_unfreezing_without_training_mode_unfreezes():
-    """pytorch-accelerated passes its two flags to its layer helper in swapped order, so there
-    freeze(set_modules_as_eval=True) leaves the parameters trainable; here each flag does what it says."""
+def test_eval_mode_flags_do_what_they_say():
+    """Freezing into eval mode freezes; unfreezing without training mode unfreezes. pytorch-accelerated passes its two
+    flags to its layer helper in swapped order, so there freeze(set_modules_as_eval=True) leaves the parameters
+    trainable; here each flag does what it says."""
     model = make_model()
     freezer = ModelFreezer(model, freeze_batch_norms=True)
     freezer.freeze(from_index=0, to_index=2, set_modules_as_eval=True)
@@ -129,8 +136,9 @@ class OwnParameterAndChild(nn.Module):
         self.linear = nn.Linear(2, 2)
 
 
-def test_a_module_with_parameters_of_its_own_and_children_is_a_layer_too():
-    """pytorch-accelerated's layers are the leaf modules only, so it never freezes ``scale`` here."""
+def test_parent_with_own_parameters_is_layer():
+    """A module with parameters of its own and children is a layer too. pytorch-accelerated's layers are the leaf
+    modules only, so it never freezes ``scale`` here."""
     model = nn.Sequential(OwnParameterAndChild(), nn.Linear(2, 1))
     freezer = ModelFreezer(model)
     freezer.freeze()
@@ -150,7 +158,8 @@ class EpochSnapshots(TrainerCallback):
         self.by_epoch[trainer.run_history.current_epoch] = _snapshot(trainer.get_model())
 
 
-def test_gradual_unfreezing_trains_each_group_from_its_epoch_on_with_the_optimizer_it_has():
+def test_gradual_unfreezing_by_epoch():
+    """GradualUnfreezingCallback trains each group from its epoch on, with the optimizer it has."""
     model = make_model()
     freezer = ModelFreezer(model)
     freezer.freeze()
@@ -168,7 +177,8 @@ def test_gradual_unfreezing_trains_each_group_from_its_epoch_on_with_the_optimiz
     assert len(optimizer.param_groups) == 1  # nothing to add: a scheduler would stay valid
 
 
-def test_parameters_the_optimizer_lacks_are_added_as_a_group_with_the_given_options():
+def test_missing_parameters_added_as_a_group():
+    """Parameters the optimizer lacks are added as a group, with the given options."""
     model = make_model()
     freezer = ModelFreezer(model)
     freezer.freeze()
@@ -183,7 +193,8 @@ def test_parameters_the_optimizer_lacks_are_added_as_a_group_with_the_given_opti
     assert optimizer.param_groups[1]["params"] == [model[0].weight, model[0].bias, model[2][0].weight, model[2][0].bias]
 
 
-def test_adding_a_group_that_a_scheduler_would_not_know_is_refused_before_training():
+def test_group_unknown_to_scheduler_refused():
+    """Adding a group that a scheduler would not know is refused before training."""
     model = make_model()
     freezer = ModelFreezer(model)
     freezer.freeze()
@@ -198,7 +209,8 @@ def test_adding_a_group_that_a_scheduler_would_not_know_is_refused_before_traini
         )
 
 
-def test_a_freezer_of_another_model_and_a_bad_schedule_are_refused():
+def test_other_model_and_bad_schedule():
+    """A freezer of another model, and a bad schedule, are refused."""
     freezer = ModelFreezer(make_model())
     with pytest.raises(ValueError, match="freezer holds another model than the trainer's"):
         _train(make_model(), [GradualUnfreezingCallback(freezer, {2: 0})])

@@ -104,7 +104,8 @@ def no_child_process_left():
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_tensorboard_event_files_hold_every_series_and_the_hparams_the_config(tmp_path):
+def test_tensorboard_holds_series_and_config(tmp_path):
+    """TensorBoard's event files hold every series, and its hparams the config."""
     trainer, recorder, tracking = train_tracked(["tensorboard"], tmp_path, project_name="proj", run_name="run")
     assert tracking.run_dir == tmp_path / "proj" / "run"
     events = EventAccumulator(str(tracking.run_dir), size_guidance={"scalars": 0})  # 0: keep every point
@@ -115,7 +116,8 @@ def test_tensorboard_event_files_hold_every_series_and_the_hparams_the_config(tm
     assert yaml.safe_load(hparams.read_text()) == expected_config(trainer)
 
 
-def test_the_csv_file_holds_every_series_and_config_json_the_config(tmp_path):
+def test_csv_holds_series_and_config(tmp_path):
+    """The CSV file holds every series, and config.json the config."""
     trainer, recorder, tracking = train_tracked(["csv"], tmp_path, project_name="proj", run_name="run")
     with open(tmp_path / "proj" / "run" / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
@@ -124,7 +126,8 @@ def test_the_csv_file_holds_every_series_and_config_json_the_config(tmp_path):
     assert json.loads((tracking.run_dir / "config.json").read_text()) == expected_config(trainer)
 
 
-def test_the_json_lines_file_holds_every_series_and_config_json_the_config(tmp_path):
+def test_json_lines_hold_series_and_config(tmp_path):
+    """The JSON lines file holds every series, and config.json the config."""
     trainer, recorder, tracking = train_tracked(["jsonl"], tmp_path, project_name="proj", run_name="run")
     records = [json.loads(line) for line in (tmp_path / "proj" / "run" / "metrics.jsonl").read_text().splitlines()]
     points = [(record["step"], name, value) for record in records for name, value in record.items() if name != "step"]
@@ -132,7 +135,8 @@ def test_the_json_lines_file_holds_every_series_and_config_json_the_config(tmp_p
     assert json.loads((tracking.run_dir / "config.json").read_text()) == expected_config(trainer)
 
 
-def test_without_a_project_name_files_go_to_logging_dir_run_name_as_before(tmp_path):
+def test_no_project_name_uses_logging_dir(tmp_path):
+    """Without a project name the files go to logging_dir/<run name>."""
     _, _, tracking = train_tracked(["csv", "jsonl", "tensorboard"], tmp_path, run_name="run")
     assert tracking.run_dir == tmp_path / "run"
     assert {path.name for path in tmp_path.iterdir()} == {"run"}
@@ -197,7 +201,8 @@ def read_wandb_run(wandb_dir: pathlib.Path) -> dict:
 
 
 @pytest.mark.slow
-def test_wandb_offline_gets_the_project_the_run_name_the_config_and_every_series(wandb_offline, tmp_path):
+def test_wandb_offline_gets_the_whole_run(wandb_offline, tmp_path):
+    """W&B offline gets the project, the run name, the config and every series."""
     trainer, recorder, tracking = train_tracked(["wandb"], tmp_path / "runs", project_name="proj")
     run = read_wandb_run(wandb_offline)
     assert (run["project"], run["name"]) == ("proj", tracking.run_name)
@@ -208,7 +213,8 @@ def test_wandb_offline_gets_the_project_the_run_name_the_config_and_every_series
 
 
 @pytest.mark.slow
-def test_wandb_takes_a_project_and_a_run_name_from_tracker_kwargs(wandb_offline):
+def test_wandb_names_from_tracker_kwargs(wandb_offline):
+    """W&B takes a project and a run name from tracker_kwargs."""
     names = {"wandb": {"project": "other", "name": "mine"}}
     tracking = ExperimentTrackingCallback(["wandb"], project_name="proj", tracker_kwargs=names)
     trainer = make_trainer(make_linear(), callbacks=[tracking])
@@ -251,7 +257,8 @@ def read_mlflow_run(client, tracking) -> tuple:
 
 
 @pytest.mark.slow
-def test_mlflow_gets_the_experiment_the_run_name_the_params_and_every_series(mlflow_client, tmp_path):
+def test_mlflow_gets_the_whole_run(mlflow_client, tmp_path):
+    """MLflow gets the experiment, the run name, the params and every series."""
     trainer, recorder, tracking = train_tracked(["mlflow"], tmp_path / "runs", project_name="proj")
     experiment_name, run_name, params, series = read_mlflow_run(mlflow_client, tracking)
     assert (experiment_name, run_name) == ("proj", tracking.run_name)
@@ -260,7 +267,8 @@ def test_mlflow_gets_the_experiment_the_run_name_the_params_and_every_series(mlf
 
 
 @pytest.mark.slow
-def test_two_seeded_mlflow_runs_get_different_names_in_the_default_experiment(mlflow_client, tmp_path):
+def test_seeded_mlflow_runs_differ_in_name(mlflow_client, tmp_path):
+    """Two seeded MLflow runs get different names in the default experiment."""
     callbacks = []
     for _ in range(2):  # in the same second, after the same seeds
         random.seed(0)

@@ -1,0 +1,87 @@
+"""DataLoaders where datasets are expected: a DataLoader trains as its dataset would, keeps its own collate function
+and batch size, resumes exactly, and is sharded over processes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+
+import pytest
+import torch
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, make_mlp, make_trainer, regression_dataset
+from torch.utils.data import DataLoader
+
+from pytorch_accel_trainer.callbacks import TrainerCallback
+
+SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_dataloader.py"
+
+
+def test_dataloader_trains_as_its_dataset():
+    """A DataLoader trains exactly as its dataset with the same arguments (the same seeded shuffle)."""
+    by_dataset = make_trainer(make_mlp())
+    by_dataset.train(regression_dataset(20), num_epochs=3, eval_dataset=regression_dataset(9), per_device_batch_size=4)
+    by_loader = make_trainer(make_mlp())
+    by_loader.train(
+        DataLoader(regression_dataset(20), batch_size=4, shuffle=True),
+        num_epochs=3,
+        eval_dataset=DataLoader(regression_dataset(9), batch_size=4),
+    )
+    assert_bitwise_equal(by_loader.model.state_dict(), by_dataset.model.state_dict())  # same seeded shuffle order
+    assert by_loader.run_history.get_metric_values("eval_loss_epoch") == by_dataset.run_history.get_metric_values(
+        "eval_loss_epoch"
+    )
+    assert (
+        by_loader.run_config.train_per_device_batch_size == 4 and by_loader.run_config.num_update_steps_per_epoch == 5
+    )
+
+
+def test_dataloader_keeps_its_collate_fn():
+    """A DataLoader keeps its own collate function and batch size."""
+    sizes = []
+
+    def collate(samples):
+        sizes.append(len(samples))
+        return torch.utils.data.default_collate(samples)
+
+    trainer = make_trainer(make_mlp())
+    trainer.train(DataLoader(regression_dataset(12), batch_size=5, collate_fn=collate), num_epochs=1)
+    assert sizes == [5, 5, 2]
+    result = trainer.evaluate(DataLoader(regression_dataset(6), batch_size=6, collate_fn=collate))
+    assert sizes[-1] == 6 and set(result) == {"evaluation_loss"}
+    assert trainer.evaluate() == result  # the evaluation DataLoader of the last evaluate() is the default
+
+
+def test_dataloader_run_resumes_bitwise(tmp_path):
+    """A run on a DataLoader resumes bit for bit from a state inside an epoch."""
+
+    class SaveAtUpdate3(TrainerCallback):
+        def on_optimizer_step_end(self, trainer, num_update_steps_completed=0, **kwargs):
+            if num_update_steps_completed == 3:
+                trainer.save_training_state(tmp_path, name="mid")
+
+    def loader():
+        return DataLoader(regression_dataset(20), batch_size=4, shuffle=True)
+
+    full = make_trainer(make_mlp(), callbacks=[SaveAtUpdate3()])
+    full.train(loader(), num_epochs=2)
+    resumed = make_trainer(make_mlp(seed=5))
+    resumed.train(loader(), num_epochs=2, resume_from=tmp_path / "mid")
+    assert_bitwise_equal(resumed.model.state_dict(), full.model.state_dict())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_shard_a_dataloader(tmp_path):
+    """Two processes shard a DataLoader and train as one process on the global batch."""
+    outputs = []
+    for num_processes, batch_size in ((1, 8), (2, 4)):
+        output = tmp_path / f"run{num_processes}.json"
+        command = [*launcher(num_processes), str(SCRIPT), str(output), str(batch_size)]
+        completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        outputs.append(json.loads(output.read_text()))
+    single, double = outputs
+    assert double["indices_seen"] == 16 and double["distinct_per_epoch"] == [16, 16]  # each sample once per epoch
+    assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
+    assert double["num_samples"] == single["num_samples"] == 32

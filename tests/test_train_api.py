@@ -1,0 +1,72 @@
+"""train() and evaluate() as scripts call them: what both return (the TrainResult, the dict of metrics), and train()'s
+arguments in pytorch-accelerated's positional order."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
+
+from pytorch_accel_trainer.callbacks import EarlyStoppingCallback
+from pytorch_accel_trainer.loop.run_state import TrainResult
+
+# What train() and evaluate() return -----------------------------------------------------------------------------------
+
+
+def test_train_returns_metrics_counts_speed():
+    """train() returns the run's metrics, best value, counts and speed."""
+    trainer = make_trainer(make_mlp(), callbacks=[EarlyStoppingCallback(early_stopping_patience=50)])
+    result = trainer.train(
+        regression_dataset(20), num_epochs=3, eval_dataset=regression_dataset(8), per_device_batch_size=4
+    )
+    assert isinstance(result, TrainResult)
+    history = trainer.run_history
+    assert result.metrics == {name: history.get_latest_metric(name) for name in ("eval_loss_epoch", "train_loss_epoch")}
+    assert result.best_metric_name == "eval_loss_epoch"
+    assert result.best_metric == min(history.get_metric_values("eval_loss_epoch"))
+    assert (result.num_epochs, result.num_update_steps, result.num_samples) == (3, 15, 60)
+    assert result.wall_time_seconds > 0 and result.samples_per_second == pytest.approx(60 / result.wall_time_seconds)
+    assert not result.stopped_early
+
+
+def test_result_of_a_stopped_run():
+    """A run a callback stops says so, and counts only the epochs completed."""
+    trainer = make_trainer(make_mlp(), lr=10.0, callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+    result = trainer.train(
+        regression_dataset(20), num_epochs=30, eval_dataset=regression_dataset(8), per_device_batch_size=4
+    )
+    assert result.stopped_early and result.num_epochs < 30
+    assert result.num_epochs == len(trainer.run_history.get_metric_values("train_loss_epoch"))  # the last one included
+    assert (
+        make_trainer(make_mlp()).train(regression_dataset(8), num_epochs=None, max_num_train_steps=3).stopped_early
+        is False
+    )
+
+
+def test_a_resumed_run_returns_what_it_ran(tmp_path):
+    first = make_trainer(make_mlp())
+    first.train(regression_dataset(16), num_epochs=2, per_device_batch_size=4)
+    first.save_training_state(tmp_path, name="end2")
+    result = make_trainer(make_mlp()).train(
+        regression_dataset(16), num_epochs=3, per_device_batch_size=4, resume_from=tmp_path / "end2"
+    )
+    assert (result.num_epochs, result.num_update_steps, result.num_samples) == (1, 12, 16)
+    assert set(result.metrics) == {"train_loss_epoch"}
+
+
+def test_evaluate_returns_only_what_it_recorded():
+    trainer = make_trainer(make_mlp())
+    trainer.train(regression_dataset(12), num_epochs=1, eval_dataset=regression_dataset(8))
+    result = trainer.evaluate()
+    assert result == {"evaluation_loss": trainer.run_history.get_latest_metric("evaluation_loss")}
+
+
+# train()'s arguments in pytorch-accelerated's order -------------------------------------------------------------------
+
+
+def test_positional_resume_from(tmp_path):
+    """resume_from keeps its place in pytorch-accelerated 0.1.61's train(): the thirteenth argument."""
+    trainer = make_trainer(make_linear())
+    # pytorch-accelerated 0.1.61's order, resume_from thirteenth: a folder with no state yet starts a new run
+    arguments = (linear_dataset(8), 1, None, 4, None, 1, None, None, None, None, True, None, tmp_path)
+    trainer.train(*arguments)
+    assert trainer.run_state.options.resume_from == tmp_path and trainer.run_state.options.gradient_clip_norm is None
