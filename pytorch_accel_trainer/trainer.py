@@ -22,7 +22,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DataLoaderConfiguration, set_seed, slice_tensors
 from torch.utils.data import DataLoader
 
-from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, LIMIT_BATCHES_ENV_VAR, LimitBatchesCallback: public here)
+from pytorch_accel_trainer.callbacks import (  # noqa: F401  (importable from here, as in pytorch-accelerated)
     LIMIT_BATCHES_ENV_VAR,
     CallbackHandler,
     LimitBatchesCallback,
@@ -31,6 +31,7 @@ from pytorch_accel_trainer.callbacks import (  # noqa: F401  (CallbackHandler, L
     PrintProgressCallback,
     ProgressBarCallback,
     TerminateOnNaNCallback,
+    get_default_callbacks,
     with_limit_batches_from_env,
 )
 from pytorch_accel_trainer.callbacks.base import EVENTS, validate_callback_list
@@ -134,13 +135,8 @@ from pytorch_accel_trainer.validation import (
     warn_if_schedule_is_in_epochs,
 )
 
-DEFAULT_CALLBACKS = (
-    MoveModulesToDeviceCallback,
-    TerminateOnNaNCallback,
-    PrintProgressCallback,
-    ProgressBarCallback,
-    LogMetricsCallback,
-)
+#: The callbacks a ``Trainer`` gets by default, in calling order (``callbacks.get_default_callbacks()``).
+DEFAULT_CALLBACKS = get_default_callbacks()
 
 #: The events followed by a point where every process can stop together: a ``StopTrainingError`` a callback raises
 #: in one of them is held until that point (see ``Trainer._call_event``); in any other event it is raised at once.

@@ -19,7 +19,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from pytorch_accel_trainer.utils import dataloader_batch_size, dataset_length, is_mapping
+from pytorch_accel_trainer.utils import dataloader_batch_size, dataset_length, is_mapping, training_modes_kept
 
 #: ``per_device_batch_size`` when ``train()`` or ``evaluate()`` is given none.
 DEFAULT_BATCH_SIZE = 8
@@ -528,17 +528,14 @@ def _validate_eval_batches_exist(dataloader: Any) -> None:
 def _leaving_no_trace(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
     """Run the block with ``model`` in eval mode, then put back each module's mode and the RNG states of torch (the
     host's, and a CUDA device's), numpy and ``random``."""
-    modes = [(module, module.training) for module in model.modules()]
     host_states = random.getstate(), np.random.get_state()
     on_cuda = device.type == "cuda"
     cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] if on_cuda else []
     try:
-        with torch.random.fork_rng(devices=cuda_devices, device_type="cuda"):
+        with training_modes_kept(model), torch.random.fork_rng(devices=cuda_devices, device_type="cuda"):
             model.eval()
             yield
     finally:
-        for module, training in modes:
-            module.training = training
         random.setstate(host_states[0])
         np.random.set_state(host_states[1])
 

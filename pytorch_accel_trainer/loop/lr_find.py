@@ -24,6 +24,7 @@ from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.plotting import plot_lr_find
 from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state
+from pytorch_accel_trainer.utils import restore_training_modes, training_modes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -169,7 +170,7 @@ class TrainerSnapshot:
         scaler = trainer.accelerator.scaler
         return cls(
             model_state=_cpu_copy(model.state_dict()),  # on the host: the device keeps its memory for the sweep
-            modes=[(module, module.training) for module in model.modules()],
+            modes=training_modes(model),
             optimizer_state=_cpu_copy(optimizer.state_dict()),
             scheduler_state=copy.deepcopy(scheduler.state_dict()) if hasattr(scheduler, "state_dict") else None,
             scaler_state=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
@@ -179,8 +180,7 @@ class TrainerSnapshot:
     def restore(self, trainer: Trainer) -> None:
         """Put the trainer back as it was when the snapshot was taken (its model unwrapped first)."""
         trainer.model.load_state_dict(self.model_state)
-        for module, training in self.modes:
-            module.training = training
+        restore_training_modes(self.modes)
         trainer._training_optimizer.load_state_dict(self.optimizer_state)
         if self.scheduler_state is not None:
             trainer.scheduler.load_state_dict(self.scheduler_state)
