@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import subprocess
 import sys
 
 # The suite runs on the CPU on every machine, one with a GPU included: its tests compare with tensors made on the CPU
@@ -14,6 +17,7 @@ if os.environ.get("PYTORCH_ACCEL_TRAINER_TESTS_ON_GPU") != "1":
 
 import pytest  # noqa: E402
 import torch
+from filelock import FileLock
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -28,13 +32,15 @@ def pytest_report_header(config):
     return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
-#: The longest tests on 2 CPU cores (20-45 s each with -n 2, most of it starting processes), longest first: the
-#: exit-race launches, the two-process kill and resume, the benchmark smoke run, the extra models' resume.
+#: The longest tests on 2 CPU cores (20-80 s each with -n 2, most of it starting processes), first: one that starts the
+#: shared launches of the multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which
+#: the other tests that read them would wait for; then the exit-race launches, the two-process kill and resume, and
+#: the benchmark smoke run.
 LONGEST_TESTS = (
+    "test_callbacks_distributed.py::test_two_processes_stop_together",
     "test_exit.py::test_quickstart_on_two_processes_exits_0",
     "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
     "test_benchmarks.py::test_quick_benchmark_runs_every_row",
-    "test_extra_models.py::test_two_processes_resume_both_models",
 )
 
 
@@ -88,6 +94,110 @@ def launcher(num_processes: int) -> list:
         "--main_process_port",
         "0",
     ]
+
+
+#: Runs the scenarios of the multi-process tests one after the other, in one launch per number of processes.
+SCENARIOS_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "scenarios.py"
+
+
+class ScenarioLaunch:
+    """What one launch of ``tests/scripts/scenarios.py`` left: a folder per scenario (see that script), and how the
+    launch ended. Each accessor fails the test that asks, with the launch's or the scenario's error, if either failed.
+    """
+
+    def __init__(self, root: pathlib.Path, num_processes: int):
+        self.root, self.num_processes = root, num_processes
+        self.launch = json.loads((root / "launch.json").read_text())
+
+    def folder(self, scenario: str) -> pathlib.Path:
+        """The folder of ``scenario``, which ran to its end on every process."""
+        errors = self.errors(scenario)
+        if errors:
+            pytest.fail(
+                f"scenario {scenario!r} raised on {len(errors)} of {self.num_processes} processes:\n"
+                + "\n".join(errors)
+            )
+        return self.root / scenario
+
+    def errors(self, scenario: str) -> list:
+        """The tracebacks of ``scenario``, one per process it raised on (the launch itself exited 0)."""
+        if self.launch["returncode"] != 0:
+            pytest.fail(self._launch_failure(), pytrace=False)
+        ended = self._ended(scenario)
+        if len(ended) != self.num_processes:
+            pytest.fail(
+                f"scenario {scenario!r} did not run on {self.num_processes} processes (it ended on {ended}): name it "
+                "in the test's @pytest.mark.scenarios(...), and give it arguments for that number of processes in "
+                "SCENARIOS (tests/scripts/scenarios.py)",
+                pytrace=False,
+            )
+        return [(self.root / scenario / name).read_text() for name in ended if name.startswith("error")]
+
+    def _ended(self, scenario: str) -> list:
+        """The ``done.rank<i>`` and ``error.rank<i>`` files of the processes that ended ``scenario``."""
+        return sorted(
+            path.name for path in (self.root / scenario).glob("*.rank*") if path.name.startswith(("done", "error"))
+        )
+
+    def _launch_failure(self) -> str:
+        """The launch's exit status and stderr, and what each scenario it left unfinished printed to stderr (where a
+        hung scenario's watchdog writes every thread's traceback)."""
+        message = (
+            f"the {self.num_processes}-process launch of the scenarios exited {self.launch['returncode']}: "
+            f"{self.launch['command']}\n{self.launch['stderr']}"
+        )
+        for folder in sorted(path for path in self.root.iterdir() if path.is_dir()):
+            if len(self._ended(folder.name)) != self.num_processes:
+                printed = "".join(path.read_text()[-3000:] for path in sorted(folder.glob("stderr.rank*")))
+                message += (
+                    f"\n--- scenario {folder.name!r} did not end on every process; it printed to stderr:\n{printed}"
+                )
+        return message
+
+    def read_json(self, scenario: str, name: str = "result.json"):
+        """The JSON file ``name`` that ``scenario`` wrote."""
+        return json.loads((self.folder(scenario) / name).read_text())
+
+    def printed(self, scenario: str, stream: str = "stdout") -> str:
+        """What every process printed to ``stream`` (``"stdout"`` or ``"stderr"``) during ``scenario``, by rank."""
+        folder = self.folder(scenario)
+        return "".join((folder / f"{stream}.rank{rank}").read_text() for rank in range(self.num_processes))
+
+
+def _launch_scenarios(request, tmp_path_factory, num_processes: int) -> ScenarioLaunch:
+    """Launch the scenarios the session's tests name (``@pytest.mark.scenarios``) on ``num_processes`` processes,
+    once for all the test processes of the session: the first to get here launches while the others wait on a file
+    lock, then reuse what it left (pytest-xdist's recipe for a session fixture shared by its workers)."""
+    names = {name for item in request.session.items for mark in item.iter_markers("scenarios") for name in mark.args}
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, which holds each worker's
+    root = shared / f"scenarios-{num_processes}-processes"
+    with FileLock(f"{root}.lock"):
+        if not (root / "launch.json").exists():
+            root.mkdir(exist_ok=True)
+            command = [*launcher(num_processes), str(SCENARIOS_SCRIPT), str(root), *sorted(names)]
+            # under pytest-timeout's 300 s: the launch's end is recorded, for every test to fail with, not retried
+            try:
+                completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=270)
+                returncode, stderr = completed.returncode, completed.stderr[-5000:]
+            except subprocess.TimeoutExpired as error:
+                returncode, stderr = "killed after 270 s", (error.stderr or b"")[-5000:].decode(errors="replace")
+            launch = {"command": " ".join(command), "returncode": returncode, "stderr": stderr}
+            (root / "launch.json").write_text(json.dumps(launch))
+    return ScenarioLaunch(root, num_processes)
+
+
+@pytest.fixture(scope="session")
+def one_process_scenarios(request, tmp_path_factory) -> ScenarioLaunch:
+    """The session's scenarios of tests/scripts/scenarios.py on one process (the references of the 2-process ones)."""
+    return _launch_scenarios(request, tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="session")
+def two_process_scenarios(request, tmp_path_factory) -> ScenarioLaunch:
+    """The session's scenarios of tests/scripts/scenarios.py on 2 processes, in one ``accelerate launch``."""
+    return _launch_scenarios(request, tmp_path_factory, 2)
 
 
 def load_module_from(path, name: str):

@@ -3,37 +3,24 @@
 from __future__ import annotations
 
 import csv
-import json
-import pathlib
-import subprocess
 
 import pytest
-from conftest import CPU_PROCESSES_ENV, launcher
-
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_callbacks.py"
 
 
-def _run(tmp_path, name, command, per_device_batch_size):
-    output, tracking = tmp_path / f"{name}.json", tmp_path / f"{name}_runs"
-    completed = subprocess.run(
-        [*command, str(SCRIPT), str(output), str(per_device_batch_size), str(tracking)],
-        env=CPU_PROCESSES_ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )  # a rank waiting forever on the other would hit the timeout
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    with open(tracking / "run" / "metrics.csv") as handle:
+def _results(launch):
+    """What the main process wrote, and the rows of the run's metrics.csv (tests/scripts/distributed_callbacks.py)."""
+    with open(launch.folder("callbacks_stop_together") / "runs" / "run" / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
-    return json.loads(output.read_text()), rows
+    return launch.read_json("callbacks_stop_together"), rows
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_stop_together(tmp_path):
-    """Two processes stop together, and compute the single-process metrics."""
-    single, single_rows = _run(tmp_path, "single", launcher(1), per_device_batch_size=8)
-    double, double_rows = _run(tmp_path, "double", launcher(2), per_device_batch_size=4)
+@pytest.mark.scenarios("callbacks_stop_together")
+def test_two_processes_stop_together(one_process_scenarios, two_process_scenarios):
+    """Two processes stop together, and compute the single-process metrics (batches of 8 on one, 4 on each of two)."""
+    single, single_rows = _results(one_process_scenarios)
+    double, double_rows = _results(two_process_scenarios)
 
     assert double["num_processes"] == 2
     first, second = double["epochs_by_rank"]

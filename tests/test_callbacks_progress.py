@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import pytest
 import torch
 import tqdm.std
-from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
+from conftest import linear_dataset, make_linear, make_trainer
 from sync_counter import make_sync_counting_trainer
 
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
@@ -23,8 +22,6 @@ from pytorch_accel_trainer.callbacks import (
     TrainerCallback,
     progress,
 )
-
-CONSOLE_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "console_run.py"
 
 
 class PostfixProbe(TrainerCallback):
@@ -240,19 +237,13 @@ def test_script_bar_imports_no_notebook():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_print_each_line_once(tmp_path):
-    outputs = []
-    for num_processes in (1, 2):
-        completed = subprocess.run(
-            [*launcher(num_processes), str(CONSOLE_SCRIPT)],
-            env=CPU_PROCESSES_ENV,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert completed.returncode == 0, completed.stderr[-3000:]
-        outputs.append([line for line in completed.stdout.splitlines() if not line.startswith("[")])
-    single, double = outputs
+@pytest.mark.scenarios("console_output")
+def test_two_processes_print_each_line_once(one_process_scenarios, two_process_scenarios):
+    """What 1 and 2 processes print while training with the default callbacks (tests/scripts/console_run.py)."""
+    single, double = (
+        [line for line in launch.printed("console_output").splitlines() if not line.startswith("[")]
+        for launch in (one_process_scenarios, two_process_scenarios)
+    )
     assert len(single) == len(double) == 5  # the model, start, 2 epochs, end
     assert (
         double[0].startswith("Model ")

@@ -6,17 +6,14 @@ from __future__ import annotations
 import collections
 import csv
 import json
-import os
-import pathlib
 import random
 import re
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_trainer
+from conftest import linear_dataset, make_linear, make_trainer
 from sync_counter import make_sync_counting_trainer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -196,32 +193,16 @@ def test_bad_names_and_tracker_kwargs_are_errors():
         ExperimentTrackingCallback(["csv"], tracker_kwargs={"tensorbord": {"flush_secs": 1}})
 
 
-DRAWN_NAME_SCRIPT = """
-import json, sys
-from conftest import linear_dataset, make_linear, make_trainer
-from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback
-
-tracking = ExperimentTrackingCallback(["csv"], logging_dir=sys.argv[1])
-trainer = make_trainer(make_linear(), callbacks=[tracking])
-trainer.train(linear_dataset(16), num_epochs=1, per_device_batch_size=4)
-with open(f"{sys.argv[1]}.rank{trainer.accelerator.process_index}", "w") as handle:
-    json.dump(tracking.run_name, handle)
-"""
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_share_the_run_name(tmp_path):
-    """On two processes, every process gets the run name the main process drew."""
-    script, logs = tmp_path / "drawn_name.py", tmp_path / "logs"
-    script.write_text(DRAWN_NAME_SCRIPT)
-    tests = str(pathlib.Path(__file__).parent)  # for conftest's tiny model and data
-    env = {**CPU_PROCESSES_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-    command = [*launcher(2), str(script), str(logs)]
-    completed = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    first, second = (json.loads(logs.with_suffix(f".rank{rank}").read_text()) for rank in range(2))
+@pytest.mark.scenarios("tracker_run_name")
+def test_two_processes_share_the_run_name(two_process_scenarios):
+    """On two processes, every process gets the run name the main process drew (scripts/distributed_trackers.py)."""
+    first, second = (
+        two_process_scenarios.read_json("tracker_run_name", f"run_name.rank{rank}.json") for rank in (0, 1)
+    )
     assert first == second  # each process drew its own name when it created the callback
+    logs = two_process_scenarios.folder("tracker_run_name") / "logs"
     assert [path.name for path in logs.iterdir()] == [first]  # the main process's folder, named as everyone knows it
 
 
@@ -310,43 +291,12 @@ def test_partial_records_and_over_16_records(tmp_path):
     assert series["train_metric_19_step"] == {4: 19.0, 8: 19.0}
 
 
-RECORDS_ON_TWO_PROCESSES_SCRIPT = """
-import sys
-
-import torch
-from conftest import linear_dataset, make_linear, make_trainer
-
-from pytorch_accel_trainer import Trainer
-from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback
-
-
-class RankRecords(Trainer):
-    def calculate_train_batch_loss(self, batch, batch_idx):
-        output = super().calculate_train_batch_loss(batch)
-        rank = self.accelerator.process_index
-        records = {"rank": torch.tensor(float(rank))}
-        if rank == 1:
-            records["rank_one_only"] = 7.0  # a record only one process returns: still logged
-        return {**output, **records}
-
-
-tracking = ExperimentTrackingCallback(["csv"], logging_dir=sys.argv[1], run_name="run", log_every_n_steps=2)
-trainer = make_trainer(make_linear(), callbacks=[tracking], trainer_class=RankRecords)
-trainer.train(linear_dataset(32), num_epochs=1, per_device_batch_size=4)
-"""
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_average_records(tmp_path):
-    """On two processes the records are averaged over both; a record of one process alone is logged too."""
-    script = tmp_path / "records.py"
-    script.write_text(RECORDS_ON_TWO_PROCESSES_SCRIPT)
-    tests = os.path.dirname(__file__)  # for conftest's tiny model and data
-    env = {**CPU_PROCESSES_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-    command = [*launcher(2), str(script), str(tmp_path / "logs")]
-    completed = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=240)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    series = _csv_rows(tmp_path / "logs" / "run" / "metrics.csv")
+@pytest.mark.scenarios("tracker_records")
+def test_two_processes_average_records(two_process_scenarios):
+    """On two processes the records are averaged over both; a record of one process alone is logged too
+    (tests/scripts/distributed_trackers.py)."""
+    series = _csv_rows(two_process_scenarios.folder("tracker_records") / "logs" / "run" / "metrics.csv")
     assert series["train_rank_step"] == {2: 0.5, 4: 0.5}  # 4 updates per process: the mean of ranks 0 and 1
     assert series["train_rank_one_only_step"] == {2: 7.0, 4: 7.0}

@@ -3,18 +3,12 @@ and batch size, resumes exactly, and is sharded over processes."""
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, make_mlp, make_trainer, regression_dataset
+from conftest import assert_bitwise_equal, make_mlp, make_trainer, regression_dataset
 from torch.utils.data import DataLoader
 
 from pytorch_accel_trainer.callbacks import TrainerCallback
-
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_dataloader.py"
 
 
 def test_dataloader_trains_as_its_dataset():
@@ -72,16 +66,11 @@ def test_dataloader_run_resumes_bitwise(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_shard_a_dataloader(tmp_path):
+@pytest.mark.scenarios("dataloader_shards")
+def test_two_processes_shard_a_dataloader(one_process_scenarios, two_process_scenarios):
     """Two processes shard a DataLoader and train as one process on the global batch."""
-    outputs = []
-    for num_processes, batch_size in ((1, 8), (2, 4)):
-        output = tmp_path / f"run{num_processes}.json"
-        command = [*launcher(num_processes), str(SCRIPT), str(output), str(batch_size)]
-        completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
-        assert completed.returncode == 0, completed.stderr[-3000:]
-        outputs.append(json.loads(output.read_text()))
-    single, double = outputs
+    single = one_process_scenarios.read_json("dataloader_shards")  # batches of 8
+    double = two_process_scenarios.read_json("dataloader_shards")  # batches of 4 on each process
     assert double["indices_seen"] == 16 and double["distinct_per_epoch"] == [16, 16]  # each sample once per epoch
     assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
     assert double["num_samples"] == single["num_samples"] == 32

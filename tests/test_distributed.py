@@ -10,38 +10,38 @@ import sys
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, launcher
+from conftest import launcher
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
 
-def _launch(tmp_path, name, num_processes, per_device_batch_size, accumulation=1, loss_kind="samples", env=None):
+def _launch(tmp_path, name, num_processes, per_device_batch_size, env):
+    """A launch of its own, in the environment ``env`` (the other tests read the scenarios' shared launches)."""
     output = tmp_path / f"{name}.json"
     completed = subprocess.run(
-        [*launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), str(accumulation), loss_kind],
-        env=env or CPU_PROCESSES_ENV,
+        [*launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), "1"],
+        env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(output.read_text()), completed
+    return json.loads(output.read_text())
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> dict:
-    """The one-process run with batch 8 (the global batch of 2 processes x 4) that several tests compare with,
-    launched once (pytest-xdist runs a file's tests on one test process: --dist loadfile in pyproject.toml)."""
-    result, _ = _launch(tmp_path_factory.mktemp("single"), "single", 1, per_device_batch_size=8)
-    return result
+@pytest.fixture
+def single(one_process_scenarios) -> dict:
+    """The one-process run with batch 8 (the global batch of 2 processes x 4) that several tests compare with."""
+    return one_process_scenarios.read_json("train_samples")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_equal_one(tmp_path, single):
+@pytest.mark.scenarios("train_samples", "train_samples_accumulated")
+def test_two_processes_equal_one(single, one_process_scenarios, two_process_scenarios):
     """Two processes equal one process with the same global batch."""
-    accumulated, _ = _launch(tmp_path, "accumulated", 1, per_device_batch_size=4, accumulation=2)
-    double, completed = _launch(tmp_path, "double", 2, per_device_batch_size=4)
+    accumulated = one_process_scenarios.read_json("train_samples_accumulated")  # 1 process x 4 x 2 steps
+    double = two_process_scenarios.read_json("train_samples")  # 2 processes x 4
 
     assert double["num_processes"] == 2 and double["ranks_agree"]
     assert single["updates"] == accumulated["updates"] == double["updates"] == 12
@@ -51,21 +51,24 @@ def test_two_processes_equal_one(tmp_path, single):
         )
         assert other["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
         assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
-    assert completed.stdout.count("Training 3 epochs") == 1 and completed.stdout.count("Finished 3 epochs") == 1  # once
-    assert completed.stdout.count("train_loss_epoch:") == 3
-    assert completed.stderr.count("/3:   0%") == 3  # one bar per epoch (training and evaluation), on one process
-    checkpoint = torch.load(tmp_path / "double.json.pt", weights_only=True)  # written once, by the main process
+    stdout, stderr = (two_process_scenarios.printed("train_samples", stream) for stream in ("stdout", "stderr"))
+    assert stdout.count("Training 3 epochs") == 1 and stdout.count("Finished 3 epochs") == 1  # once
+    assert stdout.count("train_loss_epoch:") == 3
+    assert stderr.count("/3:   0%") == 3  # one bar per epoch (training and evaluation), on one process
+    # written once, by the main process
+    checkpoint = torch.load(two_process_scenarios.folder("train_samples") / "result.json.pt", weights_only=True)
     assert not any(key.startswith("module.") for key in checkpoint["model_state_dict"])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_token_losses_independent_of_split(tmp_path):
+@pytest.mark.scenarios("train_tokens", "train_tokens_accumulated", "train_tokens_unweighted")
+def test_token_losses_independent_of_split(one_process_scenarios, two_process_scenarios):
     """num_items_in_batch: each micro-batch's mean over its tokens is weighted by its tokens, over accumulation
     steps and processes, so 1 x 8, 1 x 4 x 2 and 2 x 4 make the same updates and log the same token means."""
-    single, _ = _launch(tmp_path, "single", 1, per_device_batch_size=8, loss_kind="tokens")
-    accumulated, _ = _launch(tmp_path, "accumulated", 1, per_device_batch_size=4, accumulation=2, loss_kind="tokens")
-    double, _ = _launch(tmp_path, "double", 2, per_device_batch_size=4, loss_kind="tokens")
+    single = one_process_scenarios.read_json("train_tokens")
+    accumulated = one_process_scenarios.read_json("train_tokens_accumulated")
+    double = two_process_scenarios.read_json("train_tokens")
     assert double["num_processes"] == 2 and double["ranks_agree"]
     for other in (accumulated, double):
         torch.testing.assert_close(
@@ -74,14 +77,13 @@ def test_token_losses_independent_of_split(tmp_path):
         assert other["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
         assert other["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
     # without num_items_in_batch the micro-batch means are averaged as equals: the split changes the training
-    unweighted, _ = _launch(
-        tmp_path, "unweighted", 1, per_device_batch_size=4, accumulation=2, loss_kind="tokens_unweighted"
-    )
+    unweighted = one_process_scenarios.read_json("train_tokens_unweighted")  # 1 process x 4 x 2 steps
     assert not torch.allclose(torch.tensor(unweighted["parameters"]), torch.tensor(single["parameters"]), rtol=1e-4)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.scenarios("train_samples")
 @pytest.mark.parametrize("launcher", ["accelerate", "torchrun"])
 def test_launch_without_gpus_is_one_job(tmp_path, launcher, single):
     """A multi-process launch without GPUs is one job, even without use_cpu. Accelerate alone would run two independent
@@ -89,7 +91,7 @@ def test_launch_without_gpus_is_one_job(tmp_path, launcher, single):
     env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
     env["OMP_NUM_THREADS"] = "1"
     if launcher == "accelerate":
-        double, _ = _launch(tmp_path, "double", 2, per_device_batch_size=4, env=env)
+        double = _launch(tmp_path, "double", 2, per_device_batch_size=4, env=env)
     else:
         output = tmp_path / "torchrun.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]

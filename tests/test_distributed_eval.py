@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, launcher, make_trainer
+from conftest import make_trainer
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
-
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_eval.py"
-
-
-def _launch(tmp_path, num_processes):
-    output = tmp_path / f"eval{num_processes}"
-    command = [*launcher(num_processes), str(SCRIPT), str(output)]
-    completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]  # a hung case is killed by the script's watchdog
-    return [json.loads(pathlib.Path(f"{output}.rank{rank}").read_text()) for rank in range(num_processes)]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.scenarios("evaluate_every_case")
 @pytest.mark.parametrize("num_processes", [1, 2])
-def test_every_sample_evaluated_once_in_order(tmp_path, num_processes):
-    """Every sample is evaluated exactly once, in dataset order."""
-    for result in _launch(tmp_path, num_processes):
+def test_every_sample_evaluated_once_in_order(request, num_processes):
+    """Every sample is evaluated exactly once, in dataset order (tests/scripts/distributed_eval.py, on each process)."""
+    launch = request.getfixturevalue({1: "one_process_scenarios", 2: "two_process_scenarios"}[num_processes])
+    results = [launch.read_json("evaluate_every_case", f"result.rank{rank}.json") for rank in range(num_processes)]
+    for result in results:
         assert result["num_processes"] == num_processes
         assert len(result["cases"]) == 17 * 4 * 2
         for name, case in result["cases"].items():

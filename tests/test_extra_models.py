@@ -4,21 +4,16 @@ run's clipping, and kept in checkpoints and training states, from which a resume
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, linear_dataset, make_linear
+from conftest import assert_bitwise_equal, linear_dataset, make_linear
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
-
-SCRIPT = Path(__file__).parent / "scripts" / "extra_models_run.py"
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -449,21 +444,16 @@ def test_add_model_during_a_run_is_refused():
 # ------------------------------------------------------------------------------------------------
 
 
-def _launch(tmp_path: Path, name: str, num_processes: int, **config) -> tuple:
-    out = tmp_path / f"{name}.pt"
-    command = [*launcher(num_processes), str(SCRIPT), json.dumps({"out": str(out), **config})]
-    completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
-    return (torch.load(out, weights_only=True) if out.exists() else None), completed
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_train_extra_in_ddp(tmp_path):
-    """Two processes wrap the extra model in DDP, and train it as one process with the same global batch."""
-    single, completed = _launch(tmp_path, "single", 1, batch_size=8)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    double, completed = _launch(tmp_path, "double", 2, batch_size=4)
-    assert completed.returncode == 0, completed.stderr[-3000:]
+@pytest.mark.scenarios("extra_model")
+def test_two_processes_train_extra_in_ddp(one_process_scenarios, two_process_scenarios):
+    """Two processes wrap the extra model in DDP, and train it as one process with the same global batch
+    (tests/scripts/extra_models_run.py: batches of 8 on one process, 4 on each of two)."""
+    single, double = (
+        torch.load(launch.folder("extra_model") / "result.pt", weights_only=True)
+        for launch in (one_process_scenarios, two_process_scenarios)
+    )
 
     assert single["seen_types"] == ["Sequential"] and double["seen_types"] == ["DistributedDataParallel"]
     assert double["num_processes"] == 2 and double["ranks_agree"]  # the critic's gradients are averaged across them
@@ -474,16 +464,17 @@ def test_two_processes_train_extra_in_ddp(tmp_path):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_resume_both_models(tmp_path):
-    """Two processes resume both models and both optimizers bit for bit."""
-    reference, completed = _launch(tmp_path, "reference", 2, batch_size=4, save_dir=str(tmp_path / "reference_states"))
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    states = str(tmp_path / "states")
+@pytest.mark.scenarios("extra_model_reference", "extra_model_crashed", "extra_model_resumed")
+def test_two_processes_resume_both_models(two_process_scenarios):
+    """Two processes resume both models and both optimizers bit for bit: a run that raised after 5 updates (standing
+    for the processes dying), then one that resumes from the training states it saved, equal one uninterrupted run."""
+    crashed = two_process_scenarios.errors("extra_model_crashed")
+    assert len(crashed) == 2 and all("Crash: crashed after 5 updates" in traceback for traceback in crashed)
+    assert not (two_process_scenarios.root / "extra_model_crashed" / "result.pt").exists()
+    reference, resumed = (
+        torch.load(two_process_scenarios.folder(scenario) / "result.pt", weights_only=True)
+        for scenario in ("extra_model_reference", "extra_model_resumed")
+    )
 
-    crashed, completed = _launch(tmp_path, "crashed", 2, batch_size=4, save_dir=states, crash_after=5)
-    assert completed.returncode != 0 and crashed is None and "Crash" in completed.stderr
-    resumed, completed = _launch(tmp_path, "resumed", 2, batch_size=4, save_dir=states)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-
-    assert "Resuming from" in completed.stdout
+    assert "Resuming from" in two_process_scenarios.printed("extra_model_resumed")
     assert_bitwise_equal(resumed["states"], reference["states"])

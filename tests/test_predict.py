@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-
 import pytest
 import torch
 from conftest import (
-    CPU_PROCESSES_ENV,
     RecordingCallback,
     StreamDataset,
-    launcher,
     linear_dataset,
     make_linear,
     make_mlp,
@@ -24,8 +18,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.predictions import load_predictions
-
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "predict_run.py"
 
 
 def identity_trainer(trainer_class=Trainer, callbacks=()) -> Trainer:
@@ -49,19 +41,16 @@ def test_one_process_every_sample_in_order(kind):
             assert predicted[:, 0].tolist() == list(range(size)), (size, batch_size)
 
 
-@pytest.fixture(scope="module")
-def two_process_report(tmp_path_factory):
-    """One launch on 2 processes: the whole matrix (sizes 1-17 x batch sizes 1-4, map-style and iterable), the
-    chunked mode, lr_find and two searches whose trials run on both processes."""
-    output = tmp_path_factory.mktemp("predict") / "report"
-    command = [*launcher(2), str(SCRIPT), str(output)]
-    completed = subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return [json.loads(pathlib.Path(f"{output}.rank{rank}").read_text()) for rank in range(2)]
+@pytest.fixture
+def two_process_report(two_process_scenarios):
+    """What each of 2 processes got (tests/scripts/predict_run.py): the whole matrix (sizes 1-17 x batch sizes 1-4,
+    map-style and iterable), the chunked mode, lr_find and two searches whose trials run on both processes."""
+    return [two_process_scenarios.read_json("predict_every_case", f"result.rank{rank}.json") for rank in range(2)]
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.scenarios("predict_every_case")
 def test_two_processes_every_sample_in_order(two_process_report):
     """Two processes predict every sample once, in order, on each process."""
     for report in two_process_report:
@@ -80,6 +69,7 @@ def test_two_processes_every_sample_in_order(two_process_report):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.scenarios("predict_every_case")
 def test_search_trials_run_on_every_process(two_process_report):
     """tune() on 2 processes runs each trial on every process and prunes them together (in the predictions' launch)."""
     pytest.importorskip("optuna")

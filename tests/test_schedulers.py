@@ -1,8 +1,7 @@
 """Cosine and WSD schedulers with a real Trainer: the learning rate of each update, exact resume, 2 processes,
 WSD checkpoints and continuations, argument errors, and the examples of docs/schedulers.md.
 
-Run as a script (``accelerate launch tests/test_schedulers.py out.json BATCH ACCUMULATION``), it trains the WSD run
-of the 2-process test and writes what that test compares.
+``train_wsd_on_processes`` is the scenario of the 2-process test (tests/scripts/scenarios.py runs it).
 """
 
 from __future__ import annotations
@@ -13,16 +12,12 @@ import math
 import pathlib
 import re
 import runpy
-import subprocess
-import sys
 import weakref
 
 import pytest
 import torch
 from conftest import (
-    CPU_PROCESSES_ENV,
     assert_bitwise_equal,
-    launcher,
     linear_dataset,
     make_linear,
     make_mlp,
@@ -255,26 +250,12 @@ def test_checkpoint_steps_double_to_the_end(total_steps, num_checkpoints, expect
 # ------------------------------------------------------------------------------------------------
 
 
-def _launch(tmp_path, name: str, num_processes: int, per_device_batch_size: int, accumulation: int) -> dict:
-    output = tmp_path / f"{name}.json"
-    completed = subprocess.run(
-        [*launcher(num_processes), __file__, str(output), str(per_device_batch_size), str(accumulation)],
-        env=CPU_PROCESSES_ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(output.read_text())
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_same_lr_as_one(tmp_path):
+@pytest.mark.scenarios("wsd_schedule")
+def test_two_processes_same_lr_as_one(one_process_scenarios, two_process_scenarios):
     """Global batch 4: 1 process x 4 against 2 processes x 1 x 2 accumulation steps; 16 updates each."""
-    single = _launch(tmp_path, "single", 1, per_device_batch_size=4, accumulation=1)
-    double = _launch(tmp_path, "double", 2, per_device_batch_size=1, accumulation=2)
+    single, double = (launch.read_json("wsd_schedule") for launch in (one_process_scenarios, two_process_scenarios))
     assert double["num_processes"] == 2 and double["ranks_agree"]
     assert double["lrs"] == single["lrs"] == pytest.approx(WSD_LRS, rel=1e-12)
     assert double["scheduler_step"] == single["scheduler_step"] == 16
@@ -283,7 +264,8 @@ def test_two_processes_same_lr_as_one(tmp_path):
     )
 
 
-def _train_on_processes(output_path: str, per_device_batch_size: int, accumulation: int) -> None:
+def train_wsd_on_processes(folder: pathlib.Path, per_device_batch_size: int, accumulation: int) -> None:
+    """Train the WSD run on the processes of the launch; the main process writes ``folder/result.json``."""
     recorder = LearningRateRecorder()
     trainer = train_linear(
         [recorder],
@@ -302,7 +284,7 @@ def _train_on_processes(output_path: str, per_device_batch_size: int, accumulati
         "parameters": parameters.tolist(),
     }
     if trainer.run_config.is_world_process_zero:
-        pathlib.Path(output_path).write_text(json.dumps(result))
+        (folder / "result.json").write_text(json.dumps(result))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -521,7 +503,3 @@ def test_docs_examples_run(tmp_path, monkeypatch, index):
         script = tmp_path / f"schedulers_md_block_{number}.py"
         script.write_text(DOC_BLOCKS[number])
         runpy.run_path(str(script), run_name="__main__")
-
-
-if __name__ == "__main__":
-    _train_on_processes(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

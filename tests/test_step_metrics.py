@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import pathlib
-import subprocess
-
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, launcher
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -16,8 +11,6 @@ from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.callbacks.non_finite import SkipNonFiniteStepsCallback
 from pytorch_accel_trainer.tracking import StepMetricsTracker, is_scalar_metric
-
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_step_metrics.py"
 
 
 def classification_dataset(num_samples: int = 30) -> TensorDataset:
@@ -157,14 +150,11 @@ def test_tracker_takes_numbers_and_0d_tensors():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_processes_mean_over_all_samples(tmp_path):
-    """Two processes record the mean over every sample, even of a metric one process lacks."""
-    output = tmp_path / "metrics.json"
-    completed = subprocess.run(
-        [*launcher(2), str(SCRIPT), str(output)], env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=300
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    result = json.loads(output.read_text())
+@pytest.mark.scenarios("step_metrics")
+def test_two_processes_mean_over_all_samples(two_process_scenarios):
+    """Two processes record the mean over every sample, even of a metric one process lacks
+    (tests/scripts/distributed_step_metrics.py)."""
+    result = two_process_scenarios.read_json("step_metrics")
     assert result["train_index_epoch"] == pytest.approx([sum(range(24)) / 24])  # every sample once, over both processes
     assert result["train_rank1_only_epoch"] == [1.0]  # seen on process 1 only: no deadlock, its own mean
     assert result["eval_index_epoch"] == pytest.approx([sum(range(10)) / 10])  # 10 samples: one repeat dropped

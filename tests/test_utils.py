@@ -7,13 +7,12 @@ import os
 import pathlib
 import random
 import runpy
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 from accelerate import Accelerator
-from conftest import CPU_PROCESSES_ENV, launcher, linear_dataset, make_linear, make_mlp
+from conftest import linear_dataset, make_linear, make_mlp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -275,25 +274,16 @@ def test_remove_padding_drops_padding_rows(padded, expected):
 # Two processes
 # ----------------------------------------------------------------------------------------------------
 
-SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_utils.py"
-
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_process_decorators_on_two_processes(tmp_path):
-    """On two processes the decorators order the calls, and an error on the main process hangs no one."""
-    output = tmp_path / "utils"
-    completed = subprocess.run(
-        [*launcher(2), str(SCRIPT), str(output)],
-        check=False,
-        env=CPU_PROCESSES_ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    first, second = (json.loads(output.with_suffix(f".rank{rank}").read_text()) for rank in range(2))
-    assert output.with_suffix(".log").read_text() == "rank 0\nrank 1\n"  # local_process_zero_first: rank 0 first
+@pytest.mark.scenarios("process_decorators")
+def test_process_decorators_on_two_processes(two_process_scenarios):
+    """On two processes the decorators order the calls, and an error on the main process hangs no one
+    (tests/scripts/distributed_utils.py)."""
+    folder = two_process_scenarios.folder("process_decorators")
+    first, second = (json.loads((folder / f"utils.rank{rank}").read_text()) for rank in range(2))
+    assert (folder / "utils.log").read_text() == "rank 0\nrank 1\n"  # local_process_zero_first: rank 0 first
     assert first["num_processes"] == 2 and first["cache"] == second["cache"] == "ready"  # each rank: its own result
     assert (first["report"], second["report"]) == ("report from rank 0", None)  # world_process_zero_only
     assert first["error"] == "ValueError: boom"  # its own error where it ran; the other rank did not wait forever

@@ -1,7 +1,8 @@
-"""Runs the deciding and gathering callbacks under `accelerate launch`; rank 0 writes what the test compares."""
+"""The deciding and gathering callbacks on 1 or 2 processes (a scenario of scenarios.py); the main process writes what
+tests/test_callbacks_distributed.py compares."""
 
 import json
-import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -24,13 +25,14 @@ def _data(num_samples, seed):
     return TensorDataset(x, (x**2).sum(dim=1, keepdim=True))
 
 
-def main(output_path: str, per_device_batch_size: int, tracking_dir: str) -> None:
+def stop_together(folder: Path, per_device_batch_size: int) -> None:
+    """Train with early stopping, metrics and tracking into ``folder/runs``; write ``folder/result.json``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     callbacks = [
         MetricCollectionCallback({"mse": MeanSquaredError()}),
         EarlyStoppingCallback(early_stopping_patience=1, early_stopping_threshold=0.3),
-        ExperimentTrackingCallback(["csv"], logging_dir=tracking_dir, run_name="run", log_every_n_steps=2),
+        ExperimentTrackingCallback(["csv"], logging_dir=folder / "runs", run_name="run", log_every_n_steps=2),
         ProgressBarCallback(refresh_every_n_steps=2),
     ]
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.02), callbacks=callbacks)
@@ -69,9 +71,4 @@ def main(output_path: str, per_device_batch_size: int, tracking_dir: str) -> Non
                 {type(m).__name__ for m in bn_trainer.model.modules() if "BatchNorm" in type(m).__name__}
             ),
         }
-        with open(output_path, "w") as handle:
-            json.dump(result, handle)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+        (folder / "result.json").write_text(json.dumps(result))

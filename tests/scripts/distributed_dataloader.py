@@ -1,7 +1,8 @@
-"""A DataLoader given to train() under `accelerate launch`: which samples each process saw, and the final weights."""
+"""A DataLoader given to train() on 1 or 2 processes (a scenario of scenarios.py): which samples each process saw, and
+the final weights, for tests/test_dataloaders.py."""
 
 import json
-import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ class IndexedTrainer(Trainer):
         return super().calculate_train_batch_loss((batch[0], batch[1]))
 
 
-def main(output_path, batch_size):
+def train(folder: Path, batch_size: int) -> None:
+    """Train 2 epochs on a DataLoader of ``batch_size``; the main process writes ``folder/result.json``."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(16, 3, generator=generator)
     dataset = TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(16))
@@ -38,16 +40,10 @@ def main(output_path, batch_size):
     result = trainer.train(DataLoader(dataset, batch_size=batch_size, shuffle=False), num_epochs=2)
     if trainer.accelerator.is_main_process:
         per_epoch = [torch.cat(batches).tolist() for batches in seen.epochs]
-        json.dump(
-            {
-                "indices_seen": len(per_epoch[0]),
-                "distinct_per_epoch": [len(set(epoch)) for epoch in per_epoch],
-                "weights": trainer.model.weight.flatten().tolist() + trainer.model.bias.tolist(),
-                "num_samples": result.num_samples,
-            },
-            open(output_path, "w"),
-        )
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+        report = {
+            "indices_seen": len(per_epoch[0]),
+            "distinct_per_epoch": [len(set(epoch)) for epoch in per_epoch],
+            "weights": trainer.model.weight.flatten().tolist() + trainer.model.bias.tolist(),
+            "num_samples": result.num_samples,
+        }
+        (folder / "result.json").write_text(json.dumps(report))

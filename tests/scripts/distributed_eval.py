@@ -1,4 +1,5 @@
-"""Evaluates every (dataset size, batch size, dataset kind) case on 1 or 2 processes; writes what each process saw.
+"""Evaluates every (dataset size, batch size, dataset kind) case on 1 or 2 processes (a scenario of scenarios.py);
+writes what each process saw, for tests/test_distributed_eval.py.
 
 Each case is bounded by a watchdog: a case that hangs kills the process with a traceback naming the case.
 """
@@ -6,6 +7,7 @@ Each case is bounded by a watchdog: a case that hangs kills the process with a t
 import faulthandler
 import json
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -48,7 +50,8 @@ def data(size):
     return x, y
 
 
-def main(output_path):
+def evaluate_every_case(folder: Path) -> None:
+    """Write ``folder/result.rank<i>.json``: what process ``i`` gathered in each case, and what was expected."""
     from torchmetrics import MeanAbsoluteError
 
     model = nn.Linear(2, 1)
@@ -83,9 +86,5 @@ def main(output_path):
                     "expected_rows": outputs[:, 0].tolist(),
                 }
     state = PartialState()
-    with open(f"{output_path}.rank{state.process_index}", "w") as handle:
-        json.dump({"num_processes": state.num_processes, "cases": results}, handle)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    result = {"num_processes": state.num_processes, "cases": results}
+    (folder / f"result.rank{state.process_index}.json").write_text(json.dumps(result))

@@ -1,7 +1,8 @@
-"""Step metrics under `accelerate launch`: each sample's index as a metric, and one metric only process 1 returns."""
+"""Step metrics on 2 processes (a scenario of scenarios.py, for tests/test_step_metrics.py): each sample's index as a
+metric, and one metric only process 1 returns."""
 
 import json
-import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,15 +31,13 @@ def dataset(size):
     return TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(size))
 
 
-def main(output_path):
+def mean_over_samples(folder: Path) -> None:
+    """Train one epoch and evaluate; the main process writes the epoch means to ``folder/result.json``."""
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
     trainer = IndexTrainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
     trainer.train(dataset(24), num_epochs=1, eval_dataset=dataset(10), per_device_batch_size=4)
     if trainer.accelerator.is_main_process:
         names = ("train_index_epoch", "train_rank1_only_epoch", "eval_index_epoch")
-        json.dump({name: trainer.run_history.get_metric_values(name) for name in names}, open(output_path, "w"))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+        means = {name: trainer.run_history.get_metric_values(name) for name in names}
+        (folder / "result.json").write_text(json.dumps(means))

@@ -1,7 +1,13 @@
-"""Trains the same tiny model under `accelerate launch`; rank 0 writes what the test compares."""
+"""Trains the same tiny model on 1 or 2 processes; the main process writes what tests/test_distributed.py compares.
+
+A scenario of scenarios.py (``train_into``), and a script of its own for the tests of the launch itself:
+
+    accelerate launch tests/scripts/distributed_train.py OUTPUT.json PER_DEVICE_BATCH_SIZE ACCUMULATION [LOSS_KIND]
+"""
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,6 +79,11 @@ def main(output_path: str, per_device_batch_size: int, accumulation: int, loss_k
     if trainer.run_config.is_world_process_zero:
         with open(output_path, "w") as handle:
             json.dump(result, handle)
+
+
+def train_into(folder: Path, per_device_batch_size: int, accumulation: int = 1, loss_kind: str = "samples") -> None:
+    """The scenario: ``main`` writing ``folder/result.json`` and its checkpoint ``folder/result.json.pt``."""
+    main(str(folder / "result.json"), per_device_batch_size, accumulation, loss_kind)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,8 @@
-"""Trains a model and an extra "critic" (``Trainer.add_model``) under `accelerate launch`; rank 0 saves what the test
-compares (tests/test_extra_models.py).
+"""Trains a model and an extra "critic" (``Trainer.add_model``) on 1 or 2 processes (a scenario of scenarios.py); the
+main process saves what tests/test_extra_models.py compares."""
 
-The one argument is a JSON config: ``out`` (the result file), ``batch_size`` (per process), and optionally
-``save_dir`` (save a training state after every update, and resume from the newest there) and ``crash_after``
-(raise after that many updates, standing for the processes dying).
-"""
-
-import json
-import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -45,7 +40,13 @@ class CriticTrainer(Trainer):
         return super().calculate_train_batch_loss(batch)
 
 
-def main(config: dict) -> None:
+def train(folder: Path, batch_size: int, save_dir: Optional[str] = None, crash_after: Optional[int] = None) -> None:
+    """Train 3 epochs with ``batch_size`` per process; the main process saves the result to ``folder/result.pt``.
+
+    ``save_dir`` (a folder relative to ``folder``): save a training state after every update, and resume from the
+    newest there. ``crash_after``: raise after that many updates, standing for the processes dying.
+    """
+    save_dir = None if save_dir is None else str((folder / save_dir).resolve())
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=generator)
     dataset = TensorDataset(x, (x**2).sum(dim=1, keepdim=True))
@@ -53,19 +54,19 @@ def main(config: dict) -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     critic = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     callbacks = []
-    if config.get("save_dir"):
-        callbacks.append(SaveTrainingStateCallback(config["save_dir"], save_every_n_steps=1))
-    if config.get("crash_after"):
-        callbacks.append(CrashAfter(config["crash_after"]))
+    if save_dir:
+        callbacks.append(SaveTrainingStateCallback(save_dir, save_every_n_steps=1))
+    if crash_after:
+        callbacks.append(CrashAfter(crash_after))
     critic_optimizer = torch.optim.SGD(critic.parameters(), lr=0.05, momentum=0.9)
     trainer = CriticTrainer(model, critic, critic_optimizer, callbacks=callbacks)
     trainer.train(
         dataset,
         num_epochs=3,
-        per_device_batch_size=config["batch_size"],
+        per_device_batch_size=batch_size,
         gradient_clip_norm=0.5,
         train_dataloader_kwargs={"shuffle": False},
-        resume_from=config.get("save_dir"),
+        resume_from=save_dir,
     )
     parameters = torch.cat([p.detach().flatten() for p in critic.parameters()])
     gathered = trainer.gather(parameters.unsqueeze(0))
@@ -83,8 +84,4 @@ def main(config: dict) -> None:
         "num_processes": trainer.accelerator.num_processes,
     }
     if trainer.accelerator.is_main_process:
-        torch.save(result, config["out"])
-
-
-if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+        torch.save(result, folder / "result.pt")

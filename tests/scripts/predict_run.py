@@ -1,6 +1,7 @@
 """Predicts every (dataset size, batch size, dataset kind) case on the processes it is launched on, then runs one
 lr_find and (with Optuna) two searches of one trial each, every trial on all the processes (one pruned after its first
-epoch, one complete); writes what each process got, as JSON, to ``<output>.rank<i>``.
+epoch, one complete); writes what each process got, as JSON, to ``<folder>/result.rank<i>.json`` (a scenario of
+scenarios.py, for tests/test_predict.py).
 
 Each sample's prediction is its id (the model is the identity on a column of ids), so a prediction that drops,
 repeats or reorders samples shows. A watchdog kills a case that hangs, with a traceback naming it.
@@ -8,7 +9,6 @@ repeats or reorders samples shows. A watchdog kills a case that hangs, with a tr
 
 import faulthandler
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -41,7 +41,7 @@ class Ids(Trainer):
         return {"ids": ids, "pair": (ids, 2 * ids)}
 
 
-def main(output: str) -> None:
+def predict_every_case(folder: Path) -> None:
     torch.manual_seed(0)
     model = nn.Linear(1, 1)
     with torch.no_grad():
@@ -65,8 +65,8 @@ def main(output: str) -> None:
                 faulthandler.cancel_dump_traceback_later()
     x = torch.arange(13, dtype=torch.float32).unsqueeze(1)
     in_memory = trainer.predict(TensorDataset(x), per_device_batch_size=2)
-    folder = Path(f"{output}.chunks")
-    written = trainer.predict(TensorDataset(x), per_device_batch_size=2, output_dir=folder, chunk_size=5)
+    chunks = folder / "chunks"
+    written = trainer.predict(TensorDataset(x), per_device_batch_size=2, output_dir=chunks, chunk_size=5)
     state.wait_for_everyone()  # the main process wrote the folder
     loaded = load_predictions(written)
     chunked_equal = bool(
@@ -75,44 +75,39 @@ def main(output: str) -> None:
     data = TensorDataset(torch.randn(64, 1), torch.randn(64, 1))
     result = trainer.lr_find(data, start_lr=1e-4, end_lr=1.0, num_steps=30, per_device_batch_size=4)
     report = {
-        "tune": tune_on_every_process(output),
+        "tune": tune_on_every_process(folder),
         "num_processes": state.num_processes,
         "cases": cases,
         "chunked_equal": chunked_equal,
-        "chunk_files": sorted(path.name for path in folder.iterdir()),
+        "chunk_files": sorted(path.name for path in chunks.iterdir()),
         "lr_find": {"suggestion": result.suggestion, "losses": result.losses},
     }
-    Path(f"{output}.rank{state.process_index}").write_text(json.dumps(report))
+    (folder / f"result.rank{state.process_index}.json").write_text(json.dumps(report))
 
 
-def tune_on_every_process(output: str) -> dict:
+def tune_on_every_process(folder: Path) -> dict:
     """Two searches of one trial each, each trial a job of every process: one pruned after its first epoch (the main
     process's pruner decides for all), one complete. A disagreement would leave a process waiting: the watchdog."""
     try:
         import optuna
     except ImportError:
         return {}
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: config_data.tiny
-    from config_data.tiny import TINY_CONFIG
+    from config_data.tiny import TINY_CONFIG  # tests/, on the path of scenarios.py
 
     from pytorch_accel_trainer.cli.tune import tune
 
     config = {**TINY_CONFIG, "train": {"num_epochs": 2, "per_device_batch_size": 8}}
     space = {"optimizer.init_args.lr": {"low": 0.01, "high": 0.1}}
     faulthandler.dump_traceback_later(120, exit=True)
-    pruned = tune(config, space, 1, output_dir=f"{output}.pruned", pruner=optuna.pruners.ThresholdPruner(upper=0.0))
-    complete = tune(config, space, 1, output_dir=f"{output}.complete")
+    pruned = tune(config, space, 1, output_dir=folder / "pruned", pruner=optuna.pruners.ThresholdPruner(upper=0.0))
+    complete = tune(config, space, 1, output_dir=folder / "complete")
     faulthandler.cancel_dump_traceback_later()
     if pruned.study is None:  # not the main process: it ran the trials, the main one told Optuna
         return {}
     (pruned_trial,) = pruned.study.trials
-    run_config = json.loads(Path(f"{output}.complete/trials/trial-0000/run_config.json").read_text())
+    run_config = json.loads((folder / "complete/trials/trial-0000/run_config.json").read_text())
     return {
         "pruned": [pruned_trial.state.name, list(pruned_trial.intermediate_values)],
         "complete": [complete.study.trials[0].state.name, complete.best_config is not None],
         "num_processes": run_config["num_processes"],
     }
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
