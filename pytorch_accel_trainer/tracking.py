@@ -221,11 +221,8 @@ class DeferredSum:
 
     def fold(self) -> None:
         """Add the pending values into the total, on the device."""
-        if not self._pending:
-            return
-        folded = torch.stack(self._pending).float().sum() * self._pending_weight
-        self._total = folded if self._total is None else self._total + folded
-        self._pending = []
+        if self._pending:
+            self._total, self._pending = self.peek(), []
 
     @property
     def total(self) -> torch.Tensor | None:

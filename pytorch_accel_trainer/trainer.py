@@ -46,7 +46,6 @@ from pytorch_accel_trainer.loop.batches import (
     batches_need_placing,
     build_dataloader,
     call_batch_hook,
-    checked_batch_output,
     dataset_and_dataloader,
     forward_batch,
     numbered_batches,
@@ -665,7 +664,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             is_update_step = self._is_update_step(step, is_last_batch=step + 1 == state.train_epoch_length)
         syncs = is_update_step or state.accumulation_steps == 1
         with _SYNCING if syncs else self._accelerator.no_sync(self.model):  # DDP reads the flag in forward and backward
-            batch_output = checked_batch_output(self.calculate_train_batch_loss, batch, step)
+            batch_output = call_batch_hook(self.calculate_train_batch_loss, batch, step)
             state.record_train_batch(batch_output, first_try=not is_retry)  # the unscaled loss, as it is logged
             if not is_retry:  # a step run again for non-finite gradients has had its event
                 self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
@@ -763,7 +762,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             state.batch_idx = step
             state.start_eval_batch(real_rows_in_batch(valid_dl, batch, self._accelerator))  # None unless rows repeat
             self._call_event("on_eval_step_start")
-            batch_output = checked_batch_output(self.calculate_eval_batch_loss, batch, step)
+            batch_output = call_batch_hook(self.calculate_eval_batch_loss, batch, step)
             state.record_eval_batch(batch_output)
             self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
             # released now, not when the next batch's outputs replace them: one step's outputs alive at a time
@@ -950,7 +949,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Run every batch through :meth:`calculate_predict_batch_output`; give ``collector`` its gathered outputs."""
         for step, batch in enumerate(dataloader):
             with torch.no_grad():
-                batch_output = call_batch_hook(self.calculate_predict_batch_output, batch, step)
+                batch_output = call_batch_hook(self.calculate_predict_batch_output, batch, step, loss_output=False)
             validate_prediction_output(batch_output)
             batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
             collector.add(batch_output)
@@ -1033,7 +1032,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self._training_optimizer.zero_grad(set_to_none=True)  # no gradient left from before in the first step
             for step, batch in zip(range(num_steps), endless_batches(dataloader)):
                 sweep.set_learning_rate(self._training_optimizer, step)
-                batch_output = checked_batch_output(self.calculate_train_batch_loss, batch, step)
+                batch_output = call_batch_hook(self.calculate_train_batch_loss, batch, step)
                 self.backward_step(batch_output["loss"])
                 self.optimizer_step()
                 self.optimizer_zero_grad()

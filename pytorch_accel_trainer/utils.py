@@ -525,18 +525,31 @@ def training_modes_kept(module: torch.nn.Module) -> Iterator[None]:
         restore_training_modes(modes)
 
 
+#: What :func:`first_batch` returns for batches that hold none, when that is allowed.
+NO_BATCH = object()
+
+
+def first_batch(iterator: Iterator, error_message: str | None) -> Any:
+    """The first batch of ``iterator``; when there is none, raise ``ValueError(error_message)`` (``None``: return
+    :data:`NO_BATCH` instead). Accelerate's dispatcher (iterable datasets) says an empty dataset in its own words,
+    which become ``error_message`` too."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        if error_message is None:
+            return NO_BATCH
+        raise ValueError(error_message) from None
+    except ValueError as error:
+        if error_message is None or "does not contain any data" not in str(error):
+            raise
+        raise ValueError(error_message) from error
+
+
 def require_batches(batches: Iterable, error_message: str) -> Iterator:
     """Yield from ``batches``; raise ``ValueError(error_message)`` if there is none."""
-    empty = True
-    try:
-        for item in batches:
-            empty = False
-            yield item
-    except ValueError as error:  # Accelerate's dispatcher (iterable datasets) says it in its own words
-        if not empty or "does not contain any data" not in str(error):
-            raise
-    if empty:
-        raise ValueError(error_message)
+    iterator = iter(batches)
+    yield first_batch(iterator, error_message)
+    yield from iterator
 
 
 def _count(number: int) -> str:

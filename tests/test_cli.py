@@ -471,7 +471,7 @@ def test_user_code_error_keeps_traceback(tiny_config_file):
 # The digits example from the command line -----------------------------------------------------------------------------
 
 
-def _digits_command(tmp_path, launcher_prefix):
+def _digits_command(tmp_path, launcher_prefix, run_name="digits"):
     return [
         *launcher_prefix,
         "fit",
@@ -482,7 +482,7 @@ def _digits_command(tmp_path, launcher_prefix):
         "--output_dir",
         str(tmp_path),
         "--run_name",
-        "digits",
+        run_name,
     ]
 
 
@@ -516,19 +516,7 @@ def test_digits_yaml_on_two_processes(tmp_path):
 def test_digits_config_equals_python_example(tmp_path, monkeypatch):
     """The digits config is the Python example's run, bit for bit."""
     monkeypatch.chdir(ROOT)
-    main(
-        [
-            "fit",
-            "--config",
-            "examples/digits.yaml",
-            "--train.num_epochs",
-            "2",
-            "--output_dir",
-            str(tmp_path),
-            "--run_name",
-            "cli",
-        ]
-    )
+    main(_digits_command(tmp_path, [], run_name="cli"))
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import train_digits

@@ -85,11 +85,10 @@ class TerminateOnNaNCallback(TrainerCallback):
         self.triggered = False
         #: The error of the last run it stopped (raised at the run's end when ``raise_on_nan``), else ``None``.
         self.error: NonFiniteLossError | None = None
-        # Per stage, the first step not checked yet. The check reads the trainer's own sums of the epoch's losses
+        # The first training step not checked yet. The checks read the trainer's own sums of the epoch's losses
         # (run_state's loss trackers: non-finite as soon as one of their terms is), so a step costs this callback
-        # nothing; an evaluation, intermediate or not, has sums of its own.
-        self._first_unchecked: dict = dict.fromkeys(_STAGES, 0)
-        self._eval_step = 0
+        # nothing; an evaluation, intermediate or not, has sums of its own, checked once at its end.
+        self._first_unchecked_step = 0
         self._in_evaluation_run = False
 
     def check_for_nan_after_batch(self, batch_output: dict, step: str | None = None) -> None:
@@ -106,8 +105,9 @@ class TerminateOnNaNCallback(TrainerCallback):
         if not bool(torch.isfinite(loss).all()):  # host-device sync, by design
             self._stop("loss" if step is None else _STAGES.get(step, "loss"), float(loss.sum()), step)
 
-    def _check(self, trainer: Trainer, stage: str, metric: str, last_step: int) -> None:
-        first, self._first_unchecked[stage] = self._first_unchecked[stage], last_step + 1
+    def _check(self, trainer: Trainer, stage: str, metric: str, steps: tuple[int, int]) -> None:
+        """Stop if the epoch's loss sum of ``stage`` is not finite; ``steps``: the first and last step it adds since
+        the last check."""
         if self.triggered:
             return  # the stop it asked for is held until the processes agree: the first non-finite sum stays the error
         if trainer.run_state.non_finite_policy is not None:
@@ -120,7 +120,7 @@ class TerminateOnNaNCallback(TrainerCallback):
             local = trainer.accelerator.reduce(local.float(), "sum")
         value = local.item()  # host-device sync, by design
         if not math.isfinite(value):
-            self._stop(metric, value, stage, trainer.run_history.current_epoch, (first, last_step))
+            self._stop(metric, value, stage, trainer.run_history.current_epoch, steps)
 
     def _stop(self, metric: str, value: float, stage: str | None, epoch=None, steps=None) -> None:
         self.triggered = True
@@ -134,7 +134,7 @@ class TerminateOnNaNCallback(TrainerCallback):
 
     def _start_run(self, in_evaluation_run: bool) -> None:
         self.triggered, self.error, self._in_evaluation_run = False, None, in_evaluation_run
-        self._first_unchecked = dict.fromkeys(_STAGES, 0)
+        self._first_unchecked_step = 0
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
         self._start_run(in_evaluation_run=False)
@@ -143,26 +143,24 @@ class TerminateOnNaNCallback(TrainerCallback):
         self._start_run(in_evaluation_run=True)
 
     def on_train_epoch_start(self, trainer: Trainer, **kwargs):
-        self._first_unchecked["training"] = trainer.epoch_first_step  # a resumed epoch starts at its saved step
+        self._first_unchecked_step = trainer.epoch_first_step  # a resumed epoch starts at its saved step
 
     def on_train_step_end(
         self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, step: int = 0, **kwargs
     ):
         if self.check_every_n_steps and (step + 1) % self.check_every_n_steps == 0:
-            self._check(trainer, "training", "train_loss_epoch", step)
+            self._check_training(trainer, step)
 
     def on_train_epoch_end(self, trainer: Trainer, **kwargs):
-        last_step = trainer.batch_idx if trainer.batch_idx is not None else -1
-        self._check(trainer, "training", "train_loss_epoch", last_step)
-
-    def on_eval_epoch_start(self, trainer: Trainer, **kwargs):
-        self._eval_step, self._first_unchecked["validation"] = 0, 0
-
-    def on_eval_step_end(self, trainer: Trainer, batch: Any = None, batch_output: dict | None = None, **kwargs):
-        self._eval_step += 1
+        self._check_training(trainer, trainer.batch_idx if trainer.batch_idx is not None else -1)
 
     def on_eval_epoch_end(self, trainer: Trainer, **kwargs):
-        self._check(trainer, "validation", self._eval_metric(trainer), self._eval_step - 1)
+        last_step = trainer.batch_idx if trainer.batch_idx is not None else -1  # the epoch's last batch
+        self._check(trainer, "validation", self._eval_metric(trainer), (0, last_step))
+
+    def _check_training(self, trainer: Trainer, last_step: int) -> None:
+        steps, self._first_unchecked_step = (self._first_unchecked_step, last_step), last_step + 1
+        self._check(trainer, "training", "train_loss_epoch", steps)
 
     def on_training_run_end(self, trainer: Trainer, **kwargs):
         self._raise_if_stopped()

@@ -13,7 +13,9 @@ from accelerate.utils import find_batch_size
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from pytorch_accel_trainer.utils import (
+    NO_BATCH,
     dataloader_batch_size,
+    first_batch,
     is_mapping,
     model_output_loss,
     seed_worker,
@@ -263,36 +265,32 @@ def _batch_idx_argument(function: Callable, is_method: bool) -> Optional[str]:
     return None
 
 
-def call_batch_hook(hook: Callable, batch: Any, batch_idx: int) -> Any:
-    """``hook(batch)``, with ``batch_idx`` too when the hook takes it (see :func:`_batch_idx_argument`)."""
-    argument = _batch_idx_argument(getattr(hook, "__func__", hook), isinstance(hook, MethodType))
-    if argument == "keyword":
-        return hook(batch, batch_idx=batch_idx)
-    if argument == "positional":
-        return hook(batch, batch_idx)
-    return hook(batch)
+def call_batch_hook(hook: Callable, batch: Any, batch_idx: int, loss_output: bool = True) -> Any:
+    """Call the batch hook ``hook`` on ``batch``, with ``batch_idx`` too when it takes it (see
+    :func:`_batch_idx_argument`), and return its output.
 
-
-def checked_batch_output(hook: Callable, batch: Any, batch_idx: int) -> dict:
-    """Call the batch-loss ``hook`` (``calculate_train_batch_loss``, ``calculate_eval_batch_loss``) on ``batch`` and
-    return its output, with a ``batch_size`` it left out found from the batch (shapes only: no host sync).
+    With ``loss_output`` (the batch-loss hooks, ``calculate_train_batch_loss`` and ``calculate_eval_batch_loss``), the
+    output is checked, and a ``batch_size`` it left out is found from the batch (shapes only: no host sync);
+    ``loss_output=False`` returns the output as it is (``calculate_predict_batch_output``).
 
     Raises:
-        TypeError, ValueError: the output is not a dict with a scalar tensor ``loss`` (and a ``batch_size``, given or
-            found); the message names the hook.
+        TypeError, ValueError: a batch-loss output that is not a dict with a scalar tensor ``loss`` (and a
+            ``batch_size``, given or found); the message names the hook.
     """
     argument = _batch_idx_argument(getattr(hook, "__func__", hook), isinstance(hook, MethodType))
     if argument is None:
-        batch_output = hook(batch)
+        output = hook(batch)
     else:
-        batch_output = hook(batch, batch_idx=batch_idx) if argument == "keyword" else hook(batch, batch_idx)
-    if isinstance(batch_output, dict) and "batch_size" in batch_output:
-        loss = batch_output.get("loss")
+        output = hook(batch, batch_idx=batch_idx) if argument == "keyword" else hook(batch, batch_idx)
+    if not loss_output:
+        return output
+    if isinstance(output, dict) and "batch_size" in output:
+        loss = output.get("loss")
         if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-            return batch_output  # the common shape, checked in a few reads; else the full check says what is wrong
-    batch_output = with_batch_size(batch_output, batch)
-    validate_batch_output(batch_output, getattr(hook, "__name__", "the batch-loss hook"))
-    return batch_output
+            return output  # the common shape, checked in a few reads; else the full check says what is wrong
+    output = with_batch_size(output, batch)
+    validate_batch_output(output, getattr(hook, "__name__", "the batch-loss hook"))
+    return output
 
 
 def numbered_batches(
@@ -305,16 +303,9 @@ def numbered_batches(
         ValueError: ``error_message``, when ``batches`` yields nothing (``None``: an empty epoch is allowed).
     """
     iterator = iter(batches)
-    try:
-        current = next(iterator)
-    except StopIteration:
-        if error_message is None:
-            return
-        raise ValueError(error_message) from None
-    except ValueError as error:  # Accelerate's dispatcher (iterable datasets) says it in its own words
-        if error_message is None or "does not contain any data" not in str(error):
-            raise
-        raise ValueError(error_message) from error
+    current = first_batch(iterator, error_message)
+    if current is NO_BATCH:
+        return  # an empty epoch, allowed
     step = first_step
     for following in iterator:
         yield step, current, False
