@@ -2,11 +2,12 @@
 spent, for clusters that end a job at a wall-clock limit (SLURM's ``--time``).
 
 Each process reads its own clock (``time.monotonic``: no device sync) at each point where the processes agree to stop
-anyway (after each optimizer update, after the training epoch, after the epoch's end). The budget counts as spent
-there when the time used since ``train()`` started, plus the longest time seen so far from such a point to the next
-one of the same kind, plus the longest save of the run, would pass it. A process that finds it spent holds a
-:class:`~pytorch_accel_trainer.errors.TimeBudgetExceeded`; the agreement made at that point (one small host-side
-collective per update window with several processes, none with one) stops every process at that same update. The
+anyway (between two updates, as a window opens; after the training epoch; after the epoch's end). The budget counts
+as spent there when the time used since ``train()`` started, plus 1.2 times the longest time seen so far from such a
+point to the next one of the same kind (headroom for a busy machine), plus the longest save of the run, would pass
+it. A process that finds it spent holds a :class:`~pytorch_accel_trainer.errors.TimeBudgetExceeded`; the agreement
+made at that point (one small host-side collective per update window with several processes, none with one) stops
+every process at that same update. The
 budget adds no collective of its own.
 """
 
@@ -22,6 +23,10 @@ from pytorch_accel_trainer.validation import max_time_seconds
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.run_config import TrainOptions
+
+
+#: How much longer than the longest interval seen so far the next one is allowed to be, in the budget's estimate.
+_HEADROOM = 1.2
 
 
 class TimeBudget:
@@ -49,7 +54,8 @@ class TimeBudget:
             last_point, last_time = self._last_check
             self._longest_after[last_point] = max(self._longest_after.get(last_point, 0.0), now - last_time)
         self._last_check = (point, now)
-        time_to_next_point = self._longest_after.get(point, 0.0)
+        # the longest interval seen, with headroom: the next one may run a little longer (a busy machine)
+        time_to_next_point = self._longest_after.get(point, 0.0) * _HEADROOM
         return now - self.started_at + time_to_next_point + self._longest_save >= self.seconds
 
     def note_save(self, seconds: float) -> None:
