@@ -322,6 +322,27 @@ class LossTracker:
     def state_dict(self) -> dict:
         return {**self._sum.state_dict(), "host_total": self._host_total}
 
+    def absorb(self, state: Optional[dict]) -> None:
+        """Add the sums of another tracker's :meth:`state_dict` to this one's (a resume on fewer or more processes
+        gives one process every saved process's sums of the interrupted epoch); ``None`` adds nothing."""
+        if not state:
+            return
+        other = LossTracker()
+        other.load_state_dict(state)
+        other_total, own_total = other._sum.total, self._sum.total
+        if other_total is not None:
+            self._sum.load_state_dict(
+                {
+                    "total": other_total if own_total is None else own_total + other_total,
+                    "pending": None,
+                    "pending_weight": None,
+                    "weight_total": self._sum.weight_total + other._sum.weight_total,
+                }
+            )
+        else:
+            self._sum.weight_total = self._sum.weight_total + other._sum.weight_total
+        self._host_total = self._host_total + other._host_total
+
     def load_state_dict(self, state: dict) -> None:
         state = dict(state)
         self._host_total = state.pop("host_total", 0)
@@ -385,6 +406,11 @@ class StepMetricsTracker:
         for name, tracker_state in state.items():
             self.trackers[name] = LossTracker()
             self.trackers[name].load_state_dict(tracker_state)
+
+    def absorb(self, state: Optional[dict]) -> None:
+        """Add the sums of another tracker's :meth:`state_dict` to this one's (see :meth:`LossTracker.absorb`)."""
+        for name, tracker_state in (state or {}).items():
+            self.trackers.setdefault(name, LossTracker()).absorb(tracker_state)
 
     def reduce_averages(self, reduce_sum, device: torch.device, names: list) -> dict:
         """Return the weighted mean of each metric in ``names`` over every process (one collective, one host

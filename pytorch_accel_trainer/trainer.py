@@ -59,7 +59,7 @@ from pytorch_accel_trainer.loop.extra_models import (
 )
 from pytorch_accel_trainer.loop.lr_find import LrFinderResult, LrSweep, TrainerSnapshot, endless_batches
 from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
-from pytorch_accel_trainer.loop.persistence import PersistenceMixin, find_state_to_resume
+from pytorch_accel_trainer.loop.persistence import PersistenceMixin
 from pytorch_accel_trainer.loop.recording import create_train_result, record_epoch_values
 from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
 from pytorch_accel_trainer.loop.time_budget import create_time_budget
@@ -98,7 +98,9 @@ from pytorch_accel_trainer.run_config import (
     get_run_config,
 )
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
+from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import StoredState
+from pytorch_accel_trainer.state.lookup import find_state_to_resume
 from pytorch_accel_trainer.tracking import (
     InMemoryRunHistory,
     LossTracker,
@@ -366,7 +368,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             trainer.train(dataset, num_epochs=10, resume_from="checkpoints")  # the same line starts or resumes
         """
         options = self._checked_train_options(locals())
-        stored_state = find_state_to_resume(self._accelerator, resume_from) if resume_from is not None else None
+        stored_state = (
+            find_state_to_resume(Processes.of_accelerator(self._accelerator), resume_from)
+            if resume_from is not None
+            else None
+        )
         self._start_training_run(train_dataset, eval_dataset, options)
         self._load_resume_plan(stored_state, options)
         self._run_training()

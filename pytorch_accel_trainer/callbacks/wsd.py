@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
-from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_model_state_dict, load_full_optimizer_state_dict
+from pytorch_accel_trainer.parallel.sharded import state_module
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
-from pytorch_accel_trainer.state.files import MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, TRAINER_FILE
-from pytorch_accel_trainer.state.training_state import ResumePlan, find_resumable_state, load_tensors_file
+from pytorch_accel_trainer.state.content import Processes, Stateful, load_sharded
+from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
+from pytorch_accel_trainer.state.files import inner_optimizer
+from pytorch_accel_trainer.state.training_state import ResumePlan, find_resumable_state, load_trainer_file
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -203,17 +205,14 @@ def _load_weights_and_optimizer_of_state(trainer: Trainer, path: Path) -> tuple:
     Unlike ``Trainer.load_training_state``, this leaves the run's counters, history and callbacks alone: a
     continuation is a new run that starts from the saved weights.
     """
-    from safetensors.torch import load_file, load_model
-
     stored = find_resumable_state(path)  # verified against its checksums
     if stored is None:
         raise FileNotFoundError(f"{str(path)!r} holds no training state: pass a folder written by save_training_state.")
-    accelerator, folder = trainer.accelerator, stored.folder
-    if is_fsdp(accelerator):  # every process reads the full weights and keeps its shard
-        load_full_model_state_dict(accelerator, trainer.model, load_file(str(folder / MODEL_FILE)))
-    else:
-        load_model(trainer.get_model(), str(folder / MODEL_FILE), strict=True)
-    optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
-    load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
-    scheduler_state = load_tensors_file(folder / SCHEDULER_FILE) if SCHEDULER_FILE in stored.manifest["files"] else None
-    return load_tensors_file(folder / TRAINER_FILE)["checkpoint_kwargs"], scheduler_state
+    module = state_module(trainer.accelerator, trainer.model, trainer.get_model())
+    parts: dict[str, Stateful] = {
+        "model": ModelState(module),
+        "optimizer": OptimizerState(module, inner_optimizer(trainer.optimizer)),
+    }
+    shared = load_trainer_file(stored)
+    load_sharded(stored.folder, shared, parts, Processes.of_accelerator(trainer.accelerator))
+    return shared["checkpoint_kwargs"], shared["scheduler"]

@@ -1,10 +1,12 @@
-"""Runs the command line ``pytorch-accel-trainer fit|evaluate|predict|tune``: :func:`main` and the console script.
+"""Runs the command line ``pytorch-accel-trainer fit|evaluate|predict|tune|consolidate``: :func:`main` and the console
+script.
 
 The command line is parsed into a :class:`~pytorch_accel_trainer.cli.config.TrainingConfig` from YAML files and flags
 (:func:`~pytorch_accel_trainer.cli.parsing.parse_command`, later ones win), then run with
 :func:`~pytorch_accel_trainer.cli.config.run_training_config`. ``--print_config`` prints the complete, reloadable config
-instead of running. The same works as ``python -m pytorch_accel_trainer``, and under ``accelerate launch`` or
-``torchrun`` like any script. See ``docs/config.md``.
+instead of running. ``consolidate STATE OUTPUT`` writes a training state's full weights as one file, on one machine
+(:func:`~pytorch_accel_trainer.state.consolidate.consolidate`). The same works as ``python -m pytorch_accel_trainer``,
+and under ``accelerate launch`` or ``torchrun`` like any script. See ``docs/config.md``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     """
     if os.getcwd() not in sys.path:  # import paths resolve from the current folder, as with `python -m`
         sys.path.insert(0, os.getcwd())
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["consolidate"]:
+        return run_consolidate_command(argv[1:])
     parsed = parse_command(argv)
     if parsed.command == "tune":
         return run_tune_command(parsed.namespace, parsed.config_text)
@@ -48,6 +53,27 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
         return run_prediction_config(config, parsed.namespace.output, parsed.config_text)[1]
     _, result = run_training_config(config, parsed.command, parsed.config_text, parsed.hyperparameters)
     return result
+
+
+def run_consolidate_command(argv: Sequence[str]) -> Path:
+    """Run ``consolidate STATE OUTPUT [--part NAME]``: the full weights of a (sharded) training state as one file."""
+    import argparse
+
+    from pytorch_accel_trainer.state.consolidate import OUTPUT_KINDS, consolidate
+
+    parser = argparse.ArgumentParser(
+        prog="pytorch-accel-trainer consolidate",
+        description="Write the full weights of a training state (written by any number of processes, FSDP included) "
+        "as one file, on this machine, without launching processes.",
+    )
+    parser.add_argument("state", help="a training state's folder, or a folder of them (the newest good one is used)")
+    kinds = ", ".join(f"{suffix} ({kind})" for suffix, kind in OUTPUT_KINDS.items())
+    parser.add_argument("output", help=f"the file to write: {kinds}")
+    parser.add_argument("--part", default="model", help="the model to write: model (default), or extra_model:NAME")
+    namespace = parser.parse_args(argv)
+    output = consolidate(namespace.state, namespace.output, namespace.part)
+    print(f"Wrote the full weights of {namespace.state} ({namespace.part}) to {output}")
+    return output
 
 
 def run_tune_command(namespace: Any, config_text: str) -> Any:

@@ -22,9 +22,9 @@ import torch
 
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback, remove_if_empty, validate_run_name
-from pytorch_accel_trainer.loop.persistence import RUN_FOLDER_STATES
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.run_config import OptionalNumber
+from pytorch_accel_trainer.state.lookup import RUN_FOLDER_STATES
 from pytorch_accel_trainer.state.storage import is_url, join
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
 

@@ -9,26 +9,28 @@ Trainer's private methods (the extra models' entries come from functions of ``ex
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 import torch
-from accelerate import skip_first_batches
+from accelerate import PartialState, skip_first_batches
 from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.loop.data_position import samples_per_step, skip_first_samples
 from pytorch_accel_trainer.loop.extra_models import (
     extra_checkpoint_entries,
     load_extra_checkpoint_entries,
     validate_extra_checkpoint_entries,
 )
 from pytorch_accel_trainer.loop.run_state import RunState
+from pytorch_accel_trainer.loop.state_content import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
     get_full_model_state_dict,
@@ -36,6 +38,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     holds_sharded_parameters,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
+    validate_training_state_supported,
     writes_on_this_process,
 )
 from pytorch_accel_trainer.state import async_save
@@ -50,16 +53,15 @@ from pytorch_accel_trainer.state.checkpointing import (
     load_checkpoint_file,
     save_checkpoint_file,
 )
+from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import (
-    LATEST_NAME,
     MANIFEST_NAME,
     StoredState,
+    default_state_name,
     follow_umask,
-    is_real_directory,
-    is_state_name,
-    temporary_folder,
     validate_state_name,
 )
+from pytorch_accel_trainer.state.lookup import find_state_to_resume
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
@@ -74,16 +76,9 @@ from pytorch_accel_trainer.state.storage import (
 from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
     ResumePosition,
-    find_resumable_state,
-    list_complete_states,
-    read_manifest,
-    read_training_state,
-    report_skipped_states,
     validate_save_dir,
-    verify_folder,
     write_training_state,
 )
-from pytorch_accel_trainer.utils import dataset_length
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -119,6 +114,13 @@ def load_resume_plan(
         shown = url if url.endswith(f"/{stored.folder.name}") else join(url, stored.folder.name)
     run = "" if stored.run_id is None else f", run {stored.run_id}"
     trainer.print(f"Resuming from {shown} (after {plan.num_update_steps_completed} optimizer updates){run}")
+    saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
+    if saved_processes != processes:
+        trainer.print(
+            f"The state was saved by {saved_processes} process(es) and resumes on {processes}: the model and optimizer "
+            f"are resharded, and the {plan.position.epoch_samples} samples of its epoch trained so far are skipped, "
+            "the rest split between the processes (each trained once, in another order)."
+        )
     return plan
 
 
@@ -131,144 +133,6 @@ def create_run_id(trainer: "Trainer", plan: Optional[ResumePlan]) -> str:
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(chosen)
     return chosen[0]
-
-
-#: Files of an Accelerate ``save_state`` folder, as pytorch-accelerated's training states are: not resumable here.
-ACCELERATE_STATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model.bin", "model.safetensors")
-
-
-#: The folder of a run folder that holds its training states (``<output_dir>/<run>/training_states``).
-RUN_FOLDER_STATES = "training_states"
-
-
-def find_state_to_resume(accelerator: "Accelerator", location: Any) -> Optional[StoredState]:
-    """``find_resumable_state`` for ``train(resume_from=location)`` (or, for an object-storage URL,
-    :func:`find_remote_state`): ``None`` (start a new run) only for a folder that does not exist or is empty; a run
-    folder means its ``training_states`` folder. Every process must call this.
-
-    Raises:
-        CheckpointError: ``location`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's training
-            states), or holds files but no training state: not a new run, but a wrong path.
-    """
-    location = as_location(location)
-    if isinstance(location, str):
-        return find_remote_state(accelerator, location)
-    path = location
-    if not path.exists():
-        return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
-    if path.is_dir() and _is_run_folder(path):
-        return find_state_to_resume(accelerator, path / RUN_FOLDER_STATES)
-    stored = find_resumable_state(path)
-    found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
-    if stored is None and not found:
-        content = _visible_entries(path)
-        if content:
-            raise CheckpointError(
-                f"resume_from={str(path)!r} holds {', '.join(content[:5])}{' ...' if len(content) > 5 else ''} but no "
-                f"training state (no folder with a {MANIFEST_NAME}), so the run was not started over: pass the "
-                "save_dir of SaveTrainingStateCallback, a run folder of the command line, or one state's folder; "
-                "an absent or empty folder starts a new run."
-            )
-    if stored is None and found:
-        raise CheckpointError(
-            f"resume_from={str(path)!r} holds {found} but no training state of this trainer (no manifest.json), so "
-            "the run was not restarted from scratch: an Accelerate save_state folder (pytorch-accelerated's training "
-            "states) or a run folder cannot continue a run here. Load its weights (safetensors.torch.load_model(model, "
-            "path)) and start a new run, or resume from a folder written by save_training_state / "
-            "SaveTrainingStateCallback."
-        )
-    return stored
-
-
-def _visible_entries(folder: Path) -> list[str]:
-    """What ``folder`` holds, but for what a killed first save may leave (``latest``, hidden temporaries)."""
-    return sorted(
-        entry.name for entry in folder.iterdir() if entry.name != LATEST_NAME and not entry.name.startswith(".")
-    )
-
-
-def _is_run_folder(folder: Path) -> bool:
-    """Whether ``folder`` is a run folder with a states folder, and no training state of its own."""
-    return (
-        is_real_directory(folder / RUN_FOLDER_STATES)
-        and not os.path.lexists(folder / MANIFEST_NAME)
-        and not any(is_state_name(entry.name) for entry in folder.iterdir())
-    )
-
-
-def find_remote_state(accelerator: "Accelerator", url: str) -> Optional[StoredState]:
-    """The training state to resume from the store folder ``url`` (or the one state at ``url``), downloaded to each
-    node's mirror and verified there; ``None`` while the store holds none (a URL cannot be told apart from an empty
-    folder). The main process chooses the newest complete state (a damaged one is skipped with a warning, as in a
-    local folder); every process must call this.
-
-    Raises:
-        CheckpointError: the store holds states and none of them checks out.
-    """
-    remote, only = RemoteStates(url), None
-    if remote.fs.isfile(f"{remote.root}/{MANIFEST_NAME}"):  # the URL of one state: its folder of states
-        parent, only = url.rsplit("/", 1)
-        remote = RemoteStates(parent)
-    chosen: list = [(None, None)]
-    failure: Optional[Exception] = None
-    if accelerator.is_main_process:
-        try:
-            remote.sync_mirror()
-            chosen = [(_download_newest(remote, only), None)]
-        except (CheckpointError, OSError) as error:  # every process raises it, none waits for the main one
-            failure, chosen = error, [(None, f"{type(error).__name__}: {error}")]
-    if accelerator.num_processes > 1:
-        broadcast_object_list(chosen)
-    name, message = chosen[0]
-    if failure is not None:
-        raise failure
-    if message is not None:
-        raise CheckpointError(f"resume_from={url!r}: the main process could not read the state to resume ({message}).")
-    if name is None:
-        _refuse_a_missing_state(url)
-        return None
-    folder = remote.mirror / name
-    if accelerator.is_local_main_process and not accelerator.is_main_process:  # another node: its own mirror
-        remote.sync_mirror()
-        remote.download(name, read_manifest(folder)["files"])
-        verify_folder(folder)
-    accelerator.wait_for_everyone()
-    return StoredState(folder, read_manifest(folder))
-
-
-def _refuse_a_missing_state(url: str) -> None:
-    """Raise ``FileNotFoundError`` when ``url``, which holds nothing, names a state beside others (a typo, or a state
-    pruned since), rather than start the run over; a store cannot tell an empty folder from a missing one."""
-    parent, name = url.rsplit("/", 1)
-    if "://" not in parent or parent.endswith(":/"):
-        return
-    remote = RemoteStates(parent)
-    complete, _ = remote.remote_names()
-    if complete:
-        raise FileNotFoundError(
-            f"resume_from={url!r} holds no training state, but {parent!r} holds {sorted(complete)}: pass one of "
-            f"those, or {parent!r} for the newest."
-        )
-
-
-def _download_newest(remote: RemoteStates, only: Optional[str]) -> Optional[str]:
-    """Download and verify the newest complete state of ``remote`` (or the state ``only``); return its name."""
-    problems = []
-    for listed in reversed(list_complete_states(remote.mirror)):
-        name = listed.folder.name
-        if only is not None and name != only:
-            continue
-        remote.download(name, listed.manifest["files"])
-        try:
-            verify_folder(listed.folder)
-        except CheckpointError as error:
-            problems.append(error)
-            remote.drop_downloads(name)
-            continue
-        report_skipped_states(remote.url, f"{remote.url}/{name}", problems)
-        return name
-    report_skipped_states(remote.url, None, problems)
-    return None
 
 
 def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
@@ -292,16 +156,24 @@ def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dic
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
     """Return this epoch's first step and dataloader: after a resume, only the batches not yet trained on.
 
-    Batches already seen are skipped by sampler offset (``accelerate.skip_first_batches``), so resuming at
-    step 10,000 costs about the same as at step 10.
+    Batches already seen are skipped by sampler offset, so resuming at step 10,000 costs about the same as at step 10
+    (map-style data); on another number of processes or batch size, the epoch's samples trained so far are skipped
+    and the rest split again (``loop/data_position.py``).
     """
+    options = state.options
+    per_device = None if options is None else options.per_device_batch_size
+    state.start_epoch_data(samples_per_step(train_dl, per_device, PartialState().num_processes))
     resume = state.resume
     if resume is None or resume.position.loop_epoch != state.epoch:
         return 0, train_dl
-    first_step = resume.position.batches_seen
-    if resume.position.rng_restore_point == "after_iterator":  # taken inside the epoch: its loss so far goes back
+    position = resume.position
+    first_step = position.batches_seen
+    if position.rng_restore_point == "after_iterator":  # taken inside the epoch: its loss so far goes back
         state.restore_train_trackers(resume.train_loss_tracker, resume.train_step_metrics)
-    if first_step:
+    if position.epoch_samples != first_step * state.epoch_samples_per_step:  # split differently from here
+        train_dl = skip_first_samples(train_dl, position.epoch_samples)
+        state.start_epoch_data(state.epoch_samples_per_step, (position.epoch_samples, first_step))
+    elif first_step:
         train_dl = skip_first_batches(train_dl, first_step)
     _restore_rng_if_due(state, "before_iterator")
     return first_step, train_dl
@@ -344,17 +216,6 @@ def take_requested_saves(trainer: "Trainer", step: Optional[int] = None) -> set:
     return saved_to
 
 
-def run_facts(trainer: "Trainer") -> dict:
-    """The settings a resumed run must share with the saved one to continue it exactly."""
-    config = trainer.run_config
-    return {
-        "world_size": trainer.accelerator.num_processes,
-        "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
-        "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
-        "train_dataset_length": None if trainer.train_dataset is None else dataset_length(trainer.train_dataset),
-    }
-
-
 def write_state(
     trainer: "Trainer",
     parent: Location,
@@ -375,34 +236,28 @@ def write_state(
     async_save.saver.wait()
     remote = _remote_states_for_saving(trainer, parent) if isinstance(parent, str) else None
     local_parent = Path(parent) if remote is None else remote.mirror
+    accelerator = trainer.accelerator
+    validate_training_state_supported(accelerator)
+    content = state_content(trainer, position, checkpoint_kwargs)
+    fields = {
+        "num_update_steps_completed": trainer.num_update_steps_completed,
+        "position": asdict(position),
+        "kinds": sorted(set(kinds)),
+        "run_facts": content.shared["run_facts"],
+        **({} if trainer.run_state.run_id is None else {"run_id": trainer.run_state.run_id}),
+    }
+    name = name or default_state_name(trainer.num_update_steps_completed)
     if asynchronous:
-        staged = async_save.stage_training_state(
-            trainer, local_parent, position, run_facts(trainer), kinds, checkpoint_kwargs, max_rolling, name
+        final = async_save.save_in_background(
+            local_parent, content, fields, Processes.of_accelerator(accelerator), name, max_rolling, remote
         )
-        if remote is not None:
-            staged.after_write = remote.publish
-        async_save.saver.submit(staged)
-        trainer.print(f"Saving training state {_shown(parent, staged.final)} in the background")
-        return staged.final if remote is None else join(parent, staged.final.name)
+        trainer.print(f"Saving training state {_shown(parent, final)} in the background")
+        return final if remote is None else join(parent, final.name)
     folder = write_training_state(
-        trainer,
-        local_parent,
-        position,
-        run_facts(trainer),
-        kinds,
-        checkpoint_kwargs,
-        max_rolling,
-        name,
-        remote is not None,
+        local_parent, content, fields, Processes.of_accelerator(accelerator), name, max_rolling, remote is not None
     )
     if remote is not None:
-        accelerator = trainer.accelerator
-        if accelerator.is_local_main_process and not accelerator.is_main_process:  # another machine: its own files
-            remote.upload_machine_files(temporary_folder(folder), folder.name)
-        accelerator.wait_for_everyone()  # every file is in the store before the manifest
-        if accelerator.is_main_process:
-            remote.publish(folder)
-        accelerator.wait_for_everyone()
+        remote.publish_collectively(folder, Processes.of_accelerator(accelerator))
     if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
         trainer.run_state.time_budget.note_save(time.monotonic() - started)
     trainer.print(f"Saved training state {_shown(parent, folder)}")
@@ -544,9 +399,10 @@ class PersistenceMixin:
             max_checkpoints: keep at most this many rolling states in ``output_dir``.
             name: the state's folder name, e.g. ``"epoch_5"`` (``-2``, ``-3``... is added when it is taken: a state is
                 never overwritten); by default ``checkpoint-<updates>``.
-            asynchronous: during a run, stall the loop only while the state is copied to host memory and write it
-                on a background thread (single process only); the next save and the end of ``train()`` wait
-                for it and raise its error. Outside a run the save is synchronous.
+            asynchronous: during a run, stall the loop only while each process copies its part of the state to host
+                memory, and write it on a background thread of each process (any number of processes, FSDP
+                included); the next save and the end of ``train()`` wait for it and raise its error. Outside a run
+                the save is synchronous.
             allow_other_runs: save even though ``output_dir`` holds the states of another run (by default an
                 error: see "Run identity" in ``docs/training_state.md``); this run's pruning and ``latest`` keep to
                 its own states.
@@ -557,7 +413,7 @@ class PersistenceMixin:
 
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
-            ValueError: ``asynchronous=True`` with several processes.
+            ValueError: under DeepSpeed (its engine keeps its own checkpoint format).
             CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``).
             NotADirectoryError: ``output_dir`` is a file.
         """
@@ -571,8 +427,7 @@ class PersistenceMixin:
         validate_save_dir(parent, self.run_state, allow_other_runs)
         if name is not None:
             validate_state_name(name)
-        if asynchronous:
-            async_save.validate_asynchronous_save(self.accelerator)
+        validate_training_state_supported(self.accelerator)
         if not self.run_state.in_training_run:
             return write_state(
                 cast("Trainer", self),
@@ -593,12 +448,12 @@ class PersistenceMixin:
         Returns:
             The ``checkpoint_kwargs`` saved with it.
         """
-        stored = find_state_to_resume(self.accelerator, input_dir)
+        stored = find_state_to_resume(Processes.of_accelerator(self.accelerator), input_dir)
         if stored is None:
             raise FileNotFoundError(
                 f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state."
             )
-        plan = read_training_state(self, stored, None, allow_changes=True)
+        plan = read_training_state(cast("Trainer", self), stored, None, allow_changes=True)
         self.run_state.load_update_count(plan.num_update_steps_completed)
         return plan.checkpoint_kwargs
 

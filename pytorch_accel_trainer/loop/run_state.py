@@ -78,6 +78,10 @@ class RunState:
             then resumes at its next batch. ``None`` before the epoch's first update and once its last batch has run.
         epoch_trained: whether every batch of the current epoch has been trained on (its evaluation may still run);
             a state taken before the loop moves on then resumes at the next epoch.
+        epoch_samples_per_step: the samples one micro-batch step of the current epoch takes, over every process.
+        epoch_sample_base: ``(samples, step)``: the epoch's samples trained before its micro-batch ``step``, where its
+            dataloader started; ``(0, 0)`` but in an epoch a resume on another number of processes split again
+            (``loop/data_position.py``). A state's position counts the epoch's samples from it.
         time_budget: the run's ``max_time``, checked at each point where the processes agree to stop.
         stopped_by_time_budget: whether the time budget ended the run.
         accumulation_steps: the micro-batches of an accumulation window (``options.gradient_accumulation_steps``).
@@ -118,6 +122,8 @@ class RunState:
     history_epoch_offset: int = 0
     open_epoch_at: Optional[int] = None
     epoch_trained: bool = False
+    epoch_samples_per_step: int = 0
+    epoch_sample_base: tuple = (0, 0)
     time_budget: Optional[TimeBudget] = None
     stopped_by_time_budget: bool = False
     accumulation_steps: int = field(init=False, default=1)
@@ -172,7 +178,7 @@ class RunState:
     def next_epoch(self) -> None:
         """Move the loop on to the next epoch, from its first batch."""
         self.epoch += 1
-        self.open_epoch_at, self.epoch_trained = None, False
+        self.open_epoch_at, self.epoch_trained, self.epoch_sample_base = None, False, (0, 0)
 
     def reached_max_steps(self) -> bool:
         """Whether the user's ``max_num_train_steps`` is reached (not run_config's planned total: a resume with
@@ -188,8 +194,15 @@ class RunState:
         if step is None and self.open_epoch_at is not None:
             step = self.open_epoch_at  # stopped inside the epoch: the rest of it is still to run
         if step is not None:
-            return ResumePosition(self.epoch, step, "after_iterator")
+            base_samples, base_step = self.epoch_sample_base
+            samples = base_samples + (step - base_step) * self.epoch_samples_per_step
+            return ResumePosition(self.epoch, step, "after_iterator", samples)
         return ResumePosition(self.epoch + 1 if self.epoch_trained else self.epoch, 0, "before_iterator")
+
+    def start_epoch_data(self, samples_per_step: int, resumed_at: Optional[tuple] = None) -> None:
+        """Note how many samples a micro-batch step of this epoch takes over every process, and (``resumed_at``,
+        ``(samples, step)``) where a resume split the epoch's data again (see ``epoch_sample_base``)."""
+        self.epoch_samples_per_step, self.epoch_sample_base = samples_per_step, resumed_at or (0, 0)
 
     def history_epoch(self, position: ResumePosition) -> int:
         """The run history's epoch (``current_epoch``) of the epoch ``position`` is in: the one a resumed run

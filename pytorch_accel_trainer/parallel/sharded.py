@@ -456,6 +456,12 @@ def validate_training_state_supported(accelerator: Accelerator) -> None:
         )
 
 
+def state_module(accelerator: Accelerator, prepared: torch.nn.Module, unwrapped: torch.nn.Module) -> torch.nn.Module:
+    """The module whose tensors a training state holds: under FSDP the prepared one (its ``DTensor`` shards, written
+    one shard per process), else the user's own module, without the wrappers (DDP's) that rename its parameters."""
+    return prepared if is_fsdp(accelerator) else unwrapped
+
+
 def writes_on_this_process(accelerator: Accelerator, save_per_node: bool) -> bool:
     """Whether this process writes an export file: once per node, or on the main process only.
 

@@ -23,9 +23,11 @@ from typing import IO, Any, Optional, cast
 import torch
 import xxhash
 
-#: The one format of training states, written and read: each file listed as ``{"size", "xxh3_128"}``. Formats 1
-#: (SHA-256) and 2 (CRC32) were written only by development versions, before the first release; they are not read.
-FORMAT_VERSION = 3
+#: The one format of training states, written and read: the tensors one shard per process (DCP), each file listed as
+#: ``{"size", "xxh3_128"}``. Formats 1 (SHA-256), 2 (CRC32) and 3 (the whole model and optimizer in one file each,
+#: written by the main process) were written only by development versions, before the first release; they are not
+#: read.
+FORMAT_VERSION = 4
 #: The manifest's key for the checksum of each file: XXH3-128 (xxhash), which hashes at memory speed.
 CHECKSUM = "xxh3_128"
 _DIGEST = re.compile(r"[0-9a-f]{32}")  # an XXH3-128 digest in hex
@@ -33,12 +35,10 @@ MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 STATE_PREFIX = "checkpoint-"
 TEMPORARY_PREFIX = ".tmp-"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
-SCALER_FILE = "scaler.pt"
 TRAINER_FILE = "trainer_state.pt"
-REQUIRED_FILES = (MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+#: DCP's metadata: where each piece of each tensor of the state lies (``distcp.py``)
+SHARDS_METADATA_FILE = ".metadata"
+REQUIRED_FILES = (SHARDS_METADATA_FILE, TRAINER_FILE)
 RESTORE_POINTS = ("before_iterator", "after_iterator")
 KINDS = ("rolling", "permanent", "best")
 #: A run's identity in a manifest: a uuid4 in hex, made as a new run starts and adopted by each resume of it.
@@ -340,11 +340,17 @@ def _is_count(value) -> bool:
 
 def validate_position(position) -> None:
     """Check a saved position for its fields' types and ranges; raise :class:`DamagedStateError`."""
-    if not isinstance(position, dict) or set(position) != {"loop_epoch", "batches_seen", "rng_restore_point"}:
+    if not isinstance(position, dict) or set(position) != {
+        "loop_epoch",
+        "batches_seen",
+        "epoch_samples",
+        "rng_restore_point",
+    }:
         raise DamagedStateError(
-            f"position is {position!r}; it must be a dict of loop_epoch, batches_seen and rng_restore_point"
+            f"position is {position!r}; it must be a dict of loop_epoch, batches_seen, epoch_samples and "
+            "rng_restore_point"
         )
-    for name in ("loop_epoch", "batches_seen"):
+    for name in ("loop_epoch", "batches_seen", "epoch_samples"):
         if not _is_count(position[name]):
             raise DamagedStateError(f"position[{name!r}] is {position[name]!r}; it must be a whole number >= 0")
     if position["rng_restore_point"] not in RESTORE_POINTS:
@@ -469,41 +475,10 @@ def describe_optimizer_mismatch(
 # The extra models and optimizers of a trainer (``Trainer.add_model``): a file each
 # ------------------------------------------------------------------------------------------------
 
-_EXTRA_MODEL_FILE = re.compile(r"extra_model-(?P<name>.+)\.safetensors")
-_EXTRA_OPTIMIZER_FILE = re.compile(r"extra_optimizer-(?P<name>.+)\.pt")
-
-
-def extra_model_file(name: str) -> str:
-    """The file of the extra model ``name`` in a training state (``add_model`` takes identifiers: a plain name)."""
-    return f"extra_model-{name}.safetensors"
-
-
-def extra_optimizer_file(name: str) -> str:
-    """The file of the optimizer state of the extra model ``name`` in a training state."""
-    return f"extra_optimizer-{name}.pt"
-
 
 def extra_optimizer_classes(optimizers: dict) -> dict:
     """The class of each extra optimizer, saved with a state so that a resume can name a different one."""
     return {name: type(inner_optimizer(optimizer)).__qualname__ for name, optimizer in optimizers.items()}
-
-
-def write_extra_files(models: dict, optimizers: dict, folder: Path) -> dict:
-    """Write the weights of each extra model (``name -> unwrapped module``, safetensors) and the state of each extra
-    optimizer into ``folder``, flushed to disk; return the optimizer files' sizes and checksums (the weights files are
-    read back by the manifest's writer, as the trainer's own)."""
-    from safetensors.torch import save_model
-
-    for name, model in models.items():
-        save_model(model, str(folder / extra_model_file(name)))
-        follow_umask(folder / extra_model_file(name))
-        fsync_path(folder / extra_model_file(name))
-    return {
-        extra_optimizer_file(name): save_tensors_file(
-            inner_optimizer(optimizer).state_dict(), folder / extra_optimizer_file(name)
-        )
-        for name, optimizer in optimizers.items()
-    }
 
 
 def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
@@ -517,48 +492,3 @@ def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
         f"{name!r} is not registered (its saved state would be dropped)" for name in saved if name not in registered
     ]
     return f"it holds the extra {kind} {saved}, but this trainer has {registered}: {'; '.join(lost)}"
-
-
-def describe_extras_mismatch(listed, models, optimizers) -> Optional[str]:
-    """Why the extra files a state's manifest lists (``listed``) are not those of the registered extra ``models`` and
-    ``optimizers`` (their names), or ``None``."""
-    saved_models = [match["name"] for match in map(_EXTRA_MODEL_FILE.fullmatch, listed) if match]
-    saved_optimizers = [match["name"] for match in map(_EXTRA_OPTIMIZER_FILE.fullmatch, listed) if match]
-    models_differ = describe_extras_difference("models", saved_models, models)
-    return models_differ or describe_extras_difference("optimizers", saved_optimizers, optimizers)
-
-
-def load_extra_files(folder: Path, models: dict, optimizers: dict, saved_classes: Any) -> None:
-    """Load the weights of each extra model (``name -> unwrapped module``) and the state of each extra optimizer from
-    a verified state's ``folder``, which lists exactly these (:func:`describe_extras_mismatch`). Every optimizer state
-    is read and checked (against ``saved_classes``, :func:`extra_optimizer_classes`) before anything is loaded.
-
-    Raises:
-        ValueError: naming the file that does not fit; :class:`DamagedStateError` for one that cannot be read.
-    """
-    import pickle
-
-    from safetensors import SafetensorError
-    from safetensors.torch import load_model
-
-    saved_classes = saved_classes if isinstance(saved_classes, dict) else {}
-    states = {}
-    for name, optimizer in optimizers.items():
-        path = folder / extra_optimizer_file(name)
-        try:
-            states[name] = torch.load(path, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-            raise DamagedStateError(f"{path}: not a readable optimizer state ({error})") from error
-        mismatch = describe_optimizer_mismatch(states[name], saved_classes.get(name), optimizer)
-        if mismatch is not None:
-            raise ValueError(f"{path} does not fit the optimizer of the extra model {name!r}: {mismatch}")
-    for name, model in models.items():
-        path = folder / extra_model_file(name)
-        try:
-            load_model(model, str(path), strict=True)
-        except SafetensorError as error:  # e.g. a pickle planted under the name: refused by the header check
-            raise DamagedStateError(f"{path}: not a safetensors file ({error})") from error
-        except RuntimeError as error:
-            raise ValueError(f"{path} does not fit the extra model {name!r} ({error})") from error
-    for name, optimizer in optimizers.items():
-        inner_optimizer(optimizer).load_state_dict(states[name])

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 from pytorch_accel_trainer.state import crash_points
-from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX
+from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX, temporary_folder
 
 #: A local path, or the URL of a folder or file in object storage.
 Location = Union[Path, str]
@@ -219,6 +219,16 @@ class RemoteStates:
         the mirror: the new state is complete in the store before any older one goes. Main process only."""
         self.upload(folder)
         self.prune_like_mirror(keep=folder.name)
+
+    def publish_collectively(self, folder: Path, processes) -> None:
+        """Upload a state written by every process (``processes``, a ``content.Processes``; every one must call
+        this): each other machine's files first, from its mirror, then the main process publishes (manifest last)."""
+        if processes.is_local_main and not processes.is_main:  # another machine: its processes' files
+            self.upload_machine_files(temporary_folder(folder), folder.name)
+        processes.barrier()  # every file is in the store before the manifest
+        if processes.is_main:
+            self.publish(folder)
+        processes.barrier()
 
     def upload(self, folder: Path) -> None:
         """Upload the sealed state ``folder`` of the mirror: every file, its manifest last, then ``latest``; then

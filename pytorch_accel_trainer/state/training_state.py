@@ -1,16 +1,19 @@
 """Crash-safe training-state checkpoints: a folder per state, verified by a manifest.
 
-A training state is written to a temporary folder, flushed, given a manifest (format version, position,
-world size, every file with its size and XXH3-128 checksum, computed as it is written) and only then renamed into
-place; ``latest`` is updated after that, and old states are pruned last. A crash at any point leaves either the
-previous states or the new one, never a folder that loads with wrong or mixed contents: a loader trusts only a
-folder whose manifest checks out, and names the file that does not. A temporary folder left by a killed
-save is removed by a later save once its writer is gone.
+A training state is written to a temporary folder by every process at once, each its own files (its shard of the
+tensors, through ``torch.distributed.checkpoint``, and its own plain values: ``content.py``), flushed, given a
+manifest by the main process (format version, position, world size, every file of every process with its size and
+XXH3-128 checksum, computed by its writer as it wrote it) and only then renamed into place; ``latest`` is updated
+after that, and old states are pruned last. A crash at any point leaves either the previous states or the new one,
+never a folder that loads with wrong or mixed contents: a loader trusts only a folder whose manifest checks out, and
+names the file that does not. A temporary folder left by a killed save is removed by a later save once its writer is
+gone.
 
 A state is input, and is read as such (``files.py``): the manifest's fields are checked for type and
 range, its file names never leave the folder, no file is read through a symbolic link, and a damaged state
 in a folder of states is skipped with a warning for the newest good one. Everything is read back without
-pickle: weights with safetensors, the rest with ``torch.load(weights_only=True)``. One format is read, the one
+arbitrary pickle: the shards through ``distcp.py`` (DCP's metadata rebuilt from its own classes only), the rest with
+``torch.load(weights_only=True)``. One format is read, the one
 written (:data:`FORMAT_VERSION`); a state of another is refused with :class:`StateFormatError` before anything
 is loaded.
 """
@@ -22,12 +25,11 @@ import os
 import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
-from accelerate.utils import send_to_device
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import crash_points
@@ -36,46 +38,30 @@ from pytorch_accel_trainer.state.checkpointing import (
     is_abandoned,
     refused_by_weights_only,
     reporting_out_of_space,
-    validate_plain,
     writer_tag,
 )
+from pytorch_accel_trainer.state.content import Processes, StateContent, write_content
 from pytorch_accel_trainer.state.files import (
     CHECKSUM,
     FORMAT_VERSION,
     LATEST_NAME,
     MANIFEST_NAME,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    SCALER_FILE,
-    SCHEDULER_FILE,
     TEMPORARY_PREFIX,
     TRAINER_FILE,
     WRITER_MARKER_PREFIX,
     DamagedStateError,
     StoredState,
-    default_state_name,
-    describe_changes,
-    describe_extras_mismatch,
-    describe_optimizer_mismatch,
-    extra_optimizer_classes,
     file_digest,
     folder_writer,
-    follow_umask,
     fsync_path,
-    inner_optimizer,
     is_real_directory,
-    load_extra_files,
-    rank_file,
     read_small_text,
-    save_tensors_file,
     state_folders,
     temporary_folder,
     unused_folder_name,
     validate_manifest,
-    write_extra_files,
     write_text_atomically,
 )
-from pytorch_accel_trainer.state.rng import capture_rng_state
 from pytorch_accel_trainer.state.storage import is_url
 
 #: Reads back the checksum of a file another library wrote while this thread writes the next (threads start lazily).
@@ -290,7 +276,7 @@ def _verify_state_in(folder: Path) -> StoredState:
     if not is_real_directory(folder):
         raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
     stored = verify_folder(folder)
-    _load_trainer_file(stored)
+    load_trainer_file(stored)
     return stored
 
 
@@ -542,7 +528,8 @@ class ResumePosition:
 
     Attributes:
         loop_epoch: the index, in the run's range of epochs, of the epoch to continue.
-        batches_seen: the micro-batches of that epoch already trained on (skipped by sampler offset on resume).
+        batches_seen: the micro-batches of that epoch each process already trained on (skipped by sampler offset on
+            resume).
         rng_restore_point: ``"before_iterator"`` for a state taken between epochs, ``"after_iterator"`` for one
             taken inside an epoch: where the resumed run puts the saved RNG states back.
     """
@@ -550,6 +537,9 @@ class ResumePosition:
     loop_epoch: int
     batches_seen: int
     rng_restore_point: str
+    #: the samples of that epoch trained before the position, by every process together: where a resume on another
+    #: number of processes (or batch size) starts the epoch again
+    epoch_samples: int = 0
 
 
 @dataclass
@@ -557,7 +547,8 @@ class ResumePlan:
     """What a resumed run still has to apply as it reaches the saved position."""
 
     position: ResumePosition
-    rng_state: dict
+    #: this process's saved RNG states; ``None`` for a process the saved run did not have (it keeps its own)
+    rng_state: Optional[dict]
     train_loss_tracker: dict
     checkpoint_kwargs: dict
     folder: Path
@@ -567,163 +558,56 @@ class ResumePlan:
     #: the run history's epoch of the position's epoch (``None`` in states written before it was kept): a resumed run
     #: continues an epoch a stop cut short under its own number, though the saved history moved past it.
     history_epoch: Optional[int] = None
-
-
-def run_identity_field(trainer) -> dict:
-    """``{"run_id": ...}``, the manifest field of the trainer's run; empty outside any run."""
-    run_id = getattr(trainer.run_state, "run_id", None)
-    return {} if run_id is None else {"run_id": run_id}
-
-
-def _callback_states(callbacks: Iterable) -> dict:
-    states = {}
-    for callback in callbacks:
-        if callable(getattr(callback, "state_dict", None)):
-            state = callback.state_dict()
-            validate_plain(state, f"{type(callback).__name__}.state_dict()")
-            states[type(callback).__name__] = state
-    return states
+    #: the saved run's settings (``run_facts``): its number of processes and batch size place the saved position
+    saved_run_facts: dict = field(default_factory=dict)
 
 
 def write_training_state(
-    trainer,
     parent: Path,
-    position: ResumePosition,
-    run_facts: dict,
-    kinds: Iterable[str] = ("rolling",),
-    checkpoint_kwargs: Optional[dict] = None,
+    content: StateContent,
+    fields: dict,
+    processes: Processes,
+    name: str,
     max_rolling: Optional[int] = None,
-    name: Optional[str] = None,
     node_local: bool = False,
 ) -> Path:
-    """Write the trainer's full training state under ``parent`` (as ``name``, if given, else
-    ``checkpoint-<updates>``; ``-2``... when taken); every process must call this.
+    """Write ``content`` as a new training state under ``parent`` (as ``name``; ``-2``... when taken) with the
+    manifest ``fields``; every process of ``processes`` must call this, and each writes its own part in parallel
+    (``content.py``): no process gathers the others' tensors.
 
-    ``node_local``: ``parent`` is a folder of each machine, not shared (the mirror of a store): every machine writes
-    its processes' files into its own temporary folder, and the manifest, sealed by the main process, lists the other
-    machines' files by the size and checksum each process reports (they upload them; ``state/storage.py``).
+    The protocol: the main process makes the temporary folder; every process writes its files into it, each
+    checksummed as written; the checksums reach the main process, which writes the manifest last, renames the folder
+    into place, updates ``latest`` and prunes. A crash anywhere leaves the earlier states and no state that looks
+    complete.
 
-    Under FSDP the weights and optimizer state are gathered whole to the main process first, so the state loads
-    into any world size; under DeepSpeed it is refused (see ``sharded.validate_training_state_supported``).
+    ``node_local``: ``parent`` is a folder of each machine, not shared (the mirror of a store): each machine writes
+    its processes' files into its own temporary folder, and the manifest lists the other machines' files by the size
+    and checksum their processes report (they upload them; ``state/storage.py``).
 
     Returns:
         The folder of the new state.
     """
-    from safetensors.torch import save_file, save_model
-
-    from pytorch_accel_trainer.parallel.sharded import (
-        get_full_model_state_dict,
-        get_full_optimizer_state_dict,
-        is_fsdp,
-        validate_training_state_supported,
-    )
-
-    accelerator = trainer.accelerator
-    validate_training_state_supported(accelerator)
-    gathered_model = gathered_optimizer = None
-    if is_fsdp(accelerator):  # collectives: every process takes part, the main process receives
-        gathered_model = get_full_model_state_dict(accelerator, trainer.model)
-        gathered_optimizer = get_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer)
-    parent = Path(parent)
-    checkpoint_kwargs = dict(checkpoint_kwargs or {})
-    validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
-    rank_state = {
-        "rng": capture_rng_state(),
-        "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
-        "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
-        "callbacks": _callback_states(trainer.callback_handler),
-    }
-    final = unused_folder_name(parent, name or default_state_name(trainer.num_update_steps_completed))
-    accelerator.wait_for_everyone()  # every process has chosen the same name before any folder appears
-    if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
+    final = Path(processes.broadcast(str(unused_folder_name(parent, name)) if processes.is_main else None))
+    if processes.is_main or (node_local and processes.is_local_main):
         parent.mkdir(parents=True, exist_ok=True)
         begin_save(final)
-    accelerator.wait_for_everyone()
+    processes.barrier()
     temporary = temporary_folder(final)
     with reporting_out_of_space(
         temporary, final, "the training state", f"the earlier states in {parent} are unchanged"
     ):
-        crash_points.crash_point(f"write:{rank_file(accelerator.process_index)}")
-        checksums: dict[str, Any] = {  # (size, checksum) pairs, or futures of them
-            rank_file(accelerator.process_index): save_tensors_file(
-                rank_state, temporary / rank_file(accelerator.process_index)
-            )
-        }
-        elsewhere = _files_of_other_machines(accelerator, checksums, temporary) if node_local else {}
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            crash_points.crash_point(f"write:{MODEL_FILE}")
-            if gathered_model is None:
-                save_model(trainer.get_model(), str(temporary / MODEL_FILE))
-            else:
-                own_storage = {name: tensor.contiguous().clone() for name, tensor in gathered_model.items()}
-                save_file(own_storage, str(temporary / MODEL_FILE))
-            follow_umask(temporary / MODEL_FILE)
-            fsync_path(temporary / MODEL_FILE)
-            # safetensors writes the file itself: its checksum is read back (from the page cache) on a thread while
-            # the rest is written
-            checksums[MODEL_FILE] = _CHECKSUM_READER.submit(file_digest, temporary / MODEL_FILE)
-            crash_points.crash_point(f"write:{OPTIMIZER_FILE}")
-            optimizer_state = trainer.optimizer.state_dict() if gathered_optimizer is None else gathered_optimizer
-            checksums[OPTIMIZER_FILE] = save_tensors_file(optimizer_state, temporary / OPTIMIZER_FILE)
-            checksums.update(
-                write_extra_files(
-                    {name: trainer.get_extra_model(name) for name in trainer.extra_models},
-                    trainer.extra_optimizers,
-                    temporary,
-                )
-            )
-            if trainer.scheduler is not None:
-                crash_points.crash_point(f"write:{SCHEDULER_FILE}")
-                scheduler_state = trainer.scheduler.state_dict()
-                validate_plain(scheduler_state, "scheduler.state_dict()")
-                checksums[SCHEDULER_FILE] = save_tensors_file(scheduler_state, temporary / SCHEDULER_FILE)
-            if accelerator.scaler is not None:
-                checksums[SCALER_FILE] = save_tensors_file(accelerator.scaler.state_dict(), temporary / SCALER_FILE)
-            crash_points.crash_point(f"write:{TRAINER_FILE}")
-            checksums[TRAINER_FILE] = save_tensors_file(
-                {
-                    "position": asdict(position),
-                    "num_update_steps_completed": trainer.num_update_steps_completed,
-                    "run_history": trainer.run_history.state_dict(),
-                    "history_epoch": trainer.run_state.history_epoch(position),
-                    "run_facts": run_facts,
-                    "checkpoint_kwargs": checkpoint_kwargs,
-                    "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
-                    "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
-                },
-                temporary / TRAINER_FILE,
-            )
-            manifest_fields = {
-                "num_update_steps_completed": trainer.num_update_steps_completed,
-                "position": asdict(position),
-                "world_size": accelerator.num_processes,
-                "kinds": sorted(set(kinds)),
-                "run_facts": run_facts,
-                **run_identity_field(trainer),
-            }
-            finish_save(temporary, final, manifest_fields, checksums, elsewhere)
-            prune_states(parent, max_rolling, keep=[final], run_id=manifest_fields.get("run_id"))
-    accelerator.wait_for_everyone()
+        reports = processes.all_gather(write_content(content, temporary, processes))
+        if processes.is_main:
+            written = {file: pair for report in reports for file, pair in report.items()}
+            here = {file: pair for file, pair in written.items() if (temporary / file).is_file()}
+            elsewhere = {file: pair for file, pair in written.items() if file not in here}
+            finish_save(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere)
+            prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
+    processes.barrier()
     return final
 
 
-def _files_of_other_machines(accelerator, checksums: dict, temporary: Path) -> dict:
-    """On the main process, the size and checksum of each process's file that is not in its own ``temporary`` folder
-    (written on another machine); one small collective when the run spans machines, none on one machine."""
-    from accelerate.utils import gather_object
-
-    from pytorch_accel_trainer.parallel.shared_folders import runs_on_one_node
-
-    if accelerator.num_processes == 1 or runs_on_one_node():
-        return {}
-    name = rank_file(accelerator.process_index)
-    own = checksums[name].result() if hasattr(checksums[name], "result") else checksums[name]
-    reports = gather_object([(name, tuple(own))])
-    return {file: pair for file, pair in reports if not (temporary / file).is_file()}
-
-
-def _load_trainer_file(stored: StoredState) -> dict:
+def load_trainer_file(stored: StoredState) -> dict:
     """The shared part of a state (``trainer_state.pt``), checked against the manifest it was verified by."""
     path = stored.folder / TRAINER_FILE
     shared = load_tensors_file(path)
@@ -751,7 +635,7 @@ def _load_trainer_file(stored: StoredState) -> dict:
     return shared
 
 
-def _load_rank_file(path: Path) -> dict:
+def load_rank_file(path: Path) -> dict:
     rank_state = load_tensors_file(path)
     if (
         not isinstance(rank_state, dict)
@@ -762,124 +646,7 @@ def _load_rank_file(path: Path) -> dict:
     return rank_state
 
 
-def _load_weights(trainer, path: Path) -> None:
-    """Load ``model.safetensors`` into the trainer's model (each process keeps its shard under FSDP)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, load_model
-
-    from pytorch_accel_trainer.parallel.sharded import is_fsdp, load_full_model_state_dict
-
-    try:
-        if is_fsdp(trainer.accelerator):  # every process reads the full state; each keeps its shard
-            load_full_model_state_dict(trainer.accelerator, trainer.model, load_file(str(path)))
-        else:
-            load_model(trainer.get_model(), str(path), strict=True)
-    except SafetensorError as error:  # e.g. a pickle planted under the name: refused by the header check, never run
-        raise CheckpointError(f"{path}: not a safetensors file ({error}); the state was damaged or altered.") from error
-    except RuntimeError as error:
-        raise CheckpointError(
-            f"{path} does not fit this model ({error}); resume with the model the state was saved from."
-        ) from error
-
-
-def read_training_state(trainer, stored: StoredState, run_facts: Optional[dict], allow_changes: bool) -> ResumePlan:
-    """Load a verified training state into ``trainer`` (weights, optimizer, scheduler, history, callbacks); the
-    rest (position, counters, RNG states) is returned as a :class:`ResumePlan` for the run state.
-
-    Each file is checked to fit this run before it is loaded; the optimizer state, before the optimizer is touched.
-    Which files a state has is read from its manifest, never from the folder.
-
-    Args:
-        run_facts: the current run's settings, compared with the saved ones; ``None`` skips the comparison.
-        allow_changes: resume even when a setting differs.
-    """
-    from pytorch_accel_trainer.parallel.sharded import (
-        is_fsdp,
-        load_full_optimizer_state_dict,
-        validate_training_state_supported,
-    )
-
-    accelerator = trainer.accelerator
-    validate_training_state_supported(accelerator)
-    folder, listed = stored.folder, stored.manifest["files"]
-    shared = _load_trainer_file(stored)
-    if run_facts is not None and not allow_changes:
-        changes = describe_changes(shared["run_facts"], run_facts)
-        if changes:
-            listed_changes = "\n  ".join(changes)
-            raise CheckpointError(
-                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:"
-                f"\n  {listed_changes}\n"
-                "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway."
-            )
-    rank = accelerator.process_index
-    if rank_file(rank) not in listed:
-        raise CheckpointError(
-            f"{folder} holds no state for process {rank} (saved with {stored.manifest['world_size']} processes)."
-        )
-    rank_state = _load_rank_file(folder / rank_file(rank))
-    # the extra models and optimizers are compared before anything is loaded
-    extras_mismatch = describe_extras_mismatch(listed, trainer.extra_models, trainer.extra_optimizers)
-    if extras_mismatch is not None:
-        raise CheckpointError(
-            f"{folder} does not fit this trainer: {extras_mismatch}. Register the extra models and optimizers it was "
-            "saved with (add_model, before train()), or start a new run."
-        )
-    _load_weights(trainer, folder / MODEL_FILE)
-    has_scheduler_file = SCHEDULER_FILE in listed
-    if run_facts is None and trainer.scheduler is None:
-        has_scheduler_file = False  # a manual load before train(): the scheduler does not exist yet
-    elif has_scheduler_file != (trainer.scheduler is not None):
-        raise CheckpointError(
-            f"{folder} {'holds' if has_scheduler_file else 'has no'} scheduler state, but this run "
-            f"{'has no' if has_scheduler_file else 'has a'} scheduler: pass the create_scheduler_fn of the saved run."
-        )
-    optimizer_state = load_tensors_file(folder / OPTIMIZER_FILE)
-    mismatch = describe_optimizer_mismatch(
-        optimizer_state, shared["optimizer_class"], trainer.optimizer, not is_fsdp(accelerator)
-    )
-    if mismatch is not None:
-        raise CheckpointError(
-            f"{folder / OPTIMIZER_FILE} does not fit this trainer's optimizer: {mismatch}. Resume with the optimizer "
-            "the state was saved with (same class, same parameter groups), or start a new run."
-        )
-    load_full_optimizer_state_dict(accelerator, trainer.model, trainer.optimizer, optimizer_state)
-    try:  # the extra models of add_model, and their optimizers
-        load_extra_files(
-            folder,
-            {name: trainer.get_extra_model(name) for name in trainer.extra_models},
-            trainer.extra_optimizers,
-            shared.get("extra_optimizer_classes"),
-        )
-    except ValueError as error:  # DamagedStateError included
-        raise CheckpointError(
-            f"{error}; resume with the extra models and optimizers the state was saved with."
-        ) from error
-    if has_scheduler_file:
-        trainer.scheduler.load_state_dict(load_tensors_file(folder / SCHEDULER_FILE))
-    if SCALER_FILE in listed and accelerator.scaler is not None:
-        accelerator.scaler.load_state_dict(load_tensors_file(folder / SCALER_FILE))
-    trainer.run_history.load_state_dict(shared["run_history"])
-    for callback in trainer.callback_handler:
-        state = rank_state["callbacks"].get(type(callback).__name__)
-        if state is not None and callable(getattr(callback, "load_state_dict", None)):
-            callback.load_state_dict(state)
-    return ResumePlan(
-        position=ResumePosition(**shared["position"]),
-        rng_state=rank_state["rng"],
-        # read onto the CPU: the epoch's partial sums go back to the device its next losses are summed on (states
-        # written before step metrics have none)
-        train_loss_tracker=send_to_device(rank_state["train_loss_tracker"], accelerator.device),
-        train_step_metrics=send_to_device(rank_state.get("train_step_metrics", {}), accelerator.device),
-        checkpoint_kwargs=shared["checkpoint_kwargs"],
-        folder=folder,
-        num_update_steps_completed=shared["num_update_steps_completed"],
-        run_id=stored.run_id,
-        history_epoch=_history_epoch(shared, folder / TRAINER_FILE),
-    )
-
-
-def _history_epoch(shared: dict, path: Path) -> Optional[int]:
+def history_epoch(shared: dict, path: Path) -> Optional[int]:
     """The run history's epoch of the saved position, checked (``None`` in a state written before it was kept)."""
     epoch = shared.get("history_epoch")
     if epoch is not None and (type(epoch) is not int or epoch < 1):

@@ -1,0 +1,226 @@
+"""The trainer's training state as parts handed to ``state/``: what a state holds, and how a resume puts it back.
+
+``state/`` is given what it saves, never the trainer (``state/content.py``): here the trainer's model, optimizer and
+extra models become sharded parts (each process its own shard, through ``torch.distributed.checkpoint``); its
+position, counters, run history, scheduler and scaler the shared plain values; its RNG states, loss sums and
+callbacks' states each process's own. A resume reads them back in the same three groups, checking each against
+this run before anything is loaded.
+
+A resume on another number of processes (``allow_resume_changes=True``): the model and optimizer are resharded by
+DCP; the loss sums of the interrupted epoch of every saved process are added into process 0's (the epoch's loss is
+the same); process ``r`` takes the callbacks' states of saved process ``r`` (of process 0 beyond the saved count) and,
+where the saved run had a process ``r``, its RNG states; a new process keeps those the trainer's seed gave it. The
+data position is converted to samples by ``loop/persistence.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Iterable, Optional
+
+from accelerate.utils import send_to_device
+
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
+from pytorch_accel_trainer.state.checkpointing import validate_plain
+from pytorch_accel_trainer.state.content import Processes, StateContent, Stateful, load_sharded
+from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
+from pytorch_accel_trainer.state.files import (
+    StoredState,
+    describe_changes,
+    describe_extras_difference,
+    extra_optimizer_classes,
+    inner_optimizer,
+    rank_file,
+)
+from pytorch_accel_trainer.state.rng import capture_rng_state
+from pytorch_accel_trainer.state.training_state import (
+    ResumePlan,
+    ResumePosition,
+    history_epoch,
+    load_rank_file,
+    load_trainer_file,
+)
+from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
+from pytorch_accel_trainer.utils import dataset_length
+
+if TYPE_CHECKING:
+    from pytorch_accel_trainer.trainer import Trainer
+
+#: The sharded parts of the extra models of ``add_model`` and of their optimizers: ``extra_model:<name>``...
+EXTRA_MODEL_PART, EXTRA_OPTIMIZER_PART = "extra_model:", "extra_optimizer:"
+
+
+def run_facts(trainer: "Trainer") -> dict:
+    """The settings a resumed run must share with the saved one to continue it exactly."""
+    config = trainer.run_config
+    return {
+        "world_size": trainer.accelerator.num_processes,
+        "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
+        "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
+        "train_dataset_length": None if trainer.train_dataset is None else dataset_length(trainer.train_dataset),
+    }
+
+
+def sharded_parts(trainer: "Trainer", names: Optional[Iterable[str]] = None) -> dict[str, Stateful]:
+    """The trainer's sharded parts (``names`` of them, or all): ``model``, ``optimizer``, and each extra model of
+    ``add_model`` and its optimizer."""
+    module = state_module(trainer.accelerator, trainer.model, trainer.get_model())
+    parts: dict[str, Stateful] = {"model": ModelState(module)}
+    if trainer.optimizer is not None:
+        parts["optimizer"] = OptimizerState(module, inner_optimizer(trainer.optimizer))
+    for name in trainer.extra_models:
+        extra = state_module(trainer.accelerator, trainer.extra_models[name], trainer.get_extra_model(name))
+        parts[f"{EXTRA_MODEL_PART}{name}"] = ModelState(extra)
+        if name in trainer.extra_optimizers:
+            optimizer = inner_optimizer(trainer.extra_optimizers[name])
+            parts[f"{EXTRA_OPTIMIZER_PART}{name}"] = OptimizerState(extra, optimizer)
+    return parts if names is None else {name: parts[name] for name in names}
+
+
+def _callback_states(callbacks: Iterable) -> dict:
+    states = {}
+    for callback in callbacks:
+        if callable(getattr(callback, "state_dict", None)):
+            state = callback.state_dict()
+            validate_plain(state, f"{type(callback).__name__}.state_dict()")
+            states[type(callback).__name__] = state
+    return states
+
+
+def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwargs: Optional[dict]) -> StateContent:
+    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/content.py``."""
+    validate_training_state_supported(trainer.accelerator)
+    checkpoint_kwargs = dict(checkpoint_kwargs or {})
+    validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
+    scheduler_state = None if trainer.scheduler is None else trainer.scheduler.state_dict()
+    if scheduler_state is not None:
+        validate_plain(scheduler_state, "scheduler.state_dict()")
+    scaler = trainer.accelerator.scaler
+    shared = {
+        "position": asdict(position),
+        "num_update_steps_completed": trainer.num_update_steps_completed,
+        "run_history": trainer.run_history.state_dict(),
+        "history_epoch": trainer.run_state.history_epoch(position),
+        "run_facts": run_facts(trainer),
+        "checkpoint_kwargs": checkpoint_kwargs,
+        "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
+        "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
+        "scheduler": scheduler_state,
+        "scaler": None if scaler is None else scaler.state_dict(),
+    }
+    own = {
+        "rng": capture_rng_state(),
+        "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
+        "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
+        "callbacks": _callback_states(trainer.callback_handler),
+    }
+    return StateContent(sharded_parts(trainer), shared, own)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a state back into the trainer
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts: Optional[dict], allow: bool) -> None:
+    """Refuse a state saved by a run set up differently (unless ``allow``), or that holds other parts than this
+    trainer has (extra models, optimizer class, scheduler), before anything is loaded."""
+    folder = stored.folder
+    if facts is not None and not allow:
+        changes = describe_changes(shared["run_facts"], facts)
+        if changes:
+            listed_changes = "\n  ".join(changes)
+            raise CheckpointError(
+                f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:"
+                f"\n  {listed_changes}\n"
+                "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway (a different "
+                "number of processes is resumed exactly: see docs/training_state.md, 'Another number of processes')."
+            )
+    saved_parts = set(shared.get("plain_parts") or {})
+    for kind, prefix, registered in (
+        ("models", EXTRA_MODEL_PART, trainer.extra_models),
+        ("optimizers", EXTRA_OPTIMIZER_PART, trainer.extra_optimizers),
+    ):
+        saved = [part[len(prefix) :] for part in saved_parts if part.startswith(prefix)]
+        difference = describe_extras_difference(kind, saved, registered)
+        if difference is not None:
+            raise CheckpointError(
+                f"{folder} does not fit this trainer: {difference}. Register the extra models and optimizers it was "
+                "saved with (add_model, before train()), or start a new run."
+            )
+    saved_class, current_class = shared["optimizer_class"], type(inner_optimizer(trainer.optimizer)).__qualname__
+    if saved_class != current_class:
+        raise CheckpointError(
+            f"{folder} does not fit this trainer's optimizer: it was saved by the optimizer {saved_class}, but this "
+            f"trainer's optimizer is {current_class}. Resume with the optimizer the state was saved with, or start a "
+            "new run."
+        )
+    if facts is not None and (shared["scheduler"] is not None) != (trainer.scheduler is not None):
+        has = shared["scheduler"] is not None
+        raise CheckpointError(
+            f"{folder} {'holds' if has else 'has no'} scheduler state, but this run {'has no' if has else 'has a'} "
+            "scheduler: pass the create_scheduler_fn of the saved run."
+        )
+
+
+def _own_state(stored: StoredState, processes: Processes) -> dict:
+    """This process's own saved state: its own file's; on another number of processes, see the module's text."""
+    listed, saved_count = stored.manifest["files"], stored.manifest["world_size"]
+    if saved_count == processes.count:
+        return load_rank_file(stored.folder / rank_file(processes.rank))
+    own = load_rank_file(stored.folder / rank_file(processes.rank if processes.rank < saved_count else 0))
+    if processes.rank >= saved_count:
+        own["rng"] = None  # a new process keeps the RNG states the trainer's seed gave it
+    loss, metrics = LossTracker(), StepMetricsTracker()
+    if processes.rank == 0:  # every saved process's sums of the interrupted epoch, added up here
+        for rank in range(saved_count):
+            saved = load_rank_file(stored.folder / rank_file(rank)) if rank_file(rank) in listed else {}
+            loss.absorb(saved.get("train_loss_tracker"))
+            metrics.absorb(saved.get("train_step_metrics"))
+    own["train_loss_tracker"], own["train_step_metrics"] = loss.state_dict(), metrics.state_dict()
+    return own
+
+
+def read_training_state(
+    trainer: "Trainer", stored: StoredState, facts: Optional[dict], allow_changes: bool
+) -> ResumePlan:
+    """Load a verified training state into ``trainer`` (weights, optimizer, scheduler, history, callbacks); the rest
+    (position, counters, RNG states) is returned as a :class:`ResumePlan` for the run state.
+
+    Every setting and part is checked to fit this run before anything is loaded.
+
+    Args:
+        facts: the current run's settings (:func:`run_facts`), compared with the saved ones; ``None`` (a load outside
+            a run) skips the comparison.
+        allow_changes: resume even when a setting differs.
+    """
+    accelerator = trainer.accelerator
+    validate_training_state_supported(accelerator)
+    shared = load_trainer_file(stored)
+    _check_settings(trainer, stored, shared, facts, allow_changes)
+    processes = Processes.of_accelerator(accelerator)
+    own = _own_state(stored, processes)
+    load_sharded(stored.folder, shared, sharded_parts(trainer), processes)
+    if shared["scheduler"] is not None and trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(shared["scheduler"])
+    if shared["scaler"] is not None and accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(shared["scaler"])
+    trainer.run_history.load_state_dict(shared["run_history"])
+    for callback in trainer.callback_handler:
+        state = own["callbacks"].get(type(callback).__name__)
+        if state is not None and callable(getattr(callback, "load_state_dict", None)):
+            callback.load_state_dict(state)
+    return ResumePlan(
+        position=ResumePosition(**shared["position"]),
+        rng_state=own["rng"],
+        # read onto the CPU: the epoch's partial sums go back to the device its next losses are summed on
+        train_loss_tracker=send_to_device(own["train_loss_tracker"], accelerator.device),
+        train_step_metrics=send_to_device(own.get("train_step_metrics", {}), accelerator.device),
+        checkpoint_kwargs=shared["checkpoint_kwargs"],
+        folder=stored.folder,
+        num_update_steps_completed=shared["num_update_steps_completed"],
+        run_id=stored.run_id,
+        history_epoch=history_epoch(shared, stored.folder),
+        saved_run_facts=shared["run_facts"],
+    )

@@ -1,0 +1,372 @@
+"""The tensors of a training state, one shard per process, through ``torch.distributed.checkpoint`` (DCP).
+
+Each process writes the part of the model's and optimizer's tensors it holds (under FSDP its shard; under DDP DCP's
+planner spreads the replicated tensors over the processes), in parallel, straight from the live tensors: no process
+gathers the full state. DCP's metadata (``.metadata``, written by the main process after every process wrote its
+files) records which piece of which tensor lies where, so that a state loads into any number of processes, each
+reading only the bytes of its own shard.
+
+What this module adds to DCP, which has no checksum and reads back with pickle:
+
+- **Checksums as written.** Every file a process writes goes through a stream that computes its size and XXH3-128
+  as the bytes pass (:class:`ChecksummedWriter`): no second read. The caller gathers them into the state's manifest,
+  which is written last (``training_state.py``).
+- **No pickle on reading.** DCP pickles its metadata and would unpickle any "bytes" entry it finds; the reader here
+  rebuilds the metadata with an unpickler that knows DCP's own few classes only (:func:`read_metadata`), and refuses
+  a "bytes" entry (only tensors are ever written: the plain values of a state go to its torch files).
+- **A fit check before loading.** :func:`describe_misfit` names the tensors whose names or shapes differ from the
+  live ones, before anything is read into them.
+
+A leaf of the package: it imports only ``files``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from pytorch_accel_trainer.state.files import SHARDS_METADATA_FILE, DamagedStateError
+
+#: The file DCP's main process writes last, naming where every piece of every tensor is.
+METADATA_FILE = SHARDS_METADATA_FILE
+#: Separates the levels of a part's state in the flat names DCP stores (``model/encoder.weight``); never in an FQN.
+SEPARATOR = "/"
+#: Stands for a tensor in the plain (non-tensor) tree of a part's state: the tensor itself is in the DCP files.
+TENSOR_MARK = "<tensor in the shards>"
+
+
+# ------------------------------------------------------------------------------------------------
+# A part's state: its tensors (to DCP) and its plain values (to a torch file), and back
+# ------------------------------------------------------------------------------------------------
+
+
+def split_tensors(tree: Any, prefix: str) -> tuple[dict, Any]:
+    """Split a state (nested dicts and lists) into its tensors, by flat name (``prefix/key/...``), and the same tree
+    with each tensor replaced by :data:`TENSOR_MARK`."""
+    tensors: dict[str, Any] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return TENSOR_MARK
+        if isinstance(value, dict):
+            return {key: walk(item, f"{path}{SEPARATOR}{key}") for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(item, f"{path}{SEPARATOR}{index}") for index, item in enumerate(value))
+        return value
+
+    return tensors, walk(tree, prefix)
+
+
+def join_tensors(plain: Any, tensors: dict, prefix: str) -> Any:
+    """The inverse of :func:`split_tensors`: ``plain`` with each mark replaced by its tensor of ``tensors``.
+
+    Raises:
+        DamagedStateError: a mark names no tensor of ``tensors`` (the plain tree and the shards disagree).
+    """
+
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, str) and value == TENSOR_MARK:
+            if path not in tensors:
+                raise DamagedStateError(f"the state's shards hold no tensor {path!r}, which its plain part names")
+            return tensors[path]
+        if isinstance(value, dict):
+            return {key: walk(item, f"{path}{SEPARATOR}{key}") for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(item, f"{path}{SEPARATOR}{index}") for index, item in enumerate(value))
+        return value
+
+    return walk(plain, prefix)
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing: each process its own files, checksummed as written
+# ------------------------------------------------------------------------------------------------
+
+
+class _HashingStream(io.RawIOBase):
+    """A write-only binary stream over a file that computes the size and XXH3-128 of what passes through it."""
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self._handle, self._hasher, self.size = handle, xxhash.xxh3_128(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        self.size += len(view)
+        self._handle.write(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def fileno(self) -> int:
+        return self._handle.fileno()
+
+    def close(self) -> None:  # DCP closes the streams it writes an item through; the file stays open for the next
+        pass
+
+    @property
+    def digest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+class _ChecksummedFileSystem(FileSystem):
+    """DCP's local file system, whose written files are checksummed as they are written (see :class:`_HashingStream`),
+    and whose renames carry the checksums along (DCP writes ``.metadata.tmp``, then renames it)."""
+
+    def __init__(self) -> None:
+        self.checksums: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()  # DCP may write several files at once, on threads
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, "wb") as handle:
+            stream = _HashingStream(handle)
+            yield stream
+            handle.flush()
+        with self._lock:
+            self.checksums[Path(path).name] = (stream.size, stream.digest)
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.checksums:
+                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+
+
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` (one file per process, flushed to disk), computing each file's size and checksum as
+    it writes it: :attr:`checksums` maps the files this process wrote to ``(size, xxh3_128)``."""
+
+    def __init__(self, folder: Path, thread_count: int = 1) -> None:
+        super().__init__(folder, single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+        self.fs = self._checksummed = _ChecksummedFileSystem()
+
+    @property
+    def checksums(self) -> dict[str, tuple[int, str]]:
+        return dict(self._checksummed.checksums)
+
+
+def save_shards(tensors: dict, folder: Path, process_group=None, thread_count: int = 1) -> dict[str, tuple[int, str]]:
+    """Write this process's part of ``tensors`` (flat names to tensors or DTensors) into ``folder``; every process of
+    ``process_group`` must call this (without a process group: one process). Return the files this process wrote,
+    with their sizes and checksums."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    writer = ChecksummedWriter(folder, thread_count=thread_count)
+    distributed = dist.is_available() and dist.is_initialized()
+    dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    return writer.checksums
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading: DCP's metadata without arbitrary pickle, tensors only
+# ------------------------------------------------------------------------------------------------
+
+#: The classes DCP's metadata is made of (torch 2.4 - 2.13): the only ones :func:`read_metadata` rebuilds.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's metadata, and nothing else: any other class (a planted payload) is refused, never called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # a dtype, e.g. torch.float32
+        raise DamagedStateError(f"{METADATA_FILE} names {module}.{name}, which DCP's metadata never holds")
+
+
+def read_metadata(folder: Path) -> Metadata:
+    """The DCP metadata of a state's ``folder``, rebuilt by :class:`_MetadataUnpickler`.
+
+    Raises:
+        DamagedStateError: the file is not DCP metadata (or names a class DCP's metadata never holds).
+    """
+    path = folder / METADATA_FILE
+    try:
+        with open(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except DamagedStateError:
+        raise
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as error:
+        raise DamagedStateError(f"{path}: not DCP metadata ({error})") from error
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise DamagedStateError(f"{path}: not DCP metadata (a {type(metadata).__name__})")
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's ``FileSystemReader``, reading its metadata with :func:`read_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, refusing a "bytes" entry (which DCP would unpickle): a state's shards hold tensors only."""
+
+    def load_bytes(self, read_item, value) -> None:
+        raise DamagedStateError(
+            f"the state's shards hold {read_item.dest_index.fqn!r} as pickled bytes; only tensors are ever written, "
+            "and bytes are never unpickled"
+        )
+
+
+def _global_shape(tensor: torch.Tensor) -> tuple:
+    return tuple(tensor.shape)  # a DTensor's shape is the global one
+
+
+def describe_misfit(metadata: Metadata, tensors: dict) -> Optional[str]:
+    """Why the shards of ``metadata`` do not fit the live ``tensors`` (flat names, shapes), or ``None``."""
+    saved = {
+        name: tuple(item.size)
+        for name, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    missing = sorted(set(tensors) - set(saved))
+    unexpected = sorted(set(saved) - set(tensors))
+    shapes = sorted(
+        f"{name}: saved {list(saved[name])}, now {list(_global_shape(tensors[name]))}"
+        for name in set(saved) & set(tensors)
+        if saved[name] != _global_shape(tensors[name])
+    )
+    problems = []
+    if shapes:
+        problems.append(f"other shapes ({'; '.join(shapes[:5])}{' ...' if len(shapes) > 5 else ''})")
+    if missing:
+        problems.append(f"not in the state: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        problems.append(f"not in this run: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    return "; ".join(problems) or None
+
+
+def load_shards(tensors: dict, folder: Path, process_group=None) -> None:
+    """Read the saved values of ``tensors`` (flat names to the live tensors or DTensors, in place) from ``folder``,
+    each process only the pieces of its own shard, whatever the number of processes that wrote them; every process of
+    ``process_group`` must call this. Check the fit first with :func:`describe_misfit`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    distributed = dist.is_available() and dist.is_initialized()
+    dcp.load(
+        tensors,
+        storage_reader=_SafeReader(folder),
+        planner=_TensorsOnlyPlanner(),
+        process_group=process_group,
+        no_dist=not distributed,
+    )
+
+
+def read_full_tensors(folder: Path) -> dict:
+    """Every tensor of ``folder``'s shards, whole, on this process's CPU, by flat name: no process group needed (a
+    state written by any number of processes, read on one machine: ``pytorch-accel-trainer consolidate``)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_metadata(folder)
+    tensors = {
+        name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for name, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    dcp.load(tensors, storage_reader=_SafeReader(folder), planner=_TensorsOnlyPlanner(), no_dist=True)
+    return tensors
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether ``name`` is a file DCP writes: a process's ``__<rank>_<n>.distcp``, or the metadata."""
+    return name == METADATA_FILE or (name.startswith("__") and name.endswith(".distcp"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The model and optimizer as parts of a state: torch's own state-dict API, sharded wherever they are
+# ------------------------------------------------------------------------------------------------
+
+
+class ModelState:
+    """A model as a sharded part of a training state: under FSDP its ``DTensor`` shards, else its tensors (each
+    named by its FQN, wrappers such as DDP's left out), through ``torch.distributed.checkpoint.state_dict``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.module, state_dict, options=StateDictOptions(strict=True))
+
+
+class OptimizerState:
+    """An optimizer as a sharded part of a training state: its per-parameter tensors keyed by the parameters' FQNs
+    (so that a state loads whatever the sharding), and its ``param_groups`` (plain values)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)  # a fresh optimizer's state is made first
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict)

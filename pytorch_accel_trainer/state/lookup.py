@@ -1,0 +1,163 @@
+"""Which training state a resume continues: the lookup behind ``train(resume_from=...)`` and
+``load_training_state``, beside the format it reads (``training_state.py``) and the store it may download from
+(``storage.py``).
+
+``resume_from`` may be one state's folder, a folder of states (the newest good one of the run saved last), a run
+folder of the command line (its ``training_states``), or an object-storage URL of any of these. A folder that does not
+exist, or an empty one, is a new run; a folder that holds files but no state is an error, never a new run. Every
+process calls the lookup; the main process chooses, and a store's state is downloaded to each machine's mirror and
+verified there. Knows nothing of the Trainer: it is given the processes (``content.Processes``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state.content import Processes
+from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, StoredState, is_real_directory, is_state_name
+from pytorch_accel_trainer.state.storage import RemoteStates, as_location
+from pytorch_accel_trainer.state.training_state import (
+    find_resumable_state,
+    list_complete_states,
+    read_manifest,
+    report_skipped_states,
+    verify_folder,
+)
+
+#: Files of an Accelerate ``save_state`` folder, as pytorch-accelerated's training states are: not resumable here.
+ACCELERATE_STATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model.bin", "model.safetensors")
+
+
+#: The folder of a run folder that holds its training states (``<output_dir>/<run>/training_states``).
+RUN_FOLDER_STATES = "training_states"
+
+
+def find_state_to_resume(processes: Processes, location: Any) -> Optional[StoredState]:
+    """``find_resumable_state`` for ``train(resume_from=location)`` (or, for an object-storage URL,
+    :func:`find_remote_state`): ``None`` (start a new run) only for a folder that does not exist or is empty; a run
+    folder means its ``training_states`` folder. Every process must call this.
+
+    Raises:
+        CheckpointError: ``location`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's training
+            states), or holds files but no training state: not a new run, but a wrong path.
+    """
+    location = as_location(location)
+    if isinstance(location, str):
+        return find_remote_state(processes, location)
+    path = location
+    if not path.exists():
+        return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
+    if path.is_dir() and _is_run_folder(path):
+        return find_state_to_resume(processes, path / RUN_FOLDER_STATES)
+    stored = find_resumable_state(path)
+    found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
+    if stored is None and not found:
+        content = _visible_entries(path)
+        if content:
+            raise CheckpointError(
+                f"resume_from={str(path)!r} holds {', '.join(content[:5])}{' ...' if len(content) > 5 else ''} but no "
+                f"training state (no folder with a {MANIFEST_NAME}), so the run was not started over: pass the "
+                "save_dir of SaveTrainingStateCallback, a run folder of the command line, or one state's folder; "
+                "an absent or empty folder starts a new run."
+            )
+    if stored is None and found:
+        raise CheckpointError(
+            f"resume_from={str(path)!r} holds {found} but no training state of this trainer (no manifest.json), so "
+            "the run was not restarted from scratch: an Accelerate save_state folder (pytorch-accelerated's training "
+            "states) or a run folder cannot continue a run here. Load its weights (safetensors.torch.load_model(model, "
+            "path)) and start a new run, or resume from a folder written by save_training_state / "
+            "SaveTrainingStateCallback."
+        )
+    return stored
+
+
+def _visible_entries(folder: Path) -> list[str]:
+    """What ``folder`` holds, but for what a killed first save may leave (``latest``, hidden temporaries)."""
+    return sorted(
+        entry.name for entry in folder.iterdir() if entry.name != LATEST_NAME and not entry.name.startswith(".")
+    )
+
+
+def _is_run_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a run folder with a states folder, and no training state of its own."""
+    return (
+        is_real_directory(folder / RUN_FOLDER_STATES)
+        and not os.path.lexists(folder / MANIFEST_NAME)
+        and not any(is_state_name(entry.name) for entry in folder.iterdir())
+    )
+
+
+def find_remote_state(processes: Processes, url: str) -> Optional[StoredState]:
+    """The training state to resume from the store folder ``url`` (or the one state at ``url``), downloaded to each
+    node's mirror and verified there; ``None`` while the store holds none (a URL cannot be told apart from an empty
+    folder). The main process chooses the newest complete state (a damaged one is skipped with a warning, as in a
+    local folder); every process must call this.
+
+    Raises:
+        CheckpointError: the store holds states and none of them checks out.
+    """
+    remote, only = RemoteStates(url), None
+    if remote.fs.isfile(f"{remote.root}/{MANIFEST_NAME}"):  # the URL of one state: its folder of states
+        parent, only = url.rsplit("/", 1)
+        remote = RemoteStates(parent)
+    chosen: tuple = (None, None)
+    failure: Optional[Exception] = None
+    if processes.is_main:
+        try:
+            remote.sync_mirror()
+            chosen = (_download_newest(remote, only), None)
+        except (CheckpointError, OSError) as error:  # every process raises it, none waits for the main one
+            failure, chosen = error, (None, f"{type(error).__name__}: {error}")
+    name, message = processes.broadcast(chosen)
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"resume_from={url!r}: the main process could not read the state to resume ({message}).")
+    if name is None:
+        _refuse_a_missing_state(url)
+        return None
+    folder = remote.mirror / name
+    if processes.is_local_main and not processes.is_main:  # another node: its own mirror
+        remote.sync_mirror()
+        remote.download(name, read_manifest(folder)["files"])
+        verify_folder(folder)
+    processes.barrier()
+    return StoredState(folder, read_manifest(folder))
+
+
+def _refuse_a_missing_state(url: str) -> None:
+    """Raise ``FileNotFoundError`` when ``url``, which holds nothing, names a state beside others (a typo, or a state
+    pruned since), rather than start the run over; a store cannot tell an empty folder from a missing one."""
+    parent, name = url.rsplit("/", 1)
+    if "://" not in parent or parent.endswith(":/"):
+        return
+    remote = RemoteStates(parent)
+    complete, _ = remote.remote_names()
+    if complete:
+        raise FileNotFoundError(
+            f"resume_from={url!r} holds no training state, but {parent!r} holds {sorted(complete)}: pass one of "
+            f"those, or {parent!r} for the newest."
+        )
+
+
+def _download_newest(remote: RemoteStates, only: Optional[str]) -> Optional[str]:
+    """Download and verify the newest complete state of ``remote`` (or the state ``only``); return its name."""
+    problems = []
+    for listed in reversed(list_complete_states(remote.mirror)):
+        name = listed.folder.name
+        if only is not None and name != only:
+            continue
+        remote.download(name, listed.manifest["files"])
+        try:
+            verify_folder(listed.folder)
+        except CheckpointError as error:
+            problems.append(error)
+            remote.drop_downloads(name)
+            continue
+        report_skipped_states(remote.url, f"{remote.url}/{name}", problems)
+        return name
+    report_skipped_states(remote.url, None, problems)
+    return None
