@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -44,6 +45,12 @@ METADATA_FILE = SHARDS_METADATA_FILE
 SEPARATOR = "/"
 #: Stands for a tensor in the plain (non-tensor) tree of a part's state: the tensor itself is in the DCP files.
 TENSOR_MARK = "<tensor in the shards>"
+
+# DCP warns on every save and load of a single process that it "assumes the intent" is one process, even when told
+# so (no_dist=True): it is the intent here, so a run of one process is not given that warning at each save.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
+)
 
 
 # ------------------------------------------------------------------------------------------------

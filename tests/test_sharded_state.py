@@ -1,0 +1,131 @@
+"""Sharded training states: written by every process at once (FSDP2 on the CPU over gloo), killed in the middle of a
+save or of a background save, on a local folder and on S3, then resumed bit for bit; and made whole by
+``pytorch-accel-trainer consolidate``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal, launcher
+from safetensors.torch import load_file
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.cli.commands import console_main
+from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state.consolidate import full_weights
+from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
+
+SCRIPT = Path(__file__).parent / "scripts" / "sharded_state_run.py"
+
+
+def _launch(config: dict, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*launcher(2), str(SCRIPT), json.dumps(config)],
+        env=env or CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _killed_then_resumed(tmp_path: Path, config: dict, env=None) -> subprocess.CompletedProcess:
+    """Launch the run with ``config`` (which kills it in a save), then again to its end with an uninterrupted run."""
+    killed = _launch({**config, "out": str(tmp_path)}, env)
+    assert killed.returncode != 0, "the crash point was never reached"
+    assert not (tmp_path / "weights.safetensors").exists()
+    resumed = _launch({**config, "crash_at": None, "out": str(tmp_path), "reference": True}, env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_equal(load_file(tmp_path / "weights.safetensors"), load_file(tmp_path / "reference.safetensors"))
+    return resumed
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigkill_in_sharded_save_resumes_bitwise(tmp_path):
+    """Both processes killed while writing their shards of the third state: the second resumes, bit for bit."""
+    states = tmp_path / "states"
+    resumed = _killed_then_resumed(tmp_path, {"save_dir": str(states), "crash_at": "write:shards", "crash_on_hit": 3})
+    assert "Resuming from" in resumed.stdout and "step_4 (after 4 optimizer updates)" in resumed.stdout
+    newest = list_complete_states(states)[-1]
+    shards = sorted(name for name in newest.manifest["files"] if name.endswith(".distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each process wrote its own shard
+    assert verify_folder(newest.folder) and newest.manifest["world_size"] == 2
+    # the state made whole on one process, without a process group: the run's final weights
+    assert_bitwise_equal(full_weights(states), load_file(tmp_path / "weights.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigkill_in_background_upload_to_s3_resumes(tmp_path, s3_endpoint):
+    """Background saves of both processes to S3, the main process killed while uploading the third state's manifest:
+    the store holds its shards but no manifest, and the run resumes from the second state, bit for bit."""
+    env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
+    url = "s3://states-bucket/sharded"
+    config = {"save_dir": url, "asynchronous": True, "crash_at": "upload:manifest.json", "crash_on_hit": 3}
+    resumed = _killed_then_resumed(tmp_path, config, env)
+    assert f"Resuming from {url}/step_4 (after 4 optimizer updates)" in resumed.stdout
+    store = fsspec.filesystem("s3", skip_instance_cache=True)
+    final = sorted(path.rsplit("/", 1)[1] for path in store.ls("states-bucket/sharded/step_12", detail=False))
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"} <= set(final)
+
+
+def _tiny_state(tmp_path: Path) -> tuple[Trainer, Path]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.Adam(model.parameters(), lr=0.01), callbacks=[])
+    x = torch.randn(16, 3)
+    trainer.train(TensorDataset(x, x.sum(dim=1, keepdim=True)), num_epochs=1, per_device_batch_size=4)
+    return trainer, trainer.save_training_state(tmp_path / "states")
+
+
+def test_consolidate_writes_the_full_weights(tmp_path, capsys):
+    trainer, state = _tiny_state(tmp_path)
+    expected = trainer.get_model().state_dict()
+    assert console_main(["consolidate", str(tmp_path / "states"), str(tmp_path / "model.safetensors")]) == 0
+    assert f"to {tmp_path / 'model.safetensors'}" in capsys.readouterr().out
+    assert_bitwise_equal(load_file(tmp_path / "model.safetensors"), expected)
+    assert console_main(["consolidate", str(state), str(tmp_path / "model.pt")]) == 0
+    fresh = Trainer(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), nn.MSELoss(), None, callbacks=[])
+    fresh.load_checkpoint(tmp_path / "model.pt", load_optimizer=False)
+    assert_bitwise_equal(fresh.get_model().state_dict(), expected)
+
+
+def test_consolidate_refuses_bad_outputs_and_damaged_states(tmp_path, capsys):
+    _, state = _tiny_state(tmp_path)
+    assert console_main(["consolidate", str(state), str(tmp_path / "model.bin")]) == 2
+    assert "is not a file name ending in one of .safetensors" in capsys.readouterr().err
+    shard = state / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: its XXH3-128 does not match the manifest"):
+        full_weights(state)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path):
+    """DCP pickles its .metadata; the reader rebuilds DCP's own classes only, so a planted payload is refused."""
+    import os
+    import pickle
+
+    from pytorch_accel_trainer.state.distcp import read_metadata
+    from pytorch_accel_trainer.state.files import DamagedStateError
+
+    _, state = _tiny_state(tmp_path)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (state / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(DamagedStateError, match=r"\.metadata names posix\.system, which DCP's metadata never holds"):
+        read_metadata(state)
+    assert not marker.exists()
