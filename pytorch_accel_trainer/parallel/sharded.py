@@ -457,9 +457,11 @@ def validate_training_state_supported(accelerator: Accelerator) -> None:
 
 
 def state_module(accelerator: Accelerator, prepared: torch.nn.Module, unwrapped: torch.nn.Module) -> torch.nn.Module:
-    """The module whose tensors a training state holds: under FSDP the prepared one (its ``DTensor`` shards, written
-    one shard per process), else the user's own module, without the wrappers (DDP's) that rename its parameters."""
-    return prepared if is_fsdp(accelerator) else unwrapped
+    """The module whose tensors a training state holds: under FSDP the prepared one, each FSDP2 module of it resharded
+    (its ``DTensor`` shards, written one shard per process: after an evaluation FSDP2 keeps the root's parameters
+    whole until the next backward pass), else the user's own module, without the wrappers (DDP's) that rename its
+    parameters."""
+    return _sharded_for_loading(accelerator, prepared) if is_fsdp(accelerator) else unwrapped
 
 
 def writes_on_this_process(accelerator: Accelerator, save_per_node: bool) -> bool:
