@@ -129,3 +129,27 @@ def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path):
     with pytest.raises(DamagedStateError, match=r"\.metadata names posix\.system, which DCP's metadata never holds"):
         read_metadata(state)
     assert not marker.exists()
+
+
+def test_metadata_cannot_point_outside_the_state(tmp_path):
+    """A forged .metadata (its manifest entry forged too) that places the tensors in a file outside the state's folder
+    is refused: nothing outside the folder is read."""
+    import pickle
+
+    from pytorch_accel_trainer.state.distcp import read_metadata
+    from pytorch_accel_trainer.state.files import MANIFEST_NAME, file_digest
+
+    _, state = _tiny_state(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "__0_0.distcp").write_bytes((state / "__0_0.distcp").read_bytes())
+    metadata = read_metadata(state)
+    for info in metadata.storage_data.values():
+        info.relative_path = "../outside/__0_0.distcp"
+    (state / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((state / MANIFEST_NAME).read_text())
+    size, digest = file_digest(state / ".metadata")
+    manifest["files"][".metadata"] = {"size": size, "xxh3_128": digest}
+    (state / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"places a tensor in '\.\./outside/__0_0\.distcp', which is not a shard"):
+        full_weights(state)

@@ -214,5 +214,5 @@ def _load_weights_and_optimizer_of_state(trainer: Trainer, path: Path) -> tuple:
         "optimizer": OptimizerState(module, inner_optimizer(trainer.optimizer)),
     }
     shared = load_trainer_file(stored)
-    load_sharded(stored.folder, shared, parts, Processes.of_accelerator(trainer.accelerator))
+    load_sharded(stored, shared, parts, Processes.of_accelerator(trainer.accelerator))
     return shared["checkpoint_kwargs"], shared["scheduler"]

@@ -134,8 +134,9 @@ def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts
             raise CheckpointError(
                 f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:"
                 f"\n  {listed_changes}\n"
-                "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway (a different "
-                "number of processes is resumed exactly: see docs/training_state.md, 'Another number of processes')."
+                "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway (on another "
+                "number of processes, every remaining sample of the epoch is still trained once, in another order: "
+                "see docs/training_state.md, 'Another number of processes')."
             )
     saved_parts = set(shared.get("plain_parts") or {})
     for kind, prefix, registered in (
@@ -201,7 +202,7 @@ def read_training_state(
     _check_settings(trainer, stored, shared, facts, allow_changes)
     processes = Processes.of_accelerator(accelerator)
     own = _own_state(stored, processes)
-    load_sharded(stored.folder, shared, sharded_parts(trainer), processes)
+    load_sharded(stored, shared, sharded_parts(trainer), processes)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
     if shared["scaler"] is not None and accelerator.scaler is not None:

@@ -33,19 +33,23 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
     """
     from pytorch_accel_trainer.state.training_state import find_resumable_state
 
+    if not Path(state).exists():
+        raise FileNotFoundError(
+            f"consolidate: {str(state)!r} does not exist: pass a training state's folder, or a folder of them."
+        )
     stored = find_resumable_state(Path(state))
     if stored is None:
         raise CheckpointError(f"{str(state)!r} holds no training state: pass a folder written by save_training_state.")
     try:
-        tensors = distcp.read_full_tensors(stored.folder)
+        metadata = distcp.read_metadata(stored.folder)
+        prefix = f"{part}{distcp.SEPARATOR}"
+        if not any(name.startswith(prefix) for name in metadata.state_dict_metadata):
+            parts = sorted({name.split(distcp.SEPARATOR, 1)[0] for name in metadata.state_dict_metadata})
+            raise CheckpointError(f"{stored.folder} holds no {part!r} (it holds {', '.join(parts)}).")
+        tensors = distcp.read_full_tensors(stored.folder, prefix, set(stored.manifest["files"]))
     except DamagedStateError as error:
         raise CheckpointError(f"{error}; the state was damaged or altered.") from error
-    prefix = f"{part}{distcp.SEPARATOR}"
-    weights = {name[len(prefix) :]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
-    if not weights:
-        parts = sorted({name.split(distcp.SEPARATOR, 1)[0] for name in tensors})
-        raise CheckpointError(f"{stored.folder} holds no {part!r} (it holds {', '.join(parts)}).")
-    return weights
+    return {name[len(prefix) :]: tensor for name, tensor in tensors.items()}
 
 
 def consolidate(state: Union[str, os.PathLike], output: Union[str, os.PathLike], part: str = "model") -> Path:

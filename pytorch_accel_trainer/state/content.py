@@ -24,7 +24,7 @@ from typing import Any, Optional, Protocol
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import crash_points, distcp
-from pytorch_accel_trainer.state.files import TRAINER_FILE, DamagedStateError, rank_file, save_tensors_file
+from pytorch_accel_trainer.state.files import TRAINER_FILE, DamagedStateError, StoredState, rank_file, save_tensors_file
 
 
 class Stateful(Protocol):
@@ -127,14 +127,15 @@ def write_content(content: StateContent, folder: Path, processes: Processes) -> 
 # ------------------------------------------------------------------------------------------------
 
 
-def load_sharded(folder: Path, shared: dict, parts: dict[str, Stateful], processes: Processes) -> None:
-    """Load the sharded ``parts`` from a verified state's ``folder`` (``shared``: its trainer file), each process
+def load_sharded(stored: StoredState, shared: dict, parts: dict[str, Stateful], processes: Processes) -> None:
+    """Load the sharded ``parts`` from a verified state (``shared``: its trainer file), each process
     reading only the pieces of its own shard, whatever the number of processes that wrote them; every process must
     call this. Each part's fit is checked before anything is loaded.
 
     Raises:
         CheckpointError: the state holds other parts, or tensors of other names or shapes (naming them).
     """
+    folder = stored.folder
     saved_plain = shared.get("plain_parts")
     if not isinstance(saved_plain, dict):
         raise CheckpointError(f"{folder / TRAINER_FILE}: it lists no sharded parts; it was altered.")
@@ -161,7 +162,7 @@ def load_sharded(folder: Path, shared: dict, parts: dict[str, Stateful], process
             "state was saved from (same parameters and shapes, same optimizer), or start a new run."
         )
     try:
-        distcp.load_shards(live_tensors, folder, processes.group)
+        distcp.load_shards(live_tensors, folder, processes.group, set(stored.manifest["files"]))
     except DamagedStateError as error:
         raise CheckpointError(f"{folder}: {error}; the state was damaged or altered.") from error
     for name, part in parts.items():

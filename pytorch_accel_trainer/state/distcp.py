@@ -23,12 +23,14 @@ A leaf of the package: it imports only ``files``.
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
 import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 import xxhash
@@ -41,6 +43,8 @@ from pytorch_accel_trainer.state.files import SHARDS_METADATA_FILE, DamagedState
 
 #: The file DCP's main process writes last, naming where every piece of every tensor is.
 METADATA_FILE = SHARDS_METADATA_FILE
+#: The files of a process's shard: ``__<rank>_<n>.distcp``.
+_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
 #: Separates the levels of a part's state in the flat names DCP stores (``model/encoder.weight``); never in an FQN.
 SEPARATOR = "/"
 #: Stands for a tensor in the plain (non-tensor) tree of a part's state: the tensor itself is in the DCP files.
@@ -250,17 +254,52 @@ def read_metadata(folder: Path) -> Metadata:
     return metadata
 
 
+class _NoFollowFileSystem(FileSystem):
+    """DCP's local file system, opening no file through a symbolic link (``O_NOFOLLOW``)."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "r" not in mode:
+            raise ValueError(f"a state's shards are only read here, not opened with mode {mode!r}")
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(descriptor, "rb") as stream:
+            yield cast(io.IOBase, stream)
+
+
 class _SafeReader(FileSystemReader):
-    """DCP's ``FileSystemReader``, reading its metadata with :func:`read_metadata`."""
+    """DCP's ``FileSystemReader``, reading its metadata with :func:`read_metadata`, and from it only the files
+    ``allowed`` (the manifest's, verified: ``None`` allows any plain name), never through a link."""
+
+    def __init__(self, folder: Path, allowed: Optional[set] = None) -> None:
+        super().__init__(folder)
+        self.fs = _NoFollowFileSystem()
+        self._allowed = allowed
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(Path(self.path))
+        validate_storage(metadata, self._allowed)  # checked before (load_shards), and here again for DCP's reads
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def validate_storage(metadata: Metadata, allowed: Optional[set]) -> None:
+    """Refuse DCP metadata that places a tensor in a file that is not a plain shard file name, or (``allowed``) not
+    one the manifest lists: a state's files are never read outside its folder, nor unverified.
+
+    Raises:
+        DamagedStateError: naming the file.
+    """
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not is_shard_file(name) or (allowed is not None and name not in allowed):
+            raise DamagedStateError(
+                f"{METADATA_FILE} places a tensor in {name!r}, which is not a shard file the manifest lists (a "
+                "state's files are never read outside it)"
+            )
 
 
 class _TensorsOnlyPlanner(DefaultLoadPlanner):
@@ -301,41 +340,45 @@ def describe_misfit(metadata: Metadata, tensors: dict) -> Optional[str]:
     return "; ".join(problems) or None
 
 
-def load_shards(tensors: dict, folder: Path, process_group=None) -> None:
+def load_shards(tensors: dict, folder: Path, process_group=None, allowed: Optional[set] = None) -> None:
     """Read the saved values of ``tensors`` (flat names to the live tensors or DTensors, in place) from ``folder``,
     each process only the pieces of its own shard, whatever the number of processes that wrote them; every process of
-    ``process_group`` must call this. Check the fit first with :func:`describe_misfit`."""
+    ``process_group`` must call this. Check the fit first with :func:`describe_misfit`. ``allowed``: the files the
+    state's manifest lists (DCP's metadata may name no other)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    validate_storage(read_metadata(folder), allowed)
     distributed = dist.is_available() and dist.is_initialized()
     dcp.load(
         tensors,
-        storage_reader=_SafeReader(folder),
+        storage_reader=_SafeReader(folder, allowed),
         planner=_TensorsOnlyPlanner(),
         process_group=process_group,
         no_dist=not distributed,
     )
 
 
-def read_full_tensors(folder: Path) -> dict:
-    """Every tensor of ``folder``'s shards, whole, on this process's CPU, by flat name: no process group needed (a
-    state written by any number of processes, read on one machine: ``pytorch-accel-trainer consolidate``)."""
+def read_full_tensors(folder: Path, prefix: str = "", allowed: Optional[set] = None) -> dict:
+    """The tensors of ``folder``'s shards whose flat names start with ``prefix`` (all by default), whole, on this
+    process's CPU: no process group needed (a state written by any number of processes, read on one machine:
+    ``pytorch-accel-trainer consolidate``). ``allowed``: as for :func:`load_shards`."""
     import torch.distributed.checkpoint as dcp
 
     metadata = read_metadata(folder)
+    validate_storage(metadata, allowed)
     tensors = {
         name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
         for name, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
+        if isinstance(item, TensorStorageMetadata) and name.startswith(prefix)
     }
-    dcp.load(tensors, storage_reader=_SafeReader(folder), planner=_TensorsOnlyPlanner(), no_dist=True)
+    dcp.load(tensors, storage_reader=_SafeReader(folder, allowed), planner=_TensorsOnlyPlanner(), no_dist=True)
     return tensors
 
 
-def is_shard_file(name: str) -> bool:
-    """Whether ``name`` is a file DCP writes: a process's ``__<rank>_<n>.distcp``, or the metadata."""
-    return name == METADATA_FILE or (name.startswith("__") and name.endswith(".distcp"))
+def is_shard_file(name: Any) -> bool:
+    """Whether ``name`` is a plain name of a file DCP writes: a process's ``__<rank>_<n>.distcp``."""
+    return isinstance(name, str) and _SHARD_FILE.fullmatch(name) is not None
 
 
 # ------------------------------------------------------------------------------------------------
