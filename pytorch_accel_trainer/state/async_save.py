@@ -39,23 +39,47 @@ class HostBuffers:
         self._layout: Optional[list] = None
 
     def stage(self, tensors: dict) -> dict:
-        """Copies of ``tensors`` (flat names to tensors or DTensors) in host memory (pinned when CUDA is used)."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
+        """Copies of ``tensors`` (flat names to tensors or DTensors: of a DTensor, this process's shard alone) in host
+        memory (pinned when CUDA is used), in the buffers of the previous save when the tensors are the same."""
         layout = [(name, tuple(tensor.shape), tensor.dtype, type(tensor)) for name, tensor in tensors.items()]
         if self._buffers is None or layout != self._layout:
-            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
-            self._buffers, self._layout = _create_cpu_state_dict(tensors, pin_memory=pin), layout
-        staged = _copy_state_dict(tensors, self._buffers, non_blocking=True)
+            self._buffers, self._layout = {name: _host_buffer(tensor) for name, tensor in tensors.items()}, layout
+        for name, tensor in tensors.items():
+            _local(self._buffers[name]).copy_(_local(tensor).detach(), non_blocking=True)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies are complete before training changes the originals
-        return staged
+        return dict(self._buffers)
 
     def clear(self) -> None:
         self._buffers = self._layout = None
 
 
 host_buffers = HostBuffers()
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or this process's shard of a DTensor."""
+    return tensor._local_tensor if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _host_buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor for ``tensor``; for a DTensor, a DTensor of the same sharding whose shard is on the host
+    (allocated once, at the shard's size: never a copy of the whole tensor), as DCP's own staging makes it."""
+    pin = tensor.device.type == "cuda"
+    buffer = torch.empty(_local(tensor).shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    if not _is_dtensor(tensor):
+        return buffer
+    staged = tensor.detach()  # a new DTensor over the same shard (no copy), whose shard is then replaced
+    staged._local_tensor = buffer  # type: ignore[attr-defined]
+    return staged
 
 
 def to_host(value: Any) -> Any:

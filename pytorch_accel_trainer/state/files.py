@@ -295,10 +295,15 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
     return descriptor, status
 
 
+#: The part of a file mapped in memory at a time while it is hashed: what verifying a state adds to a process's
+#: resident memory, whatever the state's size (the pages are the page cache's; unmapped as the hash moves on).
+HASH_WINDOW = 64 * 1024 * 1024
+
+
 def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, str]:
     """The size and XXH3-128 digest (32 hex digits) of the regular file ``path``, read from the file opened (not
-    through a link) and mapped in memory: no copy, at memory speed. The digest is ``""``, and the file not read, when
-    its size is not ``expected_size``.
+    through a link) and mapped in memory :data:`HASH_WINDOW` bytes at a time: no copy, at memory speed, and at most
+    a window resident. The digest is ``""``, and the file not read, when its size is not ``expected_size``.
 
     Raises:
         FileNotFoundError: there is no such file.
@@ -310,8 +315,12 @@ def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, s
             return status.st_size, ""
         if status.st_size == 0:  # an empty file cannot be mapped
             return 0, xxhash.xxh3_128_hexdigest(b"")
-        with mmap.mmap(descriptor, status.st_size, access=mmap.ACCESS_READ) as mapped:
-            return status.st_size, xxhash.xxh3_128_hexdigest(mapped)
+        hasher = xxhash.xxh3_128()
+        for offset in range(0, status.st_size, HASH_WINDOW):  # a multiple of mmap.ALLOCATIONGRANULARITY
+            length = min(HASH_WINDOW, status.st_size - offset)
+            with mmap.mmap(descriptor, length, access=mmap.ACCESS_READ, offset=offset) as mapped:
+                hasher.update(mapped)
+        return status.st_size, hasher.hexdigest()
     finally:
         os.close(descriptor)
 

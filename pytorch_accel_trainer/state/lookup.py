@@ -52,7 +52,7 @@ def find_state_to_resume(processes: Processes, location: Any) -> Optional[Stored
         return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
     if path.is_dir() and _is_run_folder(path):
         return find_state_to_resume(processes, path / RUN_FOLDER_STATES)
-    stored = find_resumable_state(path)
+    stored = find_resumable_state(path, processes)
     found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
     if stored is None and not found:
         content = _visible_entries(path)

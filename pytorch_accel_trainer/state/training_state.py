@@ -222,21 +222,35 @@ def _validate_format_version(folder: Path, version: Any) -> None:
     )
 
 
-def verify_folder(folder: Path) -> StoredState:
+def verify_folder(folder: Path, processes: Optional[Processes] = None) -> StoredState:
     """Check every file of a training state against its manifest (size, then XXH3-128), never through a link; the
-    files are hashed at once on threads (xxhash releases the GIL), each mapped in memory.
+    files are hashed at once on threads (xxhash releases the GIL), each mapped in memory a window at a time. With
+    ``processes`` (every one of which must call this), each process hashes its share of the files (the largest
+    first, dealt out in turn: under FSDP each its own shard) and the verdicts are gathered, so that every process
+    raises the same error, or none.
 
     Raises:
         StateFormatError: the state is of another format version than the one read.
-        CheckpointError: naming the file that is missing, truncated, altered, or a link.
+        CheckpointError: naming the file that is missing, truncated, altered, or a link (the first in name order).
     """
     manifest = read_manifest(folder)
     files = manifest["files"]
+    names = sorted(files, key=lambda name: (-files[name]["size"], name))
+    if processes is not None and processes.count > 1:
+        names = names[processes.rank :: processes.count]
+    problem = None
     with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
-        checks = {name: pool.submit(file_digest, folder / name, files[name]["size"]) for name in sorted(files)}
-        # in name order: the first damaged file is named, whichever thread ends first
-        for name, check in checks.items():
-            _check_file(folder / name, files[name], check)
+        checks = {name: pool.submit(file_digest, folder / name, files[name]["size"]) for name in sorted(names)}
+        for name, check in checks.items():  # in name order: the first damaged file is named
+            try:
+                _check_file(folder / name, files[name], check)
+            except CheckpointError as error:
+                problem = (name, str(error))
+                break
+    if processes is not None and processes.count > 1:
+        problem = min((found for found in processes.all_gather(problem) if found is not None), default=None)
+    if problem is not None:
+        raise CheckpointError(problem[1])
     return StoredState(folder, manifest)
 
 
@@ -270,12 +284,12 @@ def list_complete_states(parent: Path) -> list[StoredState]:
     return sorted(states, key=lambda state: state.order)
 
 
-def _verify_state_in(folder: Path) -> StoredState:
+def _verify_state_in(folder: Path, processes: Optional[Processes] = None) -> StoredState:
     """A state of a folder of states, verified down to its trainer file (whose position must be the manifest's: an
     edited manifest must not make an older state look like the newest, and then stop the resume)."""
     if not is_real_directory(folder):
         raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
-    stored = verify_folder(folder)
+    stored = verify_folder(folder, processes)
     load_trainer_file(stored)
     return stored
 
@@ -375,7 +389,7 @@ def validate_save_dir(parent: Any, run_state, allow_other_runs: bool = False, ac
     run_state.checked_save_dirs.add(key)
 
 
-def find_resumable_state(path: Path) -> Optional[StoredState]:
+def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> Optional[StoredState]:
     """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
 
     ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
@@ -384,6 +398,9 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
     naming it and why (damaged, or of another format version): those newer than it, and those whose manifest cannot
     be read (so whose place in the run is unknown: a state of another format is one), or that are links. A state
     whose trainer file disagrees with its manifest (an edited manifest) is a damaged one.
+
+    With ``processes`` (every one of which must call this), each state is verified by them together, each hashing
+    its share of the files (:func:`verify_folder`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -406,7 +423,7 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
             "SaveTrainingStateCallback)."
         )
     if os.path.lexists(path / MANIFEST_NAME):
-        return verify_folder(path)
+        return verify_folder(path, processes)
     readable = {folder: _readable_state(folder) for folder in state_folders(path)}
     run_id = _run_to_resume(path, [state for state in readable.values() if state is not None])
     other_runs = [state for state in readable.values() if state is not None and state.run_id != run_id]
@@ -417,7 +434,7 @@ def find_resumable_state(path: Path) -> Optional[StoredState]:
         if known is not None and (known.run_id != run_id or stored is not None):
             continue  # another run's, or older than the state chosen: left alone
         try:
-            candidate = _verify_state_in(folder)
+            candidate = _verify_state_in(folder, processes)
         except CheckpointError as error:
             problems.append(error)
             continue
