@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,41 @@ def test_window_trace_stays_small():
     spec.loader.exec_module(step_trace)
     summary, listing = step_trace.run("pytorch_accel_trainer", "none", count_all=False)
     assert summary["functions"] <= 25 and summary["files"] <= 5, "\n".join(listing)
+
+
+#: The rows of benchmarks/sharded_state.py, in its order.
+SHARDED_STATE_ROWS = ["dcp_save", "state_save", "dcp_load", "state_load", "sync_in_run", "async_in_run"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sharded_state_benchmark_quick(tmp_path):
+    """The quick sharded-state benchmark (2 FSDP2 processes on the CPU, one repeat) gives every row a time and a peak
+    (the asynchronous save may be refused, with the trainer's message), every save row its files, and every goal a
+    verdict; timings are never judged."""
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "sharded_state.py"), "--quick", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=240,
+    )
+    assert (tmp_path / "results.json").exists(), completed.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["summary"]["rows"]
+    assert list(rows) == SHARDED_STATE_ROWS
+    for row, summary in rows.items():
+        assert summary["errors"] == [], (row, summary["errors"])
+        if row == "async_in_run" and summary["refused"]:
+            assert "asynchronous" in summary["refused"][0]  # the trainer's message, not a crash
+            continue
+        assert summary["refused"] == [], (row, summary["refused"])
+        for figure in ("seconds", "peak_bytes"):
+            assert summary[figure]["n"] == 1 and math.isfinite(summary[figure]["median"]), (row, figure)
+        assert len(summary["peak_bytes_per_rank"]) == 2, row
+        if row in ("dcp_save", "state_save", "sync_in_run", "async_in_run"):
+            assert summary["state_bytes"] > 0, row
+    assert len(results["goals"]) == 5
+    assert all(verdict in ("PASS", "FAIL") for _, _, verdict in results["goals"])
+    assert "| goal |" in (tmp_path / "results.md").read_text()
+    assert completed.returncode == 0, completed.stderr[-4000:]

@@ -1,0 +1,160 @@
+"""A run stopped in the middle of its second epoch on 2 processes under FSDP2, then resumed on another number of
+processes (FSDP2 again, or on one process the plain model).
+
+    ACCELERATE_USE_CPU=1 accelerate launch --num_processes 2 resize_run.py OUTPUT_DIR first 2
+    ACCELERATE_USE_CPU=1 accelerate launch --num_processes N resize_run.py OUTPUT_DIR resume N   # or python, N = 1
+
+Every sample carries its id (its index in the dataset), and each process records the ids of every batch it trained,
+per epoch of the run history, in the order it trained them: ``OUTPUT_DIR/ids_<phase>_rank<r>.json`` holds
+``{"<epoch>": [[ids of batch 0], [ids of batch 1], ...]}``. tests/test_resume_resize.py checks them.
+
+- ``first`` (2 processes): a run of 2 epochs stopped by ``max_num_train_steps`` after STOP_AFTER_BATCHES updates of
+  epoch 2 (one batch per update), then ``trainer.save_training_state(OUTPUT_DIR/states)`` after ``train()`` returned:
+  a state taken outside a run is taken at once, at the position where the run stopped, the next batch not trained on
+  (docs/training_state.md, "Resuming"). Then, in the same processes, an uninterrupted run of the same set-up, whose
+  ids are ``ids_reference_rank<r>.json``: what a 2-process resume must train.
+- ``resume`` (NPROC processes): ``train(..., resume_from=OUTPUT_DIR/states, allow_resume_changes=True)`` trains the
+  rest of epoch 2 (``ids_resume_rank<r>.json``). With another number of processes than the state's, a first attempt
+  without ``allow_resume_changes`` comes before it, in the same processes (one launch fewer): what it raised on each
+  process goes to ``strict_rank<r>.json`` (``{"raised": false}`` if it trained instead) and to stderr.
+
+A launch that hangs (a process waiting for one that raised) ends after SCRIPT_TIMEOUT_S with every thread's traceback
+on stderr.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import DistributedType, PartialState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from torch import nn
+from torch.utils.data import Dataset
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import TrainerCallback
+
+NUM_SAMPLES = 64  # 2 processes x batches of 4: 8 updates per epoch
+PER_DEVICE_BATCH_SIZE = 4
+NUM_EPOCHS = 2
+SAVED_WORLD_SIZE = 2  # the number of processes of the first phase
+STOP_AFTER_BATCHES = 3  # updates of epoch 2 made before the stop (per process: 2 x 3 x 4 = 24 samples trained)
+SEED = 42
+SCRIPT_TIMEOUT_S = 150
+
+
+class IdDataset(Dataset):
+    """``(x, y, id)``: 4 features, a linear target, and the sample's index."""
+
+    def __init__(self, size: int = NUM_SAMPLES):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(size, 4, generator=generator)
+        self.y = self.x.sum(dim=1, keepdim=True) + 1.0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index], index
+
+
+class IdTrainer(Trainer):
+    """The default loss, on ``(x, y)`` of an ``(x, y, ids)`` batch; on several processes under FSDP2, switched on on
+    the CPU as tests/scripts/fsdp_train.py does (one process runs the plain model: a sharded state resumed whole)."""
+
+    def _create_accelerator(self):
+        accelerator = super()._create_accelerator()
+        if accelerator.num_processes > 1:
+            accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+            accelerator.state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # AcceleratorState re-reads it
+        return accelerator
+
+    def calculate_train_batch_loss(self, batch):
+        x, y, _ = batch
+        outputs = self.model(x)
+        return {"loss": self.loss_func(outputs, y), "model_outputs": outputs, "batch_size": y.size(0)}
+
+
+class RecordIds(TrainerCallback):
+    """The ids of every batch trained, per epoch of the run history (``on_train_step_end``: the batch's loss is
+    computed and its backward pass follows; with one batch per update no step is cut short)."""
+
+    def __init__(self):
+        self.ids: dict = {}
+
+    def on_train_step_end(self, trainer, batch, batch_output, **kwargs):
+        epoch = str(trainer.run_history.current_epoch)
+        self.ids.setdefault(epoch, []).append([int(i) for i in batch[2].tolist()])
+
+
+def make_trainer(recorder: RecordIds) -> IdTrainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    return IdTrainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=[recorder], seed=SEED)
+
+
+def train(recorder: RecordIds, **kwargs) -> IdTrainer:
+    trainer = make_trainer(recorder)
+    trainer.train(IdDataset(), num_epochs=NUM_EPOCHS, per_device_batch_size=PER_DEVICE_BATCH_SIZE, **kwargs)
+    return trainer
+
+
+def write_json(path: Path, value) -> None:
+    path.write_text(json.dumps(value))
+
+
+def first(output_dir: Path, rank: int) -> None:
+    recorder = RecordIds()
+    updates_per_epoch = NUM_SAMPLES // (PER_DEVICE_BATCH_SIZE * SAVED_WORLD_SIZE)
+    trainer = train(recorder, max_num_train_steps=updates_per_epoch + STOP_AFTER_BATCHES)
+    trainer.save_training_state(output_dir / "states")  # outside a run: at once, at the next batch not trained on
+    write_json(output_dir / f"ids_first_rank{rank}.json", recorder.ids)
+    reference = RecordIds()
+    train(reference)  # uninterrupted
+    write_json(output_dir / f"ids_reference_rank{rank}.json", reference.ids)
+
+
+def resume(output_dir: Path, rank: int, num_processes: int) -> None:
+    states = output_dir / "states"
+    if num_processes != SAVED_WORLD_SIZE:
+        attempt = RecordIds()
+        try:
+            train(attempt, resume_from=states)
+        except Exception as error:  # what each process says, compared by the test
+            print(f"expected, without allow_resume_changes: {type(error).__name__}: {error}", file=sys.stderr)
+            strict = {"raised": True, "type": type(error).__name__, "message": str(error)}
+        else:
+            strict = {"raised": False, "ids": attempt.ids}
+        write_json(output_dir / f"strict_rank{rank}.json", strict)
+    recorder = RecordIds()
+    train(recorder, resume_from=states, allow_resume_changes=True)
+    write_json(output_dir / f"ids_resume_rank{rank}.json", recorder.ids)
+
+
+def main(output_dir: Path, phase: str, num_processes: int) -> None:
+    faulthandler.dump_traceback_later(SCRIPT_TIMEOUT_S, exit=True)
+    # from the launcher's environment: Accelerate's state is set up by the trainers, as in a user's script
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != num_processes:
+        raise SystemExit(f"launched on {world_size} processes, but NPROC is {num_processes}")
+    if phase == "first":
+        if num_processes != SAVED_WORLD_SIZE:
+            raise SystemExit(f"the first phase runs on {SAVED_WORLD_SIZE} processes")
+        first(output_dir, rank)
+    elif phase == "resume":
+        resume(output_dir, rank, num_processes)
+    else:
+        raise SystemExit(f"PHASE is 'first' or 'resume', not {phase!r}")
+    faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__)
+    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
