@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from conftest import assert_bitwise_equal
+from test_resume_processes import _interrupted_then_resumed
 from test_training_state import Crash, CrashAt, _final_state, _run
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import async_save, crash_points
+from pytorch_accel_trainer.state.distcp import METADATA_FILE, read_metadata
 from pytorch_accel_trainer.state.files import MANIFEST_NAME
 from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
 
@@ -21,7 +21,22 @@ def reference(tmp_path_factory):
 
 
 def _state_files(folder):
-    return {path.name: path.read_bytes() for path in folder.iterdir() if path.name != MANIFEST_NAME}
+    """The bytes of every file of a state but its manifest and DCP's metadata (which records a save's own id and
+    folder: compared by :func:`_shards_layout`)."""
+    return {
+        path.name: path.read_bytes() for path in folder.iterdir() if path.name not in (MANIFEST_NAME, METADATA_FILE)
+    }
+
+
+def _shards_layout(folder):
+    """What DCP's metadata says of the shards: each tensor's name, shape, dtype and chunks, and where its bytes lie."""
+    metadata = read_metadata(folder)
+    return metadata.state_dict_metadata, metadata.storage_data, metadata.planner_data
+
+
+def _manifest_without_metadata(state):
+    files = {name: entry for name, entry in state.manifest["files"].items() if name != METADATA_FILE}
+    return {**state.manifest, "run_id": None, "files": files}  # two runs
 
 
 def test_async_save_equals_sync_save(tmp_path, reference):
@@ -34,9 +49,10 @@ def test_async_save_equals_sync_save(tmp_path, reference):
     assert [state.folder.name for state in sync_states] == [state.folder.name for state in async_states]
     for sync_state, async_state in zip(sync_states, async_states):
         verify_folder(async_state.folder)
-        assert {**async_state.manifest, "run_id": None} == {**sync_state.manifest, "run_id": None}  # two runs
-        # same files, sizes and XXH3-128: the same bytes
+        assert _manifest_without_metadata(async_state) == _manifest_without_metadata(sync_state)
+        # same files, sizes and XXH3-128: the same bytes, and the same shards layout
         assert _state_files(async_state.folder) == _state_files(sync_state.folder)
+        assert _shards_layout(async_state.folder) == _shards_layout(sync_state.folder)
 
 
 def test_crash_then_async_resume_is_bitwise(tmp_path, reference):
@@ -48,7 +64,7 @@ def test_crash_then_async_resume_is_bitwise(tmp_path, reference):
     assert_bitwise_equal(_final_state(resumed), reference)
 
 
-@pytest.mark.parametrize("point", ["write:optimizer.pt", "hash:model.safetensors", "manifest", "rename"])
+@pytest.mark.parametrize("point", ["write:shards", "hash:__0_0.distcp", "manifest", "rename"])
 def test_background_failure_raised_next_save(tmp_path, reference, monkeypatch, point):
     """A failure in the background is raised at the next save, and leaves the last good state."""
     failed = []
@@ -73,11 +89,26 @@ def test_background_failure_raised_next_save(tmp_path, reference, monkeypatch, p
     assert_bitwise_equal(_final_state(resumed), reference)
 
 
-def test_multi_process_async_save_is_refused():
-    """Asynchronous saves of several processes are refused, naming the alternative."""
-    accelerator = SimpleNamespace(num_processes=2, distributed_type="MULTI_GPU", state=None)
-    with pytest.raises(ValueError, match=r"this run has 2 process\(es\).*Pass asynchronous=False"):
-        async_save.validate_asynchronous_save(accelerator)
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_process_async_save_resumes_bitwise(tmp_path):
+    """Background saves of two processes, each writing its own shard: both killed while writing the shards of a
+    state, the run resumes from the last complete one, bit for bit (FSDP2 and S3: test_sharded_state.py)."""
+    config = {"accumulation": 1, "shuffle": True, "asynchronous": True}
+    resumed, reference, states, stopped = _interrupted_then_resumed(
+        tmp_path,
+        config,
+        {"crash_at": "write:shards", "crash_on_hit": 5},
+        2,
+        expected_codes=tuple(range(1, 256)) + (-9,),
+    )
+    assert "Saving training state" in stopped.stdout and "in the background" in stopped.stdout
+    assert_bitwise_equal(resumed, reference)
+    saved = list_complete_states(states)
+    assert saved and all(verify_folder(state.folder) for state in saved)
+    for state in saved:
+        assert state.manifest["world_size"] == 2
+        assert {"__0_0.distcp", "__1_0.distcp", "rank_00000.pt", "rank_00001.pt"} <= set(state.manifest["files"])
 
 
 def test_last_save_failure_raised_at_return(tmp_path, monkeypatch):
@@ -101,12 +132,12 @@ def test_host_buffers_reused_then_freed(tmp_path):
     """Host buffers are reused by the next save, and freed as the run ends."""
     from pytorch_accel_trainer.state.async_save import HostBuffers, host_buffers
 
-    buffers, source = HostBuffers(), torch.arange(6.0)
-    first = buffers.copy("w", source)
-    source += 1  # training changes the original in place: the copy keeps the saved values
+    buffers, source = HostBuffers(), {"model/w": torch.arange(6.0)}
+    first = buffers.stage(source)["model/w"]
+    source["model/w"] += 1  # training changes the original in place: the copy keeps the saved values
     assert torch.equal(first, torch.arange(6.0))
-    second = buffers.copy("w", source)
+    second = buffers.stage(source)["model/w"]
     assert second.data_ptr() == first.data_ptr() and torch.equal(second, torch.arange(1.0, 7.0))  # no new allocation
-    assert buffers.copy("w", torch.zeros(3)).shape == (3,)  # another shape: a new buffer
+    assert buffers.stage({"model/w": torch.zeros(3)})["model/w"].shape == (3,)  # another shape: new buffers
     _run(tmp_path, num_epochs=1, asynchronous=True)
-    assert host_buffers._buffers == {}  # the copies of the run's saves are freed when it ends
+    assert host_buffers._buffers is None  # the copies of the run's saves are freed when it ends

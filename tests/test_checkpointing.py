@@ -274,44 +274,66 @@ def test_truncated_or_empty_file(tmp_path, damage):
         load_checkpoint_file(tmp_path / "model.pt")
 
 
+@pytest.mark.parametrize("full_file", ["trainer_state.pt", "__0_0.distcp"])
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous):
-    """A full disk during a training-state save is an ENOSPC error, and the earlier states stay. The optimizer file's
-    write goes to /dev/full, so the kernel's own ENOSPC reaches the save (synchronous, and the background writer of an
-    asynchronous one); the partial state folder is removed, the earlier state resumes."""
+def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous, full_file):
+    """A full disk during a training-state save is an ENOSPC error, and the earlier states stay. The write of one of
+    its files (the shared torch file, or this process's shard, written through DCP) goes to /dev/full, so the kernel's
+    own ENOSPC reaches the save (synchronous, and the background writer of an asynchronous one, whose error the end of
+    train() raises); the partial state folder is removed, the earlier state resumes."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
-    from pytorch_accel_trainer.loop import persistence
-    from pytorch_accel_trainer.state import async_save, training_state
-    from pytorch_accel_trainer.state import files as state_files
+    import builtins
+    from pathlib import Path
 
-    trainer = _trained_trainer()
-    first = trainer.save_training_state(tmp_path, name="before")
-    write = state_files.save_tensors_file
+    from pytorch_accel_trainer.callbacks import TrainerCallback
+    from pytorch_accel_trainer.state import content, distcp, training_state
 
-    def optimizer_to_full_device(obj, path):
-        if path.name != "optimizer.pt":
-            return write(obj, path)
-        with open("/dev/full", "wb") as full:
-            torch.save(obj, full)
+    def send_to_full_device():
+        write = content.save_tensors_file
 
-    for module in (training_state, async_save):
-        monkeypatch.setattr(module, "save_tensors_file", optimizer_to_full_device)
-    position = trainer.run_state.position(None)
-    with pytest.raises(
-        OSError, match=r"no space left on \S*after: the training state was not written .*the earlier states in"
-    ) as raised:
-        if asynchronous:  # what the background thread runs
-            staged = async_save.stage_training_state(
-                trainer, tmp_path, position, persistence.run_facts(trainer), name="after"
-            )
-            async_save.write_staged_state(staged)
-        else:
+        def save_to_full_device(obj, path):
+            if path.name != full_file:
+                return write(obj, path)
+            with open("/dev/full", "wb") as full:
+                torch.save(obj, full)
+
+        def open_full_device(path, *args, **kwargs):  # the files DCP writes, through distcp's file system
+            return builtins.open("/dev/full" if Path(path).name == full_file else path, *args, **kwargs)
+
+        monkeypatch.setattr(content, "save_tensors_file", save_to_full_device)
+        monkeypatch.setattr(distcp, "open", open_full_device, raising=False)
+
+    if asynchronous:
+
+        class SaveInBackground(TrainerCallback):
+            def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+                if num_update_steps_completed == 1:
+                    trainer.save_training_state(tmp_path, name="before")
+                elif num_update_steps_completed == 2:
+                    send_to_full_device()
+                    trainer.save_training_state(tmp_path, name="after", asynchronous=True)
+
+        model = make_mlp()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        trainer = Trainer(model, torch.nn.MSELoss(), optimizer, callbacks=[SaveInBackground()])
+        with pytest.raises(CheckpointError, match=r"The asynchronous save of a training state failed") as failed:
+            trainer.train(regression_dataset(24), num_epochs=1, per_device_batch_size=4)
+        error = failed.value.__cause__
+    else:
+        trainer = _trained_trainer()
+        trainer.save_training_state(tmp_path, name="before")
+        send_to_full_device()
+        with pytest.raises(OSError) as raised:
             trainer.save_training_state(tmp_path, name="after")
-    assert raised.value.errno == errno.ENOSPC
+        error = raised.value
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC, repr(error)
+    assert re.search(
+        r"no space left on \S*after: the training state was not written .*the earlier states in", str(error)
+    )
     monkeypatch.undo()
     assert sorted(path.name for path in tmp_path.iterdir()) == ["before", "latest"]  # no partial folder left
-    assert training_state.find_resumable_state(tmp_path).folder == first
+    assert training_state.find_resumable_state(tmp_path).folder == tmp_path / "before"
 
 
 # A checkpoint loaded into a model with another head (strict=False), as Hezar's init_weights_from ----------------------

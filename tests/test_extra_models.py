@@ -13,6 +13,8 @@ from torch import nn
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state.consolidate import full_weights
+from pytorch_accel_trainer.state.distcp import read_metadata
 from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 
@@ -299,18 +301,27 @@ def test_resumed_run_equals_uninterrupted(tmp_path, accumulation, asynchronous):
 
     assert_bitwise_equal(final_states(resumed), reference)
     newest = list_complete_states(tmp_path / "states")[-1]
-    assert {"extra_model-critic.safetensors", "extra_optimizer-critic.pt"} <= set(newest.manifest["files"])
+    assert newest.folder.name == "final"  # saved as the run ended: the critic's final weights
+    assert_bitwise_equal(full_weights(newest.folder, "extra_model:critic"), reference["extra_models"]["critic"])
+    saved = set(read_metadata(newest.folder).state_dict_metadata)
+    assert {f"extra_optimizer:critic/state/{name}/exp_avg" for name in ("0.weight", "0.bias", "3.weight")} <= saved
 
 
 def test_extras_files_verified_by_manifest(tmp_path):
+    """The bytes of the extra optimizer's state in the shards are verified by the manifest."""
     run_with_states(tmp_path)
     folder = list_complete_states(tmp_path)[-1].folder
-    path = folder / "extra_optimizer-critic.pt"
+    (info,) = [
+        info
+        for index, info in read_metadata(folder).storage_data.items()
+        if index.fqn == "extra_optimizer:critic/state/0.weight/exp_avg"
+    ]
+    path = folder / info.relative_path
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[info.offset + info.length // 2] ^= 0xFF
     path.write_bytes(bytes(data))
 
-    with pytest.raises(CheckpointError, match="extra_optimizer-critic.pt: its XXH3-128 does not match the manifest"):
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: its XXH3-128 does not match the manifest"):
         verify_folder(folder)
 
 
@@ -335,15 +346,16 @@ def test_state_must_hold_the_extras(tmp_path):
         make_critic_trainer().load_training_state(tmp_path / "plain")
 
 
-def test_state_refuses_other_optimizer_class(tmp_path):
-    """A state refuses an extra optimizer of another class."""
+@pytest.mark.parametrize("other", [torch.optim.SGD, torch.optim.AdamW])  # AdamW keeps the tensors Adam keeps
+def test_state_refuses_other_optimizer_class(tmp_path, other):
+    """A state refuses an extra optimizer of another class, naming both."""
     run_with_states(tmp_path)
-    trainer = make_critic_trainer(critic_optimizer=torch.optim.SGD)
+    trainer = make_critic_trainer(critic_optimizer=other)
     with pytest.raises(
         CheckpointError,
         match=(
-            r"extra_optimizer-critic.pt does not fit the optimizer of the extra model 'critic': it was saved by the "
-            r"optimizer Adam, but this trainer's optimizer is SGD"
+            r"does not fit the optimizer of the extra model 'critic': it was saved by the optimizer Adam, but this "
+            rf"trainer's optimizer is {other.__name__}"
         ),
     ):
         trainer.load_training_state(tmp_path)

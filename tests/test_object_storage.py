@@ -99,9 +99,9 @@ def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypa
     url = "memory://bucket/partial"
     uploads = []
 
-    def crash_in_the_third_upload(point):  # the process dies with step_9 half uploaded: no manifest yet
+    def crash_in_the_third_upload(point):  # the process dies with step_9 uploaded but for its manifest
         uploads.append(point)
-        if uploads.count("upload:optimizer.pt") == 3:
+        if uploads.count("upload:trainer_state.pt") == 3:
             raise Crash()
 
     monkeypatch.setattr(crash_points, "crash_point", crash_in_the_third_upload)
@@ -109,7 +109,7 @@ def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypa
         _run(url, resume_from=url)
     monkeypatch.undo()
     assert not memory_store.exists("/bucket/partial/step_9/manifest.json") and memory_store.exists(
-        "/bucket/partial/step_9"
+        "/bucket/partial/step_9/__0_0.distcp"
     )
     resumed = _run(url, resume_from=url)  # from step_6, the newest complete state
     assert_bitwise_equal(_end_state(resumed), reference)
@@ -210,9 +210,9 @@ def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     script = Path(__file__).parent / "scripts" / "resume_run.py"
     env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
     config = {"save_dir": "s3://states-bucket/killed", "out": str(tmp_path / "out.pt"), "save_every": 2}
-    # SIGKILL while the third state's optimizer.pt is uploaded: its model is in the store, its manifest is not
+    # SIGKILL while the third state's trainer_state.pt is uploaded: its shards are in the store, its manifest is not
     killed = subprocess.run(
-        [sys.executable, str(script), json.dumps({**config, "crash_at": "upload:optimizer.pt", "crash_on_hit": 3})],
+        [sys.executable, str(script), json.dumps({**config, "crash_at": "upload:trainer_state.pt", "crash_on_hit": 3})],
         env=env,
         capture_output=True,
         text=True,
@@ -220,7 +220,8 @@ def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     store = fsspec.filesystem("s3", skip_instance_cache=True)
-    assert store.exists("states-bucket/killed/step_6/model.safetensors")
+    assert store.exists("states-bucket/killed/step_6/__0_0.distcp")
+    assert store.exists("states-bucket/killed/step_6/.metadata")
     assert not store.exists("states-bucket/killed/step_6/manifest.json")
     resumed = subprocess.run(
         [sys.executable, str(script), json.dumps({**config, "reference_out": str(tmp_path / "reference.pt")})],
@@ -273,7 +274,7 @@ def test_load_training_state_from_a_store(memory_store):
 def test_damaged_state_in_store_is_skipped(memory_store):
     """A damaged state in a store is skipped with a warning; a store with no good state is an error."""
     _run("memory://bucket/damaged", num_epochs=1)  # 8 updates: step_6 and final kept
-    memory_store.pipe_file("/bucket/damaged/final/optimizer.pt", b"not the optimizer state")
+    memory_store.pipe_file("/bucket/damaged/final/__0_0.distcp", b"not the state's shard")
     with pytest.warns(
         UserWarning, match=r"Skipped a damaged training state \(resuming from memory://bucket/damaged/step_6"
     ):
@@ -281,6 +282,6 @@ def test_damaged_state_in_store_is_skipped(memory_store):
     assert resumed.num_update_steps_completed == 8  # the two updates after step_6 again
     for name in memory_store.ls("/bucket/damaged", detail=False):
         if memory_store.isdir(name):
-            memory_store.pipe_file(f"{name}/optimizer.pt", b"damaged")
+            memory_store.pipe_file(f"{name}/__0_0.distcp", b"damaged")
     with pytest.raises(CheckpointError, match=r"memory://bucket/damaged holds \d training state\(s\) and none can be"):
         _run("memory://bucket/damaged", resume_from="memory://bucket/damaged")

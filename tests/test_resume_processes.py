@@ -56,7 +56,7 @@ CASES = [
     ({"accumulation": 3, "shuffle": True, "num_workers": 2}, {"kill": {"event": "train_step", "epoch": 2, "step": 5}}),
     ({"accumulation": 1, "shuffle": False}, {"kill": {"event": "eval_step", "epoch": 1, "step": 2}}),
     ({"accumulation": 3, "shuffle": True}, {"crash_at": "rename"}),
-    ({"accumulation": 1, "shuffle": True}, {"crash_at": "write:optimizer.pt"}),
+    ({"accumulation": 1, "shuffle": True}, {"crash_at": "write:shards"}),
 ]
 
 

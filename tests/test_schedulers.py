@@ -24,7 +24,6 @@ from conftest import (
     make_trainer,
     regression_dataset,
 )
-from safetensors.torch import load_file
 from torch import nn
 
 from pytorch_accel_trainer import Trainer, TrainerPlaceholderValues
@@ -38,6 +37,7 @@ from pytorch_accel_trainer.schedulers import (
     estimate_checkpoint_steps,
 )
 from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, load_checkpoint_file
+from pytorch_accel_trainer.state.consolidate import full_weights
 from pytorch_accel_trainer.state.training_state import find_resumable_state
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -318,7 +318,7 @@ def test_wsd_callback_saves_around_decays(tmp_path):
     for step in (4, 12):
         state = find_resumable_state(tmp_path / f"checkpoint_{step}_wsd_pre_decay")
         assert state.manifest["num_update_steps_completed"] == step
-        assert_bitwise_equal(load_file(str(state.folder / "model.safetensors")), weights.after_update[step])
+        assert_bitwise_equal(full_weights(state.folder), weights.after_update[step])
     for step in (8, 16):
         export = load_checkpoint_file(tmp_path / f"checkpoint_{step}_wsd_post_decay.pt")
         assert (export["step"], export["checkpoint_type"], export["total_steps"]) == (step, "wsd_post_decay", 16)
@@ -330,7 +330,7 @@ def test_wsd_continuation_from_pre_decay_state(tmp_path):
     """A continuation from a pre-decay state holds, then decays over its own length."""
     train_linear([WSDCheckpointCallback(tmp_path / "first")])
     pre_decay = tmp_path / "first" / "checkpoint_12_wsd_pre_decay"
-    saved_weights = load_file(str(find_resumable_state(pre_decay).folder / "model.safetensors"))
+    saved_weights = full_weights(find_resumable_state(pre_decay).folder)
     weights, recorder = KeepWeights(), LearningRateRecorder()
 
     class WeightsAtStart(TrainerCallback):

@@ -75,10 +75,10 @@ def _list_outside(manifest, secret, name):
 
 
 def _link_file(folder, secret):
-    outside = secret.parent / "optimizer-copy.pt"  # the very bytes the manifest lists: the hash would check out
-    shutil.copyfile(folder / "optimizer.pt", outside)
-    (folder / "optimizer.pt").unlink()
-    (folder / "optimizer.pt").symlink_to(outside)
+    outside = secret.parent / "shard-copy.distcp"  # the very bytes the manifest lists: the hash would check out
+    shutil.copyfile(folder / "__0_0.distcp", outside)
+    (folder / "__0_0.distcp").unlink()
+    (folder / "__0_0.distcp").symlink_to(outside)
 
 
 def _link_manifest(folder, secret):
@@ -113,7 +113,7 @@ DAMAGES = {
     ),
     "a linked file": (
         _link_file,
-        r"optimizer\.pt: a symbolic link; a state's files must be regular files in its folder",
+        r"__0_0\.distcp: a symbolic link; a state's files must be regular files in its folder",
     ),
     "a linked manifest": (_link_manifest, r"manifest\.json: a symbolic link"),
     "a linked state folder": (_link_folder, r"step_4: a symbolic link; states are read only from folders inside"),
@@ -160,12 +160,17 @@ BAD_FIELDS = [
     ("num_update_steps_completed", "4", r"num_update_steps_completed is '4'; it must be a whole number >= 0"),
     (
         "position",
-        {"loop_epoch": -1, "batches_seen": 0, "rng_restore_point": "before_iterator"},
+        {"loop_epoch": -1, "batches_seen": 0, "epoch_samples": 0, "rng_restore_point": "before_iterator"},
         r"position\['loop_epoch'\] is -1",
     ),
     (
         "position",
-        {"loop_epoch": 0, "batches_seen": 2, "rng_restore_point": "later"},
+        {"loop_epoch": 0, "batches_seen": 2, "epoch_samples": -4, "rng_restore_point": "after_iterator"},
+        r"position\['epoch_samples'\] is -4",
+    ),
+    (
+        "position",
+        {"loop_epoch": 0, "batches_seen": 2, "epoch_samples": 4, "rng_restore_point": "later"},
         r"position\['rng_restore_point'\] is 'later'; it must be one of \('before_iterator', 'after_iterator'\)",
     ),
     (
@@ -177,19 +182,24 @@ BAD_FIELDS = [
     ("files", [], r"files is a list; it must map each file name to its size and xxh3_128"),
     (
         "files",
-        {"model.safetensors": {"size": -1, "xxh3_128": "0" * 32}},
-        r"files\['model.safetensors'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}",
+        {"__0_0.distcp": {"size": -1, "xxh3_128": "0" * 32}},
+        r"files\['__0_0\.distcp'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}",
     ),
-    ("files", {"model.safetensors": {"size": 1, "xxh3_128": "xyz"}}, r"files\['model.safetensors'\] is .*'xyz'"),
-    (  # a CRC32 as format 2 listed it, in a manifest that claims format 3
+    ("files", {"__0_0.distcp": {"size": 1, "xxh3_128": "xyz"}}, r"files\['__0_0\.distcp'\] is .*'xyz'"),
+    (  # a CRC32 as format 2 listed it, in a manifest that claims format 4
         "files",
-        {"model.safetensors": {"size": 1, "crc32": "0" * 8}},
-        r"files\['model.safetensors'\] is .*'crc32'.*; it must be \{'size': .*'xxh3_128': 32 hex digits\}",
+        {"__0_0.distcp": {"size": 1, "crc32": "0" * 8}},
+        r"files\['__0_0\.distcp'\] is .*'crc32'.*; it must be \{'size': .*'xxh3_128': 32 hex digits\}",
     ),
     (
         "files",
-        {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}},
-        r"files lists no model.safetensors, which every training state holds",
+        {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}, "trainer_state.pt": {"size": 1, "xxh3_128": "0" * 32}},
+        r"files lists no \.metadata, which every training state holds",
+    ),
+    (
+        "files",
+        {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}, ".metadata": {"size": 1, "xxh3_128": "0" * 32}},
+        r"files lists no trainer_state\.pt, which every training state holds",
     ),
 ]
 
@@ -204,20 +214,50 @@ def test_manifest_fields_are_checked(states, name, value, problem):
     assert folder not in [state.folder for state in list_complete_states(states)]  # never pruned by a forged claim
 
 
+class _Hostile:
+    """Runs a shell command when unpickled: what a planted pickle does if anything unpickles it."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
 def test_planted_pickle_never_runs(states):
-    """A pickle planted as model.safetensors is a CheckpointError and never runs."""
+    """A pickle planted as DCP's metadata (which DCP itself would unpickle) is a CheckpointError and never runs."""
     folder, marker = states / "step_4", states.parent / "pwned"
-
-    class Hostile:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    (folder / "model.safetensors").write_bytes(pickle.dumps(Hostile()))
-    _rehash(folder, "model.safetensors")  # a forged manifest: the file checks out, so it is read
+    (folder / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
+    _rehash(folder, ".metadata")  # a forged manifest: the file checks out, so it is read
     with pytest.raises(
         CheckpointError,
-        match=r"step_4/model\.safetensors: not a safetensors file \(.*\); the state was damaged or altered",
+        match=(
+            rf"step_4/\.metadata names {os.system.__module__}\.system, which DCP's metadata never holds; the state "
+            r"was damaged or altered"
+        ),
     ):
+        _run(states, num_epochs=2)
+    assert not marker.exists()
+
+
+def test_planted_pickle_in_a_shard_never_runs(states):
+    """A pickle planted in a shard file, where a forged DCP metadata (of DCP's own classes) places a tensor, is a
+    CheckpointError and never runs."""
+    import io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder, marker = states / "step_4", states.parent / "pwned"
+    payload = io.BytesIO()
+    torch.save(_Hostile(marker), payload)  # as DCP writes each tensor: a torch file at an offset of the shard
+    metadata = FileSystemReader(folder).read_metadata()  # the state's own metadata, trusted here
+    for item in metadata.storage_data.values():
+        item.offset, item.length = 0, len(payload.getvalue())
+    (folder / "__0_0.distcp").write_bytes(payload.getvalue())
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rehash(folder, "__0_0.distcp")  # a forged manifest: the files check out, so they are read
+    _rehash(folder, ".metadata")
+    with pytest.raises(CheckpointError, match=r"step_4\b.*; the state was damaged or altered"):
         _run(states, num_epochs=2)
     assert not marker.exists()
 
@@ -249,7 +289,7 @@ def test_resume_into_another_optimizer(states):
     with pytest.raises(
         CheckpointError,
         match=(
-            r"optimizer\.pt does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this "
+            r"step_4 does not fit this trainer's optimizer: it was saved by the optimizer SGD, but this "
             r"trainer's optimizer is Adam\. Resume with the optimizer the state was saved with"
         ),
     ):
@@ -305,7 +345,7 @@ def _as_format_2(folder):
 def _format_2_refusal(folder) -> str:
     return (
         rf"{re.escape(str(folder))} is a training state of format version 2, which a development version of "
-        r"pytorch_accel_trainer wrote before the first release; this version reads format version 3 only\. Start the "
+        r"pytorch_accel_trainer wrote before the first release; this version reads format version 4 only\. Start the "
         r"run again without it \(move the folder away, or pass another resume_from\), or resume it with the version "
         r"that wrote it\. Nothing was loaded from it\."
     )
@@ -368,17 +408,22 @@ def test_folder_of_older_formats_only_stops(states):
     ("version", "problem"),
     [
         (
-            4,
-            r"step_4 is a training state of format version 4, which a newer version of pytorch_accel_trainer wrote; "
-            r"this version reads format version 3 only\. Resume it with that version\. Nothing was loaded",
+            5,
+            r"step_4 is a training state of format version 5, which a newer version of pytorch_accel_trainer wrote; "
+            r"this version reads format version 4 only\. Resume it with that version\. Nothing was loaded",
+        ),
+        (
+            3,  # the whole model and optimizer in one file each
+            r"step_4 is a training state of format version 3, which a development version of pytorch_accel_trainer "
+            r"wrote before the first release; this version reads format version 4 only\. Start the run again",
         ),
         (
             1,
             r"step_4 is a training state of format version 1, which a development version of pytorch_accel_trainer "
-            r"wrote before the first release; this version reads format version 3 only\. Start the run again",
+            r"wrote before the first release; this version reads format version 4 only\. Start the run again",
         ),
-        ("3", r"manifest\.json: damaged manifest: format_version is '3'; it must be 3\."),
-        (None, r"manifest\.json: damaged manifest: format_version is None; it must be 3\."),
+        ("4", r"manifest\.json: damaged manifest: format_version is '4'; it must be 4\."),
+        (None, r"manifest\.json: damaged manifest: format_version is None; it must be 4\."),
     ],
 )
 def test_other_format_versions_are_refused(states, version, problem):
@@ -402,7 +447,7 @@ _STOPPED_SAVE = textwrap.dedent(
     from pytorch_accel_trainer.state import crash_points
 
     def stop(name):  # in the middle of a save: die, or stay alive writing
-        if name == "write:optimizer.pt":
+        if name == "write:trainer_state.pt":  # its shards written
             if sys.argv[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             print("writing", flush=True)
@@ -435,7 +480,7 @@ def test_later_save_removes_killed_temporaries(tmp_path):
         assert _run(parent).num_update_steps_completed == 4  # saves after updates 1 to 4
         left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-")}
         assert left == {".tmp-checkpoint-00000009"}  # the killed save's is gone, the live one's is untouched
-        assert (parent / ".tmp-checkpoint-00000009" / "model.safetensors").is_file()
+        assert {".metadata", "__0_0.distcp"} <= {path.name for path in (parent / ".tmp-checkpoint-00000009").iterdir()}
     finally:
         live.kill()
         live.wait()

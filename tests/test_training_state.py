@@ -138,11 +138,11 @@ def test_resume_continues_the_epoch(tmp_path):
     "point",
     [
         "write:rank_00000.pt",
-        "write:model.safetensors",
-        "write:optimizer.pt",
-        "write:scheduler.pt",
+        "write:shards",
         "write:trainer_state.pt",
-        "hash:model.safetensors",
+        "hash:.metadata",
+        "hash:__0_0.distcp",
+        "hash:trainer_state.pt",
         "manifest",
         "rename",
         "latest",
@@ -185,9 +185,7 @@ def damage_file(path, damage: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(
-    "name", ["model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.pt", "rank_00000.pt"]
-)
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "trainer_state.pt", "rank_00000.pt"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
     folder = _saved_state(tmp_path, max_checkpoints=1)
@@ -201,8 +199,10 @@ def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-def test_hostile_pickle_is_never_executed(tmp_path):
-    """A hostile pickle is never executed, even with a forged manifest."""
+@pytest.mark.parametrize("name", ["trainer_state.pt", "rank_00000.pt"])
+def test_hostile_pickle_is_never_executed(tmp_path, name):
+    """A hostile pickle in a torch file of the state is never executed, even with a forged manifest (DCP's files:
+    test_state_folders.py)."""
     folder = _saved_state(tmp_path, max_checkpoints=1)
     marker = tmp_path / "pwned"
 
@@ -210,10 +210,10 @@ def test_hostile_pickle_is_never_executed(tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    (folder / "optimizer.pt").write_bytes(pickle.dumps(Hostile()))
+    (folder / name).write_bytes(pickle.dumps(Hostile()))
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
-    size, digest = file_digest(folder / "optimizer.pt")
-    manifest["files"]["optimizer.pt"] = {"size": size, CHECKSUM: digest}
+    size, digest = file_digest(folder / name)
+    manifest["files"][name] = {"size": size, CHECKSUM: digest}
     (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="only pickle can rebuild; refused"):
         _run(tmp_path, num_epochs=2)
@@ -246,16 +246,23 @@ def test_changed_setup_is_refused(tmp_path):
         ),
     ):
         _run(tmp_path, num_epochs=2, accumulation=2, batch_size=4, size=20)
-    model = nn.Linear(4, 1)
-    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
-    with pytest.raises(CheckpointError, match="model.safetensors does not fit this model"):
-        trainer.train(
-            regression_dataset(22),
-            num_epochs=2,
-            per_device_batch_size=2,
-            resume_from=tmp_path,
-            allow_resume_changes=True,
-        )
+    other_models = {  # other parameter names; the same names with other shapes
+        r"not in the state: model/bias, model/weight.*not in this run: model/0\.bias": nn.Linear(4, 1),
+        r"other shapes \(model/0\.bias: saved \[16\], now \[8\]; ": nn.Sequential(
+            nn.Linear(4, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 1)
+        ),
+    }
+    for misfit, model in other_models.items():
+        trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=())
+        with pytest.raises(CheckpointError, match=rf"final does not fit this run's model, optimizer: {misfit}"):
+            trainer.train(
+                regression_dataset(22),
+                num_epochs=2,
+                per_device_batch_size=2,
+                resume_from=tmp_path,
+                allow_resume_changes=True,
+                create_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.8),
+            )
 
 
 def test_allowed_change_of_batch_size(tmp_path):
@@ -318,7 +325,12 @@ def test_save_inside_window_waits_for_close(tmp_path):
     _run(tmp_path / "auto", crash=SaveMidWindow(), accumulation=3, num_epochs=1)
     (state,) = list_complete_states(tmp_path / "manual")
     assert state.manifest["num_update_steps_completed"] == 2
-    assert state.manifest["position"] == {"loop_epoch": 0, "batches_seen": 6, "rng_restore_point": "after_iterator"}
+    assert state.manifest["position"] == {
+        "loop_epoch": 0,
+        "batches_seen": 6,
+        "epoch_samples": 12,  # 6 micro-batches of 2 samples, over every process
+        "rng_restore_point": "after_iterator",
+    }
 
 
 def test_step_save_at_stop_is_written_once(tmp_path):
@@ -334,7 +346,8 @@ def test_step_save_at_stop_is_written_once(tmp_path):
     names = [state.folder.name for state in list_complete_states(tmp_path)]
     assert sorted(names) == ["final", "step_10", "step_15", "step_5"]  # none lost, none twice; final as the run ends
     position = list_complete_states(tmp_path)[-1].manifest["position"]
-    assert position == {"loop_epoch": 1, "batches_seen": 4, "rng_restore_point": "after_iterator"}  # the next batch
+    # the next batch
+    assert position == {"loop_epoch": 1, "batches_seen": 4, "epoch_samples": 8, "rng_restore_point": "after_iterator"}
 
 
 def test_resume_skips_by_sampler_offset(tmp_path):
@@ -513,7 +526,12 @@ def test_step_limit_then_higher_one_resumes(tmp_path, uninterrupted):
     trainer, result = _run_with_limits(tmp_path, max_num_train_steps=4)
     assert result.num_update_steps == 4 and not result.stopped_early
     assert trainer.run_history.current_epoch == 2  # the cut-short epoch counts in the history, as pytorch-accelerated
-    assert _saved_position(tmp_path) == {"loop_epoch": 0, "batches_seen": 8, "rng_restore_point": "after_iterator"}
+    assert _saved_position(tmp_path) == {
+        "loop_epoch": 0,
+        "batches_seen": 8,
+        "epoch_samples": 16,
+        "rng_restore_point": "after_iterator",
+    }
     resumed, _ = _run_with_limits(tmp_path)
     assert_bitwise_equal(_end_state(resumed), uninterrupted)
 
@@ -522,14 +540,24 @@ def test_stop_error_resumes_at_next_batch(tmp_path, uninterrupted):
     """A StopTrainingError inside an epoch resumes at the next batch."""
     _, result = _run_with_limits(tmp_path, stop=StopAtUpdate(9))
     assert result.num_update_steps == 9 and result.stopped_early and result.stop_reason == "stopped after update 9"
-    assert _saved_position(tmp_path) == {"loop_epoch": 1, "batches_seen": 6, "rng_restore_point": "after_iterator"}
+    assert _saved_position(tmp_path) == {
+        "loop_epoch": 1,
+        "batches_seen": 6,
+        "epoch_samples": 12,
+        "rng_restore_point": "after_iterator",
+    }
     resumed, _ = _run_with_limits(tmp_path)
     assert_bitwise_equal(_end_state(resumed), uninterrupted)
 
 
 def test_epoch_end_stop_resumes_next_epoch(tmp_path, uninterrupted):
     _run_with_limits(tmp_path, stop=StopAtEpochEnd())
-    assert _saved_position(tmp_path) == {"loop_epoch": 1, "batches_seen": 0, "rng_restore_point": "before_iterator"}
+    assert _saved_position(tmp_path) == {
+        "loop_epoch": 1,
+        "batches_seen": 0,
+        "epoch_samples": 0,
+        "rng_restore_point": "before_iterator",
+    }
     resumed, _ = _run_with_limits(tmp_path)
     assert_bitwise_equal(_end_state(resumed), uninterrupted)
 
@@ -539,7 +567,12 @@ def test_signal_saves_next_batch_and_resumes(tmp_path, uninterrupted):
     with pytest.raises(SystemExit) as exit_info:
         _run_with_limits(tmp_path, stop=SignalAtUpdate(8))
     assert exit_info.value.code == 128 + signal.SIGUSR1
-    assert _saved_position(tmp_path) == {"loop_epoch": 1, "batches_seen": 4, "rng_restore_point": "after_iterator"}
+    assert _saved_position(tmp_path) == {
+        "loop_epoch": 1,
+        "batches_seen": 4,
+        "epoch_samples": 8,
+        "rng_restore_point": "after_iterator",
+    }
     resumed, _ = _run_with_limits(tmp_path)
     assert_bitwise_equal(_end_state(resumed), uninterrupted)
 

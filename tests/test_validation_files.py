@@ -39,14 +39,19 @@ def test_written_files_follow_the_umask(tmp_path, umask_027):
     trainer = _trainer([SaveTrainingStateCallback(tmp_path / "states"), RunFolderCallback(tmp_path, "run")])
     trainer.train(regression_dataset(4), num_epochs=1, per_device_batch_size=2)
     trainer.save_weights(tmp_path / "weights.safetensors")
+    state = tmp_path / "states" / "final"
     written = [
         tmp_path / "weights.safetensors",
         tmp_path / "run" / "model.safetensors",
-        tmp_path / "states" / "final" / "model.safetensors",
-        tmp_path / "states" / "final" / "optimizer.pt",
+        state / "__0_0.distcp",  # the shard and metadata that DCP writes
+        state / ".metadata",
+        state / "trainer_state.pt",
+        state / "rank_00000.pt",
+        state / "manifest.json",
         tmp_path / "run" / "run_config.json",
     ]
-    assert {path.name: _mode(path) for path in written} == {path.name: 0o640 for path in written}
+    modes = {str(path.relative_to(tmp_path)): _mode(path) for path in written}
+    assert modes == {str(path.relative_to(tmp_path)): 0o640 for path in written}
 
 
 def test_save_paths_of_the_wrong_kind(tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from pytorch_accel_trainer.state.files import (
     StoredState,
     describe_changes,
     describe_extras_difference,
+    describe_optimizer_mismatch,
     extra_optimizer_classes,
     inner_optimizer,
     rank_file,
@@ -150,13 +151,23 @@ def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts
                 f"{folder} does not fit this trainer: {difference}. Register the extra models and optimizers it was "
                 "saved with (add_model, before train()), or start a new run."
             )
-    saved_class, current_class = shared["optimizer_class"], type(inner_optimizer(trainer.optimizer)).__qualname__
-    if saved_class != current_class:
-        raise CheckpointError(
-            f"{folder} does not fit this trainer's optimizer: it was saved by the optimizer {saved_class}, but this "
-            f"trainer's optimizer is {current_class}. Resume with the optimizer the state was saved with, or start a "
-            "new run."
-        )
+    plain = shared.get("plain_parts") or {}
+    if trainer.optimizer is not None:
+        mismatch = describe_optimizer_mismatch(plain.get("optimizer"), shared["optimizer_class"], trainer.optimizer)
+        if mismatch is not None:
+            raise CheckpointError(
+                f"{folder} does not fit this trainer's optimizer: {mismatch}. Resume with the optimizer the state was "
+                "saved with (same class, same parameter groups), or start a new run."
+            )
+    saved_classes = shared.get("extra_optimizer_classes") or {}
+    for name, optimizer in trainer.extra_optimizers.items():
+        saved_optimizer = plain.get(f"{EXTRA_OPTIMIZER_PART}{name}")
+        mismatch = describe_optimizer_mismatch(saved_optimizer, saved_classes.get(name), optimizer)
+        if mismatch is not None:
+            raise CheckpointError(
+                f"{folder} does not fit the optimizer of the extra model {name!r}: {mismatch}. Resume with the extra "
+                "models and optimizers the state was saved with."
+            )
     if facts is not None and (shared["scheduler"] is not None) != (trainer.scheduler is not None):
         has = shared["scheduler"] is not None
         raise CheckpointError(

@@ -136,8 +136,8 @@ def save_in_background(
     every process must call this. Return the folder the state will have (``remote``: a ``storage.RemoteStates``
     whose mirror ``parent`` is; the state is uploaded once written)."""
     background = _background_processes(processes)
-    chosen = str(training_state.unused_folder_name(parent, name)) if processes.is_main else None
-    final = Path(background.broadcast(chosen))
+    chosen = training_state.unused_folder_name(parent, name).name if processes.is_main else None
+    final = parent / background.broadcast(chosen)  # each machine's folder under its own parent
     staged = stage(content)
 
     def write() -> Path:

@@ -164,7 +164,7 @@ def load_sharded(stored: StoredState, shared: dict, parts: dict[str, Stateful], 
     try:
         distcp.load_shards(live_tensors, folder, processes.group, set(stored.manifest["files"]))
     except DamagedStateError as error:
-        raise CheckpointError(f"{folder}: {error}; the state was damaged or altered.") from error
+        raise CheckpointError(f"{error}; the state was damaged or altered.") from error
     for name, part in parts.items():
         try:
             state = distcp.join_tensors(saved_plain[name], live_tensors, name)

@@ -35,6 +35,7 @@ from typing import Any, Iterator, Optional, cast
 import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -190,8 +191,29 @@ def save_shards(tensors: dict, folder: Path, process_group=None, thread_count: i
 
     writer = ChecksummedWriter(folder, thread_count=thread_count)
     distributed = dist.is_available() and dist.is_initialized()
-    dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    try:
+        dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    except CheckpointException as error:
+        raise _unwrapped(error, process_group) from error
     return writer.checksums
+
+
+def _unwrapped(error: CheckpointException, process_group=None) -> BaseException:
+    """The error behind DCP's ``CheckpointException`` (a ``BaseException`` that ``except Exception`` misses): this
+    process's own, else the first process's; an ``OSError`` as it is (a full disk is reported as one), anything
+    else as a ``RuntimeError`` that names it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
+    failures = error.failures
+    found = failures.get(rank) or next(iter(failures.values()), None)
+    cause = found[0] if found is not None else None
+    if isinstance(cause, (OSError, DamagedStateError)):
+        return cause
+    if isinstance(cause, pickle.UnpicklingError):  # torch.load(weights_only=True) refused a shard's content
+        return DamagedStateError("a shard holds objects that only pickle can rebuild; refused, never run")
+    first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    return RuntimeError(f"torch.distributed.checkpoint failed: {type(cause).__name__}: {first_line}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -232,7 +254,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)  # a dtype, e.g. torch.float32
-        raise DamagedStateError(f"{METADATA_FILE} names {module}.{name}, which DCP's metadata never holds")
+        raise DamagedStateError(f"names {module}.{name}, which DCP's metadata never holds")
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -245,8 +267,8 @@ def read_metadata(folder: Path) -> Metadata:
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
-    except DamagedStateError:
-        raise
+    except DamagedStateError as error:
+        raise DamagedStateError(f"{path} {error}") from error
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as error:
         raise DamagedStateError(f"{path}: not DCP metadata ({error})") from error
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
@@ -277,7 +299,9 @@ class _SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(Path(self.path))
-        validate_storage(metadata, self._allowed)  # checked before (load_shards), and here again for DCP's reads
+        validate_storage(
+            Path(self.path), metadata, self._allowed
+        )  # checked before (load_shards), and here again for DCP's reads
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
@@ -286,7 +310,7 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-def validate_storage(metadata: Metadata, allowed: Optional[set]) -> None:
+def validate_storage(folder: Path, metadata: Metadata, allowed: Optional[set]) -> None:
     """Refuse DCP metadata that places a tensor in a file that is not a plain shard file name, or (``allowed``) not
     one the manifest lists: a state's files are never read outside its folder, nor unverified.
 
@@ -297,8 +321,8 @@ def validate_storage(metadata: Metadata, allowed: Optional[set]) -> None:
         name = getattr(info, "relative_path", None)
         if not is_shard_file(name) or (allowed is not None and name not in allowed):
             raise DamagedStateError(
-                f"{METADATA_FILE} places a tensor in {name!r}, which is not a shard file the manifest lists (a "
-                "state's files are never read outside it)"
+                f"{folder / METADATA_FILE} places a tensor in {name!r}, which is not a shard file the manifest lists "
+                "(a state's files are never read outside it)"
             )
 
 
@@ -348,15 +372,25 @@ def load_shards(tensors: dict, folder: Path, process_group=None, allowed: Option
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    validate_storage(read_metadata(folder), allowed)
+    validate_storage(folder, read_metadata(folder), allowed)
     distributed = dist.is_available() and dist.is_initialized()
-    dcp.load(
-        tensors,
-        storage_reader=_SafeReader(folder, allowed),
-        planner=_TensorsOnlyPlanner(),
-        process_group=process_group,
-        no_dist=not distributed,
-    )
+    try:
+        dcp.load(
+            tensors,
+            storage_reader=_SafeReader(folder, allowed),
+            planner=_TensorsOnlyPlanner(),
+            process_group=process_group,
+            no_dist=not distributed,
+        )
+    except CheckpointException as error:
+        raise _unreadable(folder, _unwrapped(error, process_group)) from error
+
+
+def _unreadable(folder: Path, cause: BaseException) -> DamagedStateError:
+    """What a shard that DCP could not read says: the state's folder, and why."""
+    if isinstance(cause, DamagedStateError):
+        return cause if str(folder) in str(cause) else DamagedStateError(f"{folder}: {cause}")
+    return DamagedStateError(f"{folder}: its shards cannot be read ({cause})")
 
 
 def read_full_tensors(folder: Path, prefix: str = "", allowed: Optional[set] = None) -> dict:
@@ -366,13 +400,16 @@ def read_full_tensors(folder: Path, prefix: str = "", allowed: Optional[set] = N
     import torch.distributed.checkpoint as dcp
 
     metadata = read_metadata(folder)
-    validate_storage(metadata, allowed)
+    validate_storage(folder, metadata, allowed)
     tensors = {
         name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
         for name, item in metadata.state_dict_metadata.items()
         if isinstance(item, TensorStorageMetadata) and name.startswith(prefix)
     }
-    dcp.load(tensors, storage_reader=_SafeReader(folder, allowed), planner=_TensorsOnlyPlanner(), no_dist=True)
+    try:
+        dcp.load(tensors, storage_reader=_SafeReader(folder, allowed), planner=_TensorsOnlyPlanner(), no_dist=True)
+    except CheckpointException as error:
+        raise _unreadable(folder, _unwrapped(error)) from error
     return tensors
 
 

@@ -450,7 +450,8 @@ def describe_optimizer_mismatch(
     """Why an optimizer state (``state_dict()`` of a ``saved_class`` optimizer) cannot be loaded into ``optimizer``,
     or ``None`` when it fits: another class (``saved_class=None`` compares none), and with
     ``compare_parameters`` another number of parameter groups or of parameters in a group, or other per-parameter
-    state where both have some. (Under FSDP the live optimizer holds shards, whose numbering is not the saved one's.)"""
+    state where both have some. (A training state keys the per-parameter state by parameter names, where the live
+    optimizer numbers them: only the class and the groups are compared then.)"""
     current = inner_optimizer(optimizer)
     current_class = type(current).__qualname__
     if (

@@ -604,7 +604,8 @@ def write_training_state(
     Returns:
         The folder of the new state.
     """
-    final = Path(processes.broadcast(str(unused_folder_name(parent, name)) if processes.is_main else None))
+    # the main process chooses the name; each machine's folder is under its own parent (a mirror is per machine)
+    final = parent / processes.broadcast(unused_folder_name(parent, name).name if processes.is_main else None)
     if processes.is_main or (node_local and processes.is_local_main):
         parent.mkdir(parents=True, exist_ok=True)
         begin_save(final)

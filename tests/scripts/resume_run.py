@@ -144,7 +144,10 @@ def run(config):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     callbacks = [
         SaveTrainingStateCallback(
-            config["save_dir"], save_every_n_steps=config.get("save_every", 1), max_checkpoints=3
+            config["save_dir"],
+            save_every_n_steps=config.get("save_every", 1),
+            max_checkpoints=3,
+            asynchronous=config.get("asynchronous", False),
         ),
         Kill(config.get("kill")),
     ]
