@@ -23,7 +23,7 @@ from accelerate.utils import send_to_device
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
 from pytorch_accel_trainer.state.checkpointing import validate_plain
-from pytorch_accel_trainer.state.content import Processes, StateContent, Stateful, load_sharded
+from pytorch_accel_trainer.state.content import Processes, StateContent, Stateful, check_fit, load_sharded
 from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
 from pytorch_accel_trainer.state.files import (
     StoredState,
@@ -151,9 +151,23 @@ def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts
                 f"{folder} does not fit this trainer: {difference}. Register the extra models and optimizers it was "
                 "saved with (add_model, before train()), or start a new run."
             )
+    if facts is not None and (shared["scheduler"] is not None) != (trainer.scheduler is not None):
+        has = shared["scheduler"] is not None
+        raise CheckpointError(
+            f"{folder} {'holds' if has else 'has no'} scheduler state, but this run {'has no' if has else 'has a'} "
+            "scheduler: pass the create_scheduler_fn of the saved run."
+        )
+
+
+def _check_optimizers(trainer: "Trainer", stored: StoredState, shared: dict, groups: bool) -> None:
+    """Refuse a state whose optimizers (the trainer's, the extra models') are of another class, or (``groups``) hold
+    other parameter groups than this trainer's, before anything is loaded."""
+    folder = stored.folder
     plain = shared.get("plain_parts") or {}
     if trainer.optimizer is not None:
-        mismatch = describe_optimizer_mismatch(plain.get("optimizer"), shared["optimizer_class"], trainer.optimizer)
+        mismatch = describe_optimizer_mismatch(
+            plain.get("optimizer"), shared["optimizer_class"], trainer.optimizer, groups
+        )
         if mismatch is not None:
             raise CheckpointError(
                 f"{folder} does not fit this trainer's optimizer: {mismatch}. Resume with the optimizer the state was "
@@ -162,18 +176,12 @@ def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts
     saved_classes = shared.get("extra_optimizer_classes") or {}
     for name, optimizer in trainer.extra_optimizers.items():
         saved_optimizer = plain.get(f"{EXTRA_OPTIMIZER_PART}{name}")
-        mismatch = describe_optimizer_mismatch(saved_optimizer, saved_classes.get(name), optimizer)
+        mismatch = describe_optimizer_mismatch(saved_optimizer, saved_classes.get(name), optimizer, groups)
         if mismatch is not None:
             raise CheckpointError(
                 f"{folder} does not fit the optimizer of the extra model {name!r}: {mismatch}. Resume with the extra "
                 "models and optimizers the state was saved with."
             )
-    if facts is not None and (shared["scheduler"] is not None) != (trainer.scheduler is not None):
-        has = shared["scheduler"] is not None
-        raise CheckpointError(
-            f"{folder} {'holds' if has else 'has no'} scheduler state, but this run {'has no' if has else 'has a'} "
-            "scheduler: pass the create_scheduler_fn of the saved run."
-        )
 
 
 def _own_state(stored: StoredState, processes: Processes) -> dict:
@@ -211,9 +219,14 @@ def read_training_state(
     validate_training_state_supported(accelerator)
     shared = load_trainer_file(stored)
     _check_settings(trainer, stored, shared, facts, allow_changes)
+    parts = sharded_parts(trainer)
+    # the clearest error first: the optimizers' classes, then the tensors' names and shapes, then the groups
+    _check_optimizers(trainer, stored, shared, groups=False)
+    live = check_fit(stored, shared, parts)
+    _check_optimizers(trainer, stored, shared, groups=True)
     processes = Processes.of_accelerator(accelerator)
     own = _own_state(stored, processes)
-    load_sharded(stored, shared, sharded_parts(trainer), processes)
+    load_sharded(stored, shared, parts, processes, live)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
     if shared["scaler"] is not None and accelerator.scaler is not None:

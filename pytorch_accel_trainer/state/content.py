@@ -127,10 +127,9 @@ def write_content(content: StateContent, folder: Path, processes: Processes) -> 
 # ------------------------------------------------------------------------------------------------
 
 
-def load_sharded(stored: StoredState, shared: dict, parts: dict[str, Stateful], processes: Processes) -> None:
-    """Load the sharded ``parts`` from a verified state (``shared``: its trainer file), each process
-    reading only the pieces of its own shard, whatever the number of processes that wrote them; every process must
-    call this. Each part's fit is checked before anything is loaded.
+def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> StateContent:
+    """Check that a verified state (``shared``: its trainer file) holds each of the sharded ``parts`` with tensors of
+    the live ones' names and shapes; return the live parts, split (their tensors are what a load reads into).
 
     Raises:
         CheckpointError: the state holds other parts, or tensors of other names or shapes (naming them).
@@ -146,28 +145,44 @@ def load_sharded(stored: StoredState, shared: dict, parts: dict[str, Stateful], 
             "models and optimizers the state was saved with."
         )
     live = StateContent(parts, {}, {}).split()
-    live_tensors = live.tensors or {}
     try:
         metadata = distcp.read_metadata(folder)
     except DamagedStateError as error:
         raise CheckpointError(f"{error}; the state was damaged or altered.") from error
-    wanted = {name for name in live_tensors}
     saved_names = {name for name in metadata.state_dict_metadata if name.split(distcp.SEPARATOR, 1)[0] in parts}
-    misfit = distcp.describe_misfit(
-        _only(metadata, saved_names), {name: tensor for name, tensor in live_tensors.items() if name in wanted}
-    )
+    misfit = distcp.describe_misfit(_only(metadata, saved_names), live.tensors or {})
     if misfit is not None:
         raise CheckpointError(
             f"{folder} does not fit this run's {', '.join(parts)}: {misfit}. Resume with the model and optimizer the "
             "state was saved from (same parameters and shapes, same optimizer), or start a new run."
         )
+    return live
+
+
+def load_sharded(
+    stored: StoredState,
+    shared: dict,
+    parts: dict[str, Stateful],
+    processes: Processes,
+    live: Optional[StateContent] = None,
+) -> None:
+    """Load the sharded ``parts`` from a verified state (``shared``: its trainer file), each process reading only the
+    pieces of its own shard, whatever the number of processes that wrote them; every process must call this. Their
+    fit is checked first (:func:`check_fit`; ``live``: what it returned, when the caller checked already).
+
+    Raises:
+        CheckpointError: see :func:`check_fit`; or a shard cannot be read.
+    """
+    folder = stored.folder
+    live = live or check_fit(stored, shared, parts)
+    live_tensors = live.tensors or {}
     try:
         distcp.load_shards(live_tensors, folder, processes.group, set(stored.manifest["files"]))
     except DamagedStateError as error:
         raise CheckpointError(f"{error}; the state was damaged or altered.") from error
     for name, part in parts.items():
         try:
-            state = distcp.join_tensors(saved_plain[name], live_tensors, name)
+            state = distcp.join_tensors(shared["plain_parts"][name], live_tensors, name)
         except DamagedStateError as error:
             raise CheckpointError(f"{folder}: {error}; the state was damaged or altered.") from error
         part.load_state_dict(state)
