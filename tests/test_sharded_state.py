@@ -76,6 +76,20 @@ def test_sigkill_in_background_upload_to_s3_resumes(tmp_path, s3_endpoint):
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"} <= set(final)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_process_failing_its_part_fails_every_process(tmp_path):
+    """Process 1 alone finds its disk full as it writes its part of the third state: both processes stop with an
+    error at once (none waits for the other), and the earlier states are complete and untouched."""
+    states = tmp_path / "states"
+    config = {"save_dir": str(states), "out": str(tmp_path), "crash_at": "write:rank_00001.pt", "crash_on_hit": 3}
+    failed = _launch({**config, "fail_rank": 1})
+    assert failed.returncode != 0
+    assert "Process 1 could not write its part of the training state step_6 (OSError" in failed.stderr
+    assert [state.folder.name for state in list_complete_states(states)] == ["step_2", "step_4"]
+    assert all(verify_folder(state.folder) for state in list_complete_states(states))
+
+
 def _tiny_state(tmp_path: Path) -> tuple[Trainer, Path]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))

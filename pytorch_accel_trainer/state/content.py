@@ -24,7 +24,14 @@ from typing import Any, Optional, Protocol
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import crash_points, distcp
-from pytorch_accel_trainer.state.files import TRAINER_FILE, DamagedStateError, StoredState, rank_file, save_tensors_file
+from pytorch_accel_trainer.state.files import (
+    TEMPORARY_PREFIX,
+    TRAINER_FILE,
+    DamagedStateError,
+    StoredState,
+    rank_file,
+    save_tensors_file,
+)
 
 
 class Stateful(Protocol):
@@ -111,8 +118,15 @@ def write_content(content: StateContent, folder: Path, processes: Processes) -> 
     if content.tensors is None:
         content.split()
     own_name = rank_file(processes.rank)
-    crash_points.crash_point(f"write:{own_name}")
-    checksums = {own_name: save_tensors_file(content.own, folder / own_name)}
+
+    def write_own() -> dict:
+        crash_points.crash_point(f"write:{own_name}")
+        return {own_name: save_tensors_file(content.own, folder / own_name)}
+
+    # agreed before the shards: DCP's save is collective, and a process that failed here must not leave the others
+    # waiting in it (DCP itself tells every process of a failure in its own steps)
+    state_name = folder.name.removeprefix(TEMPORARY_PREFIX)
+    checksums = agreed(processes, write_own, f"its part of the training state {state_name}")[processes.rank]
     crash_points.crash_point("write:shards")
     checksums.update(distcp.save_shards(content.tensors or {}, folder, processes.group))
     if processes.is_main:
@@ -120,6 +134,23 @@ def write_content(content: StateContent, folder: Path, processes: Processes) -> 
         shared = {**content.shared, "plain_parts": content.plain}
         checksums[TRAINER_FILE] = save_tensors_file(shared, folder / TRAINER_FILE)
     return checksums
+
+
+def agreed(processes: Processes, step, what: str) -> list:
+    """Run ``step`` on every process and return the results of all of them, in rank order (small values: checksums);
+    if it failed on any process, every process raises: its own error where it failed, elsewhere a ``CheckpointError``
+    naming the process and ``what`` it could not write. One collective, whatever happened."""
+    try:
+        result, failure = step(), None
+    except Exception as error:
+        result, failure = None, error
+    reports = processes.all_gather((result, None if failure is None else f"{type(failure).__name__}: {failure}"))
+    if failure is not None:
+        raise failure
+    for rank, (_, report) in enumerate(reports):
+        if report is not None:
+            raise CheckpointError(f"Process {rank} could not write {what} ({report}).")
+    return [result for result, _ in reports]
 
 
 # ------------------------------------------------------------------------------------------------

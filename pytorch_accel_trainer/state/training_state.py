@@ -40,7 +40,7 @@ from pytorch_accel_trainer.state.checkpointing import (
     reporting_out_of_space,
     writer_tag,
 )
-from pytorch_accel_trainer.state.content import Processes, StateContent, write_content
+from pytorch_accel_trainer.state.content import Processes, StateContent, agreed, write_content
 from pytorch_accel_trainer.state.files import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -611,18 +611,38 @@ def write_training_state(
         begin_save(final)
     processes.barrier()
     temporary = temporary_folder(final)
-    with reporting_out_of_space(
-        temporary, final, "the training state", f"the earlier states in {parent} are unchanged"
-    ):
-        reports = processes.all_gather(write_content(content, temporary, processes))
-        if processes.is_main:
-            written = {file: pair for report in reports for file, pair in report.items()}
-            here = {file: pair for file, pair in written.items() if (temporary / file).is_file()}
-            elsewhere = {file: pair for file, pair in written.items() if file not in here}
-            finish_save(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere)
-            prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
-    processes.barrier()
+    problem: Optional[Exception] = None
+    try:
+        with reporting_out_of_space(
+            temporary, final, "the training state", f"the earlier states in {parent} are unchanged"
+        ):
+            reports = agreed(
+                processes,
+                lambda: write_content(content, temporary, processes),
+                f"its part of the training state {final.name}",
+            )
+            if processes.is_main:
+                files = {file: pair for report in reports for file, pair in report.items()}
+                here = {file: pair for file, pair in files.items() if (temporary / file).is_file()}
+                elsewhere = {file: pair for file, pair in files.items() if file not in here}
+                finish_save(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere)
+                prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
+    except Exception as error:
+        problem = error
+    # every process learns whether the main process sealed the state: none waits for one that failed
+    sealing = processes.broadcast(None if problem is None else _describe(problem))
+    if problem is not None:
+        raise problem
+    if sealing is not None:
+        raise CheckpointError(
+            f"The main process could not finish the training state {final.name} ({sealing}); the earlier states in "
+            f"{parent} are unchanged."
+        )
     return final
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def load_trainer_file(stored: StoredState) -> dict:

@@ -8,9 +8,11 @@ Usage: sharded_state_run.py CONFIG_JSON, with
   asynchronous   save in the background (default False)
   crash_at       a crash point's name (state/crash_points.py): the process that reaches it for the
                  crash_on_hit-th time (default 1) is killed with SIGKILL
+  fail_rank      with crash_at: instead, only this process fails there with a full disk (OSError ENOSPC)
   reference      then an uninterrupted run in the same processes, its weights as reference.safetensors
 """
 
+import errno
 import json
 import os
 import signal
@@ -25,14 +27,16 @@ from pytorch_accel_trainer.state import crash_points
 ARGUMENTS = {"num_epochs": 3, "per_device_batch_size": 4, "gradient_clip_norm": 1.0}
 
 
-def kill_at(point: str, on_hit: int) -> None:
+def kill_at(point: str, on_hit: int, fail_rank=None) -> None:
     hits = []
 
     def crash(name):
         if name == point:
             hits.append(name)
-            if len(hits) == on_hit:
+            if len(hits) == on_hit and fail_rank is None:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if len(hits) == on_hit and int(os.environ.get("RANK", "0")) == fail_rank:
+                raise OSError(errno.ENOSPC, "No space left on device (a full disk, simulated)")
 
     crash_points.crash_point = crash
 
@@ -47,7 +51,7 @@ def run(save_dir: str, asynchronous: bool, out: Path, name: str) -> None:
 def main(config: dict) -> None:
     out = Path(config["out"])
     if config.get("crash_at"):
-        kill_at(config["crash_at"], config.get("crash_on_hit", 1))
+        kill_at(config["crash_at"], config.get("crash_on_hit", 1), config.get("fail_rank"))
     run(config["save_dir"], config.get("asynchronous", False), out, config.get("name", "weights"))
     if config.get("reference"):
         crash_points.crash_point = lambda name: None
