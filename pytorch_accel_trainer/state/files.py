@@ -209,15 +209,6 @@ def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
     return writer.size, writer.digest
 
 
-def write_bytes_file(data: bytes, path: Path) -> tuple[int, str]:
-    """Write ``data`` to ``path``, flushed to disk; return its size and checksum."""
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return len(data), xxhash.xxh3_128_hexdigest(data)
-
-
 def fsync_path(path: Path) -> None:
     """Flush a written file, or a folder's entries (after a rename), to disk."""
     descriptor = os.open(path, os.O_RDONLY)

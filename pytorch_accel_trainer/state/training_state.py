@@ -64,9 +64,6 @@ from pytorch_accel_trainer.state.files import (
 )
 from pytorch_accel_trainer.state.storage import is_url
 
-#: Reads back the checksum of a file another library wrote while this thread writes the next (threads start lazily).
-_CHECKSUM_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training-state-checksum")
-
 
 class StateFormatError(CheckpointError):
     """A training state of a format this version does not read: written by a development version of the library
@@ -139,8 +136,8 @@ def finish_save(
 ) -> None:
     """Seal a fully written temporary folder: manifest, rename into place, then ``latest`` (main process only).
 
-    ``checksums`` maps the files whose size and checksum were computed as they were written to them (or to a future
-    of them); the others (written by other processes, or by safetensors) are read back once, from the page cache.
+    ``checksums`` maps the files whose size and checksum were computed as they were written (by every process) to
+    them; a file of the folder not among them is read back once, from the page cache.
     ``elsewhere`` maps the files of the state that other machines write (to a store) to their size and checksum:
     listed in the manifest, not in this folder."""
     checksums, files = dict(checksums or {}), {}
@@ -150,11 +147,7 @@ def finish_save(
         if path.name.startswith(WRITER_MARKER_PREFIX):
             continue
         crash_points.crash_point(f"hash:{path.name}")
-        known = checksums.get(path.name)
-        if known is None:
-            size, digest = file_digest(path)
-        else:  # a (size, digest) pair, or a future of one
-            size, digest = known.result() if hasattr(known, "result") else known
+        size, digest = checksums.get(path.name) or file_digest(path)
         files[path.name] = {"size": size, CHECKSUM: digest}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
     crash_points.crash_point("manifest")

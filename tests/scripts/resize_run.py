@@ -31,8 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import DistributedType, PartialState
-from accelerate.utils import FullyShardedDataParallelPlugin
+from fsdp_train import CpuFSDP2Trainer
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -63,17 +62,10 @@ class IdDataset(Dataset):
         return self.x[index], self.y[index], index
 
 
-class IdTrainer(Trainer):
+class IdTrainer(CpuFSDP2Trainer if int(os.environ.get("WORLD_SIZE", "1")) > 1 else Trainer):
     """The default loss, on ``(x, y)`` of an ``(x, y, ids)`` batch; on several processes under FSDP2, switched on on
-    the CPU as tests/scripts/fsdp_train.py does (one process runs the plain model: a sharded state resumed whole)."""
-
-    def _create_accelerator(self):
-        accelerator = super()._create_accelerator()
-        if accelerator.num_processes > 1:
-            accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-            accelerator.state.distributed_type = DistributedType.FSDP
-            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # AcceleratorState re-reads it
-        return accelerator
+    the CPU by tests/scripts/fsdp_train.py's trainer (one process runs the plain model: a sharded state resumed
+    whole)."""
 
     def calculate_train_batch_loss(self, batch):
         x, y, _ = batch
