@@ -43,6 +43,7 @@ class TrainOptions:
     scheduler_interval: str = "step"
     max_time: Any = None
     max_time_save_dir: Any = None
+    stream_split: str = "main_process"
 
     def __post_init__(self):
         validate_train_options(self)

@@ -62,6 +62,15 @@ from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.loop.persistence import PersistenceMixin
 from pytorch_accel_trainer.loop.recording import create_train_result, record_epoch_values
 from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
+from pytorch_accel_trainer.loop.stream_position import (
+    StreamPositions,
+    batches_every_process_has,
+    keeps_position,
+    prepare_own_part,
+    prepared_keeps_position,
+    reads_own_part,
+    stateful_dataloaders,
+)
 from pytorch_accel_trainer.loop.time_budget import create_time_budget
 from pytorch_accel_trainer.parallel.distributed import (
     ProcessAgreement,
@@ -327,6 +336,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         scheduler_interval: str = "step",
         max_time=None,
         max_time_save_dir=None,
+        stream_split: str = "main_process",
     ) -> TrainResult:
         """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
 
@@ -353,6 +363,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 ``datetime.timedelta`` or a dict of its arguments. Every process stops at the same update before it
                 is spent, a training state is saved and ``TrainResult.stop_reason`` says why; no sync of its own.
             max_time_save_dir: a folder where a run stopped by ``max_time`` also saves a training state.
+            stream_split: who reads a training stream (an ``IterableDataset``) on several processes:
+                ``"main_process"`` reads every process's batches and sends them out (Accelerate's
+                ``dispatch_batches``); ``"dataset"``, for a stream that splits itself between the processes
+                (``datasets.distributed.split_dataset_by_node``, WebDataset's ``split_by_node``, or
+                ``torch.distributed.get_rank()`` in ``__iter__``), has each process read its own part, and ends
+                each epoch when the shortest part ends.
 
         Returns:
             A :class:`~pytorch_accel_trainer.loop.run_state.TrainResult`: the metrics the run recorded (latest values),
@@ -397,6 +413,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             validate_optimizer_parameters(optimizer, self.model)
+        persistence.validate_stores_reach_every_process(self.callback_handler, options, self._accelerator.num_processes)
         check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
         return options
 
@@ -507,11 +524,22 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         extras = (
             unwrapped_extras(self.accelerator, self.extra_models, self.extra_optimizers) if model_and_optimizer else []
         )
-        components = prepare_components(
-            self.accelerator, components + extras, device_placement=placement + [None] * len(extras)
-        )
+        # a stream that can say where it is keeps its position where each process reads its own stream (one
+        # process, or stream_split="dataset"); Accelerate's dispatching (the main process reads for all) replays it
+        own_part, reads_own = None, dataloaders and self._reads_own_stream_part(self.train_dataloader)
+        stateful = dataloaders and keeps_position(self.train_dataloader)
+        stateful = stateful and (reads_own or self.accelerator.num_processes == 1)
+        if reads_own:
+            own_part, components[2] = prepare_own_part(self.accelerator, self.train_dataloader, stateful), None
+        with stateful_dataloaders(self.accelerator, stateful):  # Accelerate builds them as StatefulDataLoader
+            components = prepare_components(
+                self.accelerator, components + extras, device_placement=placement + [None] * len(extras)
+            )
         if dataloaders:
-            self.train_dataloader, self.eval_dataloader = components[2:4]
+            self.train_dataloader = components[2] if own_part is None else own_part
+            self.eval_dataloader = components[3]
+            keeps = prepared_keeps_position(self.train_dataloader)
+            self.run_state.stream_positions = StreamPositions() if keeps else None
         if not model_and_optimizer:
             return
         self.model, self.optimizer = components[:2]
@@ -1126,7 +1154,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if hasattr(train_dl, "set_epoch"):
             train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
         state = self.run_state
+        reads_own_part = self._reads_own_stream_part(train_dl)
         state.epoch_first_step, train_dl = persistence.skip_to_resume_position(state, train_dl)
+        if reads_own_part:  # each process its own part of a stream: the epoch ends with the shortest
+            train_dl = batches_every_process_has(train_dl, self.process_agreement, self._accelerator)
         # a dataloader that says it is empty was warned about at setup; any other must yield a batch
         error_if_empty = None if state.train_epoch_length == 0 else NO_TRAIN_BATCH
         return numbered_batches(train_dl, state.epoch_first_step, error_if_empty)
@@ -1137,6 +1168,12 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if self.run_state.has_work_at_safe_point():
             persistence.reach_safe_point(self, step)
         self._raise_agreed_stop()
+
+    def _reads_own_stream_part(self, dataloader: Any) -> bool:
+        """Whether each process reads its own part of the training stream (``train(stream_split="dataset")``)."""
+        options = self.run_state.options
+        split = None if options is None else options.stream_split
+        return reads_own_part(dataloader, split, self._accelerator.num_processes)
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""

@@ -296,6 +296,12 @@ def validate_train_options(options: Any) -> None:
             f"scheduler_interval={options.scheduler_interval!r} is not valid: pass 'step' to step the scheduler after "
             "each optimizer update (the default), or 'epoch' to step it once at the end of each epoch."
         )
+    if options.stream_split not in ("main_process", "dataset"):
+        raise ValueError(
+            f"stream_split={options.stream_split!r} is not valid: pass 'main_process' to have the main process read a "
+            "training stream and send each process its batches (the default), or 'dataset' for a stream that splits "
+            "itself between the processes, each reading its own part."
+        )
     _validate_dataloader_kwargs("train_dataloader_kwargs", options.train_dataloader_kwargs)
     _validate_dataloader_kwargs("eval_dataloader_kwargs", options.eval_dataloader_kwargs)
     max_time_seconds(options.max_time)

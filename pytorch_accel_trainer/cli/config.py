@@ -71,6 +71,8 @@ class TrainSettings:
         scheduler_interval: ``step`` (after each update) or ``epoch`` (once per epoch).
         max_time: a time budget: seconds or ``DD:HH:MM:SS`` (a cluster's wall-clock limit less a margin).
         max_time_save_dir: where a run its time budget stops saves a training state (besides the run folder's).
+        stream_split: who reads a training stream on several processes: ``main_process`` (sends each process its
+            batches) or ``dataset`` (a stream that splits itself: each process reads its own part).
     """
 
     num_epochs: Optional[int] = None
@@ -87,6 +89,7 @@ class TrainSettings:
     scheduler_interval: Literal["step", "epoch"] = "step"
     max_time: Union[float, str, None] = None
     max_time_save_dir: Optional[str] = None
+    stream_split: Literal["main_process", "dataset"] = "main_process"
 
 
 @dataclass(frozen=True)
@@ -437,6 +440,7 @@ def _run_command(trainer: Trainer, config: TrainingConfig, command: str, eval_da
         scheduler_interval=train.scheduler_interval,
         max_time=train.max_time,
         max_time_save_dir=train.max_time_save_dir,
+        stream_split=train.stream_split,
     )
     return result
 

@@ -31,6 +31,7 @@ from pytorch_accel_trainer.loop.extra_models import (
 )
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.loop.state_content import read_training_state, run_facts, state_content
+from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
     get_full_model_state_dict,
@@ -72,6 +73,7 @@ from pytorch_accel_trainer.state.storage import (
     join,
     local_file_to_read,
     local_file_to_write,
+    validate_store_reaches_every_process,
 )
 from pytorch_accel_trainer.state.training_state import (
     ResumePlan,
@@ -153,29 +155,52 @@ def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dic
     return folders
 
 
+def validate_stores_reach_every_process(callbacks: Iterable, options: "TrainOptions", num_processes: int) -> None:
+    """Refuse, before any work, a run of several processes whose training states would go to ``memory://``."""
+    urls = {
+        callback.save_dir: "SaveTrainingStateCallback(save_dir=...)"
+        for callback in callbacks
+        if isinstance(callback, SaveTrainingStateCallback) and is_url(callback.save_dir)
+    }
+    for value, use in ((options.max_time_save_dir, "max_time_save_dir"), (options.resume_from, "resume_from")):
+        if value is not None and is_url(value):
+            urls.setdefault(str(value), f"train({use}=...)")
+    for url, use in urls.items():
+        validate_store_reaches_every_process(str(url), num_processes, use)
+
+
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
     """Return this epoch's first step and dataloader: after a resume, only the batches not yet trained on.
 
     Batches already seen are skipped by sampler offset, so resuming at step 10,000 costs about the same as at step 10
     (map-style data); on another number of processes or batch size, the epoch's samples trained so far are skipped
-    and the rest split again (``loop/data_position.py``).
+    and the rest split again (``loop/data_position.py``). A stream is put back where it was when it can say where it
+    is, else replayed (``loop/stream_position.py``).
     """
     options = state.options
     per_device = None if options is None else options.per_device_batch_size
-    state.start_epoch_data(samples_per_step(train_dl, per_device, PartialState().num_processes))
+    process = PartialState()
+    state.start_epoch_data(samples_per_step(train_dl, per_device, process.num_processes))
     resume = state.resume
-    if resume is None or resume.position.loop_epoch != state.epoch:
-        return 0, train_dl
-    position = resume.position
-    first_step = position.batches_seen
-    if position.rng_restore_point == "after_iterator":  # taken inside the epoch: its loss so far goes back
-        state.restore_train_trackers(resume.train_loss_tracker, resume.train_step_metrics)
-    if position.epoch_samples != first_step * state.epoch_samples_per_step:  # split differently from here
-        train_dl = skip_first_samples(train_dl, position.epoch_samples)
-        state.start_epoch_data(state.epoch_samples_per_step, (position.epoch_samples, first_step))
-    elif first_step:
-        train_dl = skip_first_batches(train_dl, first_step)
-    _restore_rng_if_due(state, "before_iterator")
+    first_step = 0
+    if resume is not None and resume.position.loop_epoch == state.epoch:
+        position = resume.position
+        first_step = position.batches_seen
+        if position.rng_restore_point == "after_iterator":  # taken inside the epoch: its loss so far goes back
+            state.restore_train_trackers(resume.train_loss_tracker, resume.train_step_metrics)
+        if position.epoch_samples != first_step * state.epoch_samples_per_step:  # split differently from here
+            train_dl = skip_first_samples(train_dl, position.epoch_samples)
+            state.start_epoch_data(state.epoch_samples_per_step, (position.epoch_samples, first_step))
+        elif first_step and state.stream_positions is not None and resume.stream_state is not None:
+            cast(Any, train_dl).load_state_dict(resume.stream_state)  # the stream goes on where it stopped
+        elif first_step and is_stream(train_dl):
+            process.print(replay_message(first_step, process.num_processes, state.epoch_samples_per_step, train_dl))
+            train_dl = replay_batches(train_dl, first_step, show_progress=process.is_main_process)
+        elif first_step:
+            train_dl = skip_first_batches(train_dl, first_step)
+        _restore_rng_if_due(state, "before_iterator")
+    if state.stream_positions is not None:
+        train_dl = state.stream_positions.follow(train_dl, first_step)
     return first_step, train_dl
 
 
@@ -267,6 +292,7 @@ def write_state(
 def _remote_states_for_saving(trainer: "Trainer", url: str) -> RemoteStates:
     """The store folder ``url``, its mirror synchronised on each machine (every process must call this)."""
     accelerator = trainer.accelerator
+    validate_store_reaches_every_process(url, accelerator.num_processes, "save_training_state")
     remote = RemoteStates(url)
     if accelerator.is_local_main_process:
         remote.sync_mirror()

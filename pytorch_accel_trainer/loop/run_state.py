@@ -22,6 +22,7 @@ from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, LossTracker, StepM
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
+    from pytorch_accel_trainer.loop.stream_position import StreamPositions
     from pytorch_accel_trainer.loop.time_budget import TimeBudget
     from pytorch_accel_trainer.run_config import TrainOptions
     from pytorch_accel_trainer.state.preemption import SignalCatcher
@@ -82,6 +83,8 @@ class RunState:
         epoch_sample_base: ``(samples, step)``: the epoch's samples trained before its micro-batch ``step``, where its
             dataloader started; ``(0, 0)`` but in an epoch a resume on another number of processes split again
             (``loop/data_position.py``). A state's position counts the epoch's samples from it.
+        stream_positions: the states of the training stream after its last batches, when it can say where it is
+            (``loop/stream_position.py``); ``None`` for map-style data and streams that cannot.
         time_budget: the run's ``max_time``, checked at each point where the processes agree to stop.
         stopped_by_time_budget: whether the time budget ended the run.
         accumulation_steps: the micro-batches of an accumulation window (``options.gradient_accumulation_steps``).
@@ -124,6 +127,7 @@ class RunState:
     epoch_trained: bool = False
     epoch_samples_per_step: int = 0
     epoch_sample_base: tuple = (0, 0)
+    stream_positions: Optional[StreamPositions] = None
     time_budget: Optional[TimeBudget] = None
     stopped_by_time_budget: bool = False
     accumulation_steps: int = field(init=False, default=1)

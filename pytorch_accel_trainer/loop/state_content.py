@@ -89,6 +89,18 @@ def _callback_states(callbacks: Iterable) -> dict:
     return states
 
 
+def _stream_state(trainer: "Trainer", position: ResumePosition) -> Optional[dict]:
+    """Where this process's training stream is at ``position``, if it can say (``loop/stream_position.py``)."""
+    positions = trainer.run_state.stream_positions
+    inside_epoch = position.rng_restore_point == "after_iterator" and position.loop_epoch == trainer.run_state.epoch
+    if positions is None or not inside_epoch:
+        return None  # at an epoch's start the stream starts afresh
+    stream_state = positions.state_after(position.batches_seen)
+    if stream_state is not None:
+        validate_plain(stream_state, f"the training stream's state_dict() ({type(trainer.train_dataset).__name__})")
+    return stream_state
+
+
 def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwargs: Optional[dict]) -> StateContent:
     """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/content.py``."""
     validate_training_state_supported(trainer.accelerator)
@@ -115,6 +127,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
         "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
         "callbacks": _callback_states(trainer.callback_handler),
+        "stream_position": _stream_state(trainer, position),
     }
     return StateContent(sharded_parts(trainer), shared, own)
 
@@ -190,6 +203,7 @@ def _own_state(stored: StoredState, processes: Processes) -> dict:
     if saved_count == processes.count:
         return load_rank_file(stored.folder / rank_file(processes.rank))
     own = load_rank_file(stored.folder / rank_file(processes.rank if processes.rank < saved_count else 0))
+    own["stream_position"] = None  # a stream is not split again: refused where its position matters
     if processes.rank >= saved_count:
         own["rng"] = None  # a new process keeps the RNG states the trainer's seed gave it
     loss, metrics = LossTracker(), StepMetricsTracker()
@@ -248,4 +262,5 @@ def read_training_state(
         run_id=stored.run_id,
         history_epoch=history_epoch(shared, stored.folder),
         saved_run_facts=shared["run_facts"],
+        stream_state=own.get("stream_position"),
     )

@@ -166,6 +166,22 @@ def local_file_to_read(location: Any) -> Iterator[Path]:
 # ------------------------------------------------------------------------------------------------
 
 
+def validate_store_reaches_every_process(url: str, num_processes: int, use: str) -> None:
+    """Refuse ``memory://`` for the training states of several processes: fsspec's in-memory store lives inside one
+    process, so each process would write its part into its own memory and none could read a whole state back.
+
+    Raises:
+        ValueError: naming the URL, where it was given, and what to use instead.
+    """
+    if num_processes > 1 and str(url).startswith("memory://"):
+        raise ValueError(
+            f"{url!r} ({use}) is fsspec's in-memory store, which lives inside one process: with {num_processes} "
+            "processes each would write its part of a training state into its own memory, and no process could read a "
+            "whole state back. Use a folder every process sees, or a store they share (s3://, gs://, az://...). "
+            "Nothing was trained."
+        )
+
+
 def mirror_folder(url: str) -> Path:
     """The node-local folder that stands for the store folder ``url``: the same for every process of a machine, and
     another for each machine (named by the launcher's node rank), even where machines share a temporary folder."""

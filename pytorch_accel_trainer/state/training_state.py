@@ -570,6 +570,8 @@ class ResumePlan:
     history_epoch: Optional[int] = None
     #: the saved run's settings (``run_facts``): its number of processes and batch size place the saved position
     saved_run_facts: dict = field(default_factory=dict)
+    #: where this process's stream was at the position, if it can say (``loop/stream_position.py``); else ``None``
+    stream_state: Optional[dict] = None
 
 
 def write_training_state(

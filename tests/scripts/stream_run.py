@@ -1,0 +1,137 @@
+"""A stream trained three ways in one process group: uninterrupted; stopped after ``--stop-after`` updates (a training
+state saved as the run stops, inside its first epoch); resumed from that state by a new trainer. Prints one JSON line
+per process with what each run's stream produced, and saves the final weights of both complete runs.
+
+Usage: ``stream_run.py OUT [--workers N] [--plain] [--split main_process|dataset] [--stop-after K] [--samples N]
+[--epochs E]``, on 1 process (``python``) or several (``accelerate launch``, tests/conftest.py ``launcher``). With
+``--split dataset`` the stream splits itself between the processes (each reads every ``world_size``-th sample).
+``--uneven N`` gives process 1 N samples fewer than the others. ``--memory-store`` only tries to train with training
+states in ``memory://`` and prints the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+
+import torch
+from torch.utils.data import IterableDataset
+
+from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.errors import StopTrainingError
+
+#: samples produced by the stream in this process and its workers (forked: the value is shared with them)
+PRODUCED = multiprocessing.Value("q", 0)
+
+
+class Stream(IterableDataset):
+    """Sample ``i`` is a seeded random vector and its target; each worker reads every ``num_workers``-th sample of its
+    process's part, and (``split``) each process every ``world_size``-th sample. Its state is its place in the part."""
+
+    def __init__(self, num_samples: int, split: bool, short_by: int = 0):
+        self.num_samples, self.split, self.short_by, self.place = num_samples, split, short_by, 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        split = self.split and torch.distributed.is_initialized()
+        world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if split else (1, 0)
+        end = self.num_samples - (self.short_by if rank == 1 else 0)
+        while True:
+            index = (self.place * workers + worker) * world + rank
+            if index >= end:
+                self.place = 0  # the next epoch reads the stream from its start
+                return
+            self.place += 1
+            with PRODUCED.get_lock():
+                PRODUCED.value += 1
+            features = torch.randn(4, generator=torch.Generator().manual_seed(index))
+            yield features, features.sum().reshape(1) * 0.5
+
+    def state_dict(self) -> dict:
+        return {"place": self.place}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.place = state["place"]
+
+
+class PlainStream(Stream):
+    """The same stream, unable to say where it is."""
+
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
+
+
+class Watch(TrainerCallback):
+    """Stops the run after ``stop_after`` updates; notes the samples produced before the run's first update."""
+
+    def __init__(self, stop_after=None):
+        self.stop_after, self.before_first_update = stop_after, None
+
+    def on_train_step_end(self, trainer, **kwargs):
+        if self.before_first_update is None:
+            self.before_first_update = PRODUCED.value
+        if self.stop_after is not None and trainer.run_state.num_update_steps_completed >= self.stop_after:
+            raise StopTrainingError("stopped by the test")
+
+
+def run(args, mode: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    watch = Watch(args.stop_after if mode == "stopped" else None)
+    callbacks = [watch]
+    if mode != "uninterrupted":
+        callbacks.append(SaveTrainingStateCallback(os.path.join(args.out, "states"), save_on_signals=()))
+    trainer = Trainer(
+        model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=callbacks, seed=1
+    )
+    stream_class = PlainStream if args.plain else Stream
+    PRODUCED.value = 0
+    trainer.train(
+        stream_class(args.samples, args.split == "dataset", short_by=args.uneven),
+        num_epochs=args.epochs,
+        per_device_batch_size=4,
+        train_dataloader_kwargs={"num_workers": args.workers},
+        stream_split=args.split,
+        resume_from=os.path.join(args.out, "states") if mode == "resumed" else None,
+    )
+    if mode != "stopped" and trainer.accelerator.is_main_process:
+        torch.save(trainer.get_model().state_dict(), os.path.join(args.out, f"{mode}.pt"))
+    return {
+        "produced": PRODUCED.value,
+        "before_first_update": watch.before_first_update,
+        "updates": trainer.run_state.num_update_steps_completed,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--split", default="main_process")
+    parser.add_argument("--stop-after", type=int, default=30)
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--uneven", type=int, default=0)
+    parser.add_argument("--memory-store", action="store_true", help="only try to save states to memory://")
+    args = parser.parse_args()
+    if args.memory_store:
+        model = torch.nn.Linear(4, 1)
+        store = SaveTrainingStateCallback("memory://bucket/states", save_on_signals=())
+        trainer = Trainer(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=[store])
+        try:
+            trainer.train(Stream(args.samples, split=False), num_epochs=1, per_device_batch_size=4)
+        except ValueError as error:
+            print("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value}), flush=True)
+        return
+    report = {mode: run(args, mode) for mode in ("uninterrupted", "stopped", "resumed")}
+    report["rank"] = int(os.environ.get("RANK", "0"))
+    print("REPORT " + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
