@@ -79,6 +79,7 @@ def test_a_plain_stream_is_replayed_and_says_so(tmp_path):
     assert f"cannot say where it is: its first {updates} batches ({updates * BATCH} samples over 1 process)" in output
     assert "state_dict() and load_state_dict()" in output
     assert "Replaying the stream" in output
+    assert f"(after {updates} optimizer updates) at epoch 1, {updates} batches in, run " in output  # where it goes on
     assert report["resumed"]["produced"] == 800
 
 

@@ -115,7 +115,8 @@ def load_resume_plan(
         url = resume_from.rstrip("/")
         shown = url if url.endswith(f"/{stored.folder.name}") else join(url, stored.folder.name)
     run = "" if stored.run_id is None else f", run {stored.run_id}"
-    trainer.print(f"Resuming from {shown} (after {plan.num_update_steps_completed} optimizer updates){run}")
+    updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
+    trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}{run}")
     saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
     if saved_processes != processes:
         trainer.print(
@@ -124,6 +125,15 @@ def load_resume_plan(
             "the rest split between the processes (each trained once, in another order)."
         )
     return plan
+
+
+def _where(plan: ResumePlan, current_epoch: int) -> str:
+    """Where a resume goes on, as the run history counts epochs: ``epoch 3, 8 batches in`` (at its 9th batch), or
+    ``the start of epoch 3``."""
+    epoch = plan.history_epoch if plan.history_epoch is not None else current_epoch
+    if plan.position.batches_seen:
+        return f"epoch {epoch}, {plan.position.batches_seen} batches in"
+    return f"the start of epoch {epoch}"
 
 
 def create_run_id(trainer: "Trainer", plan: Optional[ResumePlan]) -> str:
