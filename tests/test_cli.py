@@ -126,7 +126,10 @@ def test_three_states_kept_and_folder_resume(tiny_config_file, tmp_path, capsys)
     states = runs / "first" / "training_states"
     assert sorted(path.name for path in states.iterdir()) == ["epoch_3", "epoch_4", "epoch_5", "latest"]
     result = main(["fit", *common, "--train.num_epochs", "6", "--train.resume_from", str(runs / "first")])
-    assert f"from {states / 'epoch_5'} (after 20 optimizer updates), run " in capsys.readouterr().out
+    assert (
+        f"from {states / 'epoch_5'} (after 20 optimizer updates) at the start of epoch 6, run "
+        in capsys.readouterr().out
+    )
     assert result.num_update_steps == 24 and result.num_epochs == 1
     help_text = create_parser().command_parsers["fit"].format_help()
     assert "max_training_states" in help_text and "3 by default" in help_text

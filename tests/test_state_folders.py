@@ -624,7 +624,10 @@ def test_two_runs_in_one_folder_kept_apart(tmp_path, capsys):
     resumed = _trainer(ck, lr=0.3, max_checkpoints=3, allow_other_runs=True)
     with pytest.warns(UserWarning, match=r"also holds the states of other runs \(epoch_5, epoch_6, final"):
         _train(resumed, resume_from=ck, num_epochs=4)
-    assert f"Resuming from {ck / 'epoch_3'} (after 12 optimizer updates), run {b_run}" in capsys.readouterr().out
+    assert (
+        f"Resuming from {ck / 'epoch_3'} (after 12 optimizer updates) at the start of epoch 4, run {b_run}"
+        in capsys.readouterr().out
+    )
     assert resumed.optimizer.param_groups[0]["lr"] == 0.5  # B's optimizer state, not A's (0.1)
     assert resumed.num_update_steps_completed == 16
     states = _manifests(ck)
@@ -701,5 +704,6 @@ def test_second_train_call_is_not_refused(tmp_path, capsys):
     with pytest.warns(UserWarning, match=r"also holds the states of other runs \(epoch_1, final \(run"):
         _train(_trainer(ck, lr=0.1), resume_from=ck, num_epochs=3)  # the second call's run, saved last
     assert (
-        f"Resuming from {ck / 'final-2'} (after 8 optimizer updates), run {runs['final-2']}" in capsys.readouterr().out
+        f"Resuming from {ck / 'final-2'} (after 8 optimizer updates) at the start of epoch 3, run {runs['final-2']}"
+        in capsys.readouterr().out
     )
