@@ -41,6 +41,7 @@ LONGEST_TESTS = (
     "test_exit.py::test_quickstart_on_two_processes_exits_0",
     "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
     "test_benchmarks.py::test_quick_benchmark_runs_every_row",
+    "test_restarts.py::test_lost_process_restarts_and_resumes_bitwise",
 )
 
 

@@ -32,6 +32,7 @@ from pytorch_accel_trainer.loop.extra_models import (
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.loop.state_content import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
+from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
     get_full_model_state_dict,
@@ -104,6 +105,7 @@ def load_resume_plan(
         return None
     if stored is None:
         found = "does not exist yet" if not Path(resume_from).exists() else "holds no training state yet"
+        _say_if_restarted(trainer, None)
         trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
         return None
     plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
@@ -114,6 +116,7 @@ def load_resume_plan(
     if is_url(resume_from):  # the state's URL, not its node-local copy
         url = resume_from.rstrip("/")
         shown = url if url.endswith(f"/{stored.folder.name}") else join(url, stored.folder.name)
+    _say_if_restarted(trainer, shown, plan)
     run = "" if stored.run_id is None else f", run {stored.run_id}"
     updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
     trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}{run}")
@@ -125,6 +128,15 @@ def load_resume_plan(
             "the rest split between the processes (each trained once, in another order)."
         )
     return plan
+
+
+def _say_if_restarted(trainer: "Trainer", resumed_from: Any, plan: Optional[ResumePlan] = None) -> None:
+    """On an attempt ``torchrun --max-restarts`` restarted, say so, and where it resumes (``parallel/restarts.py``)."""
+    epoch = trainer.run_history.current_epoch
+    updates = None if plan is None else plan.num_update_steps_completed
+    line = describe_restarted_attempt(resumed_from, epoch=epoch, num_update_steps=updates)
+    if line is not None:
+        trainer.print(line)
 
 
 def _where(plan: ResumePlan, current_epoch: int) -> str:

@@ -19,6 +19,7 @@ from pytorch_accel_trainer.parallel.accelerate_internals import (
     process_state_is_set_up,
     undo_failed_set_up,
 )
+from pytorch_accel_trainer.parallel.restarts import prepare_restarted_attempt
 from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
 
 # Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
@@ -58,6 +59,7 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
     cpu = bool(kwargs.pop("cpu", False)) or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
     already_set_up = process_state_is_set_up()
     precision_set_up = is_initialized()  # whether an Accelerator fixed the mixed precision of this process
+    prepare_restarted_attempt(cpu, kwargs.get("kwargs_handlers"))  # torchrun --max-restarts: this attempt's own keys
     try:
         accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
         _validate_mixed_precision_device(accelerator, mixed_precision)
