@@ -20,18 +20,23 @@ WORKLOADS += ["overhead_long", "logits_train", "logits_eval"]
 UNPAIRED = {"overhead_long", "logits_train", "logits_eval"}
 
 
-@pytest.mark.slow
-def test_quick_benchmark_runs_every_row(tmp_path):
-    """The quick benchmark runs every row and workload, and each trains."""
+def _quick_run(script: str, tmp_path, timeout: int) -> tuple:
+    """Run ``benchmarks/<script> --quick`` writing into ``tmp_path``; return the process and its results.json."""
     completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "run.py"), "--quick", "--output-dir", str(tmp_path)],
+        [sys.executable, str(REPO_ROOT / "benchmarks" / script), "--quick", "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
-        timeout=280,
+        timeout=timeout,
     )
     assert (tmp_path / "results.json").exists(), completed.stderr[-4000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    return completed, json.loads((tmp_path / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_quick_benchmark_runs_every_row(tmp_path):
+    """The quick benchmark runs every row and workload, and each trains."""
+    completed, results = _quick_run("run.py", tmp_path, timeout=280)
     expected_rows = CORE_ROWS + [row for row, module in OPTIONAL_ROWS.items() if importlib.util.find_spec(module)]
 
     assert sorted(results["workloads"]) == sorted(WORKLOADS)
@@ -91,15 +96,7 @@ def test_sharded_state_benchmark_quick(tmp_path):
     """The quick sharded-state benchmark (2 FSDP2 processes on the CPU, one repeat) gives every row a time and a peak
     (background saves of several processes included: none is refused), every save row its files, and every goal a
     verdict; timings are never judged."""
-    completed = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "sharded_state.py"), "--quick", "--output-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=240,
-    )
-    assert (tmp_path / "results.json").exists(), completed.stderr[-4000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    completed, results = _quick_run("sharded_state.py", tmp_path, timeout=240)
     rows = results["summary"]["rows"]
     assert list(rows) == SHARDED_STATE_ROWS
     for row, summary in rows.items():
@@ -112,4 +109,30 @@ def test_sharded_state_benchmark_quick(tmp_path):
     assert len(results["goals"]) == 5
     assert all(verdict in ("PASS", "FAIL") for _, _, verdict in results["goals"])
     assert "| goal |" in (tmp_path / "results.md").read_text()
+    assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_stream_resume_benchmark_quick(tmp_path):
+    """The quick stream-resume benchmark (20 updates, then a resume in a fresh process; and 2 processes): a stream with
+    a position produces only the batches in flight before its first new update, a plain stream every sample trained
+    again, and with stream_split="dataset" each process reads its own part and replays nothing; timings are never
+    judged."""
+    completed, results = _quick_run("stream_resume.py", tmp_path, timeout=240)
+    rows = {row["kind"]: row for row in results["rows"]}
+    assert list(rows) == ["stateful", "plain", "map"]
+    for kind, row in rows.items():
+        assert row["error"] is None and row["resume"]["first_update"] == 21, (kind, row)
+    trained = rows["plain"]["train"]["updates"] * 4
+    assert rows["stateful"]["resume"]["produced_before_first_update"] <= 12  # 3 batches: the loop's look-ahead
+    assert rows["map"]["resume"]["produced_before_first_update"] <= 12
+    assert rows["plain"]["resume"]["produced_before_first_update"] >= trained
+    assert rows["plain"]["resume"]["replay_said"] and not rows["stateful"]["resume"]["replay_said"]
+    configs = results["processes"]["configs"]
+    dispatched, own_parts = configs["main_whole"]["per_rank"], configs["dataset_split"]["per_rank"]
+    assert dispatched[0]["produced_before_first_update"] >= 20 * 2 * 4 and dispatched[1]["trained"]["produced"] == 0
+    for rank in own_parts:
+        assert rank["trained"]["produced"] >= 20 * 4 and rank["produced_before_first_update"] <= 12, rank
+    assert "| updates before the stop |" in (tmp_path / "results.md").read_text()
     assert completed.returncode == 0, completed.stderr[-4000:]

@@ -171,11 +171,13 @@ def stateful_dataloaders(accelerator: Any, stateful: bool) -> Iterator[None]:
     """While open, with ``stateful``, Accelerate prepares dataloaders as torchdata ``StatefulDataLoader`` (its
     ``use_stateful_dataloader``, set for this ``prepare`` alone: map-style data needs none)."""
     config = accelerator.dataloader_config
-    if not stateful or config.use_stateful_dataloader:
+    if not stateful:
         yield
         return
-    config.use_stateful_dataloader = True
+    was_set, config.use_stateful_dataloader = config.use_stateful_dataloader, True
     try:
-        yield
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            yield
     finally:
-        config.use_stateful_dataloader = False
+        config.use_stateful_dataloader = was_set
