@@ -396,10 +396,10 @@ def validate_batch_output(batch_output: Any, hook_name: str) -> None:
             f"{hook_name} returned a loss of type {type(loss).__name__}; it must be a scalar torch.Tensor with "
             "gradients, as a loss function returns."
         )
-    if loss.dim() != 0:
+    if loss.numel() != 1:  # one element in any shape, as pytorch-accelerated takes it: (1,) is used as a scalar
         raise ValueError(
-            f"{hook_name} returned a loss of shape {tuple(loss.shape)}; the trainer needs a scalar. Reduce it first, "
-            "e.g. loss.mean(), or use a loss function with reduction='mean'."
+            f"{hook_name} returned a loss of shape {tuple(loss.shape)}; the trainer needs a scalar (or one element). "
+            "Reduce it first, e.g. loss.mean(), or use a loss function with reduction='mean'."
         )
 
 

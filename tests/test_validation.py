@@ -478,7 +478,7 @@ class _BadLossTrainer(Trainer):
         (
             lambda out: {**out, "loss": out["loss"].expand(3)},
             ValueError,
-            r"returned a loss of shape \(3,\); the trainer needs a scalar",
+            r"returned a loss of shape \(3,\); the trainer needs a scalar \(or one element\)",
         ),
         (lambda out: {k: v for k, v in out.items() if k != "loss"}, ValueError, r"missing \['loss'\]"),
         (lambda out: out["loss"], TypeError, r"calculate_train_batch_loss returned Tensor; it must return a dict"),
@@ -493,6 +493,32 @@ def test_bad_batch_output_at_first_step(batch_output_fn, error, message):
     with pytest.raises(error, match=message):
         _train(trainer)
     assert trainer.num_update_steps_completed == 0
+
+
+def test_a_one_element_loss_trains_as_its_scalar():
+    """A loss of shape (1,), as YOLOv7's training code returns it (``batch_size * loss``, pytorch-accelerated takes
+    it), trains exactly as the same loss returned as a scalar, and callbacks see it as a scalar."""
+    seen = []
+
+    class SeeLoss(TrainerCallback):
+        def on_train_step_end(self, trainer, batch_output, **kwargs):
+            seen.append(batch_output["loss"].shape)
+
+    weights = []
+    for batch_output_fn in (lambda out: {**out, "loss": out["loss"].reshape(1)}, lambda out: out):
+        model = make_linear()
+        trainer = _BadLossTrainer(
+            batch_output_fn,
+            model,
+            torch.nn.MSELoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            callbacks=[SeeLoss()],
+        )
+        _train(trainer)
+        weights.append(trainer.get_model().state_dict())
+        assert trainer.num_update_steps_completed == 2
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+    assert set(seen) == {torch.Size([])}
 
 
 class DetachedLossTrainer(Trainer):

@@ -274,8 +274,9 @@ def call_batch_hook(hook: Callable, batch: Any, batch_idx: int, loss_output: boo
     ``loss_output=False`` returns the output as it is (``calculate_predict_batch_output``).
 
     Raises:
-        TypeError, ValueError: a batch-loss output that is not a dict with a scalar tensor ``loss`` (and a
-            ``batch_size``, given or found); the message names the hook.
+        TypeError, ValueError: a batch-loss output that is not a dict with a one-element tensor ``loss`` (a scalar;
+            one of shape ``(1,)`` is returned as one) and a ``batch_size``, given or found; the message names the
+            hook.
     """
     argument = _batch_idx_argument(getattr(hook, "__func__", hook), isinstance(hook, MethodType))
     if argument is None:
@@ -290,6 +291,8 @@ def call_batch_hook(hook: Callable, batch: Any, batch_idx: int, loss_output: boo
             return output  # the common shape, checked in a few reads; else the full check says what is wrong
     output = with_batch_size(output, batch)
     validate_batch_output(output, getattr(hook, "__name__", "the batch-loss hook"))
+    if output["loss"].dim():  # one element of shape (1,), e.g. YOLOv7's batch_size * loss: used as the scalar it is
+        output = {**output, "loss": output["loss"].reshape(())}
     return output
 
 
