@@ -304,9 +304,21 @@ def test_full_summary_table_and_none(capsys):
         "trainable",
         "MiB",
     ]
-    assert lines[2].split()[:2] == ["total", "Linear"] and lines[3].startswith("Training 1 epochs")
+    assert lines[2].split()[:2] == ["total", "Linear"] and lines[3].startswith("Training 1 epoch of")
     quiet = make_trainer(make_linear(), callbacks=[PrintProgressCallback(model_summary=None)])
     quiet.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
-    assert capsys.readouterr().out.startswith("Training 1 epochs")
+    assert capsys.readouterr().out.startswith("Training 1 epoch of")
     with pytest.raises(ValueError, match="model_summary='table' is not valid"):
         PrintProgressCallback(model_summary="table")
+
+
+def test_a_model_whose_parameters_cannot_be_counted_gets_no_summary():
+    """A stand-in model (pytorch-accelerated's own tests use Mock models) gets no summary line instead of a
+    TypeError: a summary never stops a run."""
+    from unittest.mock import Mock
+
+    trainer = make_trainer(make_linear())
+    progress = PrintProgressCallback(model_summary="full")
+    assert len(progress._summary(trainer)) == 2  # the line and the table
+    trainer.get_model = lambda: Mock(spec=torch.nn.Module)  # its parameters() is a Mock: nothing to iterate
+    assert progress._summary(trainer) == []

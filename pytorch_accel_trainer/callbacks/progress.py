@@ -52,6 +52,11 @@ def progress_bar_class() -> type:
     return _TQDM_CLASS
 
 
+def _plural(count: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def format_value(value: Any) -> str:
     """A metric as printed: numbers to 4 significant digits, anything else as it is."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -109,22 +114,32 @@ class PrintProgressCallback(TrainerCallback):
         self._run_start = 0.0
         self._epochs = 0
 
+    def _summary(self, trainer: Trainer) -> list:
+        """The model's summary lines; none for a model whose parameters cannot be counted (a stand-in such as a
+        ``Mock``): a summary never stops a run."""
+        model = trainer.get_model()
+        try:
+            lines = [model_summary_line(model, trainer.accelerator.mixed_precision)]
+            if self.model_summary == "full":
+                lines.append(model_summary_table(model, self.model_summary_depth))
+        except (TypeError, AttributeError):
+            return []
+        return lines
+
     def on_training_run_start(self, trainer: Trainer, **kwargs):
         self._run_start, self._epochs = time.perf_counter(), 0
         if self.verbose:
             trainer.print("\nStarting training run")
             return
         config = get_run_config(trainer)
-        epochs = "until max_num_train_steps" if config.num_epochs is None else f"{config.num_epochs} epochs"
+        epochs = "until max_num_train_steps" if config.num_epochs is None else _plural(config.num_epochs, "epoch")
         per_epoch = (
             "" if config.num_update_steps_per_epoch is None else f" of {config.num_update_steps_per_epoch} updates"
         )
         processes = f"{config.num_processes} processes" if config.num_processes > 1 else "1 process"
         if self.model_summary is not None:
-            model = trainer.get_model()
-            _print(trainer, model_summary_line(model, trainer.accelerator.mixed_precision))
-            if self.model_summary == "full":
-                _print(trainer, model_summary_table(model, self.model_summary_depth))
+            for line in self._summary(trainer):
+                _print(trainer, line)
         _print(
             trainer,
             f"Training {epochs}{per_epoch}, batches of {config.train_total_batch_size} "
@@ -147,7 +162,7 @@ class PrintProgressCallback(TrainerCallback):
             trainer.print("Finishing training run")
             return
         seconds = time.perf_counter() - self._run_start
-        epochs = "1 epoch" if self._epochs == 1 else f"{self._epochs} epochs"
+        epochs = _plural(self._epochs, "epoch")
         summary = f"Finished {epochs} in {seconds:.3g}s ({trainer.num_update_steps_completed} updates)"
         monitor = next((cb for cb in trainer.callback_handler if isinstance(cb, MonitorCallback)), None)
         if monitor is not None and monitor.best_metric is not None:
