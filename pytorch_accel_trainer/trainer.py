@@ -67,7 +67,6 @@ from pytorch_accel_trainer.loop.stream_position import (
     batches_every_process_has,
     keeps_position,
     prepare_own_part,
-    prepared_keeps_position,
     reads_own_part,
     stateful_dataloaders,
 )
@@ -538,8 +537,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if dataloaders:
             self.train_dataloader = components[2] if own_part is None else own_part
             self.eval_dataloader = components[3]
-            keeps = prepared_keeps_position(self.train_dataloader)
-            self.run_state.stream_positions = StreamPositions() if keeps else None
+            self.run_state.stream_positions = StreamPositions() if stateful else None
         if not model_and_optimizer:
             return
         self.model, self.optimizer = components[:2]

@@ -50,11 +50,6 @@ def keeps_position(dataloader: Any) -> bool:
     return is_stream(dataloader) and _stateful(dataloader.dataset)
 
 
-def prepared_keeps_position(dataloader: Any) -> bool:
-    """Whether a dataloader Accelerate prepared reads a stream through a ``StatefulDataLoader``."""
-    return is_stream(dataloader) and bool(getattr(dataloader, "use_stateful_dataloader", False))
-
-
 class StreamPositions:
     """The state of a prepared stateful dataloader after each of the last batches the loop took from it."""
 
