@@ -384,8 +384,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """
         options = self._checked_train_options(locals())
         stored_state = (
-            find_state_to_resume(Processes.of_accelerator(self._accelerator), resume_from)
-            if resume_from is not None
+            find_state_to_resume(Processes.of_accelerator(self._accelerator), options.resume_from)
+            if options.resume_from is not None
             else None
         )
         self._start_training_run(train_dataset, eval_dataset, options)
@@ -407,7 +407,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         train_dataset, given_dataloader = dataset_and_dataloader(train_dataset)
         warn_if_endless(train_dataset, arguments["max_num_train_steps"])
         options = TrainOptions.from_arguments(
-            arguments, per_device_batch_size=batch_size_for(given_dataloader, arguments["per_device_batch_size"])
+            arguments,
+            per_device_batch_size=batch_size_for(given_dataloader, arguments["per_device_batch_size"]),
+            **persistence.train_locations(arguments),  # ~ and $VARIABLES expanded; a mangled URL refused
         )
         optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it

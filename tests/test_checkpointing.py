@@ -385,6 +385,46 @@ def test_new_head_loads_the_backbone(tmp_path):
     assert math.isfinite(result.metrics["train_loss_epoch"])
 
 
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "_orig_mod.module."])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_file_saved_from_a_wrapped_model_loads_every_weight(tmp_path, prefix, strict):
+    """Issue 38, finding 8: a file whose every name has DDP's ``module.`` (or torch.compile's ``_orig_mod.``) loads
+    every weight, strict or not (it loaded nothing with strict=False, and the strict error suggested strict=False)."""
+    saved = _backbone_and_head(num_classes=3, seed=0)
+    path = tmp_path / "hand_loop.pt"
+    torch.save({MODEL_KEY: {prefix + name: value for name, value in saved.state_dict().items()}}, path)
+    model = _backbone_and_head(num_classes=3, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing was skipped: no warning
+        checkpoint = _cross_entropy_trainer(model).load_checkpoint(path, strict=strict)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in saved.state_dict().items())
+    assert not checkpoint.get("skipped_weights")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("other", ["another model", "every shape differs"])
+def test_a_file_with_no_weight_that_fits_is_refused(tmp_path, strict, other):
+    """Issue 38, finding 8: strict=False with a file of which nothing fits loaded nothing and only warned; it is a
+    CheckpointError naming both sides, and the model is unchanged."""
+    if other == "another model":
+        saved = nn.Sequential(nn.Conv1d(1, 2, 3))
+        expected = (
+            r"none of its 2 names is one of the model's \(the file has conv\.weight, conv\.bias; the model has 0\."
+        )
+        state = {"conv." + name.split(".")[1]: value for name, value in saved.state_dict().items()}
+    else:
+        saved = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4))
+        expected = r"every one of its 4 shared names has another shape \(shapes differ: 0\.weight \(file \(5, 3\)"
+        state = saved.state_dict()
+    path = tmp_path / "other.pt"
+    torch.save({MODEL_KEY: state}, path)
+    model = _backbone_and_head(num_classes=3, seed=1)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=expected + r".*Nothing was loaded"):
+        _cross_entropy_trainer(model).load_checkpoint(path, strict=strict)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
 def test_one_sided_keys_listed_fit_is_silent(tmp_path):
     """Keys on one side only are listed; a file that fits loads silently, optimizer state included."""
     path, pretrained = _pretrained_checkpoint(tmp_path)

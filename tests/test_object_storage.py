@@ -246,6 +246,62 @@ def test_url_of_missing_state_is_an_error(memory_store):
         _run("memory://bucket/named", resume_from="memory://bucket/named/step_5")
 
 
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("s3://", r"'s3://' names a store but no bucket or folder in it: write the whole URL, e.g. 's3://my-bucket"),
+        ("memory://", r"'memory://' names a store but no bucket"),
+        (
+            "s3:/bucket/states",
+            r"'s3:/bucket/states' looks like a URL of a s3:// store that lost a slash .* 's3://bucket/states'",
+        ),
+        (str(__import__("pathlib").Path("memory://bucket") / "states"), r"'memory:/bucket/states' looks like a URL"),
+    ],
+)
+def test_a_url_never_becomes_a_local_folder(tmp_path, monkeypatch, url, message):
+    """Issue 38, finding 4: a URL without a bucket, or one that lost a slash (``str(Path("s3://bucket") / "states")``),
+    is a ValueError naming it, for each place a training state goes or comes from; they wrote ``./s3:``."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        SaveTrainingStateCallback(url)
+    model = nn.Linear(4, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
+    for argument in ({"resume_from": url}, {"max_time": 60, "max_time_save_dir": url}):
+        with pytest.raises(ValueError, match=message):
+            trainer.train(regression_dataset(8), num_epochs=1, per_device_batch_size=4, **argument)
+    with pytest.raises(ValueError, match=message):
+        trainer.save_checkpoint(url)
+    assert list(tmp_path.iterdir()) == [] and trainer.num_update_steps_completed == 0
+
+
+def test_a_store_folder_with_files_but_no_state_is_an_error(memory_store):
+    """Issue 38, finding 5: ``resume_from`` a URL folder that holds objects but no training state is the
+    CheckpointError a local folder gives (it started a new run, saying the folder "does not exist yet"); what a first
+    save cut short leaves (a state folder without its manifest, ``latest``) is still a new run."""
+    memory_store.pipe_file("/bucket/stray/notes.txt", b"not a state")
+    with pytest.raises(
+        CheckpointError, match=r"resume_from='memory://bucket/stray' holds notes.txt but no training state"
+    ):
+        _run("memory://bucket/new", resume_from="memory://bucket/stray", num_epochs=1)
+    assert not memory_store.exists("/bucket/new")
+    memory_store.pipe_file("/bucket/cut/step_3/__0_0.distcp", b"partial")
+    memory_store.pipe_file("/bucket/cut/latest", b"step_3\n")
+    trainer = _run("memory://bucket/cut", resume_from="memory://bucket/cut", num_epochs=1)
+    assert trainer.num_update_steps_completed == 8
+
+
+def test_a_run_folder_url_resumes_from_its_states(memory_store, capsys):
+    """Issue 38, finding 5: a run folder given as a URL resumes from its ``training_states`` (it started over), as a
+    local run folder does."""
+    reference = _end_state(_run("memory://bucket/reference"))
+    memory_store.pipe_file("/bucket/runs/r1/config.yaml", b"lr: 0.01\n")
+    with pytest.raises(Crash):
+        _run("memory://bucket/runs/r1/training_states", stop_after=20)
+    resumed = _run("memory://bucket/runs/r1/training_states", resume_from="memory://bucket/runs/r1")
+    assert "Resuming from memory://bucket/runs/r1/training_states/step_18" in capsys.readouterr().out
+    assert_bitwise_equal(_end_state(resumed), reference)
+
+
 def test_a_run_folder_in_a_store(memory_store):
     torch.manual_seed(0)
     model = nn.Linear(4, 1)

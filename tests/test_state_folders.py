@@ -676,6 +676,46 @@ def test_resume_from_says_what_it_found(tmp_path, capsys):
     assert "empty' holds no training state yet: starting a new run." in capsys.readouterr().out
 
 
+def test_a_typo_in_a_state_name_is_an_error_not_a_new_run(tmp_path):
+    """Issue 38, finding 6: ``resume_from`` a state that does not exist, beside others (``states/epoch_30`` where
+    ``states/`` holds ``epoch_1`` and ``final``), is a FileNotFoundError listing them, as for a URL; it started a new
+    run. A missing folder whose parent holds no state still starts one (a preemptible job's first start)."""
+    states = tmp_path / "states"
+    _train(_trainer(states, lr=0.1), num_epochs=2)
+    trainer = _trainer(tmp_path / "other", lr=0.1)
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"'.*states/epoch_30' does not exist, but .* holds the training states \['epoch_1', 'epoch_2', 'final'\]: pass one of those",
+    ):
+        _train(trainer, resume_from=states / "epoch_30")
+    assert trainer.num_update_steps_completed == 0 and list((tmp_path / "other").iterdir()) == []  # nothing saved
+    _train(trainer, resume_from=tmp_path / "first_start" / "states", num_epochs=1)
+    assert trainer.num_update_steps_completed == 4
+
+
+def test_paths_expand_home_and_environment_variables(tmp_path, monkeypatch, capsys):
+    """Issue 38, finding 3: ``~`` and ``$VARIABLE`` in a path are expanded as a shell would (they made folders named
+    ``~`` and ``$HOME`` in the working folder); a variable that is not set is a ValueError before any step."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.chdir(tmp_path)
+    _train(_trainer("~/states", lr=0.1), num_epochs=1)
+    assert (tmp_path / "home" / "states" / "final" / MANIFEST_NAME).is_file()
+    trainer = _trainer("$SCRATCH/states", lr=0.1)
+    _train(trainer, resume_from="~/states", num_epochs=2)
+    assert f"Resuming from {tmp_path / 'home' / 'states' / 'final'}" in capsys.readouterr().out
+    assert (tmp_path / "scratch" / "states" / "final" / MANIFEST_NAME).is_file()
+    trainer = _trainer(tmp_path / "scratch" / "other", lr=0.1)
+    with pytest.raises(
+        ValueError, match=r"'\$NOT_SET/states' names the environment variable \$NOT_SET, which is not set"
+    ):
+        _train(trainer, resume_from="$NOT_SET/states")
+    with pytest.raises(ValueError, match=r"names the environment variable \$\{NOT_SET\}"):
+        SaveTrainingStateCallback("${NOT_SET}/states")
+    assert trainer.num_update_steps_completed == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["home", "scratch"]  # no '~', '$HOME' nor '$NOT_SET'
+
+
 def test_edited_older_manifest_is_skipped(tmp_path):
     """A manifest edited to look newer than its files is a damaged state, skipped as
     docs/training_state.md says, and the newest good state is resumed."""

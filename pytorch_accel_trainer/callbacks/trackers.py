@@ -20,6 +20,7 @@ from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
+from pytorch_accel_trainer.state.storage import local_path
 from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, is_scalar_metric, metric_counts
 from pytorch_accel_trainer.validation import overrides
 
@@ -37,7 +38,7 @@ class _FileTracker(GeneralTracker):
     def __init__(self, run_name: str, logging_dir: Union[str, os.PathLike] = "."):
         super().__init__()
         self.run_name = run_name
-        self.run_dir = Path(logging_dir) / run_name
+        self.run_dir = local_path(logging_dir) / run_name
         self.path = self.run_dir / self.file_name
         self._file: Optional[TextIO] = None
 
@@ -294,7 +295,8 @@ class ExperimentTrackingCallback(TrainerCallback):
 
     @property
     def _project_dir(self) -> Path:
-        return Path(self.logging_dir, self.project_name) if self.project_name else Path(self.logging_dir)
+        logging_dir = local_path(self.logging_dir)  # ~ and $VARIABLES expanded, as a shell would
+        return logging_dir / self.project_name if self.project_name else logging_dir
 
     # ------------------------------------------------------------------------------------------------
     # Trackers

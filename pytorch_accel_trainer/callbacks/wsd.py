@@ -18,6 +18,7 @@ from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
 from pytorch_accel_trainer.state.content import Processes, Stateful, load_sharded
 from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
 from pytorch_accel_trainer.state.files import inner_optimizer
+from pytorch_accel_trainer.state.storage import local_path
 from pytorch_accel_trainer.state.training_state import ResumePlan, find_resumable_state, load_trainer_file
 
 if TYPE_CHECKING:
@@ -70,10 +71,10 @@ class WSDCheckpointCallback(TrainerCallback):
         for name, value in (("save_optimizer", save_optimizer), ("save_scheduler", save_scheduler)):
             if not isinstance(value, bool):
                 raise TypeError(f"WSDCheckpointCallback({name}={value!r}): pass True or False.")
-        self.save_dir = Path(save_dir)
+        self.save_dir = local_path(save_dir)  # ~ and $VARIABLES expanded, as a shell would
         self.save_optimizer = save_optimizer
         self.save_scheduler = save_scheduler
-        self.initial_checkpoint = Path(initial_checkpoint) if initial_checkpoint is not None else None
+        self.initial_checkpoint = local_path(initial_checkpoint) if initial_checkpoint is not None else None
         self.last_checkpoint_step: int | None = None
         self.checkpoint_steps: set | None = None
         self.decay_fraction: float | None = None

@@ -43,7 +43,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     validate_training_state_supported,
     writes_on_this_process,
 )
-from pytorch_accel_trainer.state import async_save
+from pytorch_accel_trainer.state import async_save, storage
 from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -54,6 +54,8 @@ from pytorch_accel_trainer.state.checkpointing import (
     compare_model_states,
     load_checkpoint_file,
     save_checkpoint_file,
+    validate_some_weights_fit,
+    without_wrapper_prefixes,
 )
 from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import (
@@ -104,7 +106,7 @@ def load_resume_plan(
     if resume_from is None:
         return None
     if stored is None:
-        found = "does not exist yet" if not Path(resume_from).exists() else "holds no training state yet"
+        found = "holds no training state yet" if storage.exists(resume_from) else "does not exist yet"
         _say_if_restarted(trainer, None)
         trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
         return None
@@ -112,10 +114,7 @@ def load_resume_plan(
     history = trainer.run_history
     if plan.history_epoch is not None and plan.history_epoch != history.current_epoch:
         history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short
-    shown: Any = stored.folder
-    if is_url(resume_from):  # the state's URL, not its node-local copy
-        url = resume_from.rstrip("/")
-        shown = url if url.endswith(f"/{stored.folder.name}") else join(url, stored.folder.name)
+    shown: Any = stored.url or stored.folder  # a store's state: its URL, not its node-local copy
     _say_if_restarted(trainer, shown, plan)
     run = "" if stored.run_id is None else f", run {stored.run_id}"
     updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
@@ -159,6 +158,16 @@ def create_run_id(trainer: "Trainer", plan: Optional[ResumePlan]) -> str:
     return chosen[0]
 
 
+def train_locations(arguments: dict) -> dict[str, Optional[Location]]:
+    """``train()``'s ``resume_from`` and ``max_time_save_dir`` as locations (:func:`~pytorch_accel_trainer.state.
+    storage.as_location`: ``~`` and environment variables expanded, a URL kept, a URL that lost a slash refused),
+    before any work."""
+    return {
+        name: None if arguments[name] is None else as_location(arguments[name])
+        for name in ("resume_from", "max_time_save_dir")
+    }
+
+
 def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
     """The folders every node of a multi-node run must see as the main process does, each with what the run keeps
     there: those of its training states, and the one it resumes from (see ``parallel/shared_folders.py``)."""
@@ -168,9 +177,9 @@ def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dic
         if isinstance(callback, SaveTrainingStateCallback) and not is_url(callback.save_dir)
     }
     if options.max_time_save_dir is not None and not is_url(options.max_time_save_dir):
-        folders.setdefault(Path(options.max_time_save_dir), "training states of train(max_time_save_dir=...)")
+        folders.setdefault(as_location(options.max_time_save_dir), "training states of train(max_time_save_dir=...)")
     if options.resume_from is not None and not is_url(options.resume_from):  # a store is shared by every node
-        resume_from = Path(options.resume_from)
+        resume_from = Path(as_location(options.resume_from))  # a local path here
         holder = resume_from.parent if (resume_from / MANIFEST_NAME).is_file() else resume_from  # a state's folder
         if holder.is_dir():
             folders.setdefault(holder, "the training states of train(resume_from=...)")
@@ -561,8 +570,8 @@ class PersistenceMixin:
         """
         from safetensors.torch import save_file, save_model
 
-        path = Path(save_path)
-        if not is_url(save_path) and path.is_dir():
+        path = as_location(save_path)
+        if isinstance(path, Path) and path.is_dir():
             raise IsADirectoryError(
                 f"save_weights({str(save_path)!r}): a folder; pass the file to write, e.g. "
                 f"{str(path / 'model.safetensors')!r}."
@@ -682,7 +691,10 @@ class PersistenceMixin:
             load_full_model_state_dict(self.accelerator, self.model, file_state)
             return SkippedWeights()
         model = self.get_model()
-        skipped = compare_model_states(model.state_dict(), file_state)
+        model_state = model.state_dict()
+        file_state = without_wrapper_prefixes(model_state, file_state)  # saved from a DDP or compiled model
+        skipped = compare_model_states(model_state, file_state)
+        validate_some_weights_fit(model_state, file_state, skipped, checkpoint_path)  # strict=False or not
         if skipped and strict:
             raise CheckpointError(
                 f"{str(checkpoint_path)!r} does not fit the model, so nothing was loaded: {skipped.describe()}. To "

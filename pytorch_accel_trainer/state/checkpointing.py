@@ -20,6 +20,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from pytorch_accel_trainer.errors import CheckpointError
+
 MODEL_KEY = "model_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
 SCHEDULER_KEY = "scheduler_state_dict"
@@ -136,6 +138,56 @@ def compare_model_states(model_state: dict, file_state: dict) -> SkippedWeights:
         mismatched_shapes=mismatched,
         missing_keys=[name for name in model_state if name not in file_state],
         unexpected_keys=[name for name in file_state if name not in model_state],
+    )
+
+
+#: What wrappers put before every name of a model's state dict: DDP and DataParallel ``module.``, ``torch.compile``
+#: ``_orig_mod.``. A checkpoint saved from a wrapped model by a hand-written loop has them.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def without_wrapper_prefixes(model_state: dict, file_state: dict) -> dict:
+    """``file_state`` without the wrapper prefixes (:data:`WRAPPER_PREFIXES`) that every one of its names has and no
+    name of ``model_state`` has: ``module.layer.weight`` is the model's ``layer.weight``. Names are matched as they are
+    otherwise (a prefix on some names only is a difference :func:`compare_model_states` reports)."""
+    stripped = True
+    while stripped and file_state:
+        stripped = False
+        for prefix in WRAPPER_PREFIXES:
+            if all(name.startswith(prefix) for name in file_state) and not any(
+                name.startswith(prefix) for name in model_state
+            ):
+                file_state = {name[len(prefix) :]: value for name, value in file_state.items()}
+                stripped = True
+    return file_state
+
+
+def validate_some_weights_fit(model_state: dict, file_state: dict, skipped: SkippedWeights, checkpoint_path) -> None:
+    """Refuse a checkpoint none of whose weights fit the model, whatever ``strict`` says: loading nothing would leave
+    the model as it was, and a fine-tuning run would start from random weights while the user believes otherwise.
+
+    Raises:
+        CheckpointError: naming the file and a few names (and shapes) of each side.
+    """
+    fitting = [name for name in file_state if name in model_state and name not in skipped.mismatched_shapes]
+    if fitting or not file_state:
+        return
+
+    def some(names) -> str:
+        names = list(names)
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+    shared = [name for name in file_state if name in model_state]
+    problem = (
+        f"every one of its {len(shared)} shared names has another shape ({skipped.describe()})"
+        if shared
+        else f"none of its {len(file_state)} names is one of the model's (the file has {some(file_state)}; the model "
+        f"has {some(model_state)})"
+    )
+    raise CheckpointError(
+        f"{str(checkpoint_path)!r} has no weight that fits the model: {problem}. Nothing was loaded. It was saved from "
+        "another model: load it into that model, or rename its entries (torch.load(path, weights_only=True)"
+        "['model_state_dict']) to the model's names before loading."
     )
 
 

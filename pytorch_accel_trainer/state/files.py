@@ -148,6 +148,8 @@ class StoredState:
 
     folder: Path
     manifest: dict = field(repr=False)
+    #: The state's URL, for one downloaded from object storage (``folder`` is then its copy in the mirror).
+    url: Optional[str] = field(default=None, compare=False)
 
     @property
     def order(self) -> tuple:

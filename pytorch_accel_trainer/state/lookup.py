@@ -49,6 +49,7 @@ def find_state_to_resume(processes: Processes, location: Any) -> Optional[Stored
         return find_remote_state(processes, location)
     path = location
     if not path.exists():
+        _refuse_a_missing_local_state(path)
         return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
     if path.is_dir() and _is_run_folder(path):
         return find_state_to_resume(processes, path / RUN_FOLDER_STATES)
@@ -72,6 +73,21 @@ def find_state_to_resume(processes: Processes, location: Any) -> Optional[Stored
             "SaveTrainingStateCallback."
         )
     return stored
+
+
+def _refuse_a_missing_local_state(path: Path) -> None:
+    """Raise ``FileNotFoundError`` when ``path``, which does not exist, sits beside training states (a typo such as
+    ``states/epoch_30`` where ``states/`` holds ``epoch_1``, ``epoch_2``; or a state pruned since) rather than start
+    the run over: a folder of states holds states, not another folder of them to be made."""
+    parent = path.parent
+    if not parent.is_dir():
+        return
+    names = sorted(state.folder.name for state in list_complete_states(parent))
+    if names:
+        raise FileNotFoundError(
+            f"resume_from={str(path)!r} does not exist, but {str(parent)!r} holds the training states {names}: pass "
+            f"one of those, or {str(parent)!r} for the newest. The run was not started over."
+        )
 
 
 def _visible_entries(folder: Path) -> list[str]:
@@ -103,6 +119,8 @@ def find_remote_state(processes: Processes, url: str) -> Optional[StoredState]:
     if remote.fs.isfile(f"{remote.root}/{MANIFEST_NAME}"):  # the URL of one state: its folder of states
         parent, only = url.rsplit("/", 1)
         remote = RemoteStates(parent)
+    elif _is_remote_run_folder(remote):
+        return find_remote_state(processes, f"{url}/{RUN_FOLDER_STATES}")
     chosen: tuple = (None, None)
     failure: Optional[Exception] = None
     if processes.is_main:
@@ -118,6 +136,7 @@ def find_remote_state(processes: Processes, url: str) -> Optional[StoredState]:
         raise CheckpointError(f"resume_from={url!r}: the main process could not read the state to resume ({message}).")
     if name is None:
         _refuse_a_missing_state(url)
+        _refuse_a_folder_without_states(remote, url)
         return None
     folder = remote.mirror / name
     if processes.is_local_main and not processes.is_main:  # another node: its own mirror
@@ -125,7 +144,7 @@ def find_remote_state(processes: Processes, url: str) -> Optional[StoredState]:
         remote.download(name, read_manifest(folder)["files"])
         verify_folder(folder)
     processes.barrier()
-    return StoredState(folder, read_manifest(folder))
+    return StoredState(folder, read_manifest(folder), url=f"{remote.url}/{name}")
 
 
 def _refuse_a_missing_state(url: str) -> None:
@@ -140,6 +159,33 @@ def _refuse_a_missing_state(url: str) -> None:
         raise FileNotFoundError(
             f"resume_from={url!r} holds no training state, but {parent!r} holds {sorted(complete)}: pass one of "
             f"those, or {parent!r} for the newest."
+        )
+
+
+def _is_remote_run_folder(remote: RemoteStates) -> bool:
+    """Whether the store folder of ``remote`` is a run folder of the command line: it has a ``training_states``
+    folder and no training state of its own (as :func:`_is_run_folder` on a disk)."""
+    complete, taken = remote.remote_names()
+    return RUN_FOLDER_STATES in taken and not complete and not any(is_state_name(name) for name in taken)
+
+
+def _refuse_a_folder_without_states(remote: RemoteStates, url: str) -> None:
+    """Raise ``CheckpointError`` when the store folder ``url`` holds objects but no training state, as for a local
+    folder: a wrong URL, not a new run. What a first save cut short leaves (a state's folder without its manifest,
+    ``latest``) is a new run's, as a missing folder is."""
+    remote.fs.invalidate_cache(remote.root)
+    try:
+        entries = remote.fs.ls(remote.root, detail=False)
+    except FileNotFoundError:
+        return
+    names = sorted(Path(str(entry)).name for entry in entries)
+    content = [name for name in names if name != LATEST_NAME and not is_state_name(name) and not name.startswith(".")]
+    if content:
+        raise CheckpointError(
+            f"resume_from={url!r} holds {', '.join(content[:5])}{' ...' if len(content) > 5 else ''} but no training "
+            f"state (no folder with a {MANIFEST_NAME}), so the run was not started over: pass the save_dir of "
+            "SaveTrainingStateCallback, a run folder of the command line, or one state's URL; a URL under which "
+            "nothing is stored starts a new run."
         )
 
 

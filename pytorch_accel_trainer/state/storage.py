@@ -48,18 +48,66 @@ _PACKAGES = {
 }
 
 
+#: A URL that lost a slash: ``str(Path("s3://bucket") / "states")`` is ``"s3:/bucket/states"``. One letter before
+#: the colon is a Windows drive (``C:/runs``), not a store.
+_URL_MISSING_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(?!/)")
+
+#: What :func:`os.path.expandvars` leaves of a variable that is not set.
+_UNSET_VARIABLE = re.compile(r"\$(\{[^}]*\}|[A-Za-z_][A-Za-z0-9_]*)")
+
+
 def is_url(location: Any) -> bool:
     """Whether ``location`` is a URL of a store (``file://`` URLs are local paths)."""
     return isinstance(location, str) and bool(_URL.match(location)) and not location.startswith("file://")
 
 
 def as_location(location: Any) -> Location:
-    """A URL as it is (without a trailing ``/``), anything else as a :class:`Path` (``file://`` removed)."""
+    """A URL as it is (without a trailing ``/``), anything else as a :class:`Path` (``file://`` removed, ``~`` and
+    environment variables expanded: see :func:`local_path`).
+
+    Raises:
+        ValueError: a URL that names no bucket (``"s3://"``), or a path that is not one (see :func:`local_path`).
+    """
     if is_url(location):
+        if not location.split("://", 1)[1].strip("/"):
+            raise ValueError(
+                f"{location!r} names a store but no bucket or folder in it: write the whole URL, e.g. "
+                f"'{location.split('://', 1)[0]}://my-bucket/states'."
+            )
         return location.rstrip("/")
     if isinstance(location, str) and location.startswith("file://"):
-        return Path(location[len("file://") :])
-    return Path(location)
+        return local_path(location[len("file://") :])
+    return local_path(location)
+
+
+def local_path(location: Any) -> Path:
+    """``location`` as a local :class:`Path`, with ``~`` and ``$VARIABLE`` / ``${VARIABLE}`` expanded as a shell
+    would (``output_dir: ~/runs`` in a config file is the home folder's ``runs``, never a folder named ``~``).
+
+    Raises:
+        ValueError: ``location`` names an environment variable that is not set, or is a URL that lost one of its
+            slashes (``"s3:/bucket/states"``, what ``str(Path("s3://bucket") / "states")`` gives): either would
+            otherwise become a local folder of that literal name.
+    """
+    text = os.fspath(location)
+    missing_slash = _URL_MISSING_SLASH.match(text)
+    if missing_slash:
+        protocol = missing_slash.group(1)
+        rest = text[missing_slash.end() :]
+        raise ValueError(
+            f"{text!r} looks like a URL of a {protocol}:// store that lost a slash (pathlib.Path joins URLs this way: "
+            f"str(Path('{protocol}://bucket') / 'states') is '{protocol}:/bucket/states'). Write the URL as a string, "
+            f"'{protocol}://{rest}' (join with '/', not Path), or give a local path."
+        )
+    expanded = os.path.expanduser(os.path.expandvars(text))
+    unset = _UNSET_VARIABLE.search(expanded)
+    if unset:
+        raise ValueError(
+            f"{text!r} names the environment variable {unset.group(0)}, which is not set: set it (export "
+            f"{unset.group(1).strip('{}')}=...), or write the path out; a literal folder named {unset.group(0)!r} "
+            "is not made."
+        )
+    return Path(expanded)
 
 
 def validate_location(location: Any) -> None:
