@@ -70,7 +70,7 @@ from pytorch_accel_trainer.loop.stream_position import (
     reads_own_part,
     stateful_dataloaders,
 )
-from pytorch_accel_trainer.loop.time_budget import create_time_budget
+from pytorch_accel_trainer.loop.time_budget import create_time_budget, training_state_bytes
 from pytorch_accel_trainer.parallel.distributed import (
     ProcessAgreement,
     create_accelerator,
@@ -393,6 +393,13 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self._run_training()
         return create_train_result(self.run_state, get_run_config(self), self.run_history, self.callback_handler)
 
+    def _training_state_bytes(self) -> Optional[int]:
+        """The size of this process's part of a training state, for the time budget; ``None`` before the first update
+        (the optimizer's state appears then)."""
+        if self.run_state.num_update_steps_completed == 0:
+            return None
+        return training_state_bytes(self.model, self.optimizer)
+
     def _checked_train_options(self, arguments: dict) -> TrainOptions:
         """``train()``'s ``arguments`` (its ``locals()``) as :class:`TrainOptions`, checked before any preparation."""
         train_dataset, eval_dataset = arguments["train_dataset"], arguments["eval_dataset"]
@@ -415,12 +422,19 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             validate_optimizer_parameters(optimizer, self.model)
         persistence.validate_stores_reach_every_process(self.callback_handler, options, self._accelerator.num_processes)
+        persistence.validate_destinations_can_be_written(self._accelerator, self.callback_handler, options)
         check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
         return options
 
     def _start_training_run(self, train_dataset: Any, eval_dataset: Any, options: TrainOptions) -> None:
         """Set up the run of ``options`` up to its first epoch, then check what only the prepared run shows."""
-        self.run_state = RunState(options=options, time_budget=create_time_budget(options, self.callback_handler))
+        time_budget = create_time_budget(  # the main process's estimate of a first save is enough: it stops all
+            options,
+            self.callback_handler,
+            self._accelerator.is_main_process,
+            self._training_state_bytes,
+        )
+        self.run_state = RunState(options=options, time_budget=time_budget)
         self.train_dataset, self._given_train_dataloader = dataset_and_dataloader(train_dataset)
         self.eval_dataset, self._given_eval_dataloader = dataset_and_dataloader(eval_dataset)
         self.create_scheduler_fn, self.collate_fn = options.create_scheduler_fn, options.collate_fn

@@ -196,6 +196,35 @@ def test_s3_states_save_prune_and_resume(tmp_path, s3_endpoint):
     assert_bitwise_equal(_end_state(resumed), reference)
 
 
+def test_a_missing_bucket_is_found_before_the_first_batch(tmp_path, s3_endpoint):
+    """Issue 38, finding 13: a missing or mistyped bucket failed at the first save (a time budget's: at the run's
+    end); it is an OSError naming the URL and the store's answer before the first batch."""
+    for callbacks, arguments in (
+        ([SaveTrainingStateCallback("s3://states-bukcet/states")], {}),
+        ([], {"max_time": 60, "max_time_save_dir": "s3://no-such-bucket/states"}),
+    ):
+        read = []
+        model = nn.Linear(4, 1)
+        trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=callbacks)
+        with pytest.raises(
+            OSError, match=r"'s3://(states-bukcet|no-such-bucket)/states' \(.*\) cannot be written \(.*bucket"
+        ):
+            trainer.train(_Recorded(regression_dataset(8), read), num_epochs=1, per_device_batch_size=4, **arguments)
+        assert read == [] and trainer.num_update_steps_completed == 0
+
+
+class _Recorded(torch.utils.data.Dataset):
+    def __init__(self, dataset, read):
+        self.dataset, self.read = dataset, read
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.read.append(index)
+        return self.dataset[index]
+
+
 @pytest.mark.slow
 def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     """A process killed mid-upload to S3 resumes from the last complete state, bit for bit."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
@@ -74,3 +75,67 @@ def test_nowhere_to_save_says_how_to_keep():
     assert "no training state is saved: attach a SaveTrainingStateCallback or pass max_time_save_dir" in (
         result.stop_reason
     )
+
+
+def test_the_first_save_fits_in_the_budget(tmp_path, monkeypatch):
+    """Issue 38, finding 19: before any save was timed the budget kept no time for the save at the stop, so a run on a
+    slow disk overran its budget by that save. The save folder's probe (as the run starts) gives an estimate."""
+    synced, real_fsync = [], os.fsync
+
+    def slow_fsync(descriptor):  # a slow network disk: each file synced costs a quarter of a second
+        synced.append(descriptor)
+        time.sleep(0.25)
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    trainer = make_trainer(make_linear(), callbacks=[UpdatesTakeTime()])
+    started = time.monotonic()
+    result = trainer.train(
+        linear_dataset(64), num_epochs=50, per_device_batch_size=2, max_time=6, max_time_save_dir=tmp_path / "slow"
+    )
+    wall = time.monotonic() - started
+    assert result.stopped_early and result.num_update_steps > 1 and len(synced) >= 6  # it trained, then saved
+    (state,) = list_complete_states(tmp_path / "slow")
+    assert state.manifest["num_update_steps_completed"] == result.num_update_steps
+    assert wall < 6, f"the run took {wall:.1f} s, past its budget of 6 s"
+
+
+class CountsBatches(TrainerCallback):
+    def __init__(self):
+        self.batches = 0
+
+    def on_train_step_start(self, trainer, **kwargs):
+        self.batches += 1
+
+
+def test_an_unwritable_destination_is_found_before_the_first_batch(tmp_path):
+    """Issue 38, finding 13: a time budget's folder or a checkpoint's folder that cannot be written failed at the first
+    save (the time budget's: at the run's very end); it is an OSError naming it before the first batch."""
+    from pytorch_accel_trainer.callbacks import SaveBestModelCallback
+
+    (tmp_path / "notes.txt").write_text("a file, where a folder is needed")
+    blocked = tmp_path / "notes.txt" / "states"
+    counter = CountsBatches()
+    trainer = make_trainer(make_linear(), callbacks=[counter])
+    with pytest.raises(
+        OSError, match=r"'.*notes.txt/states' \(train\(max_time_save_dir=...\)\) cannot be written .*is a file"
+    ):
+        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=2, max_time=60, max_time_save_dir=blocked)
+    best = SaveBestModelCallback(save_path=blocked / "best.pt", watch_metric="train_loss_epoch")
+    trainer = make_trainer(make_linear(), callbacks=[counter, best])
+    with pytest.raises(OSError, match=r"\(the folder of SaveBestModelCallback\(save_path=...\)\) cannot be written"):
+        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=2)
+    assert counter.batches == 0 and (tmp_path / "notes.txt").is_file()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder, whatever its mode")
+def test_a_folder_without_write_permission_is_found_before_the_first_batch(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    counter = CountsBatches()
+    trainer = make_trainer(make_linear(), callbacks=[counter])
+    with pytest.raises(OSError, match=r"locked/states' \(train\(max_time_save_dir=...\)\) cannot be written"):
+        trainer.train(
+            linear_dataset(8), num_epochs=1, per_device_batch_size=2, max_time=60, max_time_save_dir=locked / "states"
+        )
+    assert counter.batches == 0

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 import torch
 from accelerate import PartialState, skip_first_batches
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
+from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
+from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.data_position import samples_per_step, skip_first_samples
 from pytorch_accel_trainer.loop.extra_models import (
@@ -184,6 +186,43 @@ def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dic
         if holder.is_dir():
             folders.setdefault(holder, "the training states of train(resume_from=...)")
     return folders
+
+
+def validate_destinations_can_be_written(accelerator: Any, callbacks: Iterable, options: "TrainOptions") -> None:
+    """Check, before the first batch, that every folder the run will write to can be written: the training states'
+    (callbacks, ``max_time_save_dir``) and the checkpoints' (``SaveBestModelCallback``, ``WSDCheckpointCallback``).
+    Each process probes its folders (a store: the main process, once); one small collective agrees on the outcome,
+    so that every process raises the same ``OSError``, naming the folder, where it was given and the cause."""
+    failure: Optional[str] = None
+    for location, use in _destinations(callbacks, options).items():
+        if is_url(location) and not accelerator.is_main_process:
+            continue  # a store is the same for every process
+        try:
+            storage.probe_destination(location, use)
+        except OSError as error:
+            failure = str(error)
+            break
+    failures = [failure] if accelerator.num_processes == 1 else gather_object([failure])
+    first = next(((index, text) for index, text in enumerate(failures) if text is not None), None)
+    if first is not None:
+        index, text = first
+        raise OSError(text if accelerator.num_processes == 1 else f"{text} (on process {index})")
+
+
+def _destinations(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
+    destinations: dict[Location, str] = {}
+    for callback in callbacks:
+        if isinstance(callback, SaveTrainingStateCallback):
+            destinations.setdefault(callback.save_dir, "SaveTrainingStateCallback(save_dir=...)")
+        elif isinstance(callback, SaveBestModelCallback):
+            destinations.setdefault(
+                storage.parent(as_location(callback.save_path)), "the folder of SaveBestModelCallback(save_path=...)"
+            )
+        elif isinstance(callback, WSDCheckpointCallback):
+            destinations.setdefault(callback.save_dir, "WSDCheckpointCallback(save_dir=...)")
+    if options.max_time_save_dir is not None:
+        destinations.setdefault(options.max_time_save_dir, "train(max_time_save_dir=...)")
+    return destinations
 
 
 def validate_stores_reach_every_process(callbacks: Iterable, options: "TrainOptions", num_processes: int) -> None:

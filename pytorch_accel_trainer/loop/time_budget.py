@@ -14,11 +14,13 @@ budget adds no collective of its own.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+
+import torch
 
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import TimeBudgetExceeded
-from pytorch_accel_trainer.state.storage import Location, as_location, validate_location
+from pytorch_accel_trainer.state.storage import Location, WriteSpeed, as_location, probe_destination, validate_location
 from pytorch_accel_trainer.validation import max_time_seconds
 
 if TYPE_CHECKING:
@@ -27,6 +29,11 @@ if TYPE_CHECKING:
 
 #: How much longer than the longest interval seen so far the next one is allowed to be, in the budget's estimate.
 _HEADROOM = 1.2
+#: The files of a training state a process writes and syncs (its shard, its rank file, the main process's trainer
+#: file, DCP's metadata, the manifest) and the folders synced, for the estimate of a first save.
+_FILES_PER_STATE = 8
+#: How much longer than the probe's estimate a first save may take (pickling, checksums, a busier disk).
+_SAVE_HEADROOM = 2.0
 
 
 class TimeBudget:
@@ -39,12 +46,21 @@ class TimeBudget:
             run's ``SaveTrainingStateCallback``); ``None`` when none is.
     """
 
-    def __init__(self, seconds: float, max_time: Any, save_dir: Optional[Location]):
+    def __init__(
+        self,
+        seconds: float,
+        max_time: Any,
+        save_dir: Optional[Location],
+        write_speed: Optional[WriteSpeed] = None,
+        state_bytes: Optional[Callable[[], Optional[int]]] = None,
+    ):
         self.seconds, self.max_time, self.save_dir = seconds, max_time, save_dir
         self.started_at = time.monotonic()
         self._last_check: Optional[tuple[str, float]] = None
         self._longest_after: dict[str, float] = {}  # by kind of point: the longest time from one to the next check
         self._longest_save = 0.0
+        self._write_speed, self._state_bytes = write_speed, state_bytes
+        self._save_estimate: Optional[float] = None
 
     def is_spent(self, point: str) -> bool:
         """Whether the run must stop at this ``point`` (``"update"``, ``"epoch_trained"``, ``"epoch_end"``) to end
@@ -56,11 +72,22 @@ class TimeBudget:
         self._last_check = (point, now)
         # the longest interval seen, with headroom: the next one may run a little longer (a busy machine)
         time_to_next_point = self._longest_after.get(point, 0.0) * _HEADROOM
-        return now - self.started_at + time_to_next_point + self._longest_save >= self.seconds
+        return now - self.started_at + time_to_next_point + self._time_to_save() >= self.seconds
 
     def note_save(self, seconds: float) -> None:
         """Count a training state's save time (the state saved at a stop must fit in the budget too)."""
         self._longest_save = max(self._longest_save, seconds)
+
+    def _time_to_save(self) -> float:
+        """The time the save at a stop will take: the longest save of the run; before the first one, an estimate
+        from the state's size and the speed the save folder showed as the run started (its probe), with headroom."""
+        if self._longest_save > 0 or self.save_dir is None or self._write_speed is None:
+            return self._longest_save
+        if self._save_estimate is None and self._state_bytes is not None:
+            num_bytes = self._state_bytes()  # None until the optimizer holds its state (after the first update)
+            if num_bytes is not None:
+                self._save_estimate = self._write_speed.seconds_for(_FILES_PER_STATE, num_bytes) * _SAVE_HEADROOM
+        return self._save_estimate or 0.0
 
     def exceeded(self, num_update_steps_completed: int) -> TimeBudgetExceeded:
         """The stop, with the one line that says where the state is and how to resume."""
@@ -81,8 +108,19 @@ class TimeBudget:
         )
 
 
-def create_time_budget(options: TrainOptions, callbacks: Iterable) -> Optional[TimeBudget]:
-    """The run's :class:`TimeBudget` (``None`` without ``max_time``), its clock started now."""
+def create_time_budget(
+    options: TrainOptions,
+    callbacks: Iterable,
+    measures: bool = True,
+    state_bytes: Optional[Callable[[], Optional[int]]] = None,
+) -> Optional[TimeBudget]:
+    """The run's :class:`TimeBudget` (``None`` without ``max_time``), its clock started now.
+
+    Where the run saves at a stop, and ``measures`` (the main process: any process's stop stops all), the save folder
+    is probed first (a 4 MiB file written and synced, then removed: a fraction of a second) so that the budget keeps
+    time for the first save before any save was timed; ``state_bytes`` gives the state's size.
+    """
+    started = time.monotonic()
     seconds = max_time_seconds(options.max_time)
     if seconds is None:
         return None
@@ -92,4 +130,24 @@ def create_time_budget(options: TrainOptions, callbacks: Iterable) -> Optional[T
         save_dir = next(
             (callback.save_dir for callback in callbacks if isinstance(callback, SaveTrainingStateCallback)), None
         )
-    return TimeBudget(seconds, options.max_time, None if save_dir is None else as_location(save_dir))
+    location = None if save_dir is None else as_location(save_dir)
+    write_speed = None
+    if location is not None and measures:
+        write_speed = probe_destination(location, "where the time budget saves", measure=True)
+    budget = TimeBudget(seconds, options.max_time, location, write_speed, state_bytes)
+    budget.started_at -= time.monotonic() - started  # the probe counts against the budget
+    return budget
+
+
+def training_state_bytes(model: Any, optimizer: Any) -> int:
+    """The bytes of this process's part of a training state's tensors (its parameters and buffers, under FSDP its
+    shards, and its optimizer state), from the tensors' sizes on the host: no device work. Adam's moments exist only
+    after the first update: count then."""
+
+    def size(tensor: Any) -> int:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this process
+        return local.numel() * local.element_size() if isinstance(local, torch.Tensor) else 0
+
+    optimizer_state = {} if optimizer is None else optimizer.state
+    optimizer_tensors = (value for state in optimizer_state.values() for value in state.values())
+    return sum(size(tensor) for tensor in (*model.parameters(), *model.buffers(), *optimizer_tensors))

@@ -22,9 +22,11 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 from pytorch_accel_trainer.state import crash_points
 from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX, temporary_folder
@@ -117,6 +119,13 @@ def validate_location(location: Any) -> None:
         filesystem(location)
 
 
+def parent(location: Location) -> Location:
+    """The folder of the file ``location``, for a path or a URL."""
+    if isinstance(location, str):
+        return location.rsplit("/", 1)[0] if location.split("://", 1)[1].count("/") else location
+    return location.parent
+
+
 def join(location: Location, name: str) -> Location:
     """``location / name``, for a path or a URL."""
     return f"{location}/{name}" if isinstance(location, str) else location / name
@@ -152,6 +161,93 @@ def filesystem(url: str) -> tuple[Any, str]:
             "supports (s3://, gs://, az://, memory://...)."
         ) from error
     return fs, path.rstrip("/")
+
+
+# ------------------------------------------------------------------------------------------------
+# Destinations checked before a run's first batch
+# ------------------------------------------------------------------------------------------------
+
+#: The name of the files that probe a destination (hidden: never a training state, never listed).
+_PROBE_PREFIX = ".pytorch_accel_trainer-probe-"
+#: How much the probe that measures a destination's speed writes.
+_PROBE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class WriteSpeed:
+    """How fast a destination took the probe's files: the cost of one file (its creation, flush and ``fsync``, or
+    its request to a store) and of each byte."""
+
+    seconds_per_file: float
+    seconds_per_byte: float
+
+    def seconds_for(self, num_files: int, num_bytes: int) -> float:
+        return num_files * self.seconds_per_file + num_bytes * self.seconds_per_byte
+
+
+def probe_destination(location: Any, use: str, measure: bool = False) -> Optional[WriteSpeed]:
+    """Check now that the folder ``location`` (a path, or a store's URL) can be written, by writing a small hidden
+    file there (or, for a folder not made yet, in its nearest existing parent) and removing it; with ``measure``, also
+    write ``_PROBE_BYTES`` and return how fast it went. A run learns this before its first batch, not at its first
+    save (or at its end, for the save of a time budget). ``memory://`` needs no check.
+
+    Raises:
+        OSError: the folder cannot be written (a file in the way, no permission, a read-only disk, a store's missing
+            bucket or refused credentials), naming ``use``, the location and the cause.
+    """
+    target = as_location(location)
+    if isinstance(target, str) and target.startswith("memory://"):
+        return None
+    try:
+        return _probe_store(target, measure) if isinstance(target, str) else _probe_folder(target, measure)
+    except ImportError:
+        raise  # the store's package: its own error names it
+    except Exception as error:  # whatever the disk or the store's client raises: one error that names the place
+        cause = f"{type(error).__name__}: {error}"
+        raise OSError(
+            f"{str(target)!r} ({use}) cannot be written ({cause}). Nothing was trained: pass a folder this process can "
+            "write (for a store: an existing bucket, with credentials that may write to it)."
+        ) from error
+
+
+def _probe_folder(folder: Path, measure: bool) -> Optional[WriteSpeed]:
+    existing = next(parent for parent in (folder, *folder.absolute().parents) if os.path.lexists(parent))
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{str(existing)!r} is a file, where a folder is needed")
+    probe = existing / f"{_PROBE_PREFIX}{os.getpid()}"
+    try:
+        small = _timed_write(probe, b"")
+        large = _timed_write(probe, bytes(_PROBE_BYTES)) if measure else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None if large is None else WriteSpeed(small, max(large - small, 0.0) / _PROBE_BYTES)
+
+
+def _timed_write(path: Path, data: bytes) -> float:
+    started = time.monotonic()
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())  # what a training state's files cost: each is synced to the disk
+    return time.monotonic() - started
+
+
+def _probe_store(url: str, measure: bool) -> Optional[WriteSpeed]:
+    fs, path = filesystem(url)
+    probe = f"{path}/{_PROBE_PREFIX}{os.getpid()}"
+    try:
+        started = time.monotonic()
+        fs.pipe_file(probe, b"")
+        small = time.monotonic() - started
+        if not measure:
+            return None
+        started = time.monotonic()
+        fs.pipe_file(probe, bytes(_PROBE_BYTES))
+        large = time.monotonic() - started
+        return WriteSpeed(small, max(large - small, 0.0) / _PROBE_BYTES)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(probe)
 
 
 # ------------------------------------------------------------------------------------------------
