@@ -142,6 +142,17 @@ def plan_run_length(
     return math.ceil(total_steps / max(updates_per_epoch, 1)), total_steps
 
 
+def dataloader_batch_size(dataloader: Any, dataloader_kwargs: Optional[dict], per_device_batch_size: int) -> int:
+    """The batch size of each process of the prepared ``dataloader``, read from it (an overridden
+    ``create_*_dataloader`` may build its own, whatever ``train()`` was given); for an iterable that does not say,
+    its ``batch_size`` argument, else ``per_device_batch_size``."""
+    for source in (getattr(dataloader, "batch_sampler", None), dataloader):
+        size = getattr(source, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return (dataloader_kwargs or {}).get("batch_size", per_device_batch_size)
+
+
 def build_run_config(
     options: TrainOptions,
     accelerator: Accelerator,
@@ -157,11 +168,11 @@ def build_run_config(
     Raises:
         ValueError: the training dataloader has no batch on this process.
     """
-    train_dataloader, _ = dataloaders
+    train_dataloader, eval_dataloader = dataloaders
     train_dl_kwargs, eval_dl_kwargs = dataloader_kwargs
     per_device_batch_size, accumulation = options.per_device_batch_size, options.gradient_accumulation_steps
-    train_batch_size = (train_dl_kwargs or {}).get("batch_size", per_device_batch_size)
-    eval_batch_size = (eval_dl_kwargs or {}).get("batch_size", per_device_batch_size)
+    train_batch_size = dataloader_batch_size(train_dataloader, train_dl_kwargs, per_device_batch_size)
+    eval_batch_size = dataloader_batch_size(eval_dataloader, eval_dl_kwargs, per_device_batch_size)
     num_processes = accelerator.num_processes
     updates_per_epoch: Optional[int]
     if train_dataloader is None:

@@ -443,6 +443,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if self.seed is not None:  # Accelerate's device_specific=True, from the process state
             set_seed(self.seed + PartialState().process_index)
         batch_size = options.per_device_batch_size
+        self._train_dl_kwargs = None  # an earlier run's: set again by the default create_train_dataloader only
         self.train_dataloader = self.create_train_dataloader(batch_size, options.train_dataloader_kwargs)
         self.eval_dataloader, self._eval_dl_kwargs = None, None
         if self.eval_dataset is not None:
@@ -636,6 +637,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                     self._call_event("on_training_run_epoch_end")
                     self._raise_agreed_stop("epoch_end")
                 except StopTrainingError as error:
+                    if state.open_epoch_at is not None:  # inside the training epoch: its loss so far, as a step limit
+                        self._record_cut_short_epoch()
                     self._stop_training(error)
                     break
                 self.run_history._increment_epoch()  # a cut-short epoch counts too
@@ -1146,6 +1149,16 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         agreed = self.process_agreement.agreed_exception(self._accelerator, stop_request)
         if agreed is not None:
             raise agreed
+
+    def _record_cut_short_epoch(self) -> None:
+        """Record the training epoch a stop (a callback's ``StopTrainingError``, the time budget, a preemption) cut
+        short after some update, as a step limit inside an epoch records it: its ``train_loss_epoch`` over the batches
+        trained, and the epoch counted in the history. Its end hooks do not run (as in pytorch-accelerated)."""
+        state = self.run_state
+        self._record_epoch_values(
+            state.train_loss_tracker, state.train_step_metrics, "train_loss_epoch", "train_{}_epoch"
+        )
+        self.run_history._increment_epoch()
 
     def _stop_training(self, error: StopTrainingError) -> None:
         """End the run the agreed ``error`` stopped: drop it (keeping its ``stop_reason``), print it, fire the event."""

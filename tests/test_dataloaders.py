@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_bitwise_equal, make_mlp, make_trainer, regression_dataset
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
+from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 
 
@@ -74,3 +76,35 @@ def test_two_processes_shard_a_dataloader(one_process_scenarios, two_process_sce
     assert double["indices_seen"] == 16 and double["distinct_per_epoch"] == [16, 16]  # each sample once per epoch
     assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
     assert double["num_samples"] == single["num_samples"] == 32
+
+
+class OwnDataloaders(Trainer):
+    """An override of the dataloader hooks that builds its own batches of 4 and 3, whatever train() is given."""
+
+    def create_train_dataloader(self, batch_size, train_dl_kwargs=None):
+        return DataLoader(self.train_dataset, batch_size=4, shuffle=True)
+
+    def create_eval_dataloader(self, batch_size, eval_dl_kwargs=None):
+        return DataLoader(self.eval_dataset, batch_sampler=BatchSampler(SequentialSampler(self.eval_dataset), 3, False))
+
+
+def test_the_run_config_reads_the_batch_size_of_the_prepared_dataloader():
+    """Issue 38, finding 7: the run config said the per-device batch size was 8 (the default) for an override of
+    create_train_dataloader with batches of 4, and a stale 16 after an earlier run of the default hook with 16: it
+    read the default hook's arguments, stored as a side effect. It reads the prepared dataloader."""
+    model = nn.Linear(4, 1)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
+    trainer.train(regression_dataset(32), num_epochs=1, per_device_batch_size=16)
+    assert trainer.run_config.train_per_device_batch_size == 16
+    trainer.__class__ = OwnDataloaders  # the same trainer, its hooks overridden since its last run
+    trainer.train(regression_dataset(32), num_epochs=1, eval_dataset=regression_dataset(9))
+    config = trainer.run_config
+    assert (config.train_per_device_batch_size, config.train_total_batch_size, config.train_dl_kwargs) == (4, 4, None)
+    assert (config.eval_per_device_batch_size, config.eval_total_batch_size, config.num_update_steps_per_epoch) == (
+        3,
+        3,
+        8,
+    )
+    fresh = OwnDataloaders(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
+    fresh.train(regression_dataset(32), num_epochs=1)
+    assert fresh.run_config.train_per_device_batch_size == 4

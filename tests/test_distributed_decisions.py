@@ -41,11 +41,16 @@ def test_one_process_decision_ends_all(tmp_path):
     first, second = ranks
     for mode in first:
         assert first[mode]["num_processes"] == 2
-        for key in ("updates", "epochs", "eval_losses"):
+        for key in ("updates", "epochs", "eval_losses", "train_losses", "stop_reason"):  # the same result everywhere
             assert first[mode][key] == second[mode][key], (mode, key)
         assert json.dumps(first[mode]["parameters"]) == json.dumps(second[mode]["parameters"]), mode  # nan-safe
     # StopTrainingError raised by a callback on rank 1 during the 6th update window: that update is made, then both stop
-    assert first["stop_step"]["updates"] == 6 and first["stop_step"]["epochs"] == 2
+    assert (
+        first["stop_step"]["updates"] == 6
+        and first["stop_step"]["stop_reason"] == "stop asked on rank 1 (on process 1)"
+    )
+    # the epoch it cut short, 2 updates in, is recorded and counted (issue 38, finding 12)
+    assert first["stop_step"]["epochs"] == 3 and len(first["stop_step"]["train_losses"]) == 2
     # raised on rank 0 only, at the end of the second training epoch: both skip its evaluation and stop
     assert first["stop_epoch"]["updates"] == 8 and len(first["stop_epoch"]["eval_losses"]) == 1
     assert first["max_steps"]["updates"] == 7

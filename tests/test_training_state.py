@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pickle
 import signal
@@ -464,6 +465,14 @@ class StopAtUpdate(TrainerCallback):
             raise StopTrainingError(f"stopped after update {self.update}")
 
 
+class SlowUpdate(StopAtUpdate):
+    """Update ``update`` takes more than a second: a time budget of a second is spent after it."""
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+        if num_update_steps_completed == self.update:
+            time.sleep(1.1)
+
+
 class SignalAtUpdate(StopAtUpdate):
     """Asks the run to save and exit after update ``update``, as SIGUSR1 from a cluster does."""
 
@@ -548,6 +557,23 @@ def test_stop_error_resumes_at_next_batch(tmp_path, uninterrupted):
     }
     resumed, _ = _run_with_limits(tmp_path)
     assert_bitwise_equal(_end_state(resumed), uninterrupted)
+
+
+@pytest.mark.parametrize("cause", ["StopTrainingError", "time budget"])
+def test_a_stop_inside_an_epoch_records_its_loss(tmp_path, cause):
+    """Issue 38, finding 12: the epoch a callback's StopTrainingError or the time budget cut short had no
+    train_loss_epoch (a step limit's had one), although the docs said it stays recorded; it is recorded, over the
+    batches trained, and the epoch counts in the history, as for a step limit."""
+    if cause == "StopTrainingError":
+        trainer, result = _run_with_limits(tmp_path, stop=StopAtUpdate(9), resume=False)  # 3 updates into epoch 2
+    else:
+        trainer, result = _run_with_limits(tmp_path, stop=SlowUpdate(9), resume=False, max_time=1.0)
+    assert result.stopped_early and result.num_update_steps == 9  # inside epoch 2
+    epochs_started = result.num_update_steps // UPDATES_PER_EPOCH + 1
+    losses = trainer.run_history.get_metric_values("train_loss_epoch")
+    assert len(losses) == epochs_started and all(math.isfinite(loss) for loss in losses)
+    assert trainer.run_history.current_epoch == epochs_started + 1
+    assert len(trainer.run_history.get_metric_values("eval_loss_epoch")) == epochs_started - 1  # no evaluation
 
 
 def test_epoch_end_stop_resumes_next_epoch(tmp_path, uninterrupted):

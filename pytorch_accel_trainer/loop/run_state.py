@@ -16,6 +16,7 @@ import torch
 
 from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.loop.batches import loss_weight
+from pytorch_accel_trainer.parallel.distributed import stop_reason
 from pytorch_accel_trainer.state.storage import Location, as_location
 from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
 from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, LossTracker, StepMetricsTracker
@@ -304,7 +305,7 @@ class RunState:
         self.stop_request = None
         if error is None:
             return
-        self.stop_reason = str(error)
+        self.stop_reason = stop_reason(error)  # the same on every process
         self.stopped_by_time_budget = isinstance(error, TimeBudgetExceeded)
         save_dir = None if self.options is None else self.options.max_time_save_dir
         if self.stopped_by_time_budget and save_dir is not None:

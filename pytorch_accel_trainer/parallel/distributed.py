@@ -160,6 +160,16 @@ def _wait_until_gloo_workers_are_idle(timeout_s: float = _EXIT_WAIT_S) -> None:
         idle_in_a_row = idle_in_a_row + 1 if all(states) else 0
 
 
+#: The attribute of an agreed stop that holds its reason, the same text on every process (see :func:`stop_reason`).
+_AGREED_REASON = "_pytorch_accel_trainer_agreed_reason"
+
+
+def stop_reason(error: BaseException) -> str:
+    """The ``stop_reason`` of a run ``error`` stopped: its message, and for a stop agreed between several processes,
+    which process asked for it (``"... (on process 1)"``), the same on every process."""
+    return getattr(error, _AGREED_REASON, None) or str(error)
+
+
 class ProcessAgreement:
     """One small collective per agreement point, so that a decision taken on any process is taken on all.
 
@@ -191,10 +201,11 @@ class ProcessAgreement:
         # its message, and whether it is the time budget's (so that every process knows why it stopped)
         message = [(str(exception), isinstance(exception, TimeBudgetExceeded)) if exception is not None else None]
         torch.distributed.broadcast_object_list(message, src=holder - 1, group=self._host_group())
-        if exception is not None:
-            return exception
         text, by_time_budget = cast(tuple, message[0])
-        return (TimeBudgetExceeded if by_time_budget else StopTrainingError)(f"{text} (on process {holder - 1})")
+        reason = f"{text} (on process {holder - 1})"  # the same stop_reason on every process, the holder's too
+        agreed = exception or (TimeBudgetExceeded if by_time_budget else StopTrainingError)(reason)
+        setattr(agreed, _AGREED_REASON, reason)  # the holder keeps its own exception, its type and traceback
+        return agreed
 
     def _host_group(self):
         if self._group is None:

@@ -54,7 +54,7 @@ def run(mode):
         callbacks = [TerminateOnNaNCallback(check_every_n_steps=2, raise_on_nan=False)]
     trainer_class = NaNOnOneRank if mode == "nan" else Trainer
     trainer = trainer_class(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=callbacks)
-    trainer.train(
+    result = trainer.train(
         TensorDataset(x, y),
         num_epochs=3,
         eval_dataset=TensorDataset(x, y),
@@ -68,6 +68,8 @@ def run(mode):
         "updates": trainer.num_update_steps_completed,
         "epochs": trainer.run_history.current_epoch,
         "eval_losses": trainer.run_history.get_metric_values("eval_loss_epoch"),
+        "train_losses": trainer.run_history.get_metric_values("train_loss_epoch"),
+        "stop_reason": result.stop_reason,
         "parameters": parameters.tolist(),
     }
 
