@@ -221,6 +221,35 @@ def test_hostile_pickle_is_never_executed(tmp_path, name):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    "generator, edit, problem",
+    [
+        ("torch", lambda rng: rng.update(torch=rng["torch"][:100]), r"RuntimeError: .*"),
+        ("numpy", lambda rng: rng["numpy"].update(keys=rng["numpy"]["keys"][:10]), r"(Value|Index)Error: .*"),
+        ("python", lambda rng: rng["python"].update(internal=rng["python"]["internal"][:3]), r"ValueError: .*"),
+        ("missing", lambda rng: rng.pop("numpy"), r"KeyError: 'numpy'"),
+    ],
+)
+def test_a_rank_file_whose_rng_state_cannot_be_restored_is_named(tmp_path, generator, edit, problem):
+    """Issue 38, finding 16: a rank file whose RNG state has the wrong size (with a manifest forged to match) failed
+    with torch's error, naming no file, as the resumed run reached its position; it is a CheckpointError naming the
+    file before anything is loaded."""
+    folder = _saved_state(tmp_path, max_checkpoints=1)
+    name = "rank_00000.pt"
+    rank_state = torch.load(folder / name, weights_only=True)
+    edit(rank_state["rng"])
+    torch.save(rank_state, folder / name)
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    size, digest = file_digest(folder / name)
+    manifest["files"][name] = {"size": size, CHECKSUM: digest}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{name}: its random generators' states cannot be restored \({problem}\); it was altered",
+    ):
+        _run(tmp_path, num_epochs=2)
+
+
 def test_empty_missing_and_damaged_folders(tmp_path, capsys):
     model = nn.Linear(4, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())

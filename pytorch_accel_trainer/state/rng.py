@@ -4,7 +4,7 @@ A leaf: it imports nothing of the package."""
 from __future__ import annotations
 
 import random
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -32,17 +32,44 @@ def capture_rng_state() -> dict:
 def restore_rng_state(state: dict) -> None:
     """Restore what :func:`capture_rng_state` returned."""
     torch.random.set_rng_state(state["torch"])
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["position"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        )
-    )
-    python_state = state["python"]
-    random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss"]))
+    np.random.set_state(_numpy_state(state))
+    random.setstate(_python_state(state))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def validate_rng_state(state: Any) -> None:
+    """Check that ``state`` (as :func:`capture_rng_state` returns, read from a file) can be restored, by loading it
+    into throwaway generators: the process's own are untouched.
+
+    Raises:
+        ValueError: what is wrong (a key missing, a state of the wrong size or type), in the generator's words.
+    """
+    try:
+        torch.Generator().set_state(state["torch"])
+        np.random.RandomState().set_state(_numpy_state(state))
+        random.Random().setstate(_python_state(state))
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, list) or any(
+            not isinstance(generator, torch.Tensor) or generator.dtype != torch.uint8 for generator in cuda
+        ):
+            raise TypeError("the CUDA generators' states are not a list of uint8 tensors")
+    except (LookupError, TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as error:
+        problem = f"{type(error).__name__}: {error}"
+        raise ValueError(f"its random generators' states cannot be restored ({problem})") from None
+
+
+def _numpy_state(state: dict) -> tuple:
+    numpy_state = state["numpy"]
+    return (
+        "MT19937",
+        numpy_state["keys"].numpy().astype(np.uint32),
+        numpy_state["position"],
+        numpy_state["has_gauss"],
+        numpy_state["cached_gaussian"],
+    )
+
+
+def _python_state(state: dict) -> tuple:
+    python_state = state["python"]
+    return (python_state["version"], tuple(python_state["internal"]), python_state["gauss"])

@@ -62,6 +62,7 @@ from pytorch_accel_trainer.state.files import (
     validate_manifest,
     write_text_atomically,
 )
+from pytorch_accel_trainer.state.rng import validate_rng_state
 from pytorch_accel_trainer.state.storage import is_url
 
 
@@ -676,6 +677,11 @@ def load_rank_file(path: Path) -> dict:
         or not {"rng", "train_loss_tracker"} <= set(rank_state)
     ):
         raise CheckpointError(f"{path}: not a process's state (rng, train_loss_tracker, callbacks); it was altered.")
+    if rank_state["rng"] is not None:
+        try:
+            validate_rng_state(rank_state["rng"])
+        except ValueError as error:
+            raise CheckpointError(f"{path}: {error}; it was altered.") from None
     return rank_state
 
 
