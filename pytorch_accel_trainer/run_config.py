@@ -171,7 +171,7 @@ def build_run_config(
     train_dataloader, eval_dataloader = dataloaders
     train_dl_kwargs, eval_dl_kwargs = dataloader_kwargs
     per_device_batch_size, accumulation = options.per_device_batch_size, options.gradient_accumulation_steps
-    train_batch_size = dataloader_batch_size(train_dataloader, train_dl_kwargs, per_device_batch_size)
+    train_batch_size: Optional[int] = dataloader_batch_size(train_dataloader, train_dl_kwargs, per_device_batch_size)
     eval_batch_size = dataloader_batch_size(eval_dataloader, eval_dl_kwargs, per_device_batch_size)
     num_processes = accelerator.num_processes
     updates_per_epoch: Optional[int]

@@ -685,7 +685,8 @@ def test_a_typo_in_a_state_name_is_an_error_not_a_new_run(tmp_path):
     trainer = _trainer(tmp_path / "other", lr=0.1)
     with pytest.raises(
         FileNotFoundError,
-        match=r"'.*states/epoch_30' does not exist, but .* holds the training states \['epoch_1', 'epoch_2', 'final'\]: pass one of those",
+        match=r"'.*states/epoch_30' does not exist, but .* holds the training states "
+        r"\['epoch_1', 'epoch_2', 'final'\]: pass one of those",
     ):
         _train(trainer, resume_from=states / "epoch_30")
     assert trainer.num_update_steps_completed == 0 and list((tmp_path / "other").iterdir()) == []  # nothing saved
