@@ -94,9 +94,12 @@ from pytorch_accel_trainer.placeholders import (  # noqa: F401  (public here)
 from pytorch_accel_trainer.predictions import (
     PredictionCollector,
     PredictionWriter,
+    predict_batches,
+    prediction_structure,
     to_cpu,
     validate_prediction_folder,
     validate_prediction_output,
+    validate_same_structure,
 )
 from pytorch_accel_trainer.run_config import (
     OptionalNumber,
@@ -358,7 +361,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length changed.
             scheduler_interval: ``"step"`` steps the scheduler after each optimizer update; ``"epoch"`` once per
                 epoch, after the evaluation epoch, for schedules written in epochs.
-            max_time: a time budget from the start of ``train()``: seconds, ``"DD:HH:MM:SS"``, a
+            max_time: a time budget from the start of ``train()``: seconds, ``"DD:HH:MM:SS"`` or ``"HH:MM:SS"``, a
                 ``datetime.timedelta`` or a dict of its arguments. Every process stops at the same update before it
                 is spent, a training state is saved and ``TrainResult.stop_reason`` says why; no sync of its own.
             max_time_save_dir: a folder where a run stopped by ``max_time`` also saves a training state.
@@ -955,16 +958,20 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             dataloader_kwargs: extra arguments for the DataLoader (no shuffling by default).
             collate_fn: the collate function of the DataLoader.
             output_dir: a new or empty folder where the outputs are written in chunk files as they come, instead of
-                kept in memory (read back by :func:`~pytorch_accel_trainer.predictions.load_predictions`).
+                kept in memory (read back by :func:`~pytorch_accel_trainer.predictions.load_predictions`): a local
+                path, or a URL of object storage (``s3://bucket/predictions``, through fsspec).
             chunk_size: the samples per chunk file, with ``output_dir``.
 
         Returns:
-            The outputs (a tensor, or the same dict, tuple or list of tensors) on the CPU, ``None`` for a dataset with
-            no batch; with ``output_dir``, the folder written.
+            The outputs (a tensor, or the same dict, tuple or list of tensors) on the CPU, ``None`` for a stream that
+            yields no sample; with ``output_dir``, the folder written (a ``Path``, or the URL), returned on every
+            process once it is complete.
 
         Raises:
             RuntimeError: called inside a training run (from a callback or a hook).
             FileExistsError: ``output_dir`` holds files.
+            ValueError: an invalid argument; ``output_dir`` ending in ``.pt`` or ``.pth``; a batch's outputs whose
+                structure differs from the first batch's (raised at that batch).
 
         Example::
 
@@ -972,7 +979,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """
         validate_not_in_training_run(self.run_state.in_training_run, "predict")
         validate_predict_arguments(dataset, per_device_batch_size, dataloader_kwargs, chunk_size)
-        validate_prediction_folder(output_dir)
+        validate_prediction_folder(output_dir, self._accelerator.num_processes)
         dataloader = self._prepare_model_and(
             self._create_dataloader(dataset, per_device_batch_size, dataloader_kwargs, collate_fn, shuffle=False)
         )
@@ -981,8 +988,6 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if output_dir is None
             else PredictionWriter(output_dir, chunk_size, writes=self._accelerator.is_main_process)
         )
-        if output_dir is not None and self._accelerator.is_main_process:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.predict_dataloader = dataloader
         try:
             with training_modes_kept(self.model):
@@ -992,16 +997,21 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         finally:
             self.predict_dataloader = None
             self._unwrap_models()
-        result = collector.result()
+        result = collector.result()  # with output_dir, the main process writes the last chunk and the index
+        if output_dir is not None:
+            self._accelerator.wait_for_everyone()  # no process returns the folder before it is complete
         self._call_event("on_predict_run_end")
         return result
 
     def _run_predict_epoch(self, dataloader: Iterable, collector: Any) -> None:
         """Run every batch through :meth:`calculate_predict_batch_output`; give ``collector`` its gathered outputs."""
-        for step, batch in enumerate(dataloader):
+        first_structure = None  # every batch's prediction must have the first one's, to be joined
+        for step, batch in enumerate(predict_batches(dataloader)):  # a stream of no sample: no batch, no error
             with torch.no_grad():
                 batch_output = call_batch_hook(self.calculate_predict_batch_output, batch, step, loss_output=False)
             validate_prediction_output(batch_output)
+            first_structure = first_structure or prediction_structure(batch_output)
+            validate_same_structure(first_structure, batch_output, step)  # here, not in the join after every batch
             batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
             collector.add(batch_output)
             self._call_event("on_predict_step_end", batch=batch, batch_output=batch_output, step=step)
@@ -1011,8 +1021,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Return the prediction of one batch: a tensor with one row per sample, or a dict, tuple or list of them.
 
         Runs for each batch of :meth:`predict`, under ``torch.no_grad()``. The default returns the model's output (a
-        tensor batch passed as it is). An override may take ``batch_idx`` and post-process (an ``argmax``); pad
-        tensors whose other dimensions vary between batches (``accelerator.pad_across_processes``) for gathering.
+        tensor batch passed as it is). An override may take ``batch_idx`` and post-process (an ``argmax``). Every
+        batch must return the first batch's structure (the same keys and lengths, tensors of the same shape but for
+        the first dimension), checked as each batch arrives (``ValueError``): pad what varies, such as a sequence
+        length, to a fixed size.
 
         Example::
 
@@ -1060,12 +1072,14 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
         Raises:
             RuntimeError: called inside a training run (from a callback or a hook).
-            ValueError: an invalid argument, or a trainer without an optimizer.
+            ValueError: an invalid argument (before any step), a trainer without an optimizer, data with no batch, or
+                a loss that is not finite at the first step (broken data or model: no learning rate caused it).
 
         Example::
 
             result = trainer.lr_find(train_dataset, per_device_batch_size=32)
-            trainer.optimizer.param_groups[0]["lr"] = result.suggestion
+            if result.suggestion is not None:  # None: the loss diverged at the second step
+                trainer.optimizer.param_groups[0]["lr"] = result.suggestion
         """
         validate_not_in_training_run(self.run_state.in_training_run, "lr_find")
         validate_lr_find_arguments(start_lr, end_lr, num_steps, smoothing, diverge_factor)

@@ -7,6 +7,7 @@ import datetime
 import inspect
 import math
 import random
+import re
 import warnings
 from collections.abc import Mapping
 from numbers import Real
@@ -352,16 +353,20 @@ def validate_predict_arguments(
 
 def validate_lr_find_arguments(start_lr: Any, end_lr: Any, num_steps: Any, smoothing: Any, diverge_factor: Any) -> None:
     """Check the arguments of ``Trainer.lr_find`` before any work starts."""
-    _validate_positive_number("start_lr", start_lr)
-    _validate_positive_number("end_lr", end_lr)
-    if start_lr is None or end_lr is None or end_lr <= start_lr:
+    for name, lr in (("start_lr", start_lr), ("end_lr", end_lr)):
+        if isinstance(lr, bool) or not isinstance(lr, Real) or not 0 < float(lr) < math.inf:  # NaN fails both
+            raise ValueError(
+                f"{name}={lr!r} is not valid: lr_find() needs a finite, positive learning rate at each end of its "
+                "sweep, e.g. start_lr=1e-7, end_lr=10."
+            )
+    if end_lr <= start_lr:
         raise ValueError(
             f"lr_find(start_lr={start_lr!r}, end_lr={end_lr!r}) sweeps nothing: end_lr must be larger than start_lr, "
             "e.g. start_lr=1e-7, end_lr=10."
         )
     _validate_positive_int("num_steps", num_steps)
-    if num_steps < 2:
-        raise ValueError(f"num_steps={num_steps!r} is too few for a sweep: pass at least 2 (100 by default).")
+    if num_steps < 3:  # the suggestion compares slopes, leaving the last point out: 3 points at least
+        raise ValueError(f"num_steps={num_steps!r} is too few for a suggestion: pass at least 3 (100 by default).")
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
         raise ValueError(f"smoothing={smoothing!r} is not valid: it must be in [0, 1) (0.98 by default; 0: none).")
     if diverge_factor is not None:
@@ -588,39 +593,54 @@ def warn_if_schedule_is_in_epochs(scheduler: Any, run_config: Any, scheduler_int
         )
 
 
-#: ``train(max_time=...)`` as text, ``"DD:HH:MM:SS"``: days, hours, minutes and seconds.
+#: ``train(max_time=...)`` as text: ``"DD:HH:MM:SS"``, or ``"HH:MM:SS"`` without the days.
 _MAX_TIME_FIELDS = ("days", "hours", "minutes", "seconds")
+#: The longest time budget taken: ``datetime.timedelta``'s (999999999 days); a longer one is a typo.
+_MAX_TIME_LIMIT = datetime.timedelta.max
 
 
 def max_time_seconds(max_time: Any) -> Optional[float]:
-    """The time budget ``train(max_time=...)`` in seconds (``None``: no budget), from seconds, ``"DD:HH:MM:SS"``, a
-    ``datetime.timedelta`` or a dict of its arguments (``{"hours": 12}``).
+    """The time budget ``train(max_time=...)`` in seconds (``None``: no budget), from seconds, ``"DD:HH:MM:SS"`` or
+    ``"HH:MM:SS"``, a ``datetime.timedelta`` or a dict of its arguments (``{"hours": 12}``). The command line and
+    config files give it as the same text (see ``docs/config.md``).
 
     Raises:
-        ValueError, TypeError: naming the value and the forms taken.
+        ValueError, TypeError: naming the value and the forms taken; ``ValueError`` also for a budget longer than
+            999999999 days (``datetime.timedelta.max``).
     """
     if max_time is None:
         return None
     forms = (
-        "pass seconds (max_time=3600), 'DD:HH:MM:SS' (max_time='00:11:50:00' for 11 h 50 min), a datetime.timedelta, "
-        "or a dict of its arguments (max_time={'hours': 11, 'minutes': 50})"
+        "pass seconds (max_time=3600), 'DD:HH:MM:SS' or 'HH:MM:SS' (max_time='00:11:50:00' or '11:50:00' for "
+        "11 h 50 min), a datetime.timedelta, or a dict of its arguments (max_time={'hours': 11, 'minutes': 50})"
     )
     seconds: Any = None
-    if isinstance(max_time, str):
-        parts = max_time.strip().split(":")
-        if len(parts) == len(_MAX_TIME_FIELDS) and all(part.strip().isdigit() for part in parts):
-            seconds = datetime.timedelta(**dict(zip(_MAX_TIME_FIELDS, map(int, parts)))).total_seconds()
-    elif isinstance(max_time, datetime.timedelta):
-        seconds = max_time.total_seconds()
-    elif isinstance(max_time, dict):
-        try:
-            seconds = datetime.timedelta(**max_time).total_seconds()
-        except TypeError:
-            seconds = None
-    elif isinstance(max_time, (int, float)) and not isinstance(max_time, bool):
-        seconds = float(max_time)
-    else:
-        raise TypeError(f"max_time={max_time!r} is a {type(max_time).__name__}: {forms}.")
+    too_long = False
+    try:
+        if isinstance(max_time, str):
+            parts = [part.strip() for part in max_time.strip().split(":")]
+            if len(parts) in (3, 4) and all(re.fullmatch("[0-9]+", part) for part in parts):
+                fields = dict(zip(_MAX_TIME_FIELDS[-len(parts) :], map(int, parts)))
+                seconds = datetime.timedelta(**fields).total_seconds()
+        elif isinstance(max_time, datetime.timedelta):
+            seconds = max_time.total_seconds()
+        elif isinstance(max_time, dict):
+            try:
+                seconds = datetime.timedelta(**max_time).total_seconds()
+            except (TypeError, ValueError):  # an unknown name, a value that is not a number, NaN
+                seconds = None
+        elif isinstance(max_time, (int, float)) and not isinstance(max_time, bool):
+            seconds = float(max_time)
+        else:
+            raise TypeError(f"max_time={max_time!r} is a {type(max_time).__name__}: {forms}.")
+    except OverflowError:  # past timedelta's range
+        too_long = True
+    if too_long or (seconds is not None and math.isfinite(seconds) and seconds > _MAX_TIME_LIMIT.total_seconds()):
+        raise ValueError(
+            f"max_time={max_time!r} is longer than the longest time budget taken, {_MAX_TIME_LIMIT.days} days "
+            "(datetime.timedelta.max): pass the job's real limit (e.g. max_time='00:11:50:00'), or max_time=None for "
+            "no budget."
+        )
     if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"max_time={max_time!r} is not a time budget longer than 0 s: {forms}.")
     return seconds

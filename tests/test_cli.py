@@ -21,7 +21,9 @@ from pytorch_accel_trainer.callbacks import NonFiniteLossError
 from pytorch_accel_trainer.callbacks.trackers import plain_hyperparameters
 from pytorch_accel_trainer.cli import console_main, create_parser, main
 from pytorch_accel_trainer.cli.config import ConfigError
+from pytorch_accel_trainer.cli.parsing import MAX_ALIAS_VALUES, parse_command
 from pytorch_accel_trainer.loop.run_state import TrainResult
+from pytorch_accel_trainer.validation import max_time_seconds
 
 TESTS = pathlib.Path(__file__).parent
 ROOT = TESTS.parent
@@ -79,6 +81,38 @@ def test_time_budget_from_the_command_line(config_file, tmp_path):
     assert (tmp_path / "budget" / "latest").is_file()
 
 
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("1:00:00:00", 86400.0), ("12:00:00", 43200.0), ("00:11:50:00", 42600.0), ("1:30:00", 5400.0)]
+)
+def test_max_time_text_is_read_the_same_everywhere(tiny_config_file, tmp_path, text, seconds):
+    """Issue 38, finding 2: YAML 1.1 read `max_time: 1:00:00:00` (file or flag) as the base-60 integer 216000, 2.5
+    days where train() reads one; `12:00:00` was 43200 s there but refused by train(). The file, the flag and
+    train(max_time=...) now read the same text the same way, and the run folder's config.yaml keeps it as text."""
+    in_file = tmp_path / "budget.yaml"
+    in_file.write_text(tiny_config_file.read_text() + f"  max_time: {text}\n")  # unquoted, under `train:`
+    from_file = parse_command(["fit", "--config", str(in_file)])
+    from_flag = parse_command(["fit", "--config", str(tiny_config_file), "--train.max_time", text])
+    for parsed in (from_file, from_flag):
+        assert parsed.config.train.max_time == text
+        assert max_time_seconds(parsed.config.train.max_time) == max_time_seconds(text) == seconds
+    written = tmp_path / "config.yaml"  # what the run folder's config.yaml holds: the text, quoted
+    written.write_text(from_flag.config_text)
+    assert parse_command(["fit", "--config", str(written)]).config.train.max_time == text
+    assert main(["fit", "--config", str(in_file)]).stop_reason is None  # a run with it finishes
+
+
+def test_base_60_looking_values_stay_text_in_every_key(tiny_config_file, tmp_path):
+    """Issue 38, finding 2 (siblings): no key reads YAML 1.1's base-60 numbers (`12:30` was 750); jsonargparse's other
+    readings stay (`1e-3` is a float, a date is text)."""
+    values = tmp_path / "values.yaml"
+    values.write_text("trainer_arguments: {tag: 12:30, rate: 1e-3, day: 2024-01-01, count: 0x10}\nrun_name: 10:30\n")
+    parsed = parse_command(["fit", "--config", str(tiny_config_file), "--config", str(values)])
+    assert parsed.config.trainer_arguments == {"tag": "12:30", "rate": 0.001, "day": "2024-01-01", "count": 16}
+    assert parsed.config.run_name == "10:30"
+    flagged = parse_command(["fit", "--config", str(tiny_config_file), "--trainer_arguments", "{tag: 1:30:00}"])
+    assert flagged.config.trainer_arguments == {"tag": "1:30:00"}
+
+
 def test_run_folder_reruns_the_run_exactly(config_file, tmp_path):
     """The run folder holds what reproduces the run; its config reruns it exactly."""
     main(
@@ -133,6 +167,25 @@ def test_three_states_kept_and_folder_resume(tiny_config_file, tmp_path, capsys)
     assert result.num_update_steps == 24 and result.num_epochs == 1
     help_text = create_parser().command_parsers["fit"].format_help()
     assert "max_training_states" in help_text and "3 by default" in help_text
+
+
+def test_paths_in_a_config_expand_home_and_variables(tiny_config_file, tmp_path, monkeypatch, capsys):
+    """Issue 38, finding 3: ``output_dir: ~/runs`` wrote a literal ``./~/runs`` and failed at the run's very end,
+    ``$HOME/runs`` a folder named ``$HOME``; both are the home folder's ``runs``, in the file, in a flag and in
+    ``resume_from``; a variable that is not set is one error line."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    config = yaml.safe_load(tiny_config_file.read_text())
+    tiny_config_file.write_text(yaml.safe_dump({**config, "output_dir": "~/runs"}))
+    main(["fit", "--config", str(tiny_config_file), "--run_name", "first", "--save_training_states", "true"])
+    first = tmp_path / "home" / "runs" / "first"
+    assert (first / "model.safetensors").is_file() and (first / "training_states").is_dir()
+    common = ["--config", str(tiny_config_file), "--output_dir", "$HOME/runs", "--train.num_epochs", "2"]
+    main(["fit", *common, "--run_name", "second", "--train.resume_from", "~/runs/first"])
+    assert f"Resuming from {first / 'training_states' / 'epoch_1'}" in capsys.readouterr().out
+    assert (tmp_path / "home" / "runs" / "second" / "history.csv").is_file()
+    assert not any(path.name in ("~", "$HOME") for path in pathlib.Path.cwd().iterdir())
+    assert console_main(["fit", "--config", str(tiny_config_file), "--output_dir", "$NOT_SET/runs"]) == 2
+    assert "'$NOT_SET/runs' names the environment variable $NOT_SET, which is not set" in capsys.readouterr().err
 
 
 def test_nan_run_writes_no_weights(tiny_config_file, tmp_path, capsys):
@@ -222,6 +275,7 @@ def test_predict_writes_a_file_or_chunks(config_file, tmp_path):
     expected = model(eval_dataset().tensors[0]).detach()
     assert written == tmp_path / "preds.pt" and torch.allclose(torch.load(written), expected)
     folder = main([*predict, "--output", str(tmp_path / "chunks"), "--data.predict", "config_data.tiny.eval_dataset"])
+    assert folder == tmp_path / "chunks"  # main returns where it wrote (docs/config.md, "From Python")
     assert torch.equal(load_predictions(folder), torch.load(written))
     with pytest.raises(ConfigError, match="already exists"):
         main([*predict, "--output", str(tmp_path / "preds.pt")])
@@ -446,6 +500,24 @@ EARLY_STOPPING = '[{"class_path": "pytorch_accel_trainer.callbacks.EarlyStopping
             ],
             r"'NUM_EPOCH' names no placeholder \(did you mean NUM_EPOCHS\?\)",
         ),
+        # issue 38, finding 16: each of these was a traceback (numpy's, a TypeError, an OverflowError)
+        (["--trainer.seed", "-1"], r"trainer.seed is -1: a seed is a whole number from 0 to 2\*\*32 - 1"),
+        (["--trainer.seed", str(2**32)], r"trainer.seed is 4294967296: .*--trainer.seed 42"),
+        (
+            ["--data.arguments", '{"nope": 3}'],
+            r"data.arguments: \{'nope': 3\} do not fit data.train \(config_data.tiny.train_dataset\): got an "
+            r"unexpected keyword argument 'nope'. It takes \['num_samples'\]",
+        ),
+        (
+            ["--data.train", "config_data.tiny.noisy_train_dataset", "--data.arguments", '{"noise": 0.5}'],
+            r"do not fit data.eval \(config_data.tiny.eval_dataset\).* data.arguments go to every data function",
+        ),
+        (
+            ["--train.max_time", "99999999999:00:00:00"],
+            r"train.max_time='99999999999:00:00:00' is longer than the longest time budget taken, 999999999 days",
+        ),
+        (["--train.max_time", "1e300"], r"train.max_time=1e\+300 is longer than the longest time budget taken"),
+        (["--train.max_time", "12:00"], r"train.max_time='12:00' is not a time budget .*'HH:MM:SS'"),
     ],
 )
 def test_user_mistake_is_one_error_line(tiny_config_file, tmp_path, capsys, flags, message):
@@ -463,6 +535,88 @@ def test_user_mistake_is_one_error_line(tiny_config_file, tmp_path, capsys, flag
     assert error.count("pytorch-accel-trainer: error:") == 1
     assert re.search(message, error, flags=re.DOTALL), error
     assert not runs.exists() or not any(runs.iterdir()), "a failing run left its run folder"
+
+
+def test_data_arguments_are_checked_for_every_command(tiny_config_file, tmp_path):
+    """Issue 38, finding 16 (siblings): evaluate and predict check data.arguments against the function they call."""
+    noise = ["--config", str(tiny_config_file), "--data.arguments", '{"noise": 0.5}']
+    message = r"do not fit data.eval \(config_data.tiny.eval_dataset\).*It takes \['num_samples'\]"
+    with pytest.raises(ConfigError, match=message):
+        main(["evaluate", *noise, "--evaluate_initial_weights", "true"])
+    with pytest.raises(ConfigError, match=message):  # predict falls back to data.eval
+        main(["predict", *noise, "--output", str(tmp_path / "p.pt")])
+    predict = ["--data.predict", "config_data.tiny.noisy_train_dataset", "--output", str(tmp_path / "p.pt")]
+    assert main(["predict", *noise, *predict]) == tmp_path / "p.pt"  # a function that takes them
+
+
+def test_yaml_error_names_the_file_and_line(tiny_config_file, tmp_path, capsys):
+    """Issue 38, finding 16: a tab in a config file was jsonargparse's "found character that cannot start any token",
+    naming no file; every YAML error now names the file, the line and the column, with the fix."""
+    tabbed = tmp_path / "tabbed.yaml"
+    tabbed.write_text(tiny_config_file.read_text().replace("\n  num_epochs", "\n\tnum_epochs"))
+    line = tabbed.read_text().splitlines().index("\tnum_epochs: 1") + 1
+    assert console_main(["fit", "--config", str(tabbed)]) == 2
+    error = capsys.readouterr().err
+    assert re.search(rf"tabbed.yaml, line {line}, column 1: not valid YAML .*never tabs", error), error
+    assert "Traceback" not in error
+    unclosed = tmp_path / "unclosed.yaml"
+    unclosed.write_text("train:\n  num_epochs: 1\nmodel: {class_path: torch.nn.Linear\n")
+    with pytest.raises(ConfigError, match=r"unclosed.yaml, line 4, column 1: not valid YAML \(.*Fix the file there"):
+        main(["fit", "--config", str(tiny_config_file), "--config", str(unclosed)])
+    unreadable = tmp_path / "latin1.yaml"
+    unreadable.write_bytes("run_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yaml cannot be read as a config file \(.*codec can't decode"):
+        main(["fit", "--config", str(tiny_config_file), "--config", str(unreadable)])
+
+
+def _nested_aliases(levels: int = 8, width: int = 9) -> str:
+    """A "billion laughs": each level a list of `width` aliases of the level before, 9**8 values in about 500 bytes."""
+    lines = [f"    l0: &l0 [{', '.join(['x'] * width)}]"]
+    lines += [f"    l{level}: &l{level} [{', '.join([f'*l{level - 1}'] * width)}]" for level in range(1, levels + 1)]
+    return "data:\n  arguments:\n" + "\n".join(lines) + "\n"
+
+
+@pytest.mark.timeout(30)
+def test_nested_aliases_are_refused_in_a_second(tiny_config_file, tmp_path, capsys):
+    """Issue 38, finding 21: a 600-byte file of nested aliases took 256 s and 3.6 GB before any message (the
+    duplicate-key check walked every alias again, and loading would build them all); it is refused at once, as a
+    file or as a flag's value, and so is an alias inside itself."""
+    import time
+
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text(_nested_aliases())
+    assert len(laughs.read_bytes()) < 600
+    started = time.monotonic()
+    assert console_main(["fit", "--config", str(tiny_config_file), "--config", str(laughs)]) == 2
+    flow = "{" + ", ".join(line.strip() for line in _nested_aliases().splitlines()[2:]) + "}"
+    with pytest.raises(ConfigError, match=r"(?s)data.arguments.*its aliases \(\*name\) expand to 490,329,\d{3} values"):
+        main(["fit", "--config", str(tiny_config_file), "--data.arguments", flow])
+    assert time.monotonic() - started < 5
+    error = capsys.readouterr().err
+    assert re.search(
+        rf"laughs.yaml: its aliases \(\*name\) expand to 490,329,068 values \(the anchor on line 10 alone, "
+        rf"48,427,561 values, appears 10 times\).*at most {MAX_ALIAS_VALUES:,} values",
+        error,
+    ), error
+    looped = tmp_path / "looped.yaml"
+    looped.write_text("trainer_arguments: &self {tag: x, again: *self}\n")
+    with pytest.raises(ConfigError, match=r"looped.yaml, line 1: an alias refers to the value that contains it"):
+        main(["fit", "--config", str(tiny_config_file), "--config", str(looped)])
+
+
+def test_aliases_of_a_config_still_work(tiny_config_file, tmp_path):
+    """Anchors, aliases and merge keys of an ordinary config are read as before."""
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(
+        "train: &train {num_epochs: 2, per_device_batch_size: 8}\n"
+        "trainer_arguments: {first: *train, second: {<<: *train, per_device_batch_size: 16}}\n"
+    )
+    config = parse_command(["fit", "--config", str(tiny_config_file), "--config", str(shared)]).config
+    assert config.train.num_epochs == 2 and config.train.per_device_batch_size == 8
+    assert config.trainer_arguments == {
+        "first": {"num_epochs": 2, "per_device_batch_size": 8},
+        "second": {"num_epochs": 2, "per_device_batch_size": 16},
+    }
 
 
 def test_user_code_error_keeps_traceback(tiny_config_file):

@@ -11,12 +11,14 @@ import pytest
 import torch
 from conftest import (
     RecordingCallback,
+    StreamDataset,
     assert_bitwise_equal,
     make_mlp,
     make_trainer,
     regression_dataset,
 )
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.loop.lr_find import suggest_lr
@@ -118,7 +120,16 @@ def test_the_plot_is_written(tmp_path):
     ("arguments", "message"),
     [
         ({"start_lr": 1.0, "end_lr": 0.1}, "sweeps nothing"),
+        ({"start_lr": 0.1, "end_lr": 0.1}, "sweeps nothing"),
+        ({"end_lr": float("inf")}, r"end_lr=inf is not valid: lr_find\(\) needs a finite, positive learning rate"),
+        ({"end_lr": float("nan")}, "end_lr=nan is not valid"),
+        ({"start_lr": float("nan")}, "start_lr=nan is not valid"),
+        ({"start_lr": float("inf"), "end_lr": float("inf")}, "start_lr=inf is not valid"),
+        ({"start_lr": 0.0}, "start_lr=0.0 is not valid"),
+        ({"end_lr": None}, "end_lr=None is not valid"),
         ({"num_steps": 1}, "too few"),
+        ({"num_steps": 2}, "num_steps=2 is too few for a suggestion: pass at least 3"),
+        ({"smoothing": float("nan")}, "smoothing=nan is not valid"),
         ({"smoothing": 1.0}, r"smoothing=1.0 is not valid"),
         ({"diverge_factor": 0.5}, "would stop at once"),
         ({"per_device_batch_size": 0}, "per_device_batch_size=0 is not valid"),
@@ -151,3 +162,28 @@ def test_evaluation_only_trainer_refused():
     trainer = Trainer(make_mlp(), nn.MSELoss(), optimizer=None, callbacks=())
     with pytest.raises(ValueError, match="no optimizer"):
         trainer.lr_find(regression_dataset(8))
+
+
+def test_a_loss_not_finite_from_the_first_step_is_an_error():
+    """A loss that is NaN at the first step, before any update, is broken data or a broken model, not a divergence:
+    one error naming the step, its learning rate and what to check; the trainer is put back as it was."""
+    x = torch.randn(16, 4)
+    broken = TensorDataset(x, torch.full((16, 1), float("nan")))
+    trainer = make_trainer(make_mlp())
+    weights = copy.deepcopy(trainer.model.state_dict())
+    with pytest.raises(
+        ValueError, match=r"the loss of the first step \(step 0, lr=1e-07\) is nan, computed before any"
+    ):
+        trainer.lr_find(broken, num_steps=10)
+    assert_bitwise_equal(weights, trainer.model.state_dict())
+
+
+def test_no_suggestion_when_the_loss_diverges_at_once():
+    """The documented case of suggestion=None: the loss diverges at the second step (start_lr already too large)."""
+    result = make_trainer(make_mlp()).lr_find(regression_dataset(32), start_lr=100.0, end_lr=1e6, num_steps=10)
+    assert result.diverged and len(result.losses) == 2 and result.suggestion is None
+
+
+def test_a_stream_of_no_sample_is_refused():
+    with pytest.raises(ValueError, match=r"lr_find\(\) received data with no batch \(a stream that yields no sample"):
+        make_trainer(make_mlp()).lr_find(StreamDataset(regression_dataset(0)), num_steps=10)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import (
@@ -60,11 +62,23 @@ def test_two_processes_every_sample_in_order(two_process_report):
             size = int(name.split("size=")[1].split()[0])
             assert case["ids"] == [float(i) for i in range(size)], name
             assert case["pair"] == [case["ids"], [2 * i for i in case["ids"]]], name
-        assert report["chunked_equal"]
         # 13 samples gathered 4 a step, a chunk once 5 are pending: 8, then 5
         assert report["chunk_files"] == ["chunk-000000.pt", "chunk-000001.pt", "predictions.json"]
     first, second = two_process_report
     assert first["lr_find"] == second["lr_find"] and first["lr_find"]["suggestion"] is not None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.scenarios("predict_every_case")
+def test_two_processes_return_the_folder_complete(two_process_report):
+    """predict(output_dir=...) returns on every process only once the main process has written the whole folder:
+    the other process, well ahead of a main process slowed down after each batch, reads it back at once, as
+    docs/howto.md's "Get predictions" does; a memory:// folder, which only the main process would hold, is refused on
+    both before any batch."""
+    for report in two_process_report:
+        assert report["chunked_equal"] is True, report["chunked_equal"]
+        assert report["memory_store"].startswith("output_dir='memory://predictions-2' is fsspec's in-memory store")
 
 
 @pytest.mark.distributed
@@ -173,3 +187,152 @@ def test_predict_without_optimizer_or_loss():
     predictor = Trainer(model, loss_func=None, optimizer=None, callbacks=())
     dataset = regression_dataset(7)
     assert torch.allclose(predictor.predict(dataset, per_device_batch_size=2), model(dataset.tensors[0]).detach())
+
+
+def shape_changes(outputs, batch_idx):
+    return {"outputs": outputs.repeat(1, batch_idx + 1)}  # (n, 1), then (n, 2): a sequence padded per batch
+
+
+def keys_change(outputs, batch_idx):
+    return {"outputs": outputs} if batch_idx == 0 else {"logits": outputs}
+
+
+def length_changes(outputs, batch_idx):
+    return (outputs,) * (batch_idx + 1)
+
+
+@pytest.mark.parametrize(
+    ("make_output", "message"),
+    [
+        (shape_changes, r"a tensor of shape \(3, 2\) at \['outputs'\] for batch 1, where batch 0 gave a tensor of "),
+        (keys_change, r"a dict with the keys \['logits'\] for batch 1, where batch 0 gave a dict with the keys "),
+        (length_changes, r"a tuple or list of 2 items for batch 1, where batch 0 gave a tuple or list of 1 items"),
+    ],
+)
+def test_a_batch_of_another_structure_is_refused_as_it_arrives(make_output, message):
+    """A prediction whose shape (beyond the batch dimension), keys or length differs from the first batch's is refused
+    at that batch, naming the hook, the batch, what was expected and what came: not by torch.cat or a KeyError in the
+    join after every batch has run."""
+
+    class Changing(Trainer):
+        def calculate_predict_batch_output(self, batch, batch_idx):
+            return make_output(self.model(batch[0]), batch_idx)
+
+    recorder = RecordingCallback()
+    trainer = make_trainer(make_linear(), trainer_class=Changing, callbacks=[recorder])
+    with pytest.raises(ValueError, match=rf"calculate_predict_batch_output returned {message}"):
+        trainer.predict(linear_dataset(9), per_device_batch_size=3)
+    assert recorder.events.count("on_predict_step_end") == 1  # batch 0 only: batch 2 never ran
+
+
+def test_the_first_dimension_may_change():
+    """The last batch is smaller: only the first dimension may change, and does."""
+    trainer = make_trainer(make_mlp())
+    predicted = trainer.predict(regression_dataset(10), per_device_batch_size=4)
+    assert predicted.shape == (10, 1)
+
+
+@pytest.mark.parametrize("output_dir", [None, "predictions"])
+def test_a_stream_of_no_sample_predicts_none(tmp_path, output_dir):
+    """A stream that yields nothing gives None (with output_dir, a folder that loads as None), as documented; an empty
+    sized dataset is refused before any work, as train() and evaluate() refuse one."""
+    trainer = make_trainer(make_linear())
+    empty = StreamDataset(linear_dataset(0))
+    if output_dir is None:
+        assert trainer.predict(empty) is None
+    else:
+        assert load_predictions(trainer.predict(empty, output_dir=tmp_path / output_dir)) is None
+    with pytest.raises(ValueError, match=r"dataset is empty \(len\(dataset\) == 0\)"):
+        trainer.predict(linear_dataset(0))
+
+
+def test_output_dir_url_is_written_to_the_store(tmp_path, monkeypatch):
+    """A URL as output_dir is a folder in that store (fsspec), read back by load_predictions; never a local folder
+    named 'memory:'."""
+    fsspec = pytest.importorskip("fsspec")
+    monkeypatch.chdir(tmp_path)
+    url = f"memory://predictions-{tmp_path.name}/run"
+    trainer = make_trainer(make_mlp())
+    dataset = regression_dataset(11)
+    folder = trainer.predict(dataset, per_device_batch_size=4, output_dir=url + "/", chunk_size=5)
+    assert folder == url and not any(tmp_path.iterdir())
+    store = fsspec.filesystem("memory")
+    assert sorted(path.rsplit("/", 1)[1] for path in store.ls(f"/predictions-{tmp_path.name}/run", detail=False)) == [
+        "chunk-000000.pt",
+        "chunk-000001.pt",
+        "predictions.json",
+    ]
+    assert torch.equal(load_predictions(url), trainer.predict(dataset, per_device_batch_size=4))
+    with pytest.raises(FileExistsError, match=rf"output_dir='{url}' already exists"):
+        trainer.predict(dataset, output_dir=url)
+    with pytest.raises(FileNotFoundError, match="has no predictions.json"):
+        load_predictions(f"memory://predictions-{tmp_path.name}/elsewhere")
+
+
+@pytest.mark.parametrize(
+    ("output_dir", "error", "message"),
+    [
+        ("predictions.pt", ValueError, r"output_dir='predictions.pt' names a file \(.pt\), but output_dir is a folder"),
+        ("predictions.PTH", ValueError, r"names a file \(.PTH\)"),
+        ("memory:/bucket/predictions", ValueError, "looks like a URL of a memory:// store that lost a slash"),
+        ("nostore://bucket/predictions", ValueError, "fsspec knows no store nostore://"),
+    ],
+)
+def test_output_dir_refused_before_any_batch(tmp_path, monkeypatch, output_dir, error, message):
+    """A file's name, or a URL no process can write, is refused before any batch runs, and nothing is written."""
+    pytest.importorskip("fsspec")
+    monkeypatch.chdir(tmp_path)
+    recorder = RecordingCallback()
+    trainer = make_trainer(make_linear(), callbacks=[recorder])
+    with pytest.raises(error, match=message):
+        trainer.predict(linear_dataset(4), output_dir=output_dir)
+    assert "on_predict_run_start" not in recorder.events and not any(tmp_path.iterdir())
+
+
+@pytest.fixture
+def tiny_predict_command(tmp_path, monkeypatch):
+    """The start of a `predict` command line of the tiny config (tests/config_data/tiny.py), run from tests/."""
+    import pathlib
+
+    import yaml
+    from config_data.tiny import TINY_CONFIG
+
+    monkeypatch.chdir(pathlib.Path(__file__).parent)  # the config's import paths resolve from here
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({**TINY_CONFIG, "trainer": {"seed": 1}}))
+    return ["predict", "--config", str(config), "--output"]
+
+
+def test_cli_output_suffix_says_file_or_folder(tmp_path, tiny_predict_command):
+    """`predict --output`: .pt and .pth are one file (torch.load reads it: the tensor predict returns); no suffix or a
+    trailing / a folder of chunks; any other suffix is refused as ambiguous. cli.main returns the path written."""
+    from pytorch_accel_trainer.cli import main
+    from pytorch_accel_trainer.cli.config import ConfigError
+
+    written = {name: main([*tiny_predict_command, str(tmp_path / name)]) for name in ("a.pt", "b.pth", "c")}
+    assert written == {name: tmp_path / name for name in ("a.pt", "b.pth", "c")}
+    expected = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert isinstance(expected, torch.Tensor) and expected.shape == (32, 1)
+    assert torch.equal(torch.load(tmp_path / "b.pth", weights_only=True), expected)
+    assert (tmp_path / "c").is_dir() and torch.equal(load_predictions(tmp_path / "c"), expected)
+    assert main([*tiny_predict_command, str(tmp_path / "d.v2") + "/"]) == tmp_path / "d.v2"  # a folder, as asked
+    with pytest.raises(ConfigError, match=r"ends in .bin, which names neither a file of predictions nor a folder"):
+        main([*tiny_predict_command, str(tmp_path / "e.bin")])
+    assert not (tmp_path / "e.bin").exists()
+
+
+def test_cli_output_url_is_written_to_the_store(tmp_path, tiny_predict_command):
+    """`predict --output` with a URL writes the file, or the folder of chunks, in that store; nothing local."""
+    fsspec = pytest.importorskip("fsspec")
+    from pytorch_accel_trainer.cli import main
+    from pytorch_accel_trainer.cli.config import ConfigError
+
+    bucket = f"memory://cli-{tmp_path.name}"
+    assert main([*tiny_predict_command, f"{bucket}/preds.pt"]) == f"{bucket}/preds.pt"
+    with fsspec.open(f"{bucket}/preds.pt", "rb") as file:
+        in_file = torch.load(file, weights_only=True)
+    assert main([*tiny_predict_command, f"{bucket}/chunks/"]) == f"{bucket}/chunks"
+    assert torch.equal(load_predictions(f"{bucket}/chunks"), in_file)
+    with pytest.raises(ConfigError, match="already exists"):
+        main([*tiny_predict_command, f"{bucket}/preds.pt"])
+    assert not os.path.exists("memory:")  # never a local folder (the current folder is tests/)

@@ -52,9 +52,9 @@ def _runtime_imports_of(path: pathlib.Path) -> set:
 UNIT_RANKS = {
     "errors": 0, "utils": 0,  # leaves: nothing of the package
     "parallel": 1, "validation": 1, "tracking": 1, "placeholders": 1, "finetuning": 1,  # over the leaves only
-    "predictions": 1,
     "run_config": 2, "plotting": 2, "schedulers": 2, "state": 2,  # what a run is, and its files on disk
     "callbacks": 3,  # get the trainer at call time (its type only under TYPE_CHECKING)
+    "predictions": 3,  # written to a folder or a store (state.storage)
     "loop": 4,  # the step's parts the Trainer composes
     "trainer": 5,
     "cli": 6, "__init__": 7, "__main__": 8,  # runs described by data, the package's names, python -m

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import time
 
 import pytest
@@ -21,8 +22,12 @@ from pytorch_accel_trainer.validation import max_time_seconds
         (0.5, 0.5),
         ("00:12:00:00", 43200.0),
         ("01:00:00:30", 86430.0),
+        ("1:00:00:00", 86400.0),  # issue 38, finding 2: as the command line and a config file read it
+        ("12:00:00", 43200.0),  # HH:MM:SS, the days left out
+        (" 1 : 30 : 00 ", 5400.0),
         (datetime.timedelta(hours=1, minutes=30), 5400.0),
         ({"hours": 11, "minutes": 50}, 42600.0),
+        (datetime.timedelta.max, datetime.timedelta.max.total_seconds()),  # the longest budget taken
         (None, None),
     ],
 )
@@ -30,15 +35,32 @@ def test_budget_as_seconds_text_or_timedelta(max_time, seconds):
     assert max_time_seconds(max_time) == seconds
 
 
+@pytest.mark.parametrize("max_time", ["99999999999:00:00:00", 1e300, {"days": 10**10}])
+def test_too_long_budget_names_the_limit(max_time):
+    """Issue 38, finding 16: a budget past timedelta's range was an OverflowError naming nothing (and 1e300 seconds
+    passed); every form is refused past the same limit, naming the value."""
+    trainer = make_trainer(make_linear())
+    with pytest.raises(
+        ValueError,
+        match=rf"max_time={re.escape(repr(max_time))} is longer than the longest time budget taken, 999999999 days "
+        r"\(datetime.timedelta.max\)",
+    ):
+        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4, max_time=max_time)
+    assert trainer.num_update_steps_completed == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
         ({"max_time": "1h"}, ValueError, r"max_time='1h' is not a time budget longer than 0 s: pass seconds"),
-        ({"max_time": "12:00:00"}, ValueError, r"max_time='12:00:00' is not .*'DD:HH:MM:SS'"),
+        ({"max_time": "12:00"}, ValueError, r"max_time='12:00' is not .*'DD:HH:MM:SS' or 'HH:MM:SS'"),
+        ({"max_time": "1:2:3:4:5"}, ValueError, r"max_time='1:2:3:4:5' is not a time budget"),
+        ({"max_time": "²:00:00"}, ValueError, r"max_time='²:00:00' is not a time budget"),
         ({"max_time": 0}, ValueError, r"max_time=0 is not a time budget longer than 0 s"),
         ({"max_time": -5.0}, ValueError, r"max_time=-5.0 is not"),
         ({"max_time": float("inf")}, ValueError, r"max_time=inf is not"),
         ({"max_time": {"hourz": 1}}, ValueError, r"max_time=\{'hourz': 1\} is not .*a dict of its arguments"),
+        ({"max_time": {"hours": float("nan")}}, ValueError, r"max_time=\{'hours': nan\} is not a time budget"),
         ({"max_time": True}, TypeError, r"max_time=True is a bool: pass seconds"),
         ({"max_time_save_dir": "states"}, ValueError, r"max_time_save_dir='states' .* but max_time is None"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,13 +17,15 @@ optuna = pytest.importorskip("optuna")
 from config_data.tiny import TINY_CONFIG  # noqa: E402
 
 from pytorch_accel_trainer.cli import main  # noqa: E402
+from pytorch_accel_trainer.cli.commands import console_main  # noqa: E402
 from pytorch_accel_trainer.cli.config import ConfigError  # noqa: E402
-from pytorch_accel_trainer.cli.tune import load_search_space, tune  # noqa: E402
+from pytorch_accel_trainer.cli.tune import MetricNotRecordedError, TuneResult, load_search_space, tune  # noqa: E402
 
 TESTS = pathlib.Path(__file__).parent
 
 CONFIG = TINY_CONFIG
 SPACE = {"optimizer.init_args.lr": {"low": 1e-3, "high": 0.3, "log": True}}
+ONE_EPOCH = ["--train.num_epochs", "1"]  # a trial of a test that needs one, not its values
 
 
 @pytest.fixture
@@ -43,6 +46,7 @@ def test_tune_command_and_best_config_rerun(in_tests, tmp_path):
     )
     command = ["tune", "--config", str(tmp_path / "run.yaml"), "--search", str(tmp_path / "space.yaml")]
     result = main([*command, "--n_trials", "2", "--pruner", "none"])
+    assert isinstance(result, TuneResult)  # what main() returns for tune, as docs/config.md says
     search = tmp_path / "search"
     trials = sorted(path.name for path in (search / "trials").iterdir())
     assert trials == ["trial-0000", "trial-0001"]
@@ -126,6 +130,12 @@ def test_shared_study_has_no_duplicate_trial(tmp_path):
         ({"train.per_device_batch_size": {"choices": []}}, "non-empty list"),
         ({"train.per_device_batch_size": 8}, "is not a range or a list of choices"),
         ({}, "empty"),
+        ({"optimizer.init_args.lr": {"low": 1e-3, "high": 0.3, "log": "false"}}, "log='false' is not true or false"),
+        ({"optimizer.init_args.lr": {"low": 0.001, "high": 0.3, "type": "int"}}, "Give whole bounds"),
+        ({"optimizer.init_args.lr": {"low": 1e-3, "high": 0.3, "log": True, "step": 0.01}}, "cannot be combined"),
+        ({"train.num_epochs": {"low": 1, "high": 5, "step": 0}}, "step=0 is not valid: give a positive whole"),
+        ({"train.num_epochs": {"low": 1, "high": 5, "step": 1.5}}, "step=1.5 is not valid"),
+        ({"optimizer.init_args.lr": {"low": 0.1, "high": 0.5, "step": -0.1}}, "step=-0.1 is not valid"),
     ],
 )
 def test_bad_search_space_names_the_key(space, message):
@@ -145,6 +155,7 @@ def test_unknown_key_refused_before_any_trial(in_tests, tmp_path):
     without_eval = {**CONFIG, "data": {"train": "config_data.tiny.train_dataset"}}
     with pytest.raises(ConfigError, match="no data.eval"):
         tune(without_eval, SPACE, n_trials=1, output_dir=tmp_path / "no_eval")
+    assert not (tmp_path / "no_eval").exists()  # nothing written: the corrected search starts afresh
     assert load_search_space({"lr": {"low": "1e-5", "high": 1}})["lr"]["low"] == 1e-5  # YAML's 1e-5 is a string
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(CONFIG))
     with pytest.raises(ConfigError, match="sometimes"):
@@ -169,3 +180,154 @@ def test_all_diverging_trials_end_after_n(in_tests, tmp_path):
     result = tune(CONFIG, diverging, n_trials=2, output_dir=tmp_path, pruner=optuna.pruners.NopPruner())
     assert [trial.state for trial in result.study.trials] == [optuna.trial.TrialState.FAIL] * 2
     assert result.best_config is None
+
+
+def test_corrected_search_runs_after_a_refusal(in_tests, tmp_path):
+    """Following a refusal's advice (add data.eval) runs the search: the refused one wrote nothing."""
+    without_eval = {**CONFIG, "data": {"train": "config_data.tiny.train_dataset"}}
+    with pytest.raises(ConfigError, match="set data.eval"):
+        tune(without_eval, SPACE, n_trials=1, output_dir=tmp_path / "search", flags=ONE_EPOCH)
+    result = tune(CONFIG, SPACE, n_trials=1, output_dir=tmp_path / "search", flags=ONE_EPOCH)
+    assert [trial.state for trial in result.study.trials] == [optuna.trial.TrialState.COMPLETE]
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ({"optimizer.init_args.lr": {"low": 1, "high": 10, "type": "int"}}, r"config value is a float \(0.05\)"),
+        ({"optimizer.init_args.lr": {"low": 1, "high": 10}}, r"Give float bounds \(low: 1.0, high: 10.0\)"),
+        ({"optimizer.init_args.weight_decay": {"low": 0, "high": 1}}, "config value is a float"),
+        ({"train.num_epochs": {"low": 0, "high": 3}}, "train.num_epochs: 0 would be refused by Trainer.train()"),
+        ({"train.num_epochs": {"choices": [2, 0]}}, "train.num_epochs: 0 would be refused"),
+        ({"train.per_device_batch_size": {"low": 0, "high": 8}}, "train.per_device_batch_size: 0 would be refused"),
+        ({"train.gradient_clip_norm": {"low": 0.0, "high": 1.0}}, "train.gradient_clip_norm: 0.0 would be refused"),
+        ({"train.per_device_batch_size": {"low": 4.0, "high": 16.0}}, "train.per_device_batch_size"),
+    ],
+)
+def test_search_values_the_trials_cannot_take_refused_before_any_trial(in_tests, tmp_path, space, message):
+    """Each bound and choice is checked against the config (its value's type, what train() takes) before anything
+    is written: an int range on a float key would train with whole learning rates, num_epochs 0 fails its trials."""
+    with pytest.raises(ConfigError, match=message):
+        tune(CONFIG, space, n_trials=1, output_dir=tmp_path / "search", pruner=optuna.pruners.NopPruner())
+    assert not (tmp_path / "search").exists()
+
+
+def test_metric_not_recorded_leaves_nothing_behind(in_tests, tmp_path):
+    """A metric no run records stops the search at the first epoch, naming the recorded ones, and leaves nothing: the
+    same command with the right metric starts afresh."""
+    search = tmp_path / "search"
+    with pytest.raises(MetricNotRecordedError, match=r"did you mean 'eval_loss_epoch'\?.*Nothing of this search"):
+        tune(CONFIG, SPACE, n_trials=2, output_dir=search, metric="eval_los_epoch", flags=ONE_EPOCH)
+    assert not search.exists()
+    result = tune(CONFIG, SPACE, n_trials=1, output_dir=search, flags=ONE_EPOCH)
+    (trial,) = result.study.trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.number == 0
+    assert sorted(path.name for path in (search / "trials").iterdir()) == ["trial-0000"]
+
+
+def test_rerun_with_another_direction_refused(in_tests, tmp_path):
+    """Optuna keeps a study's direction: a rerun that asks for the other one is refused, naming the fix."""
+    tune(CONFIG, SPACE, n_trials=1, output_dir=tmp_path, flags=ONE_EPOCH)
+    with pytest.raises(ConfigError, match="--direction maximize does not match the study 'tune'.*--direction minimize"):
+        tune(CONFIG, SPACE, n_trials=2, output_dir=tmp_path, direction="maximize", flags=ONE_EPOCH)
+    assert len(_study(tmp_path).trials) == 1
+
+
+def test_another_search_on_a_shared_storage_refused(in_tests, tmp_path):
+    """A study belongs to one search: another config, search space or metric on its storage and name is refused
+    before any trial (it would run no trial and copy the other search's best config); its own --study_name runs."""
+    storage = f"journal:{tmp_path / 'study.log'}"
+    tune(CONFIG, SPACE, n_trials=1, output_dir=tmp_path / "a", storage=storage, flags=ONE_EPOCH)
+    other = {**CONFIG, "train": {"num_epochs": 3, "per_device_batch_size": 8}}
+    others = [
+        (other, SPACE, "eval_loss_epoch", r"config.train.per_device_batch_size: 8 here, 16 in the study"),
+        (
+            CONFIG,
+            {"optimizer.init_args.lr": {"low": 1e-3, "high": 0.1, "log": True}},
+            "eval_loss_epoch",
+            "search_space",
+        ),
+        (CONFIG, SPACE, "train_loss_epoch", "metric: 'train_loss_epoch' here, 'eval_loss_epoch' in the study"),
+    ]
+    for config, space, metric, difference in others:
+        with pytest.raises(ConfigError, match=f"belongs to another search.*{difference}.*its own --study_name"):
+            tune(config, space, n_trials=1, output_dir=tmp_path / "b", storage=storage, metric=metric, flags=ONE_EPOCH)
+        assert not (tmp_path / "b").exists()
+    result = tune(other, SPACE, n_trials=1, output_dir=tmp_path / "b", storage=storage, study_name="b", flags=ONE_EPOCH)
+    assert result.best_config == tmp_path / "b" / "best_config.yaml"
+    assert yaml.safe_load(result.best_config.read_text())["train"]["per_device_batch_size"] == 8
+
+
+@pytest.mark.parametrize(
+    ("storage", "message"),
+    [
+        ("sqlite:///{tmp}/a_file/study.db", "the database cannot be opened .*unable to open database file"),
+        ("foo://study", "is not a database URL that SQLAlchemy can read"),
+        ("postgresql://user@host:no_port/study", "is not a database URL that SQLAlchemy can read"),
+        ("mysql://localhost/study", "the database driver is not installed .*cannot import 'MySQLdb'"),
+        ("journal:{tmp}/a_file/study.log", "the journal file cannot be opened"),
+    ],
+)
+def test_storage_that_cannot_be_opened_is_one_error(in_tests, tmp_path, storage, message):
+    """An unwritable, malformed or driverless --storage is one error naming the flag, the URL, the problem and the
+    fix, before anything is written."""
+    (tmp_path / "a_file").write_text("")  # a file where a folder is needed
+    storage = storage.format(tmp=tmp_path)
+    with pytest.raises(ConfigError, match=f"--storage {re.escape(repr(storage))}.*{message}"):
+        tune(CONFIG, SPACE, n_trials=1, output_dir=tmp_path / "search", storage=storage)
+    assert not (tmp_path / "search").exists()
+
+
+def test_storage_error_on_the_command_line(in_tests, tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(CONFIG))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    files = ["--config", str(tmp_path / "run.yaml"), "--search", str(tmp_path / "space.yaml")]
+    assert console_main(["tune", *files, "--n_trials", "1", "--storage", "foo://study"]) == 2
+    assert "error: --storage 'foo://study' is not a database URL" in capsys.readouterr().err
+
+
+class FailingOnceSampler(optuna.samplers.RandomSampler):
+    """A sampler whose first draw fails: an Optuna call that fails after its trial was asked for."""
+
+    failed = False
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("the sampler's own bug")
+        return super().sample_independent(study, trial, param_name, param_distribution)
+
+
+def test_failed_optuna_call_fails_its_trial_which_does_not_count(in_tests, tmp_path):
+    """A trial whose values could not be drawn is failed, not left running (in a shared storage, for ever counted in
+    n_trials); only finished trials count, so the rerun runs its trial."""
+    options = {
+        "n_trials": 1,
+        "output_dir": tmp_path,
+        "storage": f"journal:{tmp_path / 'study.log'}",
+        "flags": ONE_EPOCH,
+    }
+    with pytest.raises(RuntimeError, match="the sampler's own bug"):
+        tune(CONFIG, SPACE, sampler=FailingOnceSampler(seed=0), **options)
+    result = tune(CONFIG, SPACE, **options)
+    states = [trial.state for trial in result.study.trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.COMPLETE]
+
+
+def test_tune_from_python_resolves_import_paths_from_the_current_folder(tmp_path, monkeypatch):
+    """As on the command line (and as docs/config.md says), tune() called from a script imports the config's
+    paths from the current folder."""
+    (tmp_path / "tune_script_data.py").write_text((TESTS / "config_data" / "tiny.py").read_text())  # a user's module
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if path not in ("", ".", str(tmp_path))])
+    data = {"train": "tune_script_data.train_dataset", "eval": "tune_script_data.eval_dataset"}
+    result = tune({**CONFIG, "data": data}, SPACE, n_trials=1, output_dir="search", flags=ONE_EPOCH)
+    assert [trial.state for trial in result.study.trials] == [optuna.trial.TrialState.COMPLETE]
+
+
+def test_docs_name_the_error_and_the_result_of_tune():
+    """docs/config.md says which exception a tune refusal is and what main([... 'tune' ...]) returns."""
+    text = (TESTS.parent / "docs" / "config.md").read_text()
+    section = text.split("## Hyperparameter search: `tune`")[1].split("\n## ")[0]
+    assert "`ConfigError`" in section and "`MetricNotRecordedError`" in section
+    assert "returns the `TuneResult`" in section

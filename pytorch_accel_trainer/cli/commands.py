@@ -12,7 +12,6 @@ and under ``accelerate launch`` or ``torchrun`` like any script. See ``docs/conf
 from __future__ import annotations
 
 import linecache
-import os
 import re
 import sys
 from dataclasses import fields
@@ -28,7 +27,7 @@ from pytorch_accel_trainer.cli.config import (
     run_prediction_config,
     run_training_config,
 )
-from pytorch_accel_trainer.cli.parsing import TUNE_OPTIONS, parse_command
+from pytorch_accel_trainer.cli.parsing import TUNE_OPTIONS, parse_command, put_current_folder_on_import_path
 from pytorch_accel_trainer.cli.tune import create_pruner, tune
 from pytorch_accel_trainer.errors import CheckpointError
 
@@ -40,8 +39,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     Raises:
         ConfigError: the configuration is not valid (the message names the key, the value and the fix).
     """
-    if os.getcwd() not in sys.path:  # import paths resolve from the current folder, as with `python -m`
-        sys.path.insert(0, os.getcwd())
+    put_current_folder_on_import_path()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["consolidate"]:
         return run_consolidate_command(argv[1:])

@@ -23,14 +23,34 @@ import torch
 from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback, remove_if_empty, validate_run_name
 from pytorch_accel_trainer.placeholders import placeholder_from_text
+from pytorch_accel_trainer.predictions import PREDICTION_FILE_SUFFIXES, validate_prediction_store
 from pytorch_accel_trainer.run_config import OptionalNumber
 from pytorch_accel_trainer.state.lookup import RUN_FOLDER_STATES
-from pytorch_accel_trainer.state.storage import is_url, join
+from pytorch_accel_trainer.state.storage import as_location, exists, is_url, join, local_file_to_write, local_path
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
+from pytorch_accel_trainer.validation import max_time_seconds
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run: the message names the key, the value, the problem and the fix."""
+
+
+class TimeBudgetText(str):
+    """``train.max_time`` written with colons (``1:00:00:00``, ``12:00:00``), kept as that text for ``train()`` to
+    read: jsonargparse would otherwise try ``float`` first and read it as a YAML 1.1 base-60 number (``1:00:00:00``:
+    216000 s, not one day). Registered with jsonargparse by ``create_parser``."""
+
+    def __new__(cls, value: Any) -> TimeBudgetText:
+        if not isinstance(value, str) or ":" not in value:
+            raise ValueError(f"{value!r} is not a time budget written with colons")
+        return super().__new__(cls, value)
+
+
+def serialize_time_budget_text(value: Any) -> str:
+    """The text of a :class:`TimeBudgetText` (refusing other values, which jsonargparse then writes as their type)."""
+    if not isinstance(value, TimeBudgetText):
+        raise ValueError(f"{value!r} is not a TimeBudgetText")
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -69,7 +89,8 @@ class TrainSettings:
         resume_from: a training state, or a folder of them, to continue from (a path or an object-storage URL).
         allow_resume_changes: resume even if the batch size, accumulation, processes or data changed.
         scheduler_interval: ``step`` (after each update) or ``epoch`` (once per epoch).
-        max_time: a time budget: seconds or ``DD:HH:MM:SS`` (a cluster's wall-clock limit less a margin).
+        max_time: a time budget: seconds, ``DD:HH:MM:SS`` or ``HH:MM:SS`` (a cluster's wall-clock limit less a
+            margin), read as ``train(max_time=...)`` reads the same text.
         max_time_save_dir: where a run its time budget stops saves a training state (besides the run folder's).
         stream_split: who reads a training stream on several processes: ``main_process`` (sends each process its
             batches) or ``dataset`` (a stream that splits itself: each process reads its own part).
@@ -87,7 +108,7 @@ class TrainSettings:
     resume_from: Optional[str] = None
     allow_resume_changes: bool = False
     scheduler_interval: Literal["step", "epoch"] = "step"
-    max_time: Union[float, str, None] = None
+    max_time: Union[TimeBudgetText, float, str, None] = None  # text with colons first: never a base-60 number
     max_time_save_dir: Optional[str] = None
     stream_split: Literal["main_process", "dataset"] = "main_process"
 
@@ -207,9 +228,14 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
             "to measure with --checkpoint <run folder> (or its model.safetensors, or a save_checkpoint file), or "
             "--evaluate_initial_weights true to measure the model as built."
         )
+    _validate_data_arguments(config, command)
     if config.checkpoint is not None:
         checkpoint_file(config.checkpoint)
     _validate_run_folder_keys(config)
+    try:
+        max_time_seconds(config.train.max_time)  # train()'s own check, before the datasets are built
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"train.{error}") from None
     if command == "fit" and config.train.num_epochs is None and config.train.max_num_train_steps is None:
         raise ConfigError(
             "train.num_epochs and train.max_num_train_steps are both null, so the run would never end: set "
@@ -219,9 +245,37 @@ def validate_training_config(config: TrainingConfig, command: str) -> None:
         create_scheduler_factory(config.scheduler)  # the class imports and takes these arguments
 
 
+def _validate_data_arguments(config: TrainingConfig, command: str) -> None:
+    """``data.arguments`` go to every data function ``command`` calls: each must take them (its own ``TypeError``
+    would come as a traceback once the run has started)."""
+    data = config.data
+    called = {
+        "fit": (("data.train", data.train), ("data.eval", data.eval)),
+        "evaluate": (("data.eval", data.eval),),
+        "predict": (("data.predict", data.predict),) if data.predict is not None else (("data.eval", data.eval),),
+    }
+    for key, function in called[command]:
+        if function is None:
+            continue
+        try:
+            signature = inspect.signature(function)
+        except (TypeError, ValueError):
+            continue  # no signature to read (a builtin): its own call says what it takes
+        try:
+            signature.bind(**data.arguments)
+        except TypeError as error:
+            name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', function)}"
+            raise ConfigError(
+                f"data.arguments: {dict(data.arguments)!r} do not fit {key} ({name}): {error}. It takes "
+                f"{list(signature.parameters)}; data.arguments go to every data function the command calls "
+                f"(data.train and data.eval for fit), so give only arguments each of them takes, e.g. "
+                f"--data.arguments '{{\"{next(iter(signature.parameters), 'name')}\": ...}}', or {{}} for none."
+            ) from None
+
+
 def checkpoint_file(checkpoint: str) -> Path:
     """The file of the ``checkpoint`` key: itself, or a run folder's ``model.safetensors``."""
-    path = Path(checkpoint)
+    path = local_path(checkpoint)  # ~ and $VARIABLES expanded
     if path.is_dir():
         if not (path / WEIGHTS_FILE).is_file():
             raise ConfigError(
@@ -253,7 +307,7 @@ def _validate_run_folder_keys(config: TrainingConfig) -> None:
         raise ConfigError(str(error)) from None
     if is_url(config.output_dir):
         return  # a store's URL: its package is checked where the run folder is made
-    output_dir = Path(config.output_dir)
+    output_dir = local_path(config.output_dir)  # ~ and $VARIABLES expanded, as the run folder's is
     existing = next(folder for folder in (output_dir, *output_dir.absolute().parents) if folder.exists())
     if not existing.is_dir():
         raise ConfigError(
@@ -449,15 +503,23 @@ def run_prediction_config(
     config: TrainingConfig, output: str, config_text: Optional[str] = None
 ) -> tuple[Trainer, Any]:
     """Run ``Trainer.predict`` on ``data.predict`` (or ``data.eval``) as ``config`` describes, with the weights of
-    ``checkpoint``; write the predictions to ``output`` and return the trainer and the path written.
+    ``checkpoint``; write the predictions to ``output`` and return the trainer and the location written: a ``Path``,
+    or the URL as given (without a trailing ``/``).
 
-    An ``output`` ending in ``.pt`` is one file of the predictions (``torch.load`` reads it), written by the main
-    process; any other is a new folder the predictions are written to in chunks as they come
-    (``Trainer.predict(output_dir=...)``; ``predictions.load_predictions`` reads it). Nothing is overwritten.
+    ``output`` is a local path or a URL of object storage (``s3://bucket/preds.pt``; see ``state/storage.py``). One
+    ending in ``.pt`` or ``.pth`` is one file of the predictions (``torch.load`` reads it), written by the main
+    process; one without a suffix, or ending in ``/``, a new folder the predictions are written to in chunks as they
+    come (``Trainer.predict(output_dir=...)``; ``predictions.load_predictions`` reads it). Any other suffix
+    (``preds.bin``, ``v1.2``) is refused as ambiguous. Nothing is overwritten. Every process returns once it is
+    written.
+
+    Raises:
+        ConfigError: ``output`` exists, or its suffix is neither a file's nor a folder's.
     """
     validate_training_config(config, "predict")
-    path = Path(output)
-    if path.exists():
+    writes_file = _predictions_output_is_file(output)
+    location = as_location(output)
+    if exists(location):
         raise ConfigError(
             f"--output {output!r} already exists: predictions never overwrite a file. Give a new path, or remove it."
         )
@@ -472,11 +534,32 @@ def run_prediction_config(
         "dataloader_kwargs": train.eval_dataloader_kwargs,
         "collate_fn": train.collate_fn,
     }
-    if path.suffix != ".pt":
-        return trainer, trainer.predict(dataset, output_dir=path, **arguments)
+    if not writes_file:
+        return trainer, trainer.predict(dataset, output_dir=location, **arguments)
+    validate_prediction_store(location, trainer.accelerator.num_processes, f"--output {output!r}")
     predictions = trainer.predict(dataset, **arguments)
     if trainer.accelerator.is_main_process:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(predictions, path)
+        with local_file_to_write(location) as path:  # a URL: written here, then uploaded as one object
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(predictions, path)
     trainer.accelerator.wait_for_everyone()
-    return trainer, path
+    return trainer, location
+
+
+def _predictions_output_is_file(output: str) -> bool:
+    """Whether ``--output`` names one file of predictions (a ``.pt`` or ``.pth`` suffix) rather than a folder of
+    chunks (no suffix, or a trailing ``/``).
+
+    Raises:
+        ConfigError: another suffix, which could mean either.
+    """
+    suffix = Path(output).suffix
+    if suffix.lower() in PREDICTION_FILE_SUFFIXES:
+        return True
+    if suffix and not output.endswith("/"):
+        raise ConfigError(
+            f"--output {output!r} ends in {suffix}, which names neither a file of predictions nor a folder: write "
+            f"{str(Path(output).with_suffix('.pt'))!r} for one file (.pt or .pth, read by torch.load), or "
+            f"{output + '/'!r} (a trailing /) for a folder of chunk files (read by load_predictions)."
+        )
+    return False

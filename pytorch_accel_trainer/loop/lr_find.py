@@ -24,7 +24,7 @@ from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.plotting import plot_lr_find
 from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state
-from pytorch_accel_trainer.utils import restore_training_modes, training_modes
+from pytorch_accel_trainer.utils import require_batches, restore_training_modes, training_modes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -42,7 +42,8 @@ class LrFinderResult:
         smoothed_losses: the losses' exponential moving average, corrected for its start (as Adam's), which the stop
             and the suggestion read.
         suggestion: the learning rate of the steepest descent of the smoothed loss (see this module's documentation);
-            ``None`` when the sweep is too short to tell (fewer than ``skip_start + skip_end + 2`` points).
+            ``None`` when the sweep is too short to tell (fewer than ``skip_start + skip_end + 2`` points): the loss
+            diverged at the sweep's second step, after one update at ``start_lr``, which is too large then.
         diverged: whether the sweep stopped early because the loss diverged.
         skip_start, skip_end: the points the suggestion left out at each end.
     """
@@ -76,6 +77,29 @@ def suggest_lr(lrs: list, smoothed_losses: list, skip_start: int = 10, skip_end:
     return float(lrs[skip_start + int(np.argmin(slopes))])
 
 
+#: The error of data with no batch (a stream that yields no sample, or one already consumed).
+NO_BATCH_MESSAGE = (
+    "lr_find() received data with no batch (a stream that yields no sample, or a generator already consumed): pass "
+    "a dataset with at least one batch."
+)
+
+
+def validate_first_loss(loss: float, lr: float) -> None:
+    """Refuse a sweep whose first loss is NaN or infinite: that loss is the model's as it was, computed before the
+    first update, so no learning rate caused it and there is no divergence to find: the model or the data is broken.
+
+    Raises:
+        ValueError: naming the step, its learning rate and what to check.
+    """
+    if not math.isfinite(loss):
+        raise ValueError(
+            f"lr_find(): the loss of the first step (step 0, lr={lr:.3g}) is {loss}, computed before any update: no "
+            "learning rate caused it, so the model or the data is broken, not diverging. Check the data for NaN or "
+            "infinite values and the loss on one batch (trainer.calculate_train_batch_loss(batch)['loss']), e.g. a "
+            "log of 0, or weights that are already NaN; then run lr_find() again. Nothing was changed."
+        )
+
+
 class LrSweep:
     """The sweep: the learning rate of each step, the losses recorded, the decision to stop."""
 
@@ -102,7 +126,13 @@ class LrSweep:
         self.lrs.append(lr)
 
     def record(self, loss: float) -> bool:
-        """Record the loss of the step just run; return whether the sweep must stop (the loss diverged)."""
+        """Record the loss of the step just run; return whether the sweep must stop (the loss diverged).
+
+        Raises:
+            ValueError: the first step's loss is not finite (see :func:`validate_first_loss`).
+        """
+        if not self.losses:
+            validate_first_loss(loss, self.lrs[0])
         self._average = self.smoothing * self._average + (1 - self.smoothing) * loss
         smoothed = self._average / (1 - self.smoothing ** (len(self.losses) + 1))
         self.losses.append(loss)
@@ -126,16 +156,15 @@ class LrSweep:
 
 
 def endless_batches(dataloader: Iterable) -> Iterator:
-    """The batches of ``dataloader``, epoch after epoch (its epoch set, for a new shuffle order each time)."""
+    """The batches of ``dataloader``, epoch after epoch (its epoch set, for a new shuffle order each time).
+
+    Raises:
+        ValueError: an epoch of no batch (a stream that yields nothing), in these words rather than Accelerate's.
+    """
     for epoch in itertools.count():
         if hasattr(dataloader, "set_epoch"):
             dataloader.set_epoch(epoch)
-        empty = True
-        for batch in dataloader:
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError("lr_find() received data with no batch: pass a dataset with at least one batch.")
+        yield from require_batches(dataloader, NO_BATCH_MESSAGE)
 
 
 def _cpu_copy(state: Any) -> Any:

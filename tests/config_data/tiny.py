@@ -28,6 +28,12 @@ def eval_dataset(num_samples: int = 64) -> TensorDataset:
     return train_dataset(num_samples // 2)
 
 
+def noisy_train_dataset(num_samples: int = 64, noise: float = 0.1) -> TensorDataset:
+    """A training set with an argument ``eval_dataset`` does not take: ``data.arguments`` go to both."""
+    x, y = train_dataset(num_samples).tensors
+    return TensorDataset(x, y + noise * torch.randn(y.shape, generator=torch.Generator().manual_seed(1)))
+
+
 class TaggedTrainer(Trainer):
     """A subclass with an argument of its own, given by ``trainer_arguments``; it keeps each instance, for the test."""
 

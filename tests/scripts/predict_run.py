@@ -1,7 +1,8 @@
-"""Predicts every (dataset size, batch size, dataset kind) case on the processes it is launched on, then runs one
-lr_find and (with Optuna) two searches of one trial each, every trial on all the processes (one pruned after its first
-epoch, one complete); writes what each process got, as JSON, to ``<folder>/result.rank<i>.json`` (a scenario of
-scenarios.py, for tests/test_predict.py).
+"""Predicts every (dataset size, batch size, dataset kind) case on the processes it is launched on, then writes a
+prediction folder and reads it back on every process as predict() returns (the main process slowed down as it
+writes), tries a memory:// folder (refused on several processes), runs one lr_find and (with Optuna) two searches of
+one trial each, every trial on all the processes (one pruned after its first epoch, one complete); writes what each
+process got, as JSON, to ``<folder>/result.rank<i>.json`` (a scenario of scenarios.py, for tests/test_predict.py).
 
 Each sample's prediction is its id (the model is the identity on a column of ids), so a prediction that drops,
 repeats or reorders samples shows. A watchdog kills a case that hangs, with a traceback naming it.
@@ -9,6 +10,7 @@ repeats or reorders samples shows. A watchdog kills a case that hangs, with a tr
 
 import faulthandler
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
 from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.predictions import load_predictions
 
 SIZES, BATCH_SIZES, KINDS = range(1, 18), range(1, 5), ("map", "iterable")
@@ -39,6 +42,15 @@ class Ids(Trainer):
     def calculate_predict_batch_output(self, batch):
         ids = super().calculate_predict_batch_output(batch)[:, 0]
         return {"ids": ids, "pair": (ids, 2 * ids)}
+
+
+class SlowMainProcess(TrainerCallback):
+    """Holds the main process back after each gathered batch, so that the others reach the end of predict() well
+    before it writes the last chunk and the index: what predict() returns must be complete all the same."""
+
+    def on_predict_step_end(self, trainer, **kwargs):
+        if trainer.accelerator.is_main_process:
+            time.sleep(0.5)
 
 
 def predict_every_case(folder: Path) -> None:
@@ -66,12 +78,22 @@ def predict_every_case(folder: Path) -> None:
     x = torch.arange(13, dtype=torch.float32).unsqueeze(1)
     in_memory = trainer.predict(TensorDataset(x), per_device_batch_size=2)
     chunks = folder / "chunks"
+    trainer.callback_handler.add_callback(SlowMainProcess())
     written = trainer.predict(TensorDataset(x), per_device_batch_size=2, output_dir=chunks, chunk_size=5)
-    state.wait_for_everyone()  # the main process wrote the folder
-    loaded = load_predictions(written)
-    chunked_equal = bool(
-        torch.equal(loaded["ids"], in_memory["ids"]) and torch.equal(loaded["pair"][1], in_memory["pair"][1])
-    )
+    try:  # at once, as docs/howto.md's "Get predictions" does, on every process
+        loaded = load_predictions(written)
+        chunked_equal = bool(
+            torch.equal(loaded["ids"], in_memory["ids"]) and torch.equal(loaded["pair"][1], in_memory["pair"][1])
+        )
+    except FileNotFoundError as error:  # the folder was not complete when predict() returned
+        chunked_equal = str(error)
+    trainer.callback_handler.remove_callback(SlowMainProcess)
+    state.wait_for_everyone()  # whatever happened above, the processes go on together
+    try:
+        trainer.predict(TensorDataset(x), output_dir=f"memory://predictions-{state.num_processes}")
+        memory_store = "written"
+    except ValueError as error:
+        memory_store = str(error)
     data = TensorDataset(torch.randn(64, 1), torch.randn(64, 1))
     result = trainer.lr_find(data, start_lr=1e-4, end_lr=1.0, num_steps=30, per_device_batch_size=4)
     report = {
@@ -79,6 +101,7 @@ def predict_every_case(folder: Path) -> None:
         "num_processes": state.num_processes,
         "cases": cases,
         "chunked_equal": chunked_equal,
+        "memory_store": memory_store,
         "chunk_files": sorted(path.name for path in chunks.iterdir()),
         "lr_find": {"suggestion": result.suggestion, "losses": result.losses},
     }
