@@ -186,81 +186,106 @@ def _plain(value: Any) -> Any:
 
 
 class DeferredSum:
-    """A weighted sum of scalar tensors kept on their device, added up in batches.
+    """A weighted sum of scalar tensors, added up on their device and read back to the host only when asked.
 
-    :meth:`add` only keeps a reference: the device work (one stack and one sum for up to ``fold_every``
-    values) happens in :meth:`fold`, so a training step pays no device op for it, and nothing is ever read
-    back to the host here. Values of one weight are summed together, then multiplied by it, so that no list
-    of weights is ever copied to the device.
+    The first value allocates the sum, one 0-d float32 tensor on its device, kept for the object's life
+    (:meth:`reset` zeroes it in place); every later value is added into it in place: one small device op per
+    value and never a host-device sync. Nothing of a value is kept, so nothing a step allocates outlives the step:
+    references to each step's loss, kept to be summed later, held small allocations between the steps' activations
+    that kept the CPU allocator from reusing or returning that memory (the resident memory of a run grew by
+    megabytes a step).
     """
 
-    def __init__(self, fold_every: int = 256):
-        self.fold_every = fold_every
-        self.reset()
-
-    def reset(self) -> None:
-        self._total: torch.Tensor | None = None
-        self._pending: list = []
-        self._pending_weight: Any = None
+    def __init__(self):
+        self._sum: torch.Tensor | None = None  # the accumulator, allocated once (see the class docstring)
+        self._has_values = False
         self.weight_total: Any = 0
 
+    def reset(self) -> None:
+        """Start again from 0; the accumulator is zeroed in place, not allocated again during a step."""
+        if self._has_values:
+            self._sum.zero_()  # type: ignore[union-attr]  # _has_values means it exists
+        self._has_values = False
+        self.weight_total = 0
+
     def add(self, value: torch.Tensor, weight: Any = 1) -> None:
-        """Add ``value * weight`` (``weight`` a number or a scalar tensor); only a detached view of it is kept."""
+        """Add ``value * weight`` (``weight`` a number or a scalar tensor); ``value`` is not kept."""
         self.add_detached(value.detach(), weight)
 
     def add_detached(self, value: torch.Tensor, weight: Any = 1) -> None:
         """:meth:`add` for a ``value`` its caller has detached already (a tensor op less: a step's loss is detached
         once, by the loss tracker, not twice)."""
-        if self._pending and (isinstance(weight, torch.Tensor) or weight != self._pending_weight):
-            self.fold()
-        self._pending.append(value)
-        self._pending_weight = weight
-        self.weight_total = self.weight_total + weight
-        if isinstance(weight, torch.Tensor) or len(self._pending) >= self.fold_every:
-            self.fold()
-
-    def fold(self) -> None:
-        """Add the pending values into the total, on the device."""
-        if self._pending:
-            self._total, self._pending = self.peek(), []
+        accumulator = self._sum
+        if accumulator is None or accumulator.device != value.device:
+            accumulator = self._sum = torch.zeros((), dtype=torch.float32, device=value.device)
+        if isinstance(weight, torch.Tensor):
+            if weight.device == accumulator.device:
+                accumulator.addcmul_(value, weight)
+            else:  # a CPU count beside a CUDA loss: an operand of a product may be a 0-d CPU tensor
+                accumulator.add_(value.float() * weight)
+        else:
+            accumulator.add_(value, alpha=weight)
+        self._has_values = True
+        total = self.weight_total  # as _added, inline: the step a newcomer reads stays in few functions
+        if (
+            isinstance(total, torch.Tensor)
+            and (not isinstance(weight, torch.Tensor) or weight.device == total.device)
+            and torch.result_type(total, weight) == total.dtype
+        ):
+            total.add_(weight)  # a tensor count: in place, no new tensor a step
+        else:
+            self.weight_total = total + weight
 
     @property
     def total(self) -> torch.Tensor | None:
-        """The sum so far, as a device tensor (``None`` before the first value)."""
-        self.fold()
-        return self._total
-
-    def peek(self) -> torch.Tensor | None:
-        """:attr:`total`, without folding the pending values into the kept sum, which then adds up in the same order
-        (to the last bit) whether or not it was read; one stack and sum on the device when values are pending."""
-        if not self._pending:
-            return self._total
-        pending = torch.stack(self._pending).float().sum() * self._pending_weight
-        return pending if self._total is None else self._total + pending
+        """A copy of the sum so far, on the device (``None`` before the first value)."""
+        return self._sum.clone() if self._has_values else None  # type: ignore[union-attr]
 
     def state_dict(self) -> dict:
-        """The exact state, pending values included, so that a restored sum adds up in the same order."""
+        """The exact state, as copies; ``pending`` and ``pending_weight`` (values not yet added) are always
+        ``None``, for the states saved before the sum was added up in place."""
         return {
-            "total": self._total,
-            "pending": torch.stack(self._pending) if self._pending else None,
-            "pending_weight": self._pending_weight,
-            "weight_total": self.weight_total,
+            "total": self.total,
+            "pending": None,
+            "pending_weight": None,
+            "weight_total": _copied(self.weight_total),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._total, self._pending_weight, self.weight_total = (
-            state["total"],
-            state["pending_weight"],
-            state["weight_total"],
-        )
-        self._pending = [] if state["pending"] is None else list(state["pending"].unbind())
+        total, pending = state["total"], state["pending"]
+        if pending is not None:  # a state saved with values not yet added: add them as they would have been
+            pending_sum = pending.float().sum() * state["pending_weight"]
+            total = pending_sum if total is None else total + pending_sum
+        self._has_values = total is not None
+        if total is not None:
+            self._sum = total.detach().to(torch.float32, copy=True).reshape(())  # never the state's own tensor
+        elif self._sum is not None:
+            self._sum.zero_()
+        self.weight_total = _copied(state["weight_total"])
+
+
+def _added(weight_total: Any, weight: Any) -> Any:
+    """``weight_total + weight``, in place when ``weight_total`` is a tensor of this object's that can hold the sum (no
+    new tensor a step); otherwise a new value."""
+    if (
+        isinstance(weight_total, torch.Tensor)
+        and (not isinstance(weight, torch.Tensor) or weight.device == weight_total.device)
+        and torch.result_type(weight_total, weight) == weight_total.dtype  # e.g. not a float added to an int count
+    ):
+        return weight_total.add_(weight)
+    return weight_total + weight
+
+
+def _copied(value: Any) -> Any:
+    """A tensor's copy (the sums are changed in place), any other value as it is."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class LossTracker:
     """Sums batch losses, weighted by batch size, without leaving the device.
 
-    An update only keeps a reference to the loss (a :class:`DeferredSum`):
-    the device adds them up in batches, and reading the sum back to the host (a synchronisation) happens
+    An update adds the loss into one tensor on the device, in place (a :class:`DeferredSum`): no host-device
+    synchronisation, and nothing of the step kept. Reading the sum back to the host (a synchronisation) happens
     once, in :meth:`reduce_average`, at the end of an epoch. Plain Python numbers are summed on the host, as
     pytorch-accelerated's ``LossTracker`` does, so its API (``loss_value``, ``average``, ``total_loss``,
     ``running_count``) works too; reading ``average`` of tensor losses is a host-device synchronisation.
@@ -287,7 +312,7 @@ class LossTracker:
             self._sum.add_detached(loss_batch_value, batch_size)
         else:  # a number: summed on the host, exactly as given
             self._host_total += loss_batch_value * batch_size
-            self._sum.weight_total = self._sum.weight_total + batch_size
+            self._sum.weight_total = _added(self._sum.weight_total, batch_size)
 
     @property
     def total_loss(self) -> Union[torch.Tensor, float, None]:
@@ -296,9 +321,9 @@ class LossTracker:
         return self._with_host_total(self._sum.total)
 
     def peek_total_loss(self) -> Union[torch.Tensor, float, None]:
-        """:attr:`total_loss`, read without changing how the sum adds up (see :meth:`DeferredSum.peek`): the epoch's
-        loss is the same to the last bit whether or not a callback read it during the epoch."""
-        return self._with_host_total(self._sum.peek())
+        """:attr:`total_loss`, which reading never changes: the epoch's loss is the same to the last bit whether or
+        not a callback read it during the epoch."""
+        return self.total_loss
 
     def _with_host_total(self, device_total: Optional[torch.Tensor]) -> Union[torch.Tensor, float, None]:
         if device_total is None:
@@ -307,8 +332,8 @@ class LossTracker:
 
     @property
     def running_count(self) -> Union[int, torch.Tensor]:
-        """The number of samples so far."""
-        return self._sum.weight_total
+        """The number of samples so far (a copy, for a tensor: the count is added up in place)."""
+        return _copied(self._sum.weight_total)
 
     @property
     def average(self) -> float:
@@ -320,7 +345,7 @@ class LossTracker:
         return average.item() if isinstance(average, torch.Tensor) else average
 
     def state_dict(self) -> dict:
-        return {**self._sum.state_dict(), "host_total": self._host_total}
+        return {**self._sum.state_dict(), "host_total": _copied(self._host_total)}
 
     def absorb(self, state: Optional[dict]) -> None:
         """Add the sums of another tracker's :meth:`state_dict` to this one's (a resume on fewer or more processes
@@ -357,7 +382,8 @@ class LossTracker:
             reduce_sum: sums a tensor over processes (``accelerator.reduce``).
             device: where the sum is taken.
         """
-        total = torch.as_tensor(0.0 if self.total_loss is None else self.total_loss, dtype=torch.float32).to(device)
+        total_loss = self.total_loss
+        total = torch.as_tensor(0.0 if total_loss is None else total_loss, dtype=torch.float32).to(device)
         count = torch.as_tensor(self.running_count, device=device).float()
         loss_sum, sample_count = reduce_sum(torch.stack([total, count])).tolist()  # the epoch's one sync
         return loss_sum / sample_count if sample_count else None
@@ -385,8 +411,14 @@ class StepMetricsTracker:
 
     def __init__(self):
         self.trackers: dict[str, LossTracker] = {}
+        # the trackers of metrics no batch of this epoch returned yet, reset: taken back as they come, so that an
+        # epoch's step allocates no new sum (see DeferredSum)
+        self._idle: dict[str, LossTracker] = {}
 
     def reset(self) -> None:
+        for tracker in self.trackers.values():
+            tracker.reset()
+        self._idle.update(self.trackers)
         self.trackers = {}
 
     def update(self, batch_output: Any, weight: Any) -> None:
@@ -395,7 +427,7 @@ class StepMetricsTracker:
             if name not in BATCH_OUTPUT_KEYS and is_scalar_metric(value):
                 tracker = self.trackers.get(name)
                 if tracker is None:
-                    tracker = self.trackers[name] = LossTracker()
+                    tracker = self.trackers[name] = self._idle.pop(name) if name in self._idle else LossTracker()
                 tracker.update(value.detach() if isinstance(value, torch.Tensor) else value, weight)
 
     def state_dict(self) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pathlib
@@ -349,3 +350,15 @@ def s3_endpoint():
         else:
             fsspec.config.conf["s3"] = saved_conf
         server.stop()
+
+
+@pytest.fixture
+def no_gc():
+    """The garbage collector off for the test (collected once first): what a step keeps alive is not freed behind
+    the test's back."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -136,3 +136,18 @@ def test_stream_resume_benchmark_quick(tmp_path):
         assert rank["trained"]["produced"] >= 20 * 4 and rank["produced_before_first_update"] <= 12, rank
     assert "| updates before the stop |" in (tmp_path / "results.md").read_text()
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_memory_growth_benchmark_quick(tmp_path):
+    """The quick long-run memory benchmark (40 steps of a small GPT-2, a fresh process per row) reads the memory at
+    every step of every row, and each trains; the goals are never judged in a smoke run."""
+    completed, results = _quick_run("memory_growth.py", tmp_path, timeout=300)
+    rows = {row["row"]: row for row in results["rows"]}
+    assert list(rows) == CORE_ROWS
+    for name, row in rows.items():
+        assert row["error"] is None and row["trained"], (name, row.get("error"))
+        assert len(row["rss_at_step_start_mib"]) == 40 and list(row["rss_at_mib"]) == ["5", "40"]
+        assert math.isfinite(row["slope_mib_per_step"])
+    assert results["goals"] == [] and "| `trainer_default` |" in (tmp_path / "results.md").read_text()
+    assert completed.returncode == 0, completed.stderr[-4000:]

@@ -7,7 +7,6 @@ is off during the runs, so what is gone was freed by its last reference going aw
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import pytest
@@ -59,16 +58,6 @@ class ReadsTheOutputs(TrainerCallback):
 
     def on_eval_step_end(self, trainer, batch, batch_output, **kwargs):
         self.rows += batch_output["model_outputs"].shape[0]
-
-
-@pytest.fixture
-def no_gc():
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _assert_previous_steps_released(trainer: WatchedOutputs, phases: set) -> None:

@@ -10,8 +10,8 @@ from pytorch_accel_trainer.tracking import DeferredSum
 
 
 class RunningSum(DeferredSum):
-    """A sum of scalar tensors kept on their device and added up in batches: no device op per value, and
-    no host-device sync (see :class:`~pytorch_accel_trainer.tracking.DeferredSum`)."""
+    """A sum of scalar tensors added up on their device, in place: no host-device sync, and nothing of a value kept
+    (see :class:`~pytorch_accel_trainer.tracking.DeferredSum`)."""
 
     @property
     def count(self) -> int:
