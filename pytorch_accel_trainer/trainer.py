@@ -74,6 +74,7 @@ from pytorch_accel_trainer.loop.time_budget import create_time_budget, training_
 from pytorch_accel_trainer.parallel.distributed import (
     ProcessAgreement,
     create_accelerator,
+    print_on_node,
     release_prepared,
     wrappers_only_call_torch,
 )
@@ -1339,8 +1340,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         return unwrap_distributed_model(self._accelerator, self.model, keep_torch_compile=self.torch_compile is False)
 
     def print(self, *args, **kwargs) -> None:
-        """Print once per node, like ``print``."""
-        self._accelerator.print(*args, **kwargs)
+        """Print once per node, like ``print``; each line is written in one call, so the output of other processes
+        never lands inside it."""
+        print_on_node(*args, **kwargs)
 
     def gather(self, tensor: torch.Tensor, padding_value: Any = None) -> torch.Tensor:
         """Concatenate ``tensor`` from every process along the first dimension.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import pytest
 import torch
@@ -288,6 +289,26 @@ def test_gather_and_print_on_one_process(capsys):
     assert torch.equal(trainer.gather(torch.tensor([1, -1]), padding_value=-1), torch.tensor([1]))
     trainer.print("hello")
     assert "hello" in capsys.readouterr().out
+
+
+def test_print_writes_each_line_in_one_call(monkeypatch):
+    """With unbuffered output (PYTHONUNBUFFERED=1, usual in containers) each write reaches the shared terminal or log
+    at once: a line written in pieces, as ``print`` writes it, lets another process's output land inside it."""
+    writes = []
+
+    class Stream:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            writes.append("<flush>")
+
+    trainer = make_trainer(make_linear())
+    monkeypatch.setattr(sys, "stdout", Stream())
+    trainer.print("Saved training state", "final-2")
+    trainer.print(1, 2.5, sep=", ", end="!\n", flush=True)
+    trainer.print()
+    assert writes == ["Saved training state final-2\n", "1, 2.5!\n", "<flush>", "\n"]
 
 
 def test_callbacks_may_be_classes_or_instances(recorder):

@@ -34,6 +34,7 @@ from pytorch_accel_trainer.loop.extra_models import (
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.loop.state_content import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
+from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
@@ -264,7 +265,7 @@ def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, I
         elif first_step and state.stream_positions is not None and resume.stream_state is not None:
             cast(Any, train_dl).load_state_dict(resume.stream_state)  # the stream goes on where it stopped
         elif first_step and is_stream(train_dl):
-            process.print(replay_message(first_step, process.num_processes, state.epoch_samples_per_step, train_dl))
+            print_on_node(replay_message(first_step, process.num_processes, state.epoch_samples_per_step, train_dl))
             train_dl = replay_batches(train_dl, first_step, show_progress=process.is_main_process)
         elif first_step:
             train_dl = skip_first_batches(train_dl, first_step)

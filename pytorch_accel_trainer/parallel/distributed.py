@@ -6,12 +6,13 @@ from __future__ import annotations
 import atexit
 import os
 import platform
+import sys
 import time
 from typing import Any, Optional, cast
 
 import torch
 from accelerate import Accelerator, DistributedType
-from accelerate.state import AcceleratorState, is_initialized
+from accelerate.state import AcceleratorState, PartialState, is_initialized
 
 from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.parallel.accelerate_internals import (
@@ -162,6 +163,24 @@ def _wait_until_gloo_workers_are_idle(timeout_s: float = _EXIT_WAIT_S) -> None:
 
 #: The attribute of an agreed stop that holds its reason, the same text on every process (see :func:`stop_reason`).
 _AGREED_REASON = "_pytorch_accel_trainer_agreed_reason"
+
+
+def print_on_node(
+    *args: Any, sep: Optional[str] = " ", end: Optional[str] = "\n", file: Any = None, flush: bool = False
+) -> None:
+    """``print`` on the node's main process (as ``Accelerator.print``), the line written in one call.
+
+    ``print`` writes each argument and the line's end separately; with unbuffered output (``PYTHONUNBUFFERED=1``,
+    usual in containers) the other processes' output that share the terminal or log can land inside the line.
+    """
+    if not PartialState().is_local_main_process:
+        return
+    sep = " " if sep is None else sep
+    end = "\n" if end is None else end
+    stream = sys.stdout if file is None else file
+    stream.write(sep.join(str(arg) for arg in args) + end)
+    if flush:
+        stream.flush()
 
 
 def stop_reason(error: BaseException) -> str:

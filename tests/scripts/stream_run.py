@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import sys
 
 import torch
 from torch.utils.data import IterableDataset
@@ -25,6 +26,13 @@ from pytorch_accel_trainer.errors import StopTrainingError
 
 #: samples produced by the stream in this process and its workers (forked: the value is shared with them)
 PRODUCED = multiprocessing.Value("q", 0)
+
+
+def print_line(line: str) -> None:
+    """Write ``line`` in one call, as ``Trainer.print`` does: with unbuffered output (``PYTHONUNBUFFERED=1``)
+    ``print`` writes a line and its end separately, and another process's line can land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 class Stream(IterableDataset):
@@ -126,11 +134,11 @@ def main():
         try:
             trainer.train(Stream(args.samples, split=False), num_epochs=1, per_device_batch_size=4)
         except ValueError as error:
-            print("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value}), flush=True)
+            print_line("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value}))
         return
     report = {mode: run(args, mode) for mode in ("uninterrupted", "stopped", "resumed")}
     report["rank"] = int(os.environ.get("RANK", "0"))
-    print("REPORT " + json.dumps(report), flush=True)
+    print_line("REPORT " + json.dumps(report))
 
 
 if __name__ == "__main__":
