@@ -226,11 +226,11 @@ class DeferredSum:
         else:
             accumulator.add_(value, alpha=weight)
         self._has_values = True
-        total = self.weight_total  # as _added, inline: the step a newcomer reads stays in few functions
+        total = self.weight_total
         if (
             isinstance(total, torch.Tensor)
             and (not isinstance(weight, torch.Tensor) or weight.device == total.device)
-            and torch.result_type(total, weight) == total.dtype
+            and torch.result_type(total, weight) == total.dtype  # e.g. not a float added to an int count
         ):
             total.add_(weight)  # a tensor count: in place, no new tensor a step
         else:
@@ -262,18 +262,6 @@ class DeferredSum:
         elif self._sum is not None:
             self._sum.zero_()
         self.weight_total = _copied(state["weight_total"])
-
-
-def _added(weight_total: Any, weight: Any) -> Any:
-    """``weight_total + weight``, in place when ``weight_total`` is a tensor of this object's that can hold the sum (no
-    new tensor a step); otherwise a new value."""
-    if (
-        isinstance(weight_total, torch.Tensor)
-        and (not isinstance(weight, torch.Tensor) or weight.device == weight_total.device)
-        and torch.result_type(weight_total, weight) == weight_total.dtype  # e.g. not a float added to an int count
-    ):
-        return weight_total.add_(weight)
-    return weight_total + weight
 
 
 def _copied(value: Any) -> Any:
@@ -312,7 +300,7 @@ class LossTracker:
             self._sum.add_detached(loss_batch_value, batch_size)
         else:  # a number: summed on the host, exactly as given
             self._host_total += loss_batch_value * batch_size
-            self._sum.weight_total = _added(self._sum.weight_total, batch_size)
+            self._sum.weight_total = self._sum.weight_total + batch_size  # numbers: nothing to add in place
 
     @property
     def total_loss(self) -> Union[torch.Tensor, float, None]:
