@@ -3,6 +3,7 @@ config rerun."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -15,6 +16,7 @@ import yaml
 optuna = pytest.importorskip("optuna")
 
 from config_data.tiny import TINY_CONFIG  # noqa: E402
+from conftest import CPU_PROCESSES_ENV, launcher  # noqa: E402
 
 from pytorch_accel_trainer.cli import main  # noqa: E402
 from pytorch_accel_trainer.cli.commands import console_main  # noqa: E402
@@ -78,6 +80,38 @@ def _tune_process(config: pathlib.Path, space: pathlib.Path, n_trials: int, *opt
     return subprocess.Popen(
         [*command, "--n_trials", str(n_trials), *options], cwd=TESTS, env=env, stdout=subprocess.PIPE, text=True
     )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_trial_on_two_processes_and_a_refusal_that_ends_both(tmp_path):
+    """Under ``accelerate launch`` each trial is one job of two processes; a search the main process refuses (another
+    direction for the study) ends both processes with its error at once: the other one does not wait for it."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({**CONFIG, "output_dir": str(tmp_path / "search")}))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    command = [*launcher(2), "-m", "pytorch_accel_trainer", "tune", "--config", str(config)]
+    command += ["--search", str(tmp_path / "space.yaml"), "--n_trials", "2", "--pruner", "none"]
+    completed = subprocess.run(command, cwd=TESTS, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    trials = _study(tmp_path / "search").trials
+    assert [trial.state for trial in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+    for trial in trials:
+        run_config = json.loads(
+            (tmp_path / "search" / "trials" / f"trial-{trial.number:04d}" / "run_config.json").read_text()
+        )
+        assert run_config["num_processes"] == 2
+    refused = subprocess.run(
+        [*command, "--direction", "maximize"],
+        cwd=TESTS,
+        env=CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0
+    assert refused.stderr.count("--direction maximize does not match the study 'tune'") == 2, refused.stderr[-3000:]
+    assert len(_study(tmp_path / "search").trials) == 2
 
 
 @pytest.mark.slow

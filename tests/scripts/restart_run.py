@@ -85,7 +85,8 @@ def run(save_dir, out, kill=None, resume=True, allow_resume_changes=False):
 
 def main(config):
     run(config["save_dir"], config["out"], config.get("kill"), True, config.get("allow_resume_changes", False))
-    print(f"finished in attempt {get_restart_count()}", flush=True)
+    sys.stdout.write(f"finished in attempt {get_restart_count()}\n")  # one write: every process prints this line
+    sys.stdout.flush()
     if config.get("reference_out"):
         run(f"{config['save_dir']}_reference", config["reference_out"], resume=False)
 
