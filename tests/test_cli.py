@@ -113,6 +113,18 @@ def test_base_60_looking_values_stay_text_in_every_key(tiny_config_file, tmp_pat
     assert flagged.config.trainer_arguments == {"tag": "1:30:00"}
 
 
+def test_an_integer_with_a_leading_zero_is_read_the_same_in_a_file_and_a_flag(tiny_config_file, tmp_path):
+    """YAML 1.1 read ``num_epochs: 010`` in a file as octal 8, and the flag ``--train.num_epochs 010`` gave 10: both are
+    10 now, as in YAML 1.2; octal is written ``0o10``, and the other bases and ``_`` stay."""
+    values = tmp_path / "values.yaml"
+    values.write_text("train: {num_epochs: 010}\ntrainer_arguments: {a: 0o17, b: -0x1f, c: 0b11, d: 1_000, e: +007}\n")
+    parsed = parse_command(["fit", "--config", str(tiny_config_file), "--config", str(values)], instantiate=False)
+    assert parsed.namespace.train.num_epochs == 10
+    assert parsed.namespace.trainer_arguments == {"a": 15, "b": -31, "c": 3, "d": 1000, "e": 7}
+    flagged = parse_command(["fit", "--config", str(tiny_config_file), "--train.num_epochs", "010"], instantiate=False)
+    assert flagged.namespace.train.num_epochs == 10
+
+
 def test_run_folder_reruns_the_run_exactly(config_file, tmp_path):
     """The run folder holds what reproduces the run; its config reruns it exactly."""
     main(

@@ -60,7 +60,8 @@ MAX_ALIAS_VALUES = 100_000
 class ConfigYamlLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """PyYAML's safe loader as jsonargparse sets it up (``1e-3`` is a float, dates stay text), without YAML 1.1's
     base-60 numbers: ``max_time: 1:00:00:00`` is the text of one day, not the integer 216000 (1 * 60**3), and
-    ``12:30`` stays text (YAML 1.2 dropped base-60 too). Every key is read so, since no key means base 60."""
+    ``12:30`` stays text (YAML 1.2 dropped base-60 too). Every key is read so, since no key means base 60. A leading
+    0 is decimal, as in YAML 1.2 and in a flag (``010`` is 10; octal is ``0o10``)."""
 
 
 def _without_base_60() -> None:
@@ -70,10 +71,11 @@ def _without_base_60() -> None:
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
     # YAML 1.1's int and jsonargparse's float (1e-3 without a dot), each less its base-60 form
-    # (`[-+]?[1-9][0-9_]*(?::[0-5]?[0-9])+` and `[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*`)
+    # (`[-+]?[1-9][0-9_]*(?::[0-5]?[0-9])+` and `[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*`); octal written as YAML
+    # 1.2 writes it (`0o17`), a leading 0 decimal (see _construct_int)
     integer = r"""^(?:[-+]?0b[0-1_]+
-        |[-+]?0[0-7_]+
-        |[-+]?(?:0|[1-9][0-9_]*)
+        |[-+]?0o[0-7_]+
+        |[-+]?[0-9][0-9_]*
         |[-+]?0x[0-9a-fA-F_]+)$"""
     number = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
         |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
@@ -81,7 +83,17 @@ def _without_base_60() -> None:
         |[-+]?\.(?:inf|Inf|INF)
         |\.(?:nan|NaN|NAN))$"""
     ConfigYamlLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(integer, re.X), list("-+0123456789"))
+    ConfigYamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
     ConfigYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(number, re.X), list("-+0123456789."))
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An integer as YAML 1.2 and a flag read it: ``010`` is 10, not YAML 1.1's octal 8 (a file and a flag gave
+    ``train.num_epochs`` 8 and 10); ``0o17``, ``0x1f`` and ``0b11`` keep their bases, ``1_000`` is 1000."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[0] == "-" else (1, text.lstrip("+"))
+    base = {"0b": 2, "0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+    return sign * int(digits if base == 10 else digits[2:], base)
 
 
 _without_base_60()
