@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, extract_model_from_parallel, parse_flag_from_env, reduce
+from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object, parse_flag_from_env, reduce
 from accelerate.utils.constants import TORCH_DISTRIBUTED_OPERATION_TYPES
 from torch import nn
 
@@ -257,21 +257,33 @@ def _wait_for_everyone_sharing(state: PartialState, failed: bool) -> bool:
     return bool(reduce(flag, "sum").item() > 0)
 
 
-def _raise_if_another_failed(anyone_failed: bool, func: Callable, where: str) -> None:
+def _errors_of_every_process(state: PartialState, error: BaseException | None) -> list[str]:
+    """Once :func:`_wait_for_everyone_sharing` has said that a process failed: the error of each process that did,
+    as ``"Type: message"`` (``error`` is this process's, or ``None``). A collective that every process calls after
+    that barrier; nothing where no torch.distributed collective carries objects (one process, XLA)."""
+    if state.num_processes == 1 or state.distributed_type.value not in TORCH_DISTRIBUTED_OPERATION_TYPES:
+        return []
+    texts = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
+    return [text for text in texts if text is not None]
+
+
+def _raise_if_another_failed(state: PartialState, anyone_failed: bool, func: Callable, where: str) -> None:
     if anyone_failed:
+        errors = "; ".join(_errors_of_every_process(state, None))
         raise RuntimeError(
-            f"{func.__qualname__} raised on {where}, so this process stops too instead of waiting for it: see that "
-            "process's traceback for the error."
+            f"{func.__qualname__} raised on {where}{f' ({errors})' if errors else ''}, so this process stops too "
+            "instead of waiting for it: see that process's traceback for the error."
         )
 
 
 def _call_then_wait(func: Callable, args: tuple, kwargs: dict, state: PartialState, where: str) -> Any:
     try:
         result = func(*args, **kwargs)
-    except BaseException:
-        _wait_for_everyone_sharing(state, failed=True)
+    except BaseException as error:
+        if _wait_for_everyone_sharing(state, failed=True):
+            _errors_of_every_process(state, error)  # the others name it in their own error
         raise
-    _raise_if_another_failed(_wait_for_everyone_sharing(state, failed=False), func, where)
+    _raise_if_another_failed(state, _wait_for_everyone_sharing(state, failed=False), func, where)
     return result
 
 
@@ -284,7 +296,7 @@ def _first_on_one_process(func: _Function, where: str, runs_first: Callable, oth
         state = _process_state()
         if runs_first(state):
             return _call_then_wait(func, args, kwargs, state, where)
-        _raise_if_another_failed(_wait_for_everyone_sharing(state, failed=False), func, where)
+        _raise_if_another_failed(state, _wait_for_everyone_sharing(state, failed=False), func, where)
         return func(*args, **kwargs) if others_run_it else None
 
     return cast(_Function, wrapper)  # functools.wraps keeps func's signature, which its typing cannot say
@@ -295,7 +307,8 @@ def local_process_zero_only(func: _Function) -> _Function:
 
     The other processes return ``None``. Call the decorated function on every process (a barrier follows it).
     If ``func`` raises, it raises there as usual and every other process raises a ``RuntimeError`` that
-    names ``func``, rather than waiting at the barrier forever. With one process it is ``func`` itself.
+    names ``func`` and its error (``"ValueError: ..."``), rather than waiting at the barrier forever. With one
+    process it is ``func`` itself.
 
     Example::
 
@@ -312,8 +325,8 @@ def local_process_zero_first(func: _Function) -> _Function:
 
     For work whose result the others reuse, such as downloading or preprocessing a dataset into a cache:
     every process returns its own result. Call the decorated function on every process. If ``func`` raises
-    on a node's main process, the other processes raise a ``RuntimeError`` that names it, without running
-    ``func``, rather than waiting forever.
+    on a node's main process, the other processes raise a ``RuntimeError`` that names it and its error, without
+    running ``func``, rather than waiting forever.
 
     Example::
 
@@ -330,7 +343,8 @@ def world_process_zero_only(func: _Function) -> _Function:
 
     The other processes return ``None``. Call the decorated function on every process (a barrier follows it).
     If ``func`` raises, it raises there as usual and every other process raises a ``RuntimeError`` that
-    names ``func``, rather than waiting at the barrier forever. With one process it is ``func`` itself.
+    names ``func`` and its error (``"ValueError: ..."``), rather than waiting at the barrier forever. With one
+    process it is ``func`` itself.
 
     Example::
 

@@ -86,7 +86,8 @@ def _tune_process(config: pathlib.Path, space: pathlib.Path, n_trials: int, *opt
 @pytest.mark.distributed
 def test_a_trial_on_two_processes_and_a_refusal_that_ends_both(tmp_path):
     """Under ``accelerate launch`` each trial is one job of two processes; a search the main process refuses (another
-    direction for the study) ends both processes with its error at once: the other one does not wait for it."""
+    direction for the study) ends both processes at once, each naming the refusal: the main process with its error,
+    the other with a ``RuntimeError`` that quotes it (as the process decorators of ``utils`` do)."""
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({**CONFIG, "output_dir": str(tmp_path / "search")}))
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
@@ -111,6 +112,7 @@ def test_a_trial_on_two_processes_and_a_refusal_that_ends_both(tmp_path):
     )
     assert refused.returncode != 0
     assert refused.stderr.count("--direction maximize does not match the study 'tune'") == 2, refused.stderr[-3000:]
+    assert "_open_search raised on the main process (ConfigError: --direction maximize" in refused.stderr
     assert len(_study(tmp_path / "search").trials) == 2
 
 

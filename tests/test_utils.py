@@ -287,7 +287,9 @@ def test_process_decorators_on_two_processes(two_process_scenarios):
     assert first["num_processes"] == 2 and first["cache"] == second["cache"] == "ready"  # each rank: its own result
     assert (first["report"], second["report"]) == ("report from rank 0", None)  # world_process_zero_only
     assert first["error"] == "ValueError: boom"  # its own error where it ran; the other rank did not wait forever
-    assert second["error"].startswith("RuntimeError: fails_on_the_main_process raised on the main process")
+    assert second["error"].startswith(
+        "RuntimeError: fails_on_the_main_process raised on the main process (ValueError: boom), so this process stops"
+    )  # the others name the error, not only the function
     # ModelEma made from and updated with a DistributedDataParallel model: unwrapped names, each rank its own model
     assert first["ema_keys"] == second["ema_keys"] == ["bias", "weight"]
     assert first["initial_weight"][0] == pytest.approx(second["initial_weight"][0], abs=1e-6)  # the same model

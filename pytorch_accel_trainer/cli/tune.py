@@ -42,7 +42,7 @@ from pytorch_accel_trainer.cli.run_folder import CONFIG_FILE, RunFolderCallback,
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.run_config import TrainOptions
 from pytorch_accel_trainer.state.storage import local_path
-from pytorch_accel_trainer.utils import _process_state, launched_world_size
+from pytorch_accel_trainer.utils import _process_state, launched_world_size, world_process_zero_only
 
 if TYPE_CHECKING:
     import optuna
@@ -448,18 +448,9 @@ def tune(
     state = _process_state() if launched_world_size() > 1 else None  # a trial on several processes: one job
     files = (output_dir, *([output_dir / STUDY_FILE] if storage is None else []), output_dir / BASE_CONFIG_FILE)
     created = tuple(path for path in (*files, output_dir / TRIALS_FOLDER) if not path.exists())
-    study, opened_storage, study_created, failure = None, None, False, None
-    if state is None or state.is_main_process:  # the main process talks to Optuna
-        try:
-            opened_storage = create_storage(storage, output_dir)
-            study, study_created = _open_study(opened_storage, study_name, direction, sampler, pruner)
-            _validate_study(study, _storage_name(storage, output_dir), direction, _search_identity(base, space, metric))
-            if storage is None:
-                _fail_trials_left_running(study)
-            _write_base_config(config_text, output_dir)
-        except Exception as error:
-            failure = error
-    _raise_on_every_process(failure, state)  # the others wait here until the checks are done and the file written
+    identity = _search_identity(base, space, metric)
+    opened = _open_search(storage, output_dir, study_name, direction, sampler, pruner, identity, config_text)
+    opened_storage, study, study_created = opened or (None, None, False)  # None: not the main process
     search = _Search(output_dir, metric, flags, opened_storage, study_name, study_created, created)
     while True:
         trial: Any = None
@@ -675,33 +666,30 @@ def _ask(study: Any, space: dict) -> tuple[Any, dict]:
         raise
 
 
-def _write_base_config(config_text: str, output_dir: Path) -> None:
-    """Write the config the trials start from to the search's folder, once."""
-    path = output_dir / BASE_CONFIG_FILE
-    if not path.exists():
+@world_process_zero_only  # the others wait for it, and raise an error naming its error if it raised
+def _open_search(
+    storage: Optional[str],
+    output_dir: Path,
+    study_name: str,
+    direction: str,
+    sampler: Any,
+    pruner: Any,
+    identity: dict,
+    config_text: str,
+) -> tuple[Any, Any, bool]:
+    """On the main process, which talks to Optuna: open the storage and the study, check that the study belongs to
+    this search, and write the config the trials start from; return the storage, the study and whether this call
+    created it."""
+    opened_storage = create_storage(storage, output_dir)
+    study, study_created = _open_study(opened_storage, study_name, direction, sampler, pruner)
+    _validate_study(study, _storage_name(storage, output_dir), direction, identity)
+    if storage is None:
+        _fail_trials_left_running(study)
+    base_config = output_dir / BASE_CONFIG_FILE
+    if not base_config.exists():
         output_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(config_text)
-
-
-def _raise_on_every_process(failure: Optional[Exception], state: Any) -> None:
-    """Raise ``failure``, what the main process's checks raised (``None``: nothing), on every process of a trial
-    launched on several. Without it, the others failed at their next collective with the launch's own error, not the
-    user's (gloo's "Connection closed by peer" once the main process had exited), or waited for their timeout.
-
-    A collective: the other processes wait in it until the main process's checks are done. They raise a
-    :class:`ConfigError` with the main process's message (a ``RuntimeError`` naming the error for another error);
-    the main process raises its own.
-    """
-    if state is not None and state.num_processes > 1:
-        shared = [None if failure is None else (isinstance(failure, ConfigError), f"{failure}", type(failure).__name__)]
-        broadcast_object_list(shared)
-        if shared[0] is not None and failure is None:
-            is_config_error, message, name = shared[0]
-            raise (
-                ConfigError(message) if is_config_error else RuntimeError(f"the main process raised {name}: {message}")
-            )
-    if failure is not None:
-        raise failure
+        base_config.write_text(config_text)
+    return opened_storage, study, study_created
 
 
 def _run_trial(search: _Search, study: Any, trial: Any, number: int, values: dict) -> None:
