@@ -261,7 +261,7 @@ def validate_prediction_folder(folder: Union[str, os.PathLike, None], num_proces
             "chunk files. Give a folder (e.g. output_dir='predictions'), or write one file yourself: "
             "torch.save(trainer.predict(dataset), 'predictions.pt')."
         )
-    validate_prediction_store(location, num_processes, f"output_dir={str(folder)!r}")
+    validate_prediction_store(location, num_processes, "output_dir")
     if isinstance(location, Path):
         taken = location.exists() and (not location.is_dir() or any(location.iterdir()))
     else:
@@ -275,19 +275,22 @@ def validate_prediction_folder(folder: Union[str, os.PathLike, None], num_proces
 
 def validate_prediction_store(location: storage.Location, num_processes: int, argument: str) -> None:
     """Refuse, before any batch runs, a URL whose store's packages are not installed, or ``memory://`` on several
-    processes; a local path needs nothing. ``argument`` is how the error names the value (``"output_dir='...'"``).
+    processes; a local path needs nothing. ``argument`` names where the value was given (``"output_dir"``).
 
     Raises:
         ImportError: fsspec, or the store's package (s3fs, gcsfs, ...), is not installed.
         ValueError: ``memory://`` on several processes: fsspec's in-memory store lives inside one process.
     """
     storage.validate_location(location)
-    if isinstance(location, str) and location.startswith("memory://") and num_processes > 1:
-        raise ValueError(
-            f"{argument} is fsspec's in-memory store, which lives inside one process: with {num_processes} "
-            "processes only the main one would hold the predictions, and the others could not read what predict "
-            "returns. Use a folder every process sees, or a store they share (s3://, gs://...)."
-        )
+    if isinstance(location, str):
+        storage.validate_store_reaches_every_process(location, num_processes, argument, _PREDICTIONS_IN_MEMORY)
+
+
+#: Why several processes cannot share predictions in ``memory://``.
+_PREDICTIONS_IN_MEMORY = (
+    "only the main one would hold the predictions, and the others could not read what predict returns",
+    "Nothing was predicted.",
+)
 
 
 def load_predictions(folder: Union[str, os.PathLike], map_location: Optional[str] = "cpu") -> Any:

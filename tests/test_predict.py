@@ -78,7 +78,7 @@ def test_two_processes_return_the_folder_complete(two_process_report):
     both before any batch."""
     for report in two_process_report:
         assert report["chunked_equal"] is True, report["chunked_equal"]
-        assert report["memory_store"].startswith("output_dir='memory://predictions-2' is fsspec's in-memory store")
+        assert report["memory_store"].startswith("'memory://predictions-2' (output_dir) is fsspec's in-memory store")
 
 
 @pytest.mark.distributed

@@ -536,7 +536,7 @@ def run_prediction_config(
     }
     if not writes_file:
         return trainer, trainer.predict(dataset, output_dir=location, **arguments)
-    validate_prediction_store(location, trainer.accelerator.num_processes, f"--output {output!r}")
+    validate_prediction_store(location, trainer.accelerator.num_processes, "--output")
     predictions = trainer.predict(dataset, **arguments)
     if trainer.accelerator.is_main_process:
         with local_file_to_write(location) as path:  # a URL: written here, then uploaded as one object

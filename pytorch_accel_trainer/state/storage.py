@@ -310,19 +310,28 @@ def local_file_to_read(location: Any) -> Iterator[Path]:
 # ------------------------------------------------------------------------------------------------
 
 
-def validate_store_reaches_every_process(url: str, num_processes: int, use: str) -> None:
-    """Refuse ``memory://`` for the training states of several processes: fsspec's in-memory store lives inside one
-    process, so each process would write its part into its own memory and none could read a whole state back.
+#: Why several processes cannot share training states in ``memory://``.
+TRAINING_STATES_IN_MEMORY = (
+    "each would write its part of a training state into its own memory, and no process could read a whole state back",
+    "Nothing was trained.",
+)
+
+
+def validate_store_reaches_every_process(
+    url: str, num_processes: int, use: str, consequence: tuple[str, str] = TRAINING_STATES_IN_MEMORY
+) -> None:
+    """Refuse ``memory://`` where several processes share what is written (training states, by default):
+    fsspec's in-memory store lives inside one process. ``consequence`` is what would go wrong, and what was not done.
 
     Raises:
         ValueError: naming the URL, where it was given, and what to use instead.
     """
     if num_processes > 1 and str(url).startswith("memory://"):
+        problem, outcome = consequence
         raise ValueError(
             f"{url!r} ({use}) is fsspec's in-memory store, which lives inside one process: with {num_processes} "
-            "processes each would write its part of a training state into its own memory, and no process could read a "
-            "whole state back. Use a folder every process sees, or a store they share (s3://, gs://, az://...). "
-            "Nothing was trained."
+            f"processes {problem}. Use a folder every process sees, or a store they share (s3://, gs://, az://...). "
+            f"{outcome}"
         )
 
 
