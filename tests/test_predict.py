@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import subprocess
 
 import pytest
 import torch
 from conftest import (
+    CPU_PROCESSES_ENV,
+    S3_ENV,
     RecordingCallback,
     StreamDataset,
+    launcher,
     linear_dataset,
     make_linear,
     make_mlp,
@@ -267,6 +273,29 @@ def test_output_dir_url_is_written_to_the_store(tmp_path, monkeypatch):
         trainer.predict(dataset, output_dir=url)
     with pytest.raises(FileNotFoundError, match="has no predictions.json"):
         load_predictions(f"memory://predictions-{tmp_path.name}/elsewhere")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_write_predictions_to_s3_and_read_them_back(tmp_path, s3_endpoint):
+    """predict(output_dir="s3://...") on 2 processes: the main process writes the chunks to the store, and every
+    process, well ahead of a main process slowed down after each batch, reads the complete folder back as soon as
+    predict() returns, in the dataset's order."""
+    url = f"s3://states-bucket/predictions-{tmp_path.name}"
+    env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
+    script = pathlib.Path(__file__).parent / "scripts" / "predict_store.py"
+    completed = subprocess.run(
+        [*launcher(2), str(script), url, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert reports == [{"written": url, "read": [float(i) for i in range(13)]}] * 2
+    assert not (tmp_path / "s3:").exists()
 
 
 @pytest.mark.parametrize(
