@@ -58,8 +58,8 @@ PUBLIC_NAMES_OF_OTHER_MODULES = {
     "loop.lr_find": ("LrFinderResult", "suggest_lr"),
 }
 #: Implementation modules: the subpackages' helpers (the Trainer's mixins' methods are the Trainer's, in its
-#: reference) and the families re-exported by the callbacks and schedulers packages. A new module goes in one of
-#: these places: whether it is public is decided.
+#: reference) and the modules re-exported by the callbacks, schedulers and cli.tune packages. A new module goes in one
+#: of these places: whether it is public is decided.
 INTERNAL_MODULES = (
     "__main__",
     "validation",
@@ -69,6 +69,7 @@ INTERNAL_MODULES = (
     "state.*",
     "parallel",
     "parallel.*",
+    "cli.tune.*",
     "callbacks.*",
     "schedulers.*",
 )

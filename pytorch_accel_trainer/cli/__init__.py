@@ -1,6 +1,6 @@
 """Runs described by data: the typed, frozen config a YAML file or flags fill (``config``), the
 ``pytorch-accel-trainer`` command line (parsed by ``parsing``, run by ``commands``), the hyperparameter search
-(``tune``) and the folder each run writes (``run_folder``).
+(the ``tune`` subpackage: its space, study and trials) and the folder each run writes (``run_folder``).
 
 Above the Trainer: it builds trainers from configs; nothing below imports it.
 """
