@@ -85,9 +85,9 @@ def test_time_budget_from_the_command_line(config_file, tmp_path):
     ("text", "seconds"), [("1:00:00:00", 86400.0), ("12:00:00", 43200.0), ("00:11:50:00", 42600.0), ("1:30:00", 5400.0)]
 )
 def test_max_time_text_is_read_the_same_everywhere(tiny_config_file, tmp_path, text, seconds):
-    """Issue 38, finding 2: YAML 1.1 read `max_time: 1:00:00:00` (file or flag) as the base-60 integer 216000, 2.5
-    days where train() reads one; `12:00:00` was 43200 s there but refused by train(). The file, the flag and
-    train(max_time=...) now read the same text the same way, and the run folder's config.yaml keeps it as text."""
+    """A file, a flag and train(max_time=...) read the same `max_time` text the same way (`1:00:00:00` is one day,
+    never YAML 1.1's base-60 integer 216000; `12:00:00` is 12 hours), and the run folder's config.yaml keeps it as
+    text."""
     in_file = tmp_path / "budget.yaml"
     in_file.write_text(tiny_config_file.read_text() + f"  max_time: {text}\n")  # unquoted, under `train:`
     from_file = parse_command(["fit", "--config", str(in_file)])
@@ -102,8 +102,8 @@ def test_max_time_text_is_read_the_same_everywhere(tiny_config_file, tmp_path, t
 
 
 def test_base_60_looking_values_stay_text_in_every_key(tiny_config_file, tmp_path):
-    """Issue 38, finding 2 (siblings): no key reads YAML 1.1's base-60 numbers (`12:30` was 750); jsonargparse's other
-    readings stay (`1e-3` is a float, a date is text)."""
+    """No key reads YAML 1.1's base-60 numbers (`12:30` is text, not 750); jsonargparse's other readings stay
+    (`1e-3` is a float, a date is text)."""
     values = tmp_path / "values.yaml"
     values.write_text("trainer_arguments: {tag: 12:30, rate: 1e-3, day: 2024-01-01, count: 0x10}\nrun_name: 10:30\n")
     parsed = parse_command(["fit", "--config", str(tiny_config_file), "--config", str(values)])
@@ -182,9 +182,9 @@ def test_three_states_kept_and_folder_resume(tiny_config_file, tmp_path, capsys)
 
 
 def test_paths_in_a_config_expand_home_and_variables(tiny_config_file, tmp_path, monkeypatch, capsys):
-    """Issue 38, finding 3: ``output_dir: ~/runs`` wrote a literal ``./~/runs`` and failed at the run's very end,
-    ``$HOME/runs`` a folder named ``$HOME``; both are the home folder's ``runs``, in the file, in a flag and in
-    ``resume_from``; a variable that is not set is one error line."""
+    """``output_dir: ~/runs`` and ``$HOME/runs`` are the home folder's ``runs`` (never a literal ``./~/runs`` or a
+    folder named ``$HOME``), in the file, in a flag and in ``resume_from``; a variable that is not set is one error
+    line."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     config = yaml.safe_load(tiny_config_file.read_text())
     tiny_config_file.write_text(yaml.safe_dump({**config, "output_dir": "~/runs"}))
@@ -512,7 +512,7 @@ EARLY_STOPPING = '[{"class_path": "pytorch_accel_trainer.callbacks.EarlyStopping
             ],
             r"'NUM_EPOCH' names no placeholder \(did you mean NUM_EPOCHS\?\)",
         ),
-        # issue 38, finding 16: each of these was a traceback (numpy's, a TypeError, an OverflowError)
+        # each of these is a message naming the value, not a traceback (numpy's, a TypeError, an OverflowError)
         (["--trainer.seed", "-1"], r"trainer.seed is -1: a seed is a whole number from 0 to 2\*\*32 - 1"),
         (["--trainer.seed", str(2**32)], r"trainer.seed is 4294967296: .*--trainer.seed 42"),
         (
@@ -550,7 +550,7 @@ def test_user_mistake_is_one_error_line(tiny_config_file, tmp_path, capsys, flag
 
 
 def test_data_arguments_are_checked_for_every_command(tiny_config_file, tmp_path):
-    """Issue 38, finding 16 (siblings): evaluate and predict check data.arguments against the function they call."""
+    """evaluate and predict check data.arguments against the function they call, as fit does."""
     noise = ["--config", str(tiny_config_file), "--data.arguments", '{"noise": 0.5}']
     message = r"do not fit data.eval \(config_data.tiny.eval_dataset\).*It takes \['num_samples'\]"
     with pytest.raises(ConfigError, match=message):
@@ -562,8 +562,8 @@ def test_data_arguments_are_checked_for_every_command(tiny_config_file, tmp_path
 
 
 def test_yaml_error_names_the_file_and_line(tiny_config_file, tmp_path, capsys):
-    """Issue 38, finding 16: a tab in a config file was jsonargparse's "found character that cannot start any token",
-    naming no file; every YAML error now names the file, the line and the column, with the fix."""
+    """Every YAML error (a tab in a config file: "found character that cannot start any token") names the file, the
+    line and the column, with the fix."""
     tabbed = tmp_path / "tabbed.yaml"
     tabbed.write_text(tiny_config_file.read_text().replace("\n  num_epochs", "\n\tnum_epochs"))
     line = tabbed.read_text().splitlines().index("\tnum_epochs: 1") + 1
@@ -590,9 +590,8 @@ def _nested_aliases(levels: int = 8, width: int = 9) -> str:
 
 @pytest.mark.timeout(30)
 def test_nested_aliases_are_refused_in_a_second(tiny_config_file, tmp_path, capsys):
-    """Issue 38, finding 21: a 600-byte file of nested aliases took 256 s and 3.6 GB before any message (the
-    duplicate-key check walked every alias again, and loading would build them all); it is refused at once, as a
-    file or as a flag's value, and so is an alias inside itself."""
+    """A 600-byte file of nested aliases (minutes and gigabytes if the duplicate-key check walked every alias, or
+    loading built them all) is refused at once, as a file or as a flag's value, and so is an alias inside itself."""
     import time
 
     laughs = tmp_path / "laughs.yaml"

@@ -89,9 +89,9 @@ class OwnDataloaders(Trainer):
 
 
 def test_the_run_config_reads_the_batch_size_of_the_prepared_dataloader():
-    """Issue 38, finding 7: the run config said the per-device batch size was 8 (the default) for an override of
-    create_train_dataloader with batches of 4, and a stale 16 after an earlier run of the default hook with 16: it
-    read the default hook's arguments, stored as a side effect. It reads the prepared dataloader."""
+    """The run config's per-device batch size is the prepared dataloader's: 4 for an override of
+    create_train_dataloader with batches of 4, not the default 8, nor a stale 16 from an earlier run of the default
+    hook with 16."""
     model = nn.Linear(4, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.01), callbacks=())
     trainer.train(regression_dataset(32), num_epochs=1, per_device_batch_size=16)

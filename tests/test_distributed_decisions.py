@@ -49,7 +49,7 @@ def test_one_process_decision_ends_all(tmp_path):
         first["stop_step"]["updates"] == 6
         and first["stop_step"]["stop_reason"] == "stop asked on rank 1 (on process 1)"
     )
-    # the epoch it cut short, 2 updates in, is recorded and counted (issue 38, finding 12)
+    # the epoch it cut short, 2 updates in, is recorded and counted
     assert first["stop_step"]["epochs"] == 3 and len(first["stop_step"]["train_losses"]) == 2
     # raised on rank 0 only, at the end of the second training epoch: both skip its evaluation and stop
     assert first["stop_epoch"]["updates"] == 8 and len(first["stop_epoch"]["eval_losses"]) == 1

@@ -105,7 +105,7 @@ def test_shared_folder_sigkill_then_resume(tmp_path):
     stops = [json.loads((tmp_path / f"budget.{rank}.json").read_text()) for rank in range(2)]
     assert stops[0]["updates"] == stops[1]["updates"] < 48  # both at the same update, before the 3 epochs' 48
     assert stops[0]["by_time_budget"] and stops[1]["by_time_budget"]
-    assert stops[0]["stop_reason"] == stops[1]["stop_reason"]  # the same result on every process (issue 38, #20)
+    assert stops[0]["stop_reason"] == stops[1]["stop_reason"]  # the same result on every process
     assert stops[0]["stop_reason"].startswith("Time budget") and stops[0]["stop_reason"].endswith("(on process 1)")
 
 

@@ -197,8 +197,8 @@ def test_s3_states_save_prune_and_resume(tmp_path, s3_endpoint):
 
 
 def test_a_missing_bucket_is_found_before_the_first_batch(tmp_path, s3_endpoint):
-    """Issue 38, finding 13: a missing or mistyped bucket failed at the first save (a time budget's: at the run's
-    end); it is an OSError naming the URL and the store's answer before the first batch."""
+    """A missing or mistyped bucket (of a saving callback, or of a time budget's save at the run's end) is an OSError
+    naming the URL and the store's answer before the first batch, not at the first save."""
     for callbacks, arguments in (
         ([SaveTrainingStateCallback("s3://states-bukcet/states")], {}),
         ([], {"max_time": 60, "max_time_save_dir": "s3://no-such-bucket/states"}),
@@ -288,8 +288,8 @@ def test_url_of_missing_state_is_an_error(memory_store):
     ],
 )
 def test_a_url_never_becomes_a_local_folder(tmp_path, monkeypatch, url, message):
-    """Issue 38, finding 4: a URL without a bucket, or one that lost a slash (``str(Path("s3://bucket") / "states")``),
-    is a ValueError naming it, for each place a training state goes or comes from; they wrote ``./s3:``."""
+    """A URL without a bucket, or one that lost a slash (``str(Path("s3://bucket") / "states")``), is a ValueError
+    naming it, for each place a training state goes or comes from; nothing is written to ``./s3:``."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=message):
         SaveTrainingStateCallback(url)
@@ -304,9 +304,9 @@ def test_a_url_never_becomes_a_local_folder(tmp_path, monkeypatch, url, message)
 
 
 def test_a_store_folder_with_files_but_no_state_is_an_error(memory_store):
-    """Issue 38, finding 5: ``resume_from`` a URL folder that holds objects but no training state is the
-    CheckpointError a local folder gives (it started a new run, saying the folder "does not exist yet"); what a first
-    save cut short leaves (a state folder without its manifest, ``latest``) is still a new run."""
+    """``resume_from`` a URL folder that holds objects but no training state is the CheckpointError a local folder
+    gives, not a new run; what a first save cut short leaves (a state folder without its manifest, ``latest``) is
+    still a new run."""
     memory_store.pipe_file("/bucket/stray/notes.txt", b"not a state")
     with pytest.raises(
         CheckpointError, match=r"resume_from='memory://bucket/stray' holds notes.txt but no training state"
@@ -320,8 +320,8 @@ def test_a_store_folder_with_files_but_no_state_is_an_error(memory_store):
 
 
 def test_a_run_folder_url_resumes_from_its_states(memory_store, capsys):
-    """Issue 38, finding 5: a run folder given as a URL resumes from its ``training_states`` (it started over), as a
-    local run folder does."""
+    """A run folder given as a URL resumes from its ``training_states`` (it does not start over), as a local run
+    folder does."""
     reference = _end_state(_run("memory://bucket/reference"))
     memory_store.pipe_file("/bucket/runs/r1/config.yaml", b"lr: 0.01\n")
     with pytest.raises(Crash):

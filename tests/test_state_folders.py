@@ -677,9 +677,9 @@ def test_resume_from_says_what_it_found(tmp_path, capsys):
 
 
 def test_a_typo_in_a_state_name_is_an_error_not_a_new_run(tmp_path):
-    """Issue 38, finding 6: ``resume_from`` a state that does not exist, beside others (``states/epoch_30`` where
-    ``states/`` holds ``epoch_1`` and ``final``), is a FileNotFoundError listing them, as for a URL; it started a new
-    run. A missing folder whose parent holds no state still starts one (a preemptible job's first start)."""
+    """``resume_from`` a state that does not exist, beside others (``states/epoch_30`` where ``states/`` holds
+    ``epoch_1`` and ``final``), is a FileNotFoundError listing them, as for a URL, not a new run. A missing folder
+    whose parent holds no state still starts one (a preemptible job's first start)."""
     states = tmp_path / "states"
     _train(_trainer(states, lr=0.1), num_epochs=2)
     trainer = _trainer(tmp_path / "other", lr=0.1)
@@ -695,8 +695,8 @@ def test_a_typo_in_a_state_name_is_an_error_not_a_new_run(tmp_path):
 
 
 def test_paths_expand_home_and_environment_variables(tmp_path, monkeypatch, capsys):
-    """Issue 38, finding 3: ``~`` and ``$VARIABLE`` in a path are expanded as a shell would (they made folders named
-    ``~`` and ``$HOME`` in the working folder); a variable that is not set is a ValueError before any step."""
+    """``~`` and ``$VARIABLE`` in a path are expanded as a shell would (no folder named ``~`` or ``$HOME`` in the
+    working folder); a variable that is not set is a ValueError before any step."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SCRATCH", str(tmp_path / "scratch"))
     monkeypatch.chdir(tmp_path)

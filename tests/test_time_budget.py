@@ -22,7 +22,7 @@ from pytorch_accel_trainer.validation import max_time_seconds
         (0.5, 0.5),
         ("00:12:00:00", 43200.0),
         ("01:00:00:30", 86430.0),
-        ("1:00:00:00", 86400.0),  # issue 38, finding 2: as the command line and a config file read it
+        ("1:00:00:00", 86400.0),  # as the command line and a config file read it
         ("12:00:00", 43200.0),  # HH:MM:SS, the days left out
         (" 1 : 30 : 00 ", 5400.0),
         (datetime.timedelta(hours=1, minutes=30), 5400.0),
@@ -37,8 +37,8 @@ def test_budget_as_seconds_text_or_timedelta(max_time, seconds):
 
 @pytest.mark.parametrize("max_time", ["99999999999:00:00:00", 1e300, {"days": 10**10}])
 def test_too_long_budget_names_the_limit(max_time):
-    """Issue 38, finding 16: a budget past timedelta's range was an OverflowError naming nothing (and 1e300 seconds
-    passed); every form is refused past the same limit, naming the value."""
+    """A budget past timedelta's range, in every form (1e300 seconds included), is refused past the same limit with
+    a ValueError naming the value, not an OverflowError naming nothing."""
     trainer = make_trainer(make_linear())
     with pytest.raises(
         ValueError,
@@ -100,8 +100,8 @@ def test_nowhere_to_save_says_how_to_keep():
 
 
 def test_the_first_save_fits_in_the_budget(tmp_path, monkeypatch):
-    """Issue 38, finding 19: before any save was timed the budget kept no time for the save at the stop, so a run on a
-    slow disk overran its budget by that save. The save folder's probe (as the run starts) gives an estimate."""
+    """Before any save is timed, the budget keeps time for the save at the stop, estimated by the save folder's
+    probe as the run starts, so that a run on a slow disk does not overrun its budget by that save."""
     synced, real_fsync = [], os.fsync
 
     def slow_fsync(descriptor):  # a slow network disk: each file synced costs a quarter of a second
@@ -131,8 +131,8 @@ class CountsBatches(TrainerCallback):
 
 
 def test_an_unwritable_destination_is_found_before_the_first_batch(tmp_path):
-    """Issue 38, finding 13: a time budget's folder or a checkpoint's folder that cannot be written failed at the first
-    save (the time budget's: at the run's very end); it is an OSError naming it before the first batch."""
+    """A time budget's folder or a checkpoint's folder that cannot be written is an OSError naming it before the
+    first batch, not at the first save (the time budget's: at the run's very end)."""
     from pytorch_accel_trainer.callbacks import SaveBestModelCallback
 
     (tmp_path / "notes.txt").write_text("a file, where a folder is needed")

@@ -231,9 +231,8 @@ def test_hostile_pickle_is_never_executed(tmp_path, name):
     ],
 )
 def test_a_rank_file_whose_rng_state_cannot_be_restored_is_named(tmp_path, generator, edit, problem):
-    """Issue 38, finding 16: a rank file whose RNG state has the wrong size (with a manifest forged to match) failed
-    with torch's error, naming no file, as the resumed run reached its position; it is a CheckpointError naming the
-    file before anything is loaded."""
+    """A rank file whose RNG state has the wrong size (with a manifest forged to match) is a CheckpointError naming
+    the file before anything is loaded, not torch's error naming no file once the resumed run reaches its position."""
     folder = _saved_state(tmp_path, max_checkpoints=1)
     name = "rank_00000.pt"
     rank_state = torch.load(folder / name, weights_only=True)
@@ -590,9 +589,8 @@ def test_stop_error_resumes_at_next_batch(tmp_path, uninterrupted):
 
 @pytest.mark.parametrize("cause", ["StopTrainingError", "time budget"])
 def test_a_stop_inside_an_epoch_records_its_loss(tmp_path, cause):
-    """Issue 38, finding 12: the epoch a callback's StopTrainingError or the time budget cut short had no
-    train_loss_epoch (a step limit's had one), although the docs said it stays recorded; it is recorded, over the
-    batches trained, and the epoch counts in the history, as for a step limit."""
+    """The epoch a callback's StopTrainingError or the time budget cuts short records its train_loss_epoch, over the
+    batches trained, and counts in the history, as for a step limit."""
     if cause == "StopTrainingError":
         trainer, result = _run_with_limits(tmp_path, stop=StopAtUpdate(9), resume=False)  # 3 updates into epoch 2
     else:
