@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 PACKAGE_DIR = str(Path(pytorch_accel_trainer.__file__).resolve().parent)
 
-#: Trainer/hand-written time of the timed epochs at most this (issue 21: within 3 %).
+#: Trainer/hand-written time of the timed epochs at most this (within 3 %).
 THROUGHPUT_GOAL = 1.03
 #: The trainer's extra peak CUDA memory over the hand-written loop, in units of one step's logits, at most this.
 MEMORY_GOAL = 0.1

@@ -1,4 +1,4 @@
-"""The GPU checks of issue 21 in one command: each check in a fresh process, one markdown table at the end.
+"""The GPU checks in one command: each check in a fresh process, one markdown table at the end.
 
     python benchmarks/gpu_checks/run.py                    # on a CUDA GPU: at most 8 minutes on one H100
     python benchmarks/gpu_checks/run.py --smoke            # on the CPU, tiny sizes, what needs CUDA skipped
