@@ -284,7 +284,7 @@ def _validate_seed(seed: Optional[int]) -> None:
 
 
 def _add_tune_arguments(subparser: ArgumentParser) -> None:
-    """The options of ``tune`` besides the config (see ``cli/tune.py``)."""
+    """The options of ``tune`` besides the config (see :func:`~pytorch_accel_trainer.cli.tune.tune`)."""
     subparser.add_argument("--search", type=str, required=True, help="a YAML file of the search space")
     subparser.add_argument("--n_trials", type=int, required=True, help="the trials the study must have")
     subparser.add_argument("--metric", type=str, default="eval_loss_epoch", help="the metric reported each epoch")

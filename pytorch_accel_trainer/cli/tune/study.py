@@ -22,6 +22,8 @@ _SEARCH_ATTRIBUTE = "search"
 
 
 def import_optuna() -> Any:
+    """Optuna, imported when a search needs it: it is an optional dependency, and a missing one is an error with the
+    command that installs it."""
     try:
         import optuna
     except ImportError as error:
@@ -105,7 +107,7 @@ def create_pruner(name: str) -> Any:
     return choices[name]()
 
 
-def storage_name(storage: Optional[str], output_dir: Path) -> str:
+def _storage_name(storage: Optional[str], output_dir: Path) -> str:
     return str(output_dir / STUDY_FILE) if storage is None else f"--storage {storage!r}"
 
 
@@ -219,7 +221,7 @@ def open_search(
     created it."""
     opened_storage = create_storage(storage, output_dir)
     study, study_created = _open_study(opened_storage, study_name, direction, sampler, pruner)
-    _validate_study(study, storage_name(storage, output_dir), direction, identity)
+    _validate_study(study, _storage_name(storage, output_dir), direction, identity)
     if storage is None:
         _fail_trials_left_running(study)
     base_config = output_dir / BASE_CONFIG_FILE
