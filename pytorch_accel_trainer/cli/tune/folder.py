@@ -31,6 +31,15 @@ def validate_folder_of_this_search(output_dir: Path, config_text: str) -> None:
         )
 
 
+def write_base_config(output_dir: Path, config_text: str) -> None:
+    """Write the config every trial starts from, unless a resumed search wrote it (then it is the same: see
+    :func:`validate_folder_of_this_search`)."""
+    base_config = output_dir / BASE_CONFIG_FILE
+    if not base_config.exists():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        base_config.write_text(config_text)
+
+
 def paths_to_create(output_dir: Path, storage: Optional[str]) -> tuple:
     """The paths of the search's folder that do not exist yet, each folder before what it holds: what this call
     creates (the study file only with the default storage)."""

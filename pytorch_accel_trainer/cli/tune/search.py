@@ -18,12 +18,17 @@ from accelerate.utils import broadcast_object_list
 from pytorch_accel_trainer.cli.config import ConfigError
 from pytorch_accel_trainer.cli.parsing import put_current_folder_on_import_path
 from pytorch_accel_trainer.cli.run_folder import CONFIG_FILE
-from pytorch_accel_trainer.cli.tune.folder import BEST_CONFIG_FILE, paths_to_create, validate_folder_of_this_search
+from pytorch_accel_trainer.cli.tune.folder import (
+    BEST_CONFIG_FILE,
+    paths_to_create,
+    validate_folder_of_this_search,
+    write_base_config,
+)
 from pytorch_accel_trainer.cli.tune.space import load_search_space, validated_trial_config
-from pytorch_accel_trainer.cli.tune.study import ask_trial, import_optuna, open_search, search_identity, trials_finished
+from pytorch_accel_trainer.cli.tune.study import ask_trial, import_optuna, open_study, search_identity, trials_finished
 from pytorch_accel_trainer.cli.tune.trial import Search, run_trial
 from pytorch_accel_trainer.state.storage import local_path
-from pytorch_accel_trainer.utils import _process_state, launched_world_size
+from pytorch_accel_trainer.utils import _process_state, launched_world_size, world_process_zero_only
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,30 @@ def tune(
     state = _process_state() if launched_world_size() > 1 else None  # a trial on several processes: one job
     created = paths_to_create(output_dir, storage)
     identity = search_identity(base, space, metric)
-    opened = open_search(storage, output_dir, study_name, direction, sampler, pruner, identity, config_text)
+    opened = _open_search(storage, output_dir, study_name, direction, sampler, pruner, identity, config_text)
     opened_storage, study, study_created = opened or (None, None, False)  # None: not the main process
     search = Search(output_dir, metric, flags, opened_storage, study_name, study_created, created)
     while (next_trial := _next_trial(study, space, n_trials, state)) is not None:
         run_trial(search, study, *next_trial)
     return _finish(study, output_dir)
+
+
+@world_process_zero_only  # the others wait for it, and raise an error naming its error if it raised
+def _open_search(
+    storage: Optional[str],
+    output_dir: Path,
+    study_name: str,
+    direction: str,
+    sampler: Any,
+    pruner: Any,
+    identity: dict,
+    config_text: str,
+) -> tuple[Any, Any, bool]:
+    """On the main process, which talks to Optuna: open the study of this search (:func:`open_study`) and write the
+    config the trials start from; return the storage, the study and whether this call created it."""
+    opened = open_study(storage, output_dir, study_name, direction, sampler, pruner, identity)
+    write_base_config(output_dir, config_text)
+    return opened
 
 
 def _next_trial(study: Any, space: dict, n_trials: int, state: Any) -> Optional[tuple[Any, int, dict]]:

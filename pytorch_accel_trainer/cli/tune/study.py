@@ -2,7 +2,8 @@
 options, the study opened and checked to belong to this search (its direction, config, flags, search space and
 metric), the trials a killed search left running failed and queued again, and the trials counted and asked for.
 
-Only the main process talks to Optuna: :func:`open_search` runs there, and the others get ``None``.
+Only the main process talks to Optuna: :func:`~pytorch_accel_trainer.cli.tune.tune` calls these there, and tells
+the other processes what they need.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pytorch_accel_trainer.cli.config import ConfigError
-from pytorch_accel_trainer.cli.tune.folder import BASE_CONFIG_FILE, STUDY_FILE
+from pytorch_accel_trainer.cli.tune.folder import STUDY_FILE
 from pytorch_accel_trainer.cli.tune.space import suggest_values
-from pytorch_accel_trainer.utils import world_process_zero_only
 
 #: The study's user attribute that holds the search it belongs to (see :func:`search_identity`).
 _SEARCH_ATTRIBUTE = "search"
@@ -118,7 +118,7 @@ def search_identity(base: dict, space: dict, metric: str) -> dict:
     return json.loads(json.dumps({"config": config, "search_space": space, "metric": metric}, default=str))
 
 
-def _open_study(storage: Any, study_name: str, direction: str, sampler: Any, pruner: Any) -> tuple[Any, bool]:
+def _load_or_create_study(storage: Any, study_name: str, direction: str, sampler: Any, pruner: Any) -> tuple[Any, bool]:
     """The study of that name, and whether this call created it."""
     optuna = import_optuna()
     try:
@@ -205,27 +205,15 @@ def ask_trial(study: Any, space: dict) -> tuple[Any, dict]:
         raise
 
 
-@world_process_zero_only  # the others wait for it, and raise an error naming its error if it raised
-def open_search(
-    storage: Optional[str],
-    output_dir: Path,
-    study_name: str,
-    direction: str,
-    sampler: Any,
-    pruner: Any,
-    identity: dict,
-    config_text: str,
+def open_study(
+    storage: Optional[str], output_dir: Path, study_name: str, direction: str, sampler: Any, pruner: Any, identity: dict
 ) -> tuple[Any, Any, bool]:
-    """On the main process, which talks to Optuna: open the storage and the study, check that the study belongs to
-    this search, and write the config the trials start from; return the storage, the study and whether this call
-    created it."""
+    """Open the storage and the study, check that the study belongs to this search (``identity``: see
+    :func:`search_identity`) and, in the default embedded study, fail the trials a killed search left running; return
+    the storage, the study and whether this call created it."""
     opened_storage = create_storage(storage, output_dir)
-    study, study_created = _open_study(opened_storage, study_name, direction, sampler, pruner)
+    study, study_created = _load_or_create_study(opened_storage, study_name, direction, sampler, pruner)
     _validate_study(study, _storage_name(storage, output_dir), direction, identity)
     if storage is None:
         _fail_trials_left_running(study)
-    base_config = output_dir / BASE_CONFIG_FILE
-    if not base_config.exists():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        base_config.write_text(config_text)
     return opened_storage, study, study_created
