@@ -657,5 +657,6 @@ def validate_callback_list(callbacks: Any) -> None:
 
 
 def overrides(trainer: Any, name: str) -> bool:
-    """Whether ``name`` is overridden: set on the instance, or defined by more than one class of its MRO."""
+    """Whether the trainer method ``name`` is a user's own: set on the instance, or defined by more than one class of
+    its MRO. Callbacks and the trainer ask it before relying on what the default hook does."""
     return name in vars(trainer) or sum(name in vars(cls) for cls in type(trainer).__mro__) > 1
