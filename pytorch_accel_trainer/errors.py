@@ -7,6 +7,7 @@ here so that low modules (``distributed``, ``run_state``) need not import the ca
 
 from __future__ import annotations
 
+from numbers import Real
 from typing import Any
 
 
@@ -28,6 +29,25 @@ def validate_positive_int(name: str, value: Any, unit: str, example: int) -> Non
     """Refuse ``value`` for the argument ``name`` unless it is a positive whole number (``True`` is not one)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} is {value!r}; pass a positive whole number of {unit}, e.g. {name}={example}.")
+
+
+def validate_positive_option(name: str, value: Any, allow_none: bool = False) -> None:
+    """Refuse ``value`` for the option ``name`` of ``train()``, ``evaluate()``, ``predict()`` or ``lr_find()`` unless it
+    is a positive whole number (or ``None``, with ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        expected = "a positive integer or None" if allow_none else "a positive integer"
+        raise ValueError(f"{name}={value!r} is not valid: it must be {expected}. Pass e.g. {name}=1.")
+
+
+def validate_positive_number(name: str, value: Any) -> None:
+    """Refuse ``value`` for the option ``name`` unless it is a positive number or ``None`` (NaN is not positive)."""
+    if value is None:
+        return
+    # numbers.Real promises < and <= (not >); value != value holds for NaN only, which is not positive either
+    if isinstance(value, bool) or not isinstance(value, Real) or value <= 0 or value != value:
+        raise ValueError(f"{name}={value!r} is not valid: it must be a positive number or None. Pass e.g. {name}=1.0.")
 
 
 class TimeBudgetExceeded(StopTrainingError):

@@ -15,7 +15,7 @@ import functools
 import operator
 from typing import Any, Callable, Mapping, Optional, Union
 
-from pytorch_accel_trainer.utils import dataloader_length
+from pytorch_accel_trainer.data import dataloader_length
 
 _OPERATORS: dict[str, Callable[[Any, Any], Any]] = {
     "+": operator.add,

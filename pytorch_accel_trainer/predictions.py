@@ -18,6 +18,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from pytorch_accel_trainer.data import validate_dataloader_kwargs, validate_dataset
+from pytorch_accel_trainer.errors import validate_positive_option
 from pytorch_accel_trainer.state import storage
 
 #: The file a complete prediction folder holds last: its chunks, in order, and the samples they hold.
@@ -323,3 +325,13 @@ def load_predictions(folder: Union[str, os.PathLike], map_location: Optional[str
         with storage.local_file_to_read(storage.join(location, chunk["file"])) as path:
             outputs.append(torch.load(path, map_location=map_location, weights_only=True))
     return concatenate_predictions(outputs)
+
+
+def validate_predict_arguments(
+    dataset: Any, per_device_batch_size: int, dataloader_kwargs: Any, chunk_size: Optional[int]
+) -> None:
+    """Check the arguments of ``Trainer.predict`` before any work starts."""
+    validate_dataset("dataset", dataset)
+    validate_positive_option("per_device_batch_size", per_device_batch_size)
+    validate_dataloader_kwargs("dataloader_kwargs", dataloader_kwargs)
+    validate_positive_option("chunk_size", chunk_size, allow_none=True)

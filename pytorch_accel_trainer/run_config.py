@@ -1,16 +1,20 @@
-"""The frozen description of the current run: the validated ``train()`` options, and the run config built from them."""
+"""The frozen description of the current run: the ``train()`` options and their checks (``max_time`` read as seconds
+included), the checks of ``evaluate()``'s arguments, and the run config built from them."""
 
 from __future__ import annotations
 
+import datetime
 import math
+import re
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Optional, Protocol, Union
 
+import torch
 from accelerate import Accelerator, DistributedType
 
-from pytorch_accel_trainer.utils import dataloader_length, dataset_length
-from pytorch_accel_trainer.validation import validate_train_options
+from pytorch_accel_trainer.data import dataloader_length, dataset_length, validate_dataloader_kwargs, validate_dataset
+from pytorch_accel_trainer.errors import validate_positive_number, validate_positive_option
 
 #: An optional positive number; ``Union[int, float]`` rather than ``numbers.Number``, which parsers cannot build.
 OptionalNumber = Optional[Union[int, float]]
@@ -44,6 +48,7 @@ class TrainOptions:
     max_time: Any = None
     max_time_save_dir: Any = None
     stream_split: str = "main_process"
+    check_first_eval_batch: bool = True
 
     def __post_init__(self):
         validate_train_options(self)
@@ -53,6 +58,137 @@ class TrainOptions:
         """The options among ``arguments`` (``train()``'s ``locals()``: its datasets and ``self`` are left out), with
         ``changes`` applied."""
         return cls(**{**{field.name: arguments[field.name] for field in fields(cls)}, **changes})
+
+
+def validate_train_options(options: TrainOptions) -> None:
+    """Check every option of ``Trainer.train`` (a ``TrainOptions``) before any work starts."""
+    num_epochs, max_num_train_steps = options.num_epochs, options.max_num_train_steps
+    validate_positive_option("num_epochs", num_epochs, allow_none=True)
+    validate_positive_option("max_num_train_steps", max_num_train_steps, allow_none=True)
+    if num_epochs is None and max_num_train_steps is None:
+        raise ValueError(
+            "num_epochs and max_num_train_steps are both None, so the run would never end: pass num_epochs, "
+            "max_num_train_steps, or both (whichever comes first ends the run)."
+        )
+    validate_positive_option("per_device_batch_size", options.per_device_batch_size)
+    validate_positive_option("gradient_accumulation_steps", options.gradient_accumulation_steps)
+    validate_positive_number("gradient_clip_value", options.gradient_clip_value)
+    validate_positive_number("gradient_clip_norm", options.gradient_clip_norm)
+    _validate_scheduler_factory(options.create_scheduler_fn)
+    if options.scheduler_interval not in ("step", "epoch"):
+        raise ValueError(
+            f"scheduler_interval={options.scheduler_interval!r} is not valid: pass 'step' to step the scheduler after "
+            "each optimizer update (the default), or 'epoch' to step it once at the end of each epoch."
+        )
+    if options.stream_split not in ("main_process", "dataset"):
+        raise ValueError(
+            f"stream_split={options.stream_split!r} is not valid: pass 'main_process' to have the main process read a "
+            "training stream and send each process its batches (the default), or 'dataset' for a stream that splits "
+            "itself between the processes, each reading its own part."
+        )
+    validate_dataloader_kwargs("train_dataloader_kwargs", options.train_dataloader_kwargs)
+    validate_dataloader_kwargs("eval_dataloader_kwargs", options.eval_dataloader_kwargs)
+    max_time_seconds(options.max_time)
+    if options.max_time_save_dir is not None and options.max_time is None:
+        raise ValueError(
+            f"max_time_save_dir={str(options.max_time_save_dir)!r} is where a run stopped by its time budget saves, "
+            "but max_time is None: pass max_time too (e.g. max_time='00:11:50:00'), or leave max_time_save_dir out."
+        )
+    if not isinstance(options.check_first_eval_batch, bool):
+        raise TypeError(
+            f"check_first_eval_batch={options.check_first_eval_batch!r} is not valid: pass True to run the first "
+            "evaluation batch through the model before training (the default), or False to skip that forward pass."
+        )
+    if options.collate_fn is not None and not callable(options.collate_fn):
+        raise TypeError(
+            f"collate_fn={options.collate_fn!r} is not callable: pass a function that turns a list of samples into "
+            "a batch, or None for torch's default_collate."
+        )
+
+
+def _validate_scheduler_factory(create_scheduler_fn: Any) -> None:
+    if create_scheduler_fn is None:
+        return
+    if isinstance(create_scheduler_fn, torch.optim.lr_scheduler.LRScheduler) or hasattr(
+        create_scheduler_fn, "get_last_lr"
+    ):
+        raise TypeError(
+            f"create_scheduler_fn received a scheduler instance ({type(create_scheduler_fn).__name__}); it needs a "
+            "factory that takes the optimizer, because the optimizer is only prepared when training starts. Pass "
+            "e.g. functools.partial(torch.optim.lr_scheduler.StepLR, step_size=7) instead."
+        )
+    if not callable(create_scheduler_fn):
+        raise TypeError(
+            f"create_scheduler_fn={create_scheduler_fn!r} is not callable: pass a function that takes the optimizer "
+            "and returns a scheduler, e.g. functools.partial(StepLR, step_size=7)."
+        )
+
+
+def validate_evaluate_arguments(dataset: Any, per_device_batch_size: int, dataloader_kwargs: Any) -> None:
+    """Check every argument of ``Trainer.evaluate`` before any work starts."""
+    if dataset is None:
+        raise ValueError(
+            "evaluate() received no dataset and the trainer has no eval_dataset from an earlier train(): pass "
+            "evaluate(dataset=...)."
+        )
+    validate_dataset("dataset", dataset)
+    validate_positive_option("per_device_batch_size", per_device_batch_size)
+    validate_dataloader_kwargs("dataloader_kwargs", dataloader_kwargs)
+
+
+#: ``train(max_time=...)`` as text: ``"DD:HH:MM:SS"``, or ``"HH:MM:SS"`` without the days.
+_MAX_TIME_FIELDS = ("days", "hours", "minutes", "seconds")
+
+
+#: The longest time budget taken: ``datetime.timedelta``'s (999999999 days); a longer one is a typo.
+_MAX_TIME_LIMIT = datetime.timedelta.max
+
+
+def max_time_seconds(max_time: Any) -> Optional[float]:
+    """The time budget ``train(max_time=...)`` in seconds (``None``: no budget), from seconds, ``"DD:HH:MM:SS"`` or
+    ``"HH:MM:SS"``, a ``datetime.timedelta`` or a dict of its arguments (``{"hours": 12}``). The command line and
+    config files give it as the same text (see ``docs/config.md``).
+
+    Raises:
+        ValueError, TypeError: naming the value and the forms taken; ``ValueError`` also for a budget longer than
+            999999999 days (``datetime.timedelta.max``).
+    """
+    if max_time is None:
+        return None
+    forms = (
+        "pass seconds (max_time=3600), 'DD:HH:MM:SS' or 'HH:MM:SS' (max_time='00:11:50:00' or '11:50:00' for "
+        "11 h 50 min), a datetime.timedelta, or a dict of its arguments (max_time={'hours': 11, 'minutes': 50})"
+    )
+    seconds: Any = None
+    too_long = False
+    try:
+        if isinstance(max_time, str):
+            parts = [part.strip() for part in max_time.strip().split(":")]
+            if len(parts) in (3, 4) and all(re.fullmatch("[0-9]+", part) for part in parts):
+                fields = dict(zip(_MAX_TIME_FIELDS[-len(parts) :], map(int, parts)))
+                seconds = datetime.timedelta(**fields).total_seconds()
+        elif isinstance(max_time, datetime.timedelta):
+            seconds = max_time.total_seconds()
+        elif isinstance(max_time, dict):
+            try:
+                seconds = datetime.timedelta(**max_time).total_seconds()
+            except (TypeError, ValueError):  # an unknown name, a value that is not a number, NaN
+                seconds = None
+        elif isinstance(max_time, (int, float)) and not isinstance(max_time, bool):
+            seconds = float(max_time)
+        else:
+            raise TypeError(f"max_time={max_time!r} is a {type(max_time).__name__}: {forms}.")
+    except OverflowError:  # past timedelta's range
+        too_long = True
+    if too_long or (seconds is not None and math.isfinite(seconds) and seconds > _MAX_TIME_LIMIT.total_seconds()):
+        raise ValueError(
+            f"max_time={max_time!r} is longer than the longest time budget taken, {_MAX_TIME_LIMIT.days} days "
+            "(datetime.timedelta.max): pass the job's real limit (e.g. max_time='00:11:50:00'), or max_time=None for "
+            "no budget."
+        )
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"max_time={max_time!r} is not a time budget longer than 0 s: {forms}.")
+    return seconds
 
 
 @dataclass(frozen=True)

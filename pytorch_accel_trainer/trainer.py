@@ -34,7 +34,15 @@ from pytorch_accel_trainer.callbacks import (  # noqa: F401  (importable from he
     get_default_callbacks,
     with_limit_batches_from_env,
 )
-from pytorch_accel_trainer.callbacks.base import EVENTS, validate_callback_list
+from pytorch_accel_trainer.callbacks.base import EVENTS, overrides, validate_callback_list
+from pytorch_accel_trainer.data import (
+    dataloader_length,
+    dataset_length,
+    validate_datasets,
+    validate_eval_batches_exist,
+    validate_given_dataloaders,
+    warn_if_endless,
+)
 from pytorch_accel_trainer.errors import StopTrainingError
 from pytorch_accel_trainer.loop import accumulation, persistence
 from pytorch_accel_trainer.loop.batches import (
@@ -50,18 +58,33 @@ from pytorch_accel_trainer.loop.batches import (
     forward_batch,
     numbered_batches,
     real_rows_in_batch,
+    require_batches,
+    validate_loss_requires_grad,
+)
+from pytorch_accel_trainer.loop.components import (
+    validate_constructor_options,
+    validate_model_and_loss,
+    validate_optimizer_parameters,
 )
 from pytorch_accel_trainer.loop.extra_models import (
     ExtraModelsMixin,
     store_prepared_extras,
     unwrap_extras,
     unwrapped_extras,
+    validate_model_on_device,
 )
-from pytorch_accel_trainer.loop.lr_find import LrFinderResult, LrSweep, TrainerSnapshot, endless_batches
+from pytorch_accel_trainer.loop.first_eval_batch import check_first_eval_batch
+from pytorch_accel_trainer.loop.lr_find import (
+    LrFinderResult,
+    LrSweep,
+    TrainerSnapshot,
+    endless_batches,
+    validate_lr_find_arguments,
+)
 from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
 from pytorch_accel_trainer.loop.persistence import PersistenceMixin
 from pytorch_accel_trainer.loop.recording import create_train_result, record_epoch_values
-from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
+from pytorch_accel_trainer.loop.run_state import RunState, TrainResult, validate_not_in_training_run
 from pytorch_accel_trainer.loop.stream_position import (
     StreamPositions,
     batches_every_process_has,
@@ -71,9 +94,11 @@ from pytorch_accel_trainer.loop.stream_position import (
     stateful_dataloaders,
 )
 from pytorch_accel_trainer.loop.time_budget import create_time_budget, training_state_bytes
+from pytorch_accel_trainer.loop.training_modes import training_modes_kept
 from pytorch_accel_trainer.parallel.distributed import (
     ProcessAgreement,
     create_accelerator,
+    mixed_precision_name,
     print_on_node,
     release_prepared,
     wrappers_only_call_torch,
@@ -98,6 +123,7 @@ from pytorch_accel_trainer.predictions import (
     predict_batches,
     prediction_structure,
     to_cpu,
+    validate_predict_arguments,
     validate_prediction_folder,
     validate_prediction_output,
     validate_same_structure,
@@ -108,7 +134,9 @@ from pytorch_accel_trainer.run_config import (
     TrainOptions,
     build_run_config,
     get_run_config,
+    validate_evaluate_arguments,
 )
+from pytorch_accel_trainer.schedulers.scheduler_base import warn_if_schedule_is_in_epochs
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
 from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import StoredState
@@ -121,32 +149,7 @@ from pytorch_accel_trainer.tracking import (
     metric_counts,
     metrics_recorded_since,
 )
-from pytorch_accel_trainer.utils import (  # noqa: F401  (remove_padding, worker_init_fn: public here)
-    dataloader_length,
-    dataset_length,
-    remove_padding,
-    require_batches,
-    training_modes_kept,
-    worker_init_fn,
-)
-from pytorch_accel_trainer.validation import (
-    mixed_precision_name,
-    overrides,
-    validate_constructor_options,
-    validate_datasets,
-    validate_evaluate_arguments,
-    validate_first_eval_batch,
-    validate_given_dataloaders,
-    validate_loss_requires_grad,
-    validate_lr_find_arguments,
-    validate_model_and_loss,
-    validate_model_on_device,
-    validate_not_in_training_run,
-    validate_optimizer_parameters,
-    validate_predict_arguments,
-    warn_if_endless,
-    warn_if_schedule_is_in_epochs,
-)
+from pytorch_accel_trainer.utils import remove_padding, worker_init_fn  # noqa: F401  (public here)
 
 #: The callbacks a ``Trainer`` gets by default, in calling order (``callbacks.get_default_callbacks()``).
 DEFAULT_CALLBACKS = get_default_callbacks()
@@ -340,6 +343,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         max_time=None,
         max_time_save_dir=None,
         stream_split: str = "main_process",
+        check_first_eval_batch: bool = True,
     ) -> TrainResult:
         """Run a training run: training epochs, each followed by an evaluation epoch if ``eval_dataset`` is given.
 
@@ -372,6 +376,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 (``datasets.distributed.split_dataset_by_node``, WebDataset's ``split_by_node``, or
                 ``torch.distributed.get_rank()`` in ``__iter__``), has each process read its own part, and ends
                 each epoch when the shortest part ends.
+            check_first_eval_batch: before the first training batch, run the default ``calculate_eval_batch_loss``
+                on the eval dataset's first samples (one forward pass, under ``no_grad``, leaving no trace), so that
+                an eval set that does not fit the model fails at once rather than after a training epoch; ``False``
+                skips that pass.
 
         Returns:
             A :class:`~pytorch_accel_trainer.loop.run_state.TrainResult`: the metrics the run recorded (latest values),
@@ -456,7 +464,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.run_config = self._create_run_config(options)
         validate_sharded_run(self._accelerator, self.run_config)
         self._check_eval_batch_size()
-        validate_first_eval_batch(self)  # one eval batch through the model now, not after a training epoch
+        validate_eval_batches_exist(self.eval_dataloader)  # an eval set smaller than one batch, with drop_last
+        if options.check_first_eval_batch:  # one eval batch through the model now, not after a training epoch
+            check_first_eval_batch(self)
         self.scheduler = self.create_scheduler()
         warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, options.scheduler_interval)
 

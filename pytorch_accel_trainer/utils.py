@@ -1,59 +1,53 @@
-"""Leaf helpers with no knowledge of the trainer, and pytorch-accelerated's public ``utils`` names.
+"""pytorch-accelerated's public ``utils`` names, and our public helpers of the same kind (``seed_worker``, the model
+summaries). The process decorators are defined with the launch detection they need, in ``parallel/processes.py``.
 
-``LimitBatches``, ``DataLoaderSlice``, the process decorators, ``ModelEma``, ``worker_init_fn`` and
-``remove_padding`` follow pytorch-accelerated 0.1.61 (Apache-2.0, Copyright (C) 2021 Chris Hughes), whose
-``ModelEma`` is adapted from timm's ``utils/model_ema.py``.
+``LimitBatches``, ``DataLoaderSlice``, the process decorators, ``ModelEma``, ``worker_init_fn`` and ``remove_padding``
+follow pytorch-accelerated 0.1.61 (Apache-2.0, Copyright (C) 2021 Chris Hughes); its ``ModelEma`` adapts timm's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import numbers
 import os
 import random
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
-from accelerate.state import PartialState
-from accelerate.utils import DistributedType, extract_model_from_parallel, gather_object, parse_flag_from_env, reduce
-from accelerate.utils.constants import TORCH_DISTRIBUTED_OPERATION_TYPES
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
+
+from pytorch_accel_trainer.data import dataloader_length
+from pytorch_accel_trainer.parallel.processes import (
+    launched_world_size,  # noqa: F401  (cli/tune.py imports it from here; parallel.processes is its home)
+    local_process_zero_first,
+    local_process_zero_only,
+    world_process_zero_only,
+)
+from pytorch_accel_trainer.parallel.processes import process_state as _process_state  # noqa: F401  (as above)
+
+__all__ = [
+    "LIMIT_BATCHES_ENV_VAR",
+    "DataLoaderSlice",
+    "LimitBatches",
+    "ModelEma",
+    "local_process_zero_first",
+    "local_process_zero_only",
+    "model_summary_line",
+    "model_summary_table",
+    "remove_padding",
+    "seed_worker",
+    "worker_init_fn",
+    "world_process_zero_only",
+]
 
 #: Set this environment variable to a number of batches to add a ``LimitBatchesCallback`` to every trainer
 #: created while it is set (a quick debugging run); :class:`LimitBatches` sets it for a block of code.
 LIMIT_BATCHES_ENV_VAR = "PT_ACC_LIMIT_BATCHES"
-
-_Function = TypeVar("_Function", bound=Callable)
-
-
-def dataloader_length(dataloader: Any) -> int | None:
-    """Return ``len(dataloader)``, or ``None`` when it has no length (an iterable or streaming dataset)."""
-    if dataloader is None:
-        return None
-    try:
-        return len(dataloader)
-    except TypeError:
-        return None
-
-
-def dataloader_batch_size(dataloader: Any) -> int | None:
-    """The batch size of a DataLoader, also when a batch sampler sets it; ``None`` when unknown."""
-    return (
-        dataloader.batch_size
-        if dataloader.batch_size is not None
-        else getattr(dataloader.batch_sampler, "batch_size", None)
-    )
-
-
-def dataset_length(dataset: Any) -> int | None:
-    """Return ``len(dataset)``, or ``None`` when the dataset has no ``__len__``."""
-    return dataloader_length(dataset)
 
 
 def seed_worker(worker_id: int) -> None:
@@ -91,11 +85,6 @@ def remove_padding(padded_tensor: torch.Tensor, pad_value: Any) -> torch.Tensor:
     if padded_tensor.dim() > 1:
         is_padding = is_padding.flatten(1).all(dim=1)
     return padded_tensor[~is_padding]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Limiting the batches of a run
-# ----------------------------------------------------------------------------------------------------
 
 
 class LimitBatches:
@@ -203,162 +192,6 @@ def _close(iterator: Iterator, dataloader: Any) -> None:
         close()
     if isinstance(dataloader, DataLoaderStateMixin):
         dataloader.end()
-
-
-# ----------------------------------------------------------------------------------------------------
-# Running a function on some processes
-# ----------------------------------------------------------------------------------------------------
-
-
-_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def launched_world_size() -> int:
-    """The number of processes the launcher started, from its environment variables (1 without a launcher)."""
-    for name in _WORLD_SIZE_VARIABLES:
-        value = os.environ.get(name)
-        if value and value.isdigit():
-            return int(value)
-    return 1
-
-
-def needs_cpu_backend() -> bool:
-    """Whether this is a multi-process launch on a machine with no accelerator (GPU, XPU, ...).
-
-    Accelerate then runs each process as an independent single-process training unless told to use the
-    CPU (``ACCELERATE_USE_CPU=1`` or ``--cpu``); the trainer tells it.
-    """
-    return launched_world_size() > 1 and not torch.accelerator.is_available()
-
-
-def _process_state() -> PartialState:
-    """Accelerate's process state, set up the way the trainer's ``Accelerator`` would set it up when nothing has yet:
-    on the CPU backend (gloo) under ``ACCELERATE_USE_CPU=1``, or for a multi-process launch on a machine without
-    an accelerator, so that the processes of one launch are one job and not independent ones."""
-    # once set up, PartialState(...) returns the state as it is and ignores its arguments
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or needs_cpu_backend())
-
-
-def _wait_for_everyone_sharing(state: PartialState, failed: bool) -> bool:
-    """Wait for every process, as ``wait_for_everyone()`` does, and return whether any of them ``failed``.
-
-    The barrier is an all-reduce of one flag, so a process whose function raised still reaches it and the
-    others learn of it, instead of waiting for it forever. A host-device sync, like any barrier.
-    """
-    if state.num_processes == 1:
-        return failed
-    if (
-        state.distributed_type != DistributedType.XLA
-        and state.distributed_type.value not in TORCH_DISTRIBUTED_OPERATION_TYPES
-    ):
-        state.wait_for_everyone()  # no collective to carry the flag: a plain barrier
-        return failed
-    flag = torch.tensor(float(failed), device=state.device)
-    return bool(reduce(flag, "sum").item() > 0)
-
-
-def _errors_of_every_process(state: PartialState, error: BaseException | None) -> list[str]:
-    """Once :func:`_wait_for_everyone_sharing` has said that a process failed: the error of each process that did,
-    as ``"Type: message"`` (``error`` is this process's, or ``None``). A collective that every process calls after
-    that barrier; nothing where no torch.distributed collective carries objects (one process, XLA)."""
-    if state.num_processes == 1 or state.distributed_type.value not in TORCH_DISTRIBUTED_OPERATION_TYPES:
-        return []
-    texts = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
-    return [text for text in texts if text is not None]
-
-
-def _raise_if_another_failed(state: PartialState, anyone_failed: bool, func: Callable, where: str) -> None:
-    if anyone_failed:
-        errors = "; ".join(_errors_of_every_process(state, None))
-        raise RuntimeError(
-            f"{func.__qualname__} raised on {where}{f' ({errors})' if errors else ''}, so this process stops too "
-            "instead of waiting for it: see that process's traceback for the error."
-        )
-
-
-def _call_then_wait(func: Callable, args: tuple, kwargs: dict, state: PartialState, where: str) -> Any:
-    try:
-        result = func(*args, **kwargs)
-    except BaseException as error:
-        if _wait_for_everyone_sharing(state, failed=True):
-            _errors_of_every_process(state, error)  # the others name it in their own error
-        raise
-    _raise_if_another_failed(state, _wait_for_everyone_sharing(state, failed=False), func, where)
-    return result
-
-
-def _first_on_one_process(func: _Function, where: str, runs_first: Callable, others_run_it: bool) -> _Function:
-    """``func`` run where ``runs_first(state)`` holds, then a barrier that says whether it failed; then, with
-    ``others_run_it``, run by the other processes too (they return ``None`` otherwise)."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        state = _process_state()
-        if runs_first(state):
-            return _call_then_wait(func, args, kwargs, state, where)
-        _raise_if_another_failed(state, _wait_for_everyone_sharing(state, failed=False), func, where)
-        return func(*args, **kwargs) if others_run_it else None
-
-    return cast(_Function, wrapper)  # functools.wraps keeps func's signature, which its typing cannot say
-
-
-def local_process_zero_only(func: _Function) -> _Function:
-    """Decorate ``func`` to run only on the main process of each node; every process then waits for the others.
-
-    The other processes return ``None``. Call the decorated function on every process (a barrier follows it).
-    If ``func`` raises, it raises there as usual and every other process raises a ``RuntimeError`` that
-    names ``func`` and its error (``"ValueError: ..."``), rather than waiting at the barrier forever. With one
-    process it is ``func`` itself.
-
-    Example::
-
-        @local_process_zero_only
-        def download_weights():
-            ...
-    """
-
-    return _first_on_one_process(func, "a node's main process", lambda state: state.local_process_index == 0, False)
-
-
-def local_process_zero_first(func: _Function) -> _Function:
-    """Decorate ``func`` to run on the main process of each node first, then on the other processes.
-
-    For work whose result the others reuse, such as downloading or preprocessing a dataset into a cache:
-    every process returns its own result. Call the decorated function on every process. If ``func`` raises
-    on a node's main process, the other processes raise a ``RuntimeError`` that names it and its error, without
-    running ``func``, rather than waiting forever.
-
-    Example::
-
-        @local_process_zero_first
-        def load_dataset():
-            return datasets.load_dataset("imdb")  # downloads once per node, then reads the cache
-    """
-
-    return _first_on_one_process(func, "a node's main process", lambda state: state.local_process_index == 0, True)
-
-
-def world_process_zero_only(func: _Function) -> _Function:
-    """Decorate ``func`` to run only on the main process of the whole job; every process then waits for it.
-
-    The other processes return ``None``. Call the decorated function on every process (a barrier follows it).
-    If ``func`` raises, it raises there as usual and every other process raises a ``RuntimeError`` that
-    names ``func`` and its error (``"ValueError: ..."``), rather than waiting at the barrier forever. With one
-    process it is ``func`` itself.
-
-    Example::
-
-        @world_process_zero_only
-        def write_report(path):
-            ...
-    """
-
-    return _first_on_one_process(func, "the main process", lambda state: state.process_index == 0, False)
-
-
-# ----------------------------------------------------------------------------------------------------
-# An exponential moving average of a model's weights
-# ----------------------------------------------------------------------------------------------------
 
 
 class ModelEma(nn.Module):
@@ -494,76 +327,6 @@ def _pair_by_name(ema_module: nn.Module, model: nn.Module) -> tuple[list, list, 
         (ema_floats if ema.is_floating_point() else ema_others).append(ema)
         (model_floats if ema.is_floating_point() else model_others).append(weights)
     return ema_floats, model_floats, ema_others, model_others, watched
-
-
-def is_mapping(value: Any) -> bool:
-    """``isinstance(value, Mapping)``, with the common cases first: the abstract-class check costs about 1 us, on
-    every step."""
-    if isinstance(value, dict):
-        return True
-    return not isinstance(value, (tuple, list, torch.Tensor)) and isinstance(value, Mapping)
-
-
-def model_output_loss(model_outputs: Any) -> torch.Tensor:
-    """The ``loss`` a model returned with its output (a transformers ``ModelOutput``, a dict or an object)."""
-    loss = model_outputs.get("loss") if isinstance(model_outputs, Mapping) else getattr(model_outputs, "loss", None)
-    if loss is None:
-        raise ValueError(
-            f"loss_func is None and the model output (a {type(model_outputs).__name__}) has no 'loss'. Pass "
-            "Trainer(loss_func=...), or return a loss from the model (transformers models do when the batch has "
-            "'labels')."
-        )
-    return loss
-
-
-def training_modes(module: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
-    """The training mode of every submodule of ``module``, for :func:`restore_training_modes`."""
-    return [(submodule, submodule.training) for submodule in module.modules()]
-
-
-def restore_training_modes(modes: list[tuple[torch.nn.Module, bool]]) -> None:
-    """Put back the modes :func:`training_modes` read, module by module (a frozen layer may be in evaluation mode on
-    purpose, so one ``module.train()`` would not do)."""
-    for submodule, training in modes:
-        submodule.training = training
-
-
-@contextlib.contextmanager
-def training_modes_kept(module: torch.nn.Module) -> Iterator[None]:
-    """Put back the training mode of every submodule of ``module`` on leaving the block (see
-    :func:`restore_training_modes`)."""
-    modes = training_modes(module)
-    try:
-        yield
-    finally:
-        restore_training_modes(modes)
-
-
-#: What :func:`first_batch` returns for batches that hold none, when that is allowed.
-NO_BATCH = object()
-
-
-def first_batch(iterator: Iterator, error_message: str | None) -> Any:
-    """The first batch of ``iterator``; when there is none, raise ``ValueError(error_message)`` (``None``: return
-    :data:`NO_BATCH` instead). Accelerate's dispatcher (iterable datasets) says an empty dataset in its own words,
-    which become ``error_message`` too."""
-    try:
-        return next(iterator)
-    except StopIteration:
-        if error_message is None:
-            return NO_BATCH
-        raise ValueError(error_message) from None
-    except ValueError as error:
-        if error_message is None or "does not contain any data" not in str(error):
-            raise
-        raise ValueError(error_message) from error
-
-
-def require_batches(batches: Iterable, error_message: str) -> Iterator:
-    """Yield from ``batches``; raise ``ValueError(error_message)`` if there is none."""
-    iterator = iter(batches)
-    yield first_batch(iterator, error_message)
-    yield from iterator
 
 
 def _count(number: int) -> str:

@@ -23,7 +23,7 @@ from pytorch_accel_trainer.cli import console_main, create_parser, main
 from pytorch_accel_trainer.cli.config import ConfigError
 from pytorch_accel_trainer.cli.parsing import MAX_ALIAS_VALUES, parse_command
 from pytorch_accel_trainer.loop.run_state import TrainResult
-from pytorch_accel_trainer.validation import max_time_seconds
+from pytorch_accel_trainer.run_config import max_time_seconds
 
 TESTS = pathlib.Path(__file__).parent
 ROOT = TESTS.parent

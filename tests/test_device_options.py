@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import ProjectConfiguration
 from conftest import linear_dataset, make_linear, make_trainer
 
-from pytorch_accel_trainer.validation import MIXED_PRECISION_ALIASES, mixed_precision_name
+from pytorch_accel_trainer.parallel.distributed import MIXED_PRECISION_ALIASES, mixed_precision_name
 
 
 def test_cpu_true_sets_accelerate_up():

@@ -62,7 +62,7 @@ PUBLIC_NAMES_OF_OTHER_MODULES = {
 #: of these places: whether it is public is decided.
 INTERNAL_MODULES = (
     "__main__",
-    "validation",
+    "data",
     "loop",
     "loop.*",
     "state",

@@ -50,9 +50,10 @@ def _runtime_imports_of(path: pathlib.Path) -> set:
 #: The package's units, lowest first: a unit imports (at run time) only units of a lower rank, and the modules of
 #: one subpackage import each other one way (no cycle). A new top-level module or subpackage must be placed here.
 UNIT_RANKS = {
-    "errors": 0, "utils": 0,  # leaves: nothing of the package
-    "parallel": 1, "validation": 1, "tracking": 1, "placeholders": 1, "finetuning": 1,  # over the leaves only
+    "errors": 0, "data": 0,  # leaves: nothing of the package
+    "parallel": 1, "tracking": 1, "placeholders": 1, "finetuning": 1,  # over the leaves only
     "run_config": 2, "plotting": 2, "schedulers": 2, "state": 2,  # what a run is, and its files on disk
+    "utils": 2,  # pytorch-accelerated's helpers, the process decorators among them (from parallel)
     "callbacks": 3,  # get the trainer at call time (its type only under TYPE_CHECKING)
     "predictions": 3,  # written to a folder or a store (state.storage)
     "loop": 4,  # the step's parts the Trainer composes
@@ -164,7 +165,6 @@ PUBLIC_PATHS = {
     "pytorch_accel_trainer.plotting": "plot_run_history",
     "pytorch_accel_trainer.predictions": "load_predictions",
     "pytorch_accel_trainer.errors": "CheckpointError",
-    "pytorch_accel_trainer.validation": "validate_train_options",
     "pytorch_accel_trainer.cli": "main",
     "pytorch_accel_trainer.state.checkpointing": "build_checkpoint",
     "pytorch_accel_trainer.state.training_state": "find_resumable_state",

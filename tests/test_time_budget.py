@@ -11,8 +11,8 @@ import pytest
 from conftest import linear_dataset, make_linear, make_trainer
 
 from pytorch_accel_trainer.callbacks import TrainerCallback
+from pytorch_accel_trainer.run_config import max_time_seconds
 from pytorch_accel_trainer.state.training_state import list_complete_states
-from pytorch_accel_trainer.validation import max_time_seconds
 
 
 @pytest.mark.parametrize(

@@ -654,3 +654,9 @@ def validate_callback_list(callbacks: Any) -> None:
         f"callbacks={callbacks!r} is not a list of callbacks: pass a list of TrainerCallback classes or instances, "
         "e.g. callbacks=[*DEFAULT_CALLBACKS, MyCallback()], or callbacks=[] for none."
     )
+
+
+def overrides(trainer: Any, name: str) -> bool:
+    """Whether the trainer method ``name`` is a user's own: set on the instance, or defined by more than one class of
+    its MRO. Callbacks and the trainer ask it before relying on what the default hook does."""
+    return name in vars(trainer) or sum(name in vars(cls) for cls in type(trainer).__mro__) > 1

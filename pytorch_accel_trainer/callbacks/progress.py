@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Optional
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.data import dataloader_length
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
-from pytorch_accel_trainer.utils import dataloader_length, model_summary_line, model_summary_table
+from pytorch_accel_trainer.utils import model_summary_line, model_summary_table
 
 if TYPE_CHECKING:
     from tqdm import tqdm

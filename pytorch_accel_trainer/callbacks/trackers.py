@@ -16,13 +16,12 @@ import torch
 from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, get_available_trackers, on_main_process
 from accelerate.utils import broadcast_object_list, gather_object
 
-from pytorch_accel_trainer.callbacks.base import TrainerCallback
+from pytorch_accel_trainer.callbacks.base import TrainerCallback, overrides
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.storage import local_path
 from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, is_scalar_metric, metric_counts
-from pytorch_accel_trainer.validation import overrides
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

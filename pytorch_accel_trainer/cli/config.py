@@ -24,11 +24,10 @@ from pytorch_accel_trainer.callbacks import ExperimentTrackingCallback, SaveTrai
 from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback, remove_if_empty, validate_run_name
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.predictions import PREDICTION_FILE_SUFFIXES, validate_prediction_store
-from pytorch_accel_trainer.run_config import OptionalNumber
+from pytorch_accel_trainer.run_config import OptionalNumber, max_time_seconds
 from pytorch_accel_trainer.state.lookup import RUN_FOLDER_STATES
 from pytorch_accel_trainer.state.storage import as_location, exists, is_url, join, local_file_to_write, local_path
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
-from pytorch_accel_trainer.validation import max_time_seconds
 
 
 class ConfigError(ValueError):
@@ -94,6 +93,8 @@ class TrainSettings:
         max_time_save_dir: where a run its time budget stops saves a training state (besides the run folder's).
         stream_split: who reads a training stream on several processes: ``main_process`` (sends each process its
             batches) or ``dataset`` (a stream that splits itself: each process reads its own part).
+        check_first_eval_batch: run the first evaluation batch through the model before training (``false``: skip
+            that forward pass).
     """
 
     num_epochs: Optional[int] = None
@@ -111,6 +112,7 @@ class TrainSettings:
     max_time: Union[TimeBudgetText, float, str, None] = None  # text with colons first: never a base-60 number
     max_time_save_dir: Optional[str] = None
     stream_split: Literal["main_process", "dataset"] = "main_process"
+    check_first_eval_batch: bool = True
 
 
 @dataclass(frozen=True)
@@ -495,6 +497,7 @@ def _run_command(trainer: Trainer, config: TrainingConfig, command: str, eval_da
         max_time=train.max_time,
         max_time_save_dir=train.max_time_save_dir,
         stream_split=train.stream_split,
+        check_first_eval_batch=train.check_first_eval_batch,
     )
     return result
 

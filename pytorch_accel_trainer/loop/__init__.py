@@ -1,7 +1,9 @@
 """The parts of a training step that the Trainer composes, each with its own state and a narrow interface: the run's
 state and its transitions (``run_state``), the accumulation window (``accumulation``), batches and their weights
 (``batches``), the non-finite gradient policy (``non_finite``), the epoch's recorded values and the run's result
-(``recording``), the learning-rate range test's sweep, suggestion and snapshot (``lr_find``); and the Trainer's two
+(``recording``), the learning-rate range test's sweep, suggestion and snapshot (``lr_find``), the checks of the
+model, loss function, optimizer and constructor options (``components``), the check of the first evaluation batch
+(``first_eval_batch``), each module's train/eval mode kept across a pass (``training_modes``); and the Trainer's two
 feature mixins, saving and loading (``persistence``) and extra models trained beside the main one
 (``extra_models``), which call none of the Trainer's private methods.
 

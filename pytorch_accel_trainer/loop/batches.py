@@ -1,10 +1,11 @@
-"""Batches: the DataLoader arguments the trainer builds, how a batch reaches the model and its loss hook, and what a
-batch's loss counts for in an epoch's mean."""
+"""Batches: the DataLoader arguments the trainer builds, how a batch reaches the model and its loss hook, the checks of
+what that hook returns, and what a batch's loss counts for in an epoch's mean."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from types import MethodType
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -12,15 +13,8 @@ import torch
 from accelerate.utils import find_batch_size
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from pytorch_accel_trainer.utils import (
-    NO_BATCH,
-    dataloader_batch_size,
-    first_batch,
-    is_mapping,
-    model_output_loss,
-    seed_worker,
-)
-from pytorch_accel_trainer.validation import validate_batch_output
+from pytorch_accel_trainer.data import dataloader_batch_size
+from pytorch_accel_trainer.utils import seed_worker
 
 NO_TRAIN_BATCH = (
     "The training dataloader yielded no batch in this epoch, so the run could not progress: check that "
@@ -314,3 +308,101 @@ def numbered_batches(
         yield step, current, False
         current, step = following, step + 1
     yield step, current, True
+
+
+#: What :func:`first_batch` returns for batches that hold none, when that is allowed.
+NO_BATCH = object()
+
+
+def first_batch(iterator: Iterator, error_message: str | None) -> Any:
+    """The first batch of ``iterator``; when there is none, raise ``ValueError(error_message)`` (``None``: return
+    :data:`NO_BATCH` instead). Accelerate's dispatcher (iterable datasets) says an empty dataset in its own words,
+    which become ``error_message`` too."""
+    try:
+        return next(iterator)
+    except StopIteration:
+        if error_message is None:
+            return NO_BATCH
+        raise ValueError(error_message) from None
+    except ValueError as error:
+        if error_message is None or "does not contain any data" not in str(error):
+            raise
+        raise ValueError(error_message) from error
+
+
+def require_batches(batches: Iterable, error_message: str) -> Iterator:
+    """Yield from ``batches``; raise ``ValueError(error_message)`` if there is none."""
+    iterator = iter(batches)
+    yield first_batch(iterator, error_message)
+    yield from iterator
+
+
+def is_mapping(value: Any) -> bool:
+    """``isinstance(value, Mapping)``, with the common cases first: the abstract-class check costs about 1 us, on
+    every step."""
+    if isinstance(value, dict):
+        return True
+    return not isinstance(value, (tuple, list, torch.Tensor)) and isinstance(value, Mapping)
+
+
+def model_output_loss(model_outputs: Any) -> torch.Tensor:
+    """The ``loss`` a model returned with its output (a transformers ``ModelOutput``, a dict or an object)."""
+    loss = model_outputs.get("loss") if isinstance(model_outputs, Mapping) else getattr(model_outputs, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"loss_func is None and the model output (a {type(model_outputs).__name__}) has no 'loss'. Pass "
+            "Trainer(loss_func=...), or return a loss from the model (transformers models do when the batch has "
+            "'labels')."
+        )
+    return loss
+
+
+def validate_batch_output(batch_output: Any, hook_name: str) -> None:
+    """Check what ``calculate_train_batch_loss`` / ``calculate_eval_batch_loss`` returned (no host sync)."""
+    if not is_mapping(batch_output):
+        raise TypeError(
+            f"{hook_name} returned {type(batch_output).__name__}; it must return a dict with the keys 'loss', "
+            "'model_outputs' and 'batch_size', e.g. {'loss': loss, 'model_outputs': outputs, 'batch_size': len(y)}."
+        )
+    if "loss" not in batch_output:
+        raise ValueError(
+            f"{hook_name} returned a dict with the keys {sorted(batch_output)}, missing ['loss']; add it, e.g. "
+            "{'loss': loss, 'model_outputs': outputs, 'batch_size': len(y)}."
+        )
+    if "batch_size" not in batch_output:  # the trainer found none in the batch either (loop/batches.py)
+        raise ValueError(
+            f"{hook_name} returned a dict with the keys {sorted(batch_output)}, without 'batch_size', and the batch "
+            "holds no tensor to count its samples from (the trainer counts the targets of an (inputs, targets) tuple, "
+            "a dict's 'labels' or a batch's first tensor). Return it: {'loss': loss, 'batch_size': len(y)}."
+        )
+    loss = batch_output["loss"]
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{hook_name} returned a loss of type {type(loss).__name__}; it must be a scalar torch.Tensor with "
+            "gradients, as a loss function returns."
+        )
+    if loss.numel() != 1:  # one element in any shape, as pytorch-accelerated takes it: (1,) is used as a scalar
+        raise ValueError(
+            f"{hook_name} returned a loss of shape {tuple(loss.shape)}; the trainer needs a scalar (or one element). "
+            "Reduce it first, e.g. loss.mean(), or use a loss function with reduction='mean'."
+        )
+
+
+def validate_loss_requires_grad(loss: torch.Tensor, model: torch.nn.Module) -> None:
+    """Refuse, before its backward pass, a training loss cut off from the model's graph (one attribute read: no
+    host-device sync)."""
+    if loss.requires_grad:
+        return
+    num_trainable = sum(1 for parameter in model.parameters() if parameter.requires_grad)
+    if num_trainable == 0:
+        raise ValueError(
+            "calculate_train_batch_loss returned a loss that does not require gradients, and the model has no "
+            "trainable parameter (each has requires_grad=False), so there is nothing to train: unfreeze some before "
+            "train() (parameter.requires_grad_(True), or ModelFreezer.unfreeze())."
+        )
+    raise ValueError(
+        "calculate_train_batch_loss returned a loss that does not require gradients (requires_grad=False), so the "
+        f"backward pass cannot reach the model's {num_trainable} trainable parameters. It was cut off from the model "
+        "outputs: compute the loss from them without .detach(), .item(), torch.tensor(...) or torch.no_grad(), and "
+        "return that tensor."
+    )

@@ -378,3 +378,20 @@ def load_extra_checkpoint_entries(
     if load_optimizer:
         for name, state in checkpoint.get(EXTRA_OPTIMIZERS_KEY, {}).items():
             inner_optimizer(extra_optimizers[name]).load_state_dict(state)
+
+
+def validate_model_on_device(model: torch.nn.Module, device: torch.device, argument: str) -> None:
+    """Refuse a module whose parameters are not on the run's ``device``: its forward pass over the run's batches
+    would fail with torch's device-mismatch error, which names neither the module nor the fix."""
+
+    def elsewhere(found: torch.device) -> bool:
+        if found.type != device.type:
+            return True
+        return found.index is not None and device.index is not None and found.index != device.index
+
+    wrong = sorted({str(parameter.device) for parameter in model.parameters() if elsewhere(parameter.device)})
+    if wrong:
+        raise ValueError(
+            f"{argument} has parameters on {', '.join(wrong)}, but this run's batches are on {device}: move the "
+            "module to the trainer's device first (module.to(trainer.device))."
+        )

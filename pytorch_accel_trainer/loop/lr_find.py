@@ -16,15 +16,18 @@ import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list
 
+from pytorch_accel_trainer.errors import validate_positive_number, validate_positive_option
+from pytorch_accel_trainer.loop.batches import require_batches
+from pytorch_accel_trainer.loop.training_modes import restore_training_modes, training_modes
 from pytorch_accel_trainer.plotting import plot_lr_find
 from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state
-from pytorch_accel_trainer.utils import require_batches, restore_training_modes, training_modes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -216,3 +219,29 @@ class TrainerSnapshot:
         if self.scaler_state is not None and trainer.accelerator.scaler is not None:
             trainer.accelerator.scaler.load_state_dict(self.scaler_state)
         restore_rng_state(self.rng_state)
+
+
+def validate_lr_find_arguments(start_lr: Any, end_lr: Any, num_steps: Any, smoothing: Any, diverge_factor: Any) -> None:
+    """Check the arguments of ``Trainer.lr_find`` before any work starts."""
+    for name, lr in (("start_lr", start_lr), ("end_lr", end_lr)):
+        if isinstance(lr, bool) or not isinstance(lr, Real) or not 0 < float(lr) < math.inf:  # NaN fails both
+            raise ValueError(
+                f"{name}={lr!r} is not valid: lr_find() needs a finite, positive learning rate at each end of its "
+                "sweep, e.g. start_lr=1e-7, end_lr=10."
+            )
+    if end_lr <= start_lr:
+        raise ValueError(
+            f"lr_find(start_lr={start_lr!r}, end_lr={end_lr!r}) sweeps nothing: end_lr must be larger than start_lr, "
+            "e.g. start_lr=1e-7, end_lr=10."
+        )
+    validate_positive_option("num_steps", num_steps)
+    if num_steps < 3:  # the suggestion compares slopes, leaving the last point out: 3 points at least
+        raise ValueError(f"num_steps={num_steps!r} is too few for a suggestion: pass at least 3 (100 by default).")
+    if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing={smoothing!r} is not valid: it must be in [0, 1) (0.98 by default; 0: none).")
+    if diverge_factor is not None:
+        validate_positive_number("diverge_factor", diverge_factor)
+        if diverge_factor <= 1:
+            raise ValueError(
+                f"diverge_factor={diverge_factor!r} would stop at once: it must be above 1 (4 by default), or None."
+            )

@@ -415,3 +415,14 @@ class TrainResult:
     stopped_early: bool
     stop_reason: Optional[str] = None
     non_finite_updates_skipped: int = 0
+
+
+def validate_not_in_training_run(in_training_run: bool, method: str) -> None:
+    """Refuse ``predict()`` or ``lr_find()`` called from inside a training run (a callback or a hook): each prepares
+    the model again, which the run's prepared model and dataloaders cannot survive."""
+    if in_training_run:
+        raise RuntimeError(
+            f"{method}() was called inside a training run (from a callback or a hook): it prepares the model anew, "
+            f"which would break the run. Call {method}() before train() or after it returns; to measure during a "
+            "run, use run_extra_eval_epoch()."
+        )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from accelerate.utils import send_to_device
 
+from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
 from pytorch_accel_trainer.state.checkpointing import validate_plain
@@ -43,7 +44,6 @@ from pytorch_accel_trainer.state.training_state import (
     load_trainer_file,
 )
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
-from pytorch_accel_trainer.utils import dataset_length
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

@@ -20,8 +20,8 @@ import torch
 
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import TimeBudgetExceeded
+from pytorch_accel_trainer.run_config import max_time_seconds
 from pytorch_accel_trainer.state.storage import Location, WriteSpeed, as_location, probe_destination, validate_location
-from pytorch_accel_trainer.validation import max_time_seconds
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.run_config import TrainOptions

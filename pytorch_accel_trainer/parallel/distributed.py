@@ -1,13 +1,16 @@
-"""How the processes of a run start together and agree: the Accelerator for the launch, per-window agreement, and
-what the trainer asks of Accelerate's engine between runs."""
+"""How the processes of a run start together and agree: the Accelerator for the launch (and the checks of the options
+it is created with, mixed precision among them), per-window agreement, and what the trainer asks of Accelerate's
+engine between runs."""
 
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import platform
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, Optional, cast
 
 import torch
@@ -20,8 +23,8 @@ from pytorch_accel_trainer.parallel.accelerate_internals import (
     process_state_is_set_up,
     undo_failed_set_up,
 )
+from pytorch_accel_trainer.parallel.processes import launched_world_size, needs_cpu_backend
 from pytorch_accel_trainer.parallel.restarts import prepare_restarted_attempt
-from pytorch_accel_trainer.utils import launched_world_size, needs_cpu_backend
 
 # Where Accelerate's optimizer wrapper and backward() only call torch (no gradient scaler, DeepSpeed, FSDP, XLA).
 _PLAIN_TORCH_STEP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
@@ -46,7 +49,6 @@ def already_set_up_error(accelerate_message: str, mixed_precision: Any) -> Value
     )
 
 
-# Launchers set these for every process they start (torchrun, accelerate launch, mpirun).
 def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
     """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
 
@@ -262,3 +264,66 @@ def wrappers_only_call_torch(accelerator: Accelerator) -> bool:
         and accelerator.distributed_type in _PLAIN_TORCH_STEP_TYPES
         and not accelerator.has_lomo_optimizer
     )
+
+
+MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16", "fp8")
+
+
+#: Aliases accepted for the same choices (``"full"``, ``"bf16-mixed"``, ...); docs/migration.md says whose they are.
+MIXED_PRECISION_ALIASES = {
+    "full": "no",
+    "fp32": "no",
+    "32": "no",
+    "float32": "no",
+    "32-true": "no",
+    "bfloat16": "bf16",
+    "bf16-mixed": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "16": "fp16",
+    "16-mixed": "fp16",
+}
+#: Accelerator arguments the Trainer sets from its own: refused in ``accelerator_kwargs``, with the argument to use.
+TRAINER_ACCELERATOR_ARGUMENTS = {
+    "mixed_precision": "Trainer(mixed_precision=...)",
+    "cpu": "Trainer(cpu=True)",
+    "gradient_accumulation_steps": "train(gradient_accumulation_steps=...)",
+}
+
+
+def mixed_precision_name(mixed_precision: Any) -> Any:
+    """Accelerate's name for ``mixed_precision``: ``"full"`` is ``"no"``, ``"bf16-mixed"`` is ``"bf16"``, ..."""
+    if isinstance(mixed_precision, str):
+        return MIXED_PRECISION_ALIASES.get(mixed_precision.lower(), mixed_precision)
+    return mixed_precision
+
+
+def validate_accelerator_options(mixed_precision: Any, accelerator_kwargs: Any) -> None:
+    """Check the ``Trainer`` options the trainer's ``Accelerator`` is created with: ``mixed_precision`` (a choice
+    of :data:`MIXED_PRECISION_CHOICES`, an alias of one, or ``None``) and ``accelerator_kwargs`` (``Accelerator``
+    arguments, none of those the trainer sets itself)."""
+    if mixed_precision is not None and mixed_precision_name(mixed_precision) not in MIXED_PRECISION_CHOICES:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} is not valid: choose one of {MIXED_PRECISION_CHOICES} (or a name "
+            f"of another trainer for them: {sorted(MIXED_PRECISION_ALIASES)}), or None to take it from the "
+            "Accelerate config."
+        )
+    if accelerator_kwargs is None:
+        return
+    if not isinstance(accelerator_kwargs, Mapping):
+        raise TypeError(
+            f"accelerator_kwargs={accelerator_kwargs!r} is not valid: pass a dict of Accelerator arguments or None."
+        )
+    for name in accelerator_kwargs:
+        if name in TRAINER_ACCELERATOR_ARGUMENTS:
+            raise ValueError(
+                f"accelerator_kwargs sets {name!r}, which the trainer sets itself: "
+                f"use {TRAINER_ACCELERATOR_ARGUMENTS[name]}."
+            )
+    accepted = set(inspect.signature(Accelerator).parameters)
+    unknown = sorted(set(accelerator_kwargs) - accepted)
+    if unknown:
+        raise ValueError(
+            f"accelerator_kwargs has {unknown}, which accelerate.Accelerator does not take; it takes "
+            f"{sorted(accepted - set(TRAINER_ACCELERATOR_ARGUMENTS))}."
+        )

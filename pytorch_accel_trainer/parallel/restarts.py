@@ -31,7 +31,7 @@ from accelerate import PartialState
 from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
 
 from pytorch_accel_trainer.parallel.accelerate_internals import process_state_is_set_up
-from pytorch_accel_trainer.utils import launched_world_size
+from pytorch_accel_trainer.parallel.processes import launched_world_size
 
 #: the prefix, in the agent's store, of the keys of a restarted attempt's process group (followed by its number)
 ATTEMPT_PREFIX = "pytorch_accel_trainer/restart_"

@@ -8,6 +8,7 @@ changed.
 from __future__ import annotations
 
 import numbers
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
@@ -199,3 +200,19 @@ def create_stepped_once(scheduler_class: type, optimizer: torch.optim.Optimizer,
     scheduler = scheduler_class(optimizer, **kwargs)
     scheduler.step()
     return scheduler
+
+
+def warn_if_schedule_is_in_epochs(scheduler: Any, run_config: Any, scheduler_interval: str) -> None:
+    """Warn when a scheduler stepped per update looks written in epochs: ``CosineAnnealingLR(T_max=num_epochs)``
+    would then end its cosine after ``num_epochs`` updates and climb back up for the rest of the run."""
+    if scheduler_interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+        return
+    num_epochs, steps = run_config.num_epochs, run_config.max_num_train_steps
+    if scheduler.T_max == num_epochs and steps is not None and steps > num_epochs:
+        warnings.warn(
+            f"CosineAnnealingLR(T_max={scheduler.T_max}) equals num_epochs, but the scheduler steps after each of the "
+            f"run's {steps} optimizer updates, so its cosine ends after {scheduler.T_max} updates. Pass "
+            "scheduler_interval='epoch' to train() to step it once per epoch, or give T_max in updates "
+            "(TrainerPlaceholderValues.NUM_UPDATE_STEPS_PER_EPOCH * num_epochs).",
+            stacklevel=3,
+        )

@@ -2,7 +2,7 @@
 
 Each error names the value received, the problem and the fix; each test runs a tiny real model. Sections: the
 Trainer's arguments, callbacks, train()'s arguments, datasets and DataLoaders, what the batch-loss hooks return,
-placeholders. Paths and files: tests/test_validation_files.py; the command line: tests/test_cli.py.
+placeholders. Paths and files: tests/test_path_checks.py; the command line: tests/test_cli.py.
 """
 
 from __future__ import annotations
@@ -457,6 +457,38 @@ def test_eval_batch_check_changes_nothing():
     assert all(torch.isfinite(parameter).all() for parameter in checked.model.parameters())
     for metric in ("train_loss_epoch", "eval_loss_epoch"):
         assert checked.run_history.get_metric_values(metric) == unchecked.run_history.get_metric_values(metric)
+
+
+def _run_recording_forward_modes(eval_dataset, recorder, **options) -> list:
+    """Train a one-epoch run (2 training batches, 1 evaluation batch) and return the mode of each forward pass."""
+    model, modes = make_linear(), []
+    model.register_forward_hook(lambda module, args, output: modes.append("train" if module.training else "eval"))
+    trainer = make_trainer(model, callbacks=[recorder])
+    trainer.train(linear_dataset(8), num_epochs=1, eval_dataset=eval_dataset, per_device_batch_size=4, **options)
+    return modes
+
+
+def test_first_eval_batch_check_is_on_by_default():
+    """By default train() runs one extra forward pass, in eval mode, before the first training batch."""
+    modes = _run_recording_forward_modes(linear_dataset(4), RecordingCallback())
+    assert modes == ["eval", "train", "train", "eval"]  # the check, then the run's own passes
+
+
+def test_first_eval_batch_check_switched_off_runs_no_extra_pass():
+    """train(check_first_eval_batch=False) runs no extra forward pass: an eval set that does not fit the model then
+    fails in the first evaluation epoch, after a training epoch."""
+    modes = _run_recording_forward_modes(linear_dataset(4), RecordingCallback(), check_first_eval_batch=False)
+    assert modes == ["train", "train", "eval"]
+    recorder = RecordingCallback()
+    mismatched = TensorDataset(torch.randn(4, 2), torch.randn(4, 1))  # two features: the model takes one
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        _run_recording_forward_modes(mismatched, recorder, check_first_eval_batch=False)
+    assert "on_train_epoch_end" in recorder.events and "on_eval_epoch_end" not in recorder.events
+
+
+def test_first_eval_batch_check_takes_a_bool():
+    with pytest.raises(TypeError, match=r"check_first_eval_batch='no' is not valid: pass True .* or False"):
+        make_trainer(make_linear()).train(linear_dataset(8), num_epochs=1, check_first_eval_batch="no")
 
 
 # What the batch-loss hooks return ----------------------------------------------------------------------------------
