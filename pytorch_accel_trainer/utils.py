@@ -23,12 +23,10 @@ from torch import nn
 
 from pytorch_accel_trainer.data import dataloader_length
 from pytorch_accel_trainer.parallel.processes import (
-    launched_world_size,  # noqa: F401  (cli/tune.py imports it from here; parallel.processes is its home)
     local_process_zero_first,
     local_process_zero_only,
     world_process_zero_only,
 )
-from pytorch_accel_trainer.parallel.processes import process_state as _process_state  # noqa: F401  (as above)
 
 __all__ = [
     "LIMIT_BATCHES_ENV_VAR",

@@ -27,8 +27,8 @@ from pytorch_accel_trainer.cli.tune.folder import (
 from pytorch_accel_trainer.cli.tune.space import load_search_space, validated_trial_config
 from pytorch_accel_trainer.cli.tune.study import ask_trial, import_optuna, open_study, search_identity, trials_finished
 from pytorch_accel_trainer.cli.tune.trial import Search, run_trial
+from pytorch_accel_trainer.parallel.processes import launched_world_size, process_state, world_process_zero_only
 from pytorch_accel_trainer.state.storage import local_path
-from pytorch_accel_trainer.utils import _process_state, launched_world_size, world_process_zero_only
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def tune(
     config_text = _config_text(config)
     validate_folder_of_this_search(output_dir, config_text)
     base = validated_trial_config(config, config_text, space, flags, metric)
-    state = _process_state() if launched_world_size() > 1 else None  # a trial on several processes: one job
+    state = process_state() if launched_world_size() > 1 else None  # a trial on several processes: one job
     created = paths_to_create(output_dir, storage)
     identity = search_identity(base, space, metric)
     opened = _open_search(storage, output_dir, study_name, direction, sampler, pruner, identity, config_text)
