@@ -10,13 +10,13 @@ stage, a bar per training and evaluation epoch, a line per metric).
 from __future__ import annotations
 
 import numbers
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.console import progress_bar_class
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
@@ -26,30 +26,6 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
     from pytorch_accel_trainer.trainer import Trainer
-
-_TQDM_CLASS = None
-
-
-def progress_bar_class() -> type:
-    """tqdm's widget bar in a notebook that has ipywidgets, its text bar everywhere else.
-
-    ``tqdm.auto`` alone warns ("IProgress not found") in a notebook without ipywidgets; the text bar shows the
-    same there. Chosen once, at the first bar. ipywidgets is imported only inside a Jupyter kernel (``ipykernel``
-    already imported): in a script, importing it (and IPython with it) would cost about 0.1 s at every run's start,
-    for a bar it cannot draw.
-    """
-    global _TQDM_CLASS
-    if _TQDM_CLASS is None:
-        from tqdm.std import tqdm as chosen
-
-        if "ipykernel" in sys.modules:  # a notebook, or a process notebook_launcher forked from one
-            try:
-                import ipywidgets  # noqa: F401  (only whether it imports)
-                from tqdm.auto import tqdm as chosen
-            except ImportError:
-                pass
-        _TQDM_CLASS = chosen
-    return _TQDM_CLASS
 
 
 def _plural(count: int, noun: str) -> str:

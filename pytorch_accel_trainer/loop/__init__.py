@@ -5,6 +5,7 @@ state and its transitions (``run_state``), the accumulation window (``accumulati
 feature mixins, saving and loading (``persistence``) and extra models trained beside the main one
 (``extra_models``), which call none of the Trainer's private methods.
 
-Imports the layers below it (``state``, ``parallel``, ``callbacks`` and the public leaf modules); only
-``trainer.py`` and ``cli`` import it.
+Imports the layers below it (``state``, ``parallel`` and the public leaf modules), never a callback: what the loop
+needs of the callbacks it asks through the protocol of ``TrainerCallback`` (a method with a default), every callback
+alike. Only ``trainer.py`` and ``cli`` import it.
 """

@@ -387,8 +387,9 @@ class TrainResult:
     Attributes:
         metrics: the latest value of each metric this run recorded (``train_loss_epoch``, ``eval_loss_epoch``,
             the step metrics, what callbacks recorded).
-        best_metric_name, best_metric: the metric the first monitoring callback (``EarlyStoppingCallback``,
-            ``SaveBestModelCallback``, ...) watches, and its best value in this run; ``None`` without one.
+        best_metric_name, best_metric: the metric the first callback that watches one (``EarlyStoppingCallback``,
+            ``SaveBestModelCallback``, ...: ``TrainerCallback.watched_metric``) watches, and its best value in this
+            run; ``None`` without one.
         num_epochs: the training epochs run to their end in this call (a resumed run counts those it ran; an
             epoch after which a callback stopped the run counts).
         num_update_steps: the optimizer updates made so far, a resumed run's earlier ones included.
