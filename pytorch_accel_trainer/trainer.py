@@ -384,7 +384,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self._start_training_run(train_dataset, eval_dataset, options)
         self._load_resume_plan(stored_state, options)
         self._run_training()
-        return create_train_result(self.run_state, get_run_config(self), self.run_history, self.callback_handler)
+        watched_metric = self.callback_handler.watched_metric()
+        return create_train_result(self.run_state, get_run_config(self), self.run_history, watched_metric)
 
     def _training_state_bytes(self) -> Optional[int]:
         """The size of this process's part of a training state, for the time budget; ``None`` before the first update

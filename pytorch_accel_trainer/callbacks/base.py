@@ -348,6 +348,17 @@ class CallbackHandler:
         """The class names of the registered callbacks, in calling order."""
         return [type(cb).__name__ for cb in self.callbacks]
 
+    def watched_metric(self) -> tuple[str | None, Any]:
+        """The metric the first callback that watches one watches and its best value so far
+        (:meth:`TrainerCallback.watched_metric`); ``(None, None)`` when none does. A callback without the method (one
+        that only has event methods) watches none."""
+        for callback in self.callbacks:
+            watched_metric = getattr(callback, "watched_metric", None)
+            watched = watched_metric() if callable(watched_metric) else None
+            if watched is not None:
+                return watched
+        return None, None
+
     @contextlib.contextmanager
     def intermediate_evaluation(self) -> Iterator[None]:
         """Within this block, the evaluation-epoch events receive ``is_intermediate=True`` (``False`` otherwise)."""

@@ -14,7 +14,6 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
-from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.console import progress_bar_class
 from pytorch_accel_trainer.errors import validate_positive_int
@@ -62,8 +61,8 @@ class PrintProgressCallback(TrainerCallback):
 
     The first line summarises the model (its parameters, total and trainable, its size in MiB and the precision it
     runs in: ``utils.model_summary_line``); the second says what will run (epochs, updates per epoch, the global
-    batch); the end line says how long it took and the best value of a monitoring callback (``EarlyStoppingCallback``,
-    ...), if there is one.
+    batch); the end line says how long it took and the best value of the first callback that watches a metric
+    (``EarlyStoppingCallback``, ...: ``TrainerCallback.watched_metric``), if there is one.
 
     Args:
         verbose: print pytorch-accelerated's messages instead: a line at the start and end of each run and at the
@@ -140,9 +139,9 @@ class PrintProgressCallback(TrainerCallback):
         seconds = time.perf_counter() - self._run_start
         epochs = _plural(self._epochs, "epoch")
         summary = f"Finished {epochs} in {seconds:.3g}s ({trainer.num_update_steps_completed} updates)"
-        monitor = next((cb for cb in trainer.callback_handler if isinstance(cb, MonitorCallback)), None)
-        if monitor is not None and monitor.best_metric is not None:
-            summary += f" · best {monitor.watch_metric}: {format_value(monitor.best_metric)}"
+        name, best = trainer.callback_handler.watched_metric()
+        if best is not None:
+            summary += f" · best {name}: {format_value(best)}"
         _print(trainer, summary)
 
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):

@@ -7,7 +7,6 @@ returns; they take what they need as arguments.
 from __future__ import annotations
 
 import time
-from typing import Iterable
 
 from accelerate import Accelerator
 from accelerate.utils import gather_object
@@ -54,13 +53,12 @@ def record_epoch_values(
 
 
 def create_train_result(
-    state: RunState, run_config: TrainerRunConfig, run_history: RunHistory, callbacks: Iterable
+    state: RunState, run_config: TrainerRunConfig, run_history: RunHistory, watched_metric: tuple
 ) -> TrainResult:
     """Return the summary of the training run that just ended (one host read if a hook gave tensor sizes); its best
-    metric is the first callback's that watches one (``TrainerCallback.watched_metric``)."""
+    metric is ``watched_metric``, ``(name, best value)``: the callbacks' (``CallbackHandler.watched_metric``)."""
     wall_time = time.perf_counter() - (state.started_at or 0.0)
     num_samples = int(state.samples_seen) * run_config.num_processes  # the processes run the same steps
-    watched = next(filter(None, (_watched_metric(callback) for callback in callbacks)), (None, None))
     epochs = metric_counts(run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get(
         "train_loss_epoch", 0
     )
@@ -69,8 +67,8 @@ def create_train_result(
     )
     return TrainResult(
         metrics=metrics_recorded_since(run_history, state.metric_counts_at_start),
-        best_metric_name=watched[0],
-        best_metric=watched[1],
+        best_metric_name=watched_metric[0],
+        best_metric=watched_metric[1],
         num_epochs=epochs,  # training epochs run to their end, a last one a callback stopped after included
         num_update_steps=state.num_update_steps_completed,
         num_samples=num_samples,
@@ -80,9 +78,3 @@ def create_train_result(
         stop_reason=state.stop_reason,
         non_finite_updates_skipped=state.non_finite_updates_skipped,
     )
-
-
-def _watched_metric(callback: object) -> tuple | None:
-    """What ``callback`` says it watches; ``None`` for one without the protocol method (a duck-typed callback)."""
-    watched_metric = getattr(callback, "watched_metric", None)
-    return watched_metric() if callable(watched_metric) else None
