@@ -1,17 +1,20 @@
 """What one training step runs: the package's functions called over one accumulation window, traced.
 
-A window is everything between the end of one optimizer update and the end of the next: the zero_grad and the
-events after the second update, then two micro-batches (gradient accumulation 2), the clipping and the update. The
-trace runs ``sys.setprofile`` from inside the optimizer's ``step`` (the second window of a small run), so it sees
-exactly what a newcomer must read to follow a step: every function of ``--package`` that runs, by file.
+A window is two micro-batches (gradient accumulation 2), the clipping, the update and the events around them. A
+callback marks it: the trace runs ``sys.setprofile`` from its ``on_train_step_start`` at the first micro-batch of the
+third window to the same event at the fourth window's (the steady state: what runs once per run, such as the first
+lookup of an event's listeners, is left out). The callback is one a user could write, so the dispatch of an event
+that has a listener is counted too, as in every real run. The trace sees exactly what a newcomer must read to follow
+a step: every function of ``--package`` that runs, by file.
 
     .venv/bin/python benchmarks/step_trace.py                    # no callbacks, then the default callbacks
     .venv/bin/python benchmarks/step_trace.py --list             # the functions too, in the order they first ran
     .venv/bin/python benchmarks/step_trace.py --package pytorch_accelerated   # the same window in another trainer
 
-It prints one line per configuration: distinct functions, files, calls and the lines of those functions (their
-source spans), and ``--json`` writes the figures. The trace counts Python functions only; torch and Accelerate's
-own calls are left out (``--all`` counts every Python call in the window, whoever defined it).
+It prints one line per configuration (``none``: the marking callback alone; ``default``: the default callbacks and
+it): distinct functions, files, calls and the lines of those functions (their source spans), and ``--json`` writes
+the figures. The trace counts Python functions only; torch and Accelerate's own calls are left out (``--all`` counts
+every Python call in the window, whoever defined it).
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ from torch.utils.data import TensorDataset
 
 
 class WindowTrace:
-    """Records the calls made between the end of the second optimizer update and the end of the third (a window in
-    the steady state: what runs once per run, such as the first lookup of an event's listeners, is left out)."""
+    """Records the calls made from the start of the first micro-batch of one accumulation window to the start of the
+    next window's (``TRACED_WINDOW``, in the steady state), as a callback marks them."""
+
+    #: The window traced, from 0: the third, whose first micro-batch is ``TRACED_WINDOW * ACCUMULATION``.
+    TRACED_WINDOW = 2
 
     def __init__(self, package_root: str, count_all: bool):
         self.package_root, self.count_all = package_root, count_all
         self.calls: Counter = Counter()
         self.all_calls = 0
-        self.updates = 0
+        self.micro_batches = 0
 
     def profile(self, frame, event, arg):
         if event != "call":
@@ -47,13 +53,15 @@ class WindowTrace:
         if code.co_filename.startswith(self.package_root):
             self.calls[(code.co_filename, code.co_name, code.co_firstlineno)] += 1
 
-    def optimizer_stepped(self) -> None:
-        """Called at the end of each ``optimizer.step()``: the second starts the trace, the third ends it."""
-        self.updates += 1
-        if self.updates == 2:
+    def micro_batch_starts(self) -> None:
+        """Called by the marking callback as each micro-batch starts: the traced window's first starts the trace, the
+        next window's first ends it."""
+        first = self.TRACED_WINDOW * ACCUMULATION
+        if self.micro_batches == first:
             sys.setprofile(self.profile)
-        elif self.updates == 3:
+        elif self.micro_batches == first + ACCUMULATION:
             sys.setprofile(None)
+        self.micro_batches += 1
 
     def summary(self) -> dict:
         files = Counter()
@@ -80,14 +88,19 @@ def _function_lines(filename: str, first_line: int) -> int:
     return len(block)
 
 
-def traced_optimizer(trace: WindowTrace, parameters):
-    class TracedSGD(torch.optim.SGD):
-        def step(self, closure=None):
-            result = super().step(closure)
-            trace.optimizer_stepped()
-            return result
+#: The micro-batches of a window.
+ACCUMULATION = 2
 
-    return TracedSGD(parameters, lr=0.01)
+
+def window_marker(package: str, trace: WindowTrace):
+    """A callback of ``package``, as a user writes one, that tells ``trace`` where each micro-batch starts."""
+    base = importlib.import_module(f"{package}.callbacks").TrainerCallback
+
+    class MarkWindow(base):
+        def on_train_step_start(self, trainer, **kwargs):
+            trace.micro_batch_starts()
+
+    return MarkWindow()
 
 
 def run(package: str, callbacks: str, count_all: bool) -> tuple[dict, list]:
@@ -97,19 +110,22 @@ def run(package: str, callbacks: str, count_all: bool) -> tuple[dict, list]:
     trace = WindowTrace(root, count_all)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    kwargs = {} if callbacks == "default" else {"callbacks": []}
-    optimizer = traced_optimizer(trace, model.parameters())
-    trainer = trainer_module.Trainer(model, loss_func=nn.MSELoss(), optimizer=optimizer, **kwargs)
+    others = list(trainer_module.DEFAULT_CALLBACKS) if callbacks == "default" else []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = trainer_module.Trainer(
+        model, loss_func=nn.MSELoss(), optimizer=optimizer, callbacks=[*others, window_marker(package, trace)]
+    )
     x = torch.randn(64, 8)
     dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
     streams = sys.stdout, sys.stderr
     sys.stdout = sys.stderr = open(os.devnull, "w")  # the progress bar and printed metrics, not the figures
     try:
-        trainer.train(dataset, num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=2)
+        trainer.train(dataset, num_epochs=1, per_device_batch_size=4, gradient_accumulation_steps=ACCUMULATION)
     finally:
+        sys.setprofile(None)
         sys.stdout.close()
         sys.stdout, sys.stderr = streams
-    assert trace.updates >= 3, "the run made fewer than three updates: no whole window was traced"
+    assert trace.micro_batches > (trace.TRACED_WINDOW + 1) * ACCUMULATION, "the run ended before the traced window"
     listing = [
         f"{os.path.relpath(filename, root)}:{first_line} {name} x{count}"
         for (filename, name, first_line), count in trace.calls.items()

@@ -1,8 +1,9 @@
 """The library's own errors and the validators shared by its modules: a leaf, importing nothing of the package.
 
 Users import the errors from where they always have (``pytorch_accel_trainer.callbacks`` for
-``StopTrainingError``, ``pytorch_accel_trainer.state.training_state`` for ``CheckpointError``); they are defined
-here so that low modules (``distributed``, ``run_state``) need not import the callbacks.
+``StopTrainingError`` and ``NonFiniteGradientsError``, ``pytorch_accel_trainer.state.training_state`` for
+``CheckpointError``); they are defined here so that low modules (``distributed``, ``run_state``, the loop's
+non-finite policy) need not import the callbacks.
 """
 
 from __future__ import annotations
@@ -58,3 +59,33 @@ class TimeBudgetExceeded(StopTrainingError):
 class SharedFolderError(RuntimeError):
     """A folder a multi-node run must share (its training states, the state it resumes) that some node does not see
     as the main process does: raised on every process at the start of ``train()``, before any work."""
+
+
+#: What the non-finite policy does with an update whose gradients are still not finite after its retries.
+ON_EXHAUSTED_CHOICES = ("skip", "stop", "raise")
+
+
+class NonFiniteGradientsError(RuntimeError):
+    """The gradients of an update were not finite after every retry, under ``on_exhausted="raise"``.
+
+    ``train()`` raises it once every callback has ended the run; the update was not applied.
+    """
+
+
+def validate_non_finite_policy(max_consecutive_skips: Any, max_retries: Any, on_exhausted: Any) -> None:
+    """Refuse settings of the non-finite policy that are not valid, or that contradict each other."""
+    if max_consecutive_skips is not None:
+        validate_positive_int("max_consecutive_skips", max_consecutive_skips, "skipped updates", 10)
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries={max_retries!r} is not valid: pass an integer >= 0.")
+    if on_exhausted not in ON_EXHAUSTED_CHOICES:
+        raise ValueError(
+            f"on_exhausted={on_exhausted!r} is not valid: choose between 'skip' (skip the update and go on), 'stop' "
+            "(end the run there, cleanly) and 'raise' (end the run, then raise NonFiniteGradientsError)."
+        )
+    if on_exhausted != "skip" and max_consecutive_skips is not None:
+        raise ValueError(
+            f"max_consecutive_skips={max_consecutive_skips} counts skipped updates in a row, but on_exhausted="
+            f"{on_exhausted!r} ends the run at the first update whose retries run out, skipping none: leave "
+            "max_consecutive_skips out, or pass on_exhausted='skip'."
+        )

@@ -8,7 +8,6 @@ agreed; the loop's named decisions; what hooks and callbacks use. The step's oth
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import warnings
@@ -48,6 +47,7 @@ from pytorch_accel_trainer.loop import accumulation, persistence
 from pytorch_accel_trainer.loop.batches import (
     NO_EVAL_BATCH,
     NO_TRAIN_BATCH,
+    BatchIndexArguments,
     batch_loss,
     batch_size_for,
     batch_size_of,
@@ -174,7 +174,8 @@ _SYNCING = contextlib.nullcontext()
 
 
 def _takes_is_update_step(function: Callable) -> bool:
-    """Whether ``function``, a ``_perform_forward_and_backward_passes``, takes ``is_update_step`` (found once)."""
+    """Whether ``function``, a ``_perform_forward_and_backward_passes``, takes ``is_update_step`` (read once, as the
+    trainer is constructed; pytorch-accelerated's override takes ``(batch, step)``)."""
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):  # a builtin or C callable: called with (batch, step) only
@@ -182,16 +183,6 @@ def _takes_is_update_step(function: Callable) -> bool:
     return any(
         parameter.name == "is_update_step" or parameter.kind is parameter.VAR_KEYWORD for parameter in parameters
     )
-
-
-def _without_update_flag(passes: Callable) -> Callable:
-    """Wrap ``passes``, an override ``(self, batch, step)``, so that the loop may pass it ``is_update_step``."""
-
-    @functools.wraps(passes)
-    def with_flag_ignored(self, batch, step, is_update_step=None, is_retry=False):
-        return passes(self, batch, step)
-
-    return with_flag_ignored
 
 
 class Trainer(ExtraModelsMixin, PersistenceMixin):
@@ -231,12 +222,6 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     #: The events of this subclass's own (``on_my_event``), beyond the trainer's: a callback may define them and
     #: ``self.callback_handler.call_event("on_my_event", self)`` calls them (see docs/callbacks.md).
     callback_events: tuple = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        passes = cls.__dict__.get("_perform_forward_and_backward_passes")
-        if passes is not None and not _takes_is_update_step(passes):  # an override written (self, batch, step)
-            cls._perform_forward_and_backward_passes = _without_update_flag(passes)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -294,6 +279,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self._given_eval_dataloader: Optional[DataLoader] = None
         self._eval_dl_kwargs: Optional[dict] = None
         self.run_config: Optional[TrainerRunConfig] = None
+        # What the step's overridable methods accept, read here once, so that the step calls them as they are: whether
+        # the forward and backward passes take the window flag, and how each batch hook takes the batch index.
+        self._passes_take_window_flag = _takes_is_update_step(self._perform_forward_and_backward_passes)
+        self._batch_index_arguments = BatchIndexArguments.of(self)
 
         self._call_event("on_init_end")
 
@@ -403,7 +392,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self._start_training_run(train_dataset, eval_dataset, options)
         self._load_resume_plan(stored_state, options)
         self._run_training()
-        return create_train_result(self.run_state, get_run_config(self), self.run_history, self.callback_handler)
+        watched_metric = self.callback_handler.watched_metric()
+        return create_train_result(self.run_state, get_run_config(self), self.run_history, watched_metric)
 
     def _training_state_bytes(self) -> Optional[int]:
         """The size of this process's part of a training state, for the time budget; ``None`` before the first update
@@ -465,7 +455,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         validate_sharded_run(self._accelerator, self.run_config)
         self._check_eval_batch_size()
         validate_eval_batches_exist(self.eval_dataloader)  # an eval set smaller than one batch, with drop_last
-        if options.check_first_eval_batch:  # one eval batch through the model now, not after a training epoch
+        # one eval batch through the model now, not after a training epoch; a calculate_eval_batch_loss of the user's
+        # may keep state (metrics) that one extra batch would change: its first evaluation step is the check
+        if options.check_first_eval_batch and not overrides(self, "calculate_eval_batch_loss"):
             check_first_eval_batch(self)
         self.scheduler = self.create_scheduler()
         warn_if_schedule_is_in_epochs(self.scheduler, self.run_config, options.scheduler_interval)
@@ -688,12 +680,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if opens_window:
                 self._between_updates(step)
             self._call_event("on_train_step_start")
-            state.batch_idx, is_update_step = step, self._is_update_step(step, is_last_batch)
+            state.batch_idx, state.closes_window = step, self._is_update_step(step, is_last_batch)
             if state.non_finite_policy is not None:  # the window's batches and the epoch's loss before it, kept
                 state.non_finite_policy.remember_micro_batch(state, batch, step, opens_window)
-            self._perform_forward_and_backward_passes(batch, step, is_update_step=is_update_step)
-            opens_window = is_update_step
-            if not is_update_step:
+            if self._passes_take_window_flag:
+                self._perform_forward_and_backward_passes(batch, step, is_update_step=state.closes_window)
+            else:  # an override written as pytorch-accelerated's, (batch, step): the run state holds the flag
+                self._perform_forward_and_backward_passes(batch, step)
+            opens_window = state.closes_window
+            if not opens_window:
                 continue  # the window goes on: gradients accumulate
             state.end_window(step, is_last_batch)  # a stop from here on leaves the epoch at its next batch
             if state.non_finite_policy is None or not self._skips_non_finite_update():
@@ -711,31 +706,38 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.model.train()
 
     def _perform_forward_and_backward_passes(
-        self, batch, step: int, is_update_step: Optional[bool] = None, is_retry: bool = False
+        self, batch, step: int, is_update_step: Optional[bool] = None, is_retry: Optional[bool] = None
     ) -> None:
         """Run the forward and backward passes of one micro-batch, under ``no_sync`` unless it closes its window.
 
-        An override may take ``(self, batch, step)`` only: the loop then calls it with those two arguments.
+        An override may take ``(self, batch, step)`` only, as pytorch-accelerated's: the loop then calls it with those
+        two arguments (found once, as the trainer is constructed), and its ``super()`` call reads the rest from the
+        run state.
 
         Args:
             batch: one batch from the training dataloader.
             step: the index of the micro-batch in the epoch, from 0.
-            is_update_step: whether the micro-batch closes its accumulation window (or the epoch); ``None``: decided
-                from ``step`` and the dataloader's length by :meth:`_is_update_step`.
-            is_retry: the micro-batch runs again, for a non-finite window: no event, its samples already counted.
+            is_update_step: whether the micro-batch closes its accumulation window (or the epoch); ``None``: the run
+                state's (``run_state.closes_window``, set by the loop for this micro-batch).
+            is_retry: the micro-batch runs again, for a non-finite window: no event, its samples already counted;
+                ``None``: the run state's (``run_state.retrying_window``).
         """
         state = self.run_state
         if is_update_step is None:  # called as (batch, step), e.g. by an override's super()
-            is_update_step = self._is_update_step(step, is_last_batch=step + 1 == state.train_epoch_length)
+            is_update_step = state.closes_window
+        if is_retry is None:
+            is_retry = state.retrying_window
         syncs = is_update_step or state.accumulation_steps == 1
         with _SYNCING if syncs else self._accelerator.no_sync(self.model):  # DDP reads the flag in forward and backward
-            batch_output = call_batch_hook(self.calculate_train_batch_loss, batch, step)
+            batch_output = call_batch_hook(
+                self.calculate_train_batch_loss, batch, step, self._batch_index_arguments.train
+            )
             state.record_train_batch(batch_output, first_try=not is_retry)  # the unscaled loss, as it is logged
             if not is_retry:  # a step run again for non-finite gradients has had its event
                 self._call_event("on_train_step_end", batch=batch, batch_output=batch_output, step=step)
             if not self.calls_torch_directly:  # DeepSpeed must step only at the end of a window
                 set_deepspeed_gradient_sync(self._accelerator, is_update_step)
-            loss = accumulation.scale_loss_for_accumulation(batch_output, step, state)
+            loss = state.scale_loss(batch_output, step)
             # the outputs go before the backward pass, as in `loss_func(model(x), y).backward()`: the graph keeps
             # only what its backward needs (for a cross-entropy, not the logits), so the peak is a hand loop's
             del batch_output
@@ -786,7 +788,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _update_parameters(self, step: int) -> None:
         """Clip the accumulated gradients, step the optimizer and the scheduler, and zero the gradients."""
         state, config = self.run_state, cast(TrainerRunConfig, self.run_config)  # set by train()
-        accumulation.finish_window(step, state, self._accelerator, self.model)  # a partial window, num_items_in_batch
+        if state.window_needs_correction:  # a partial last window of a stream, or num_items_in_batch
+            accumulation.finish_window(step, state, self._accelerator, self.model)
         if config.gradient_clip_norm is not None or config.gradient_clip_value is not None or self.track_gradient_norm:
             self._clip_gradients()
         self.optimizer_step()
@@ -827,7 +830,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             state.batch_idx = step
             state.start_eval_batch(real_rows_in_batch(valid_dl, batch, self._accelerator))  # None unless rows repeat
             self._call_event("on_eval_step_start")
-            batch_output = call_batch_hook(self.calculate_eval_batch_loss, batch, step)
+            batch_output = call_batch_hook(
+                self.calculate_eval_batch_loss, batch, step, self._batch_index_arguments.eval
+            )
             state.record_eval_batch(batch_output)
             self._call_event("on_eval_step_end", batch=batch, batch_output=batch_output, step=step)
             # released now, not when the next batch's outputs replace them: one step's outputs alive at a time
@@ -1019,7 +1024,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         first_structure = None  # every batch's prediction must have the first one's, to be joined
         for step, batch in enumerate(predict_batches(dataloader)):  # a stream of no sample: no batch, no error
             with torch.no_grad():
-                batch_output = call_batch_hook(self.calculate_predict_batch_output, batch, step, loss_output=False)
+                hook, index_argument = self.calculate_predict_batch_output, self._batch_index_arguments.predict
+                batch_output = call_batch_hook(hook, batch, step, index_argument, loss_output=False)
             validate_prediction_output(batch_output)
             first_structure = first_structure or prediction_structure(batch_output)
             validate_same_structure(first_structure, batch_output, step)  # here, not in the join after every batch
@@ -1108,7 +1114,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self._training_optimizer.zero_grad(set_to_none=True)  # no gradient left from before in the first step
             for step, batch in zip(range(num_steps), endless_batches(dataloader)):
                 sweep.set_learning_rate(self._training_optimizer, step)
-                batch_output = call_batch_hook(self.calculate_train_batch_loss, batch, step)
+                hook, index_argument = self.calculate_train_batch_loss, self._batch_index_arguments.train
+                batch_output = call_batch_hook(hook, batch, step, index_argument)
                 self.backward_step(batch_output["loss"])
                 self.optimizer_step()
                 self.optimizer_zero_grad()
@@ -1262,10 +1269,17 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _replay_window(self, window: list) -> None:
         """Run the window's ``(batch, step)`` pairs again, for a non-finite retry: no event, one sync at the last."""
-        for index, (batch, step) in enumerate(window):
-            is_last = index == len(window) - 1
-            self.run_state.batch_idx = step
-            self._perform_forward_and_backward_passes(batch, step, is_update_step=is_last, is_retry=True)
+        state = self.run_state
+        state.retrying_window = True
+        try:
+            for index, (batch, step) in enumerate(window):
+                state.batch_idx, state.closes_window = step, index == len(window) - 1
+                if self._passes_take_window_flag:
+                    self._perform_forward_and_backward_passes(batch, step, is_update_step=state.closes_window)
+                else:
+                    self._perform_forward_and_backward_passes(batch, step)
+        finally:
+            state.retrying_window = False
 
     def _record_epoch_values(
         self, loss_tracker: LossTracker, step_metrics: StepMetricsTracker, loss_name: str, metric_name_format: str

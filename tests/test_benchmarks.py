@@ -69,13 +69,17 @@ def test_quick_benchmark_runs_every_row(tmp_path):
 
 
 def test_window_trace_stays_small():
-    """One accumulation window without callbacks runs at most 25 of the package's functions, in at most 5 files
-    (benchmarks/step_trace.py): the step a newcomer reads stays in a few places."""
+    """One accumulation window, marked by a callback of the user's (its dispatch counts), runs at most 25 of the
+    package's functions in at most 5 files, and with the default callbacks at most 28 in 7 (benchmarks/step_trace.py):
+    the step a newcomer reads stays in a few places."""
     spec = importlib.util.spec_from_file_location("step_trace", REPO_ROOT / "benchmarks" / "step_trace.py")
     step_trace = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step_trace)
     summary, listing = step_trace.run("pytorch_accel_trainer", "none", count_all=False)
     assert summary["functions"] <= 25 and summary["files"] <= 5, "\n".join(listing)
+    assert summary["functions_by_file"].get("callbacks/base.py") == 1, "the marking callback's dispatch is counted"
+    summary, listing = step_trace.run("pytorch_accel_trainer", "default", count_all=False)
+    assert summary["functions"] <= 28 and summary["files"] <= 7, "\n".join(listing)
 
 
 #: The rows of benchmarks/sharded_state.py, in its order.

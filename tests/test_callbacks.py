@@ -268,6 +268,20 @@ def test_declared_foreign_name_is_fired():
     assert Counts.calls == 2
 
 
+def test_foreign_name_outside_the_table_is_a_custom_event():
+    """Another trainer's less common event name (not in the table) is a custom event: accepted, and named in the
+    warning at the end of a run that never fired it."""
+
+    class TestBatchEnd(TrainerCallback):
+        def on_test_batch_end(self, trainer, **kwargs):
+            pass
+
+    assert "on_test_batch_end" not in FOREIGN_EVENT_NAMES
+    trainer = make_trainer(make_linear(), callbacks=[TestBatchEnd()])
+    with pytest.warns(UserWarning, match=r"'on_test_batch_end', which is not a trainer event and was never called"):
+        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=4)
+
+
 def test_fastai_event_name_warns():
     class FastaiStyle(TrainerCallback):
         def after_batch(self):

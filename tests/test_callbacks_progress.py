@@ -12,7 +12,7 @@ import tqdm.std
 from conftest import linear_dataset, make_linear, make_trainer
 from sync_counter import make_sync_counting_trainer
 
-from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
+from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer, console
 from pytorch_accel_trainer.callbacks import (
     EarlyStoppingCallback,
     LogMetricsCallback,
@@ -20,7 +20,6 @@ from pytorch_accel_trainer.callbacks import (
     ProgressBarCallback,
     StepBasedEvaluationCallback,
     TrainerCallback,
-    progress,
 )
 
 
@@ -68,7 +67,7 @@ def test_postfix_refreshed_when_bar_is_drawn(monkeypatch, mininterval):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, mininterval=float(mininterval), **kwargs)
 
-    monkeypatch.setattr(progress, "_TQDM_CLASS", Bar)
+    monkeypatch.setattr(console, "_TQDM_CLASS", Bar)
     bar = ProgressBarCallback()
     probe = PostfixProbe(bar)
     trainer = make_trainer(make_linear(), callbacks=[bar, probe])
@@ -215,7 +214,7 @@ def test_outside_notebook_bar_is_text():
     import tqdm.notebook
     import tqdm.std
 
-    from pytorch_accel_trainer.callbacks.progress import progress_bar_class
+    from pytorch_accel_trainer.console import progress_bar_class
 
     chosen = progress_bar_class()  # outside a notebook: the text bar, never the widget
     assert issubclass(chosen, tqdm.std.tqdm) and not issubclass(chosen, tqdm.notebook.tqdm_notebook)
@@ -226,7 +225,7 @@ def test_script_bar_imports_no_notebook():
     at each run's start where they are installed, as the test extra installs them)."""
     code = (
         "import sys\n"
-        "from pytorch_accel_trainer.callbacks.progress import progress_bar_class\n"
+        "from pytorch_accel_trainer.console import progress_bar_class\n"
         "chosen = progress_bar_class()\n"
         "print(chosen.__module__, sorted(name for name in ('ipywidgets', 'IPython') if name in sys.modules))\n"
     )

@@ -62,6 +62,7 @@ PUBLIC_NAMES_OF_OTHER_MODULES = {
 #: of these places: whether it is public is decided.
 INTERNAL_MODULES = (
     "__main__",
+    "console",
     "data",
     "loop",
     "loop.*",

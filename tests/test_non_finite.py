@@ -108,6 +108,24 @@ def test_retried_step_fires_events_once():
     assert recorder.events.count("on_optimizer_step_end") == 16
 
 
+def test_retry_through_a_pytorch_accelerated_override_fires_events_once():
+    """A retry through an override written as pytorch-accelerated's ``(batch, step)`` fires no event and counts no
+    sample again: its super() call finds the retry in the run state."""
+
+    class Override(NaNOnCalls):
+        nan_calls = {3}
+
+        def _perform_forward_and_backward_passes(self, batch, step):
+            super()._perform_forward_and_backward_passes(batch, step)
+
+    recorder, model = RecordingCallback(), make_mlp()
+    callbacks = [SkipNonFiniteStepsCallback(max_retries=1), recorder]
+    trainer = Override(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
+    trainer.train(regression_dataset(16), num_epochs=2, per_device_batch_size=2)
+    assert trainer.calls == 16  # batch 3 ran twice
+    assert recorder.events.count("on_train_step_end") == 16 and int(trainer.run_state.samples_seen) == 32
+
+
 def test_retry_reruns_the_whole_window():
     """Under accumulation a retry reruns the whole window and ends where a clean run ends."""
     recorder = RecordingCallback()

@@ -50,7 +50,7 @@ def _runtime_imports_of(path: pathlib.Path) -> set:
 #: The package's units, lowest first: a unit imports (at run time) only units of a lower rank, and the modules of
 #: one subpackage import each other one way (no cycle). A new top-level module or subpackage must be placed here.
 UNIT_RANKS = {
-    "errors": 0, "data": 0,  # leaves: nothing of the package
+    "errors": 0, "data": 0, "console": 0,  # leaves: nothing of the package
     "parallel": 1, "tracking": 1, "placeholders": 1, "finetuning": 1,  # over the leaves only
     "run_config": 2, "plotting": 2, "schedulers": 2, "state": 2,  # what a run is, and its files on disk
     "utils": 2,  # pytorch-accelerated's helpers, the process decorators among them (from parallel)
@@ -91,6 +91,36 @@ def test_imports_run_one_way_between_units(path):
         if imported == unit:
             continue  # one subpackage: its modules may use each other, one way (see the test of cycles below)
         assert UNIT_RANKS[imported] < UNIT_RANKS[unit], f"{relative} ({unit}) imports {module} ({imported})"
+
+
+#: The loop modules that still import a concrete callback until the branch where callbacks declare what they write
+#: (helper "persist") is merged: the lead removes this list at the merge.
+LOOP_MODULES_IMPORTING_CALLBACKS_UNTIL_MERGE = {"loop/persistence.py", "loop/time_budget.py"}
+
+
+def _loop_module(path: pathlib.Path):
+    relative = path.relative_to(PACKAGE).as_posix()
+    if relative not in LOOP_MODULES_IMPORTING_CALLBACKS_UNTIL_MERGE:
+        return pytest.param(path, id=relative)
+    reason = "its callbacks declare what they write on the persist branch, merged later"
+    return pytest.param(path, id=relative, marks=pytest.mark.xfail(strict=False, reason=reason))
+
+
+@pytest.mark.parametrize("path", [_loop_module(path) for path in sorted((PACKAGE / "loop").glob("*.py"))])
+def test_the_loop_imports_no_callback(path):
+    """The engine defines protocols and plug-ins declare what they need: no module of ``loop/`` imports from
+    ``callbacks/`` (under ``TYPE_CHECKING`` included), so the loop asks every callback alike, a user's included."""
+    relative = path.relative_to(PACKAGE).as_posix()
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+    assert not [name for name in imported if name and name.startswith("pytorch_accel_trainer.callbacks")], (
+        f"{relative} imports from pytorch_accel_trainer.callbacks: have the callbacks declare what the loop needs "
+        "through a TrainerCallback method with a default, and ask every callback through it"
+    )
 
 
 def test_at_most_about_twenty_top_level_modules():

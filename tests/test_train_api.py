@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
 
-from pytorch_accel_trainer.callbacks import EarlyStoppingCallback
+from pytorch_accel_trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from pytorch_accel_trainer.loop.run_state import TrainResult
 
 # What train() and evaluate() return -----------------------------------------------------------------------------------
@@ -26,6 +26,38 @@ def test_train_returns_metrics_counts_speed():
     assert (result.num_epochs, result.num_update_steps, result.num_samples) == (3, 15, 60)
     assert result.wall_time_seconds > 0 and result.samples_per_second == pytest.approx(60 / result.wall_time_seconds)
     assert not result.stopped_early
+
+
+class WatchesTrainLoss(TrainerCallback):
+    """A user's callback that watches a metric, declared through the protocol (no MonitorCallback)."""
+
+    def __init__(self):
+        self.best = None
+
+    def on_train_epoch_end(self, trainer, **kwargs):
+        loss = trainer.run_history.get_latest_metric("train_loss_epoch")
+        self.best = loss if self.best is None else min(self.best, loss)
+
+    def watched_metric(self):
+        return "train_loss_epoch", self.best
+
+
+def test_result_best_metric_is_the_first_watching_callbacks():
+    """The best metric of the result is the first callback's that says it watches one, a user's as a built-in's; a
+    callback that watches none (the default) or has no protocol method (a duck-typed one) is passed over."""
+
+    class DuckTyped:
+        def on_train_epoch_end(self, trainer, **kwargs):
+            pass
+
+    watcher = WatchesTrainLoss()
+    trainer = make_trainer(make_mlp(), callbacks=[DuckTyped(), TrainerCallback(), watcher, EarlyStoppingCallback()])
+    result = trainer.train(
+        regression_dataset(20), num_epochs=2, eval_dataset=regression_dataset(8), per_device_batch_size=4
+    )
+    assert result.best_metric_name == "train_loss_epoch"
+    assert result.best_metric == min(trainer.run_history.get_metric_values("train_loss_epoch")) == watcher.best
+    assert make_trainer(make_mlp()).train(regression_dataset(8), num_epochs=1).best_metric_name is None
 
 
 def test_result_of_a_stopped_run():

@@ -387,6 +387,25 @@ def test_forward_backward_override_arguments(dataset):
         assert_bitwise_equal(trainer.get_model().state_dict(), trainers[0].get_model().state_dict())
 
 
+def test_step_overrides_are_read_once_not_rewritten():
+    """What the step's overrides accept is read as the trainer is constructed: the class stays as written, and an
+    override with pytorch-accelerated's (batch, step) finds the loop's window flag in the run state (the last batch of
+    a stream closes its window), which its super() call uses."""
+    flags = []
+
+    class PytorchAccelerated(Trainer):
+        def _perform_forward_and_backward_passes(self, batch, step):
+            flags.append((step, self.run_state.closes_window))
+            super()._perform_forward_and_backward_passes(batch, step)
+
+    written = PytorchAccelerated.__dict__["_perform_forward_and_backward_passes"]
+    trainer = make_trainer(make_linear(), trainer_class=PytorchAccelerated)
+    stream = StreamDataset(linear_dataset(10))
+    trainer.train(stream, num_epochs=1, per_device_batch_size=2, gradient_accumulation_steps=2)
+    assert PytorchAccelerated.__dict__["_perform_forward_and_backward_passes"] is written
+    assert flags == [(0, False), (1, True), (2, False), (3, True), (4, True)]
+
+
 @pytest.mark.parametrize(
     "event, raised_from_train, steps_run",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import inspect
 import logging
@@ -43,58 +44,27 @@ RUN_END_EVENTS = ("on_training_run_end", "on_evaluation_run_end", "on_predict_ru
 #: The events that receive ``is_intermediate``: ``True`` in the evaluation epochs of ``StepBasedEvaluationCallback``.
 EVAL_EPOCH_EVENTS = ("on_eval_epoch_start", "on_eval_epoch_end")
 
-#: Other trainers' names for these events: ``name: (whose name it is, what it is here)``, what it is here being the
-#: event that means the same or, where there is none, what to do instead. A callback that defines one of them,
-#: undeclared, is refused when it is added (it would never be called); declared as a custom event, it is allowed.
+#: The most common of other trainers' names for these events: ``name: (whose name it is, what it is here)``, what it
+#: is here being the event that means the same or, where there is none, what to do instead. A callback that defines
+#: one of them, undeclared, is refused when it is added (it would never be called); declared as a custom event, it is
+#: allowed. Any other name is a custom event, named in a warning at the end of a run that never fired it.
 FOREIGN_EVENT_NAMES: dict[str, tuple[str, str]] = {
     "on_fit_start": ("Lightning's", "on_training_run_start"),
     "on_fit_end": ("Lightning's", "on_training_run_end"),
-    "on_train_start": ("Lightning's", "on_training_run_start"),
     "on_train_begin": ("Keras's and Hugging Face's", "on_training_run_start"),
     "on_train_end": ("Lightning's, Keras's and Hugging Face's", "on_training_run_end"),
     "on_before_train": ("mini.trainer's", "on_training_run_start"),
     "on_after_train": ("mini.trainer's", "on_training_run_end"),
     "on_epoch_begin": ("Keras's and Hugging Face's", "on_train_epoch_start"),
-    "on_epoch_start": ("an older Lightning's", "on_train_epoch_start"),
     "on_epoch_end": ("Keras's and Hugging Face's", "on_training_run_epoch_end"),
     "on_train_batch_start": ("Lightning's", "on_train_step_start"),
-    "on_train_batch_begin": ("Keras's", "on_train_step_start"),
-    "on_batch_begin": ("Keras's", "on_train_step_start"),
-    "on_batch_start": ("an older Lightning's", "on_train_step_start"),
     "on_before_step": ("mini.trainer's", "on_train_step_start"),
-    "on_step_begin": ("Hugging Face's", "on_train_step_start"),
     "on_train_batch_end": ("Lightning's, Dream Trainer's and Keras's", "on_train_step_end"),
-    "on_batch_end": ("Keras's", "on_train_step_end"),
-    "on_substep_end": ("Hugging Face's", "on_train_step_end"),
     "on_step_end": ("Hugging Face's", "on_optimizer_step_end"),
-    "on_optimizer_step": ("Hugging Face's", "on_optimizer_step_end"),
     "on_after_step": ("mini.trainer's", "on_optimizer_step_end"),
-    "on_validation_start": ("Lightning's", "on_eval_epoch_start"),
-    "on_validation_epoch_start": ("Lightning's", "on_eval_epoch_start"),
-    "on_validation_batch_start": ("Lightning's", "on_eval_step_start"),
     "on_validation_batch_end": ("Lightning's and Dream Trainer's", "on_eval_step_end"),
     "on_validation_epoch_end": ("Lightning's", "on_eval_epoch_end"),
-    "on_validation_end": ("Lightning's", "on_eval_epoch_end"),
-    "on_evaluate": ("Hugging Face's", "on_eval_epoch_end"),
-    "on_prediction_step": ("Hugging Face's", "on_eval_step_end"),
-    "on_test_start": ("Lightning's", "on_evaluation_run_start"),
-    "on_test_begin": ("Keras's", "on_eval_epoch_start"),
-    "on_test_epoch_start": ("Lightning's", "on_eval_epoch_start"),
-    "on_test_batch_start": ("Lightning's", "on_eval_step_start"),
-    "on_test_batch_begin": ("Keras's", "on_eval_step_start"),
-    "on_test_batch_end": ("Lightning's and Keras's", "on_eval_step_end"),
-    "on_test_epoch_end": ("Lightning's", "on_eval_epoch_end"),
-    "on_test_end": ("Lightning's and Keras's", "on_eval_epoch_end"),
-    "on_predict_start": ("Lightning's", "on_predict_run_start"),
-    "on_predict_epoch_start": ("Lightning's", "on_predict_run_start"),
-    "on_predict_batch_end": ("Lightning's", "on_predict_step_end"),
-    "on_predict_epoch_end": ("Lightning's", "on_predict_run_end"),
-    "on_predict_end": ("Lightning's", "on_predict_run_end"),
-    "on_before_backward": ("Lightning's", "no event: override the trainer's backward_step hook"),
     "on_after_backward": ("Lightning's", "no event: override the trainer's backward_step hook"),
-    "on_before_optimizer_step": ("Lightning's", "no event: override the trainer's optimizer_step hook"),
-    "on_pre_optimizer_step": ("Hugging Face's", "no event: override the trainer's optimizer_step hook"),
-    "on_before_zero_grad": ("Lightning's", "no event: override the trainer's optimizer_zero_grad hook"),
     "on_save_checkpoint": ("Lightning's", "no event: a callback's state_dict() is saved in each training state"),
     "on_state_dict": ("mini.trainer's", "no event: a callback's state_dict() is saved in each training state"),
     "on_load_checkpoint": ("Lightning's", "no event: a callback's load_state_dict() restores it on resume"),
@@ -258,6 +228,12 @@ class TrainerCallback:
     def on_stop_training_error(self, trainer: Trainer, **kwargs):
         """Called when a :class:`StopTrainingError` ends a run early."""
 
+    def watched_metric(self) -> tuple[str, Any] | None:
+        """The run-history metric this callback watches and its best value so far (``None`` before the first), which
+        ``train()`` reports in its ``TrainResult`` (``best_metric_name``, ``best_metric``: the first callback's that
+        watches one); the default, ``None``, watches none. ``MonitorCallback`` and its subclasses return theirs."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         # Only called for an attribute that normal lookup did not find; a parent class (an nn.Module, say) may have it.
         try:
@@ -371,6 +347,17 @@ class CallbackHandler:
     def callback_list(self) -> list[str]:
         """The class names of the registered callbacks, in calling order."""
         return [type(cb).__name__ for cb in self.callbacks]
+
+    def watched_metric(self) -> tuple[str | None, Any]:
+        """The metric the first callback that watches one watches and its best value so far
+        (:meth:`TrainerCallback.watched_metric`); ``(None, None)`` when none does. A callback without the method (one
+        that only has event methods) watches none."""
+        for callback in self.callbacks:
+            watched_metric = getattr(callback, "watched_metric", None)
+            watched = watched_metric() if callable(watched_metric) else None
+            if watched is not None:
+                return watched
+        return None, None
 
     @contextlib.contextmanager
     def intermediate_evaluation(self) -> Iterator[None]:
@@ -501,51 +488,16 @@ def _call_each(listeners: list, event: str, args: tuple, kwargs: dict) -> None:
         raise first_error
 
 
-#: Word endings that turn an event's word into another form of it (``ends``, ``ended``, ``ending``; ``epochs``).
-_INFLECTIONS = ("ing", "ed", "s")
-
-
-def _word_stem(word: str) -> str:
-    for ending in _INFLECTIONS:
-        if word.endswith(ending) and len(word) > len(ending) + 2:
-            return word[: -len(ending)]
-    return word
-
-
-def _stem(name: str) -> str:
-    """``on_train_epoch_ended`` -> ``on_train_epoch_end``: each word without its inflection."""
-    return "_".join(_word_stem(word) for word in name.split("_"))
-
-
-def _edit_distance(a: str, b: str) -> int:
-    """The Levenshtein distance: insertions, deletions and substitutions of one character."""
-    previous = list(range(len(b) + 1))
-    for i, char_a in enumerate(a, start=1):
-        current = [i]
-        for j, char_b in enumerate(b, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
-        previous = current
-    return previous[-1]
-
-
-#: The most characters a name may differ from an event's and still be taken for a misspelling of it.
-MAX_MISSPELLING_DISTANCE = 2
+#: How alike (``difflib``'s ratio, 0 to 1) a name must be to an event's to be taken for a misspelling of it: another
+#: form of its words (``on_train_epoch_ends``, ``on_eval_step_ended``) or a typo (``on_trian_step_end``) is; a custom
+#: event (``on_invoke_save_checkpoint``) is not.
+MISSPELLING_CUTOFF = 0.9
 
 
 def _misspelt_event(name: str) -> str | None:
-    """The trainer event that ``name`` (not itself an event) is a likely misspelling of, or ``None``.
-
-    Likely: another form of the same words (``on_train_epoch_ends``, ``on_eval_steps_end``,
-    ``on_training_run_ended``), or at most :data:`MAX_MISSPELLING_DISTANCE` characters inserted, removed or changed
-    (``on_trian_step_end``). A name further from every event is a custom event (``on_invoke_save_checkpoint``).
-    """
-    if name in EVENTS:
-        return None
-    for event in EVENTS:
-        if _stem(event) == _stem(name):
-            return event
-    distance, event = min((_edit_distance(name, event), event) for event in EVENTS)
-    return event if distance <= MAX_MISSPELLING_DISTANCE else None
+    """The trainer event that ``name`` (not itself an event) is a likely misspelling of, or ``None``."""
+    matches = difflib.get_close_matches(name, EVENTS, n=1, cutoff=MISSPELLING_CUTOFF)
+    return matches[0] if matches and name not in EVENTS else None
 
 
 def _foreign_name_message(callback_class: type, name: str) -> str:

@@ -43,6 +43,10 @@ class MonitorCallback(TrainerCallback):
     def on_training_run_end(self, trainer: Trainer, **kwargs):
         self._state_was_restored = False  # a state restored during the run counts for this run only
 
+    def watched_metric(self) -> tuple[str, float | None]:
+        """``(watch_metric, best_metric)``: what ``train()`` reports as the run's best metric."""
+        return self.watch_metric, self.best_metric
+
     def _reset(self) -> None:
         """Forget what was watched so far; subclasses extend this with their own counters."""
         self.best_metric = None

@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
-from pytorch_accel_trainer.errors import validate_positive_int
+from pytorch_accel_trainer.errors import (  # noqa: F401  (NonFiniteGradientsError: importable here)
+    NonFiniteGradientsError,
+    validate_non_finite_policy,
+)
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.non_finite import NonFinitePolicy
     from pytorch_accel_trainer.trainer import Trainer
-
-#: What the non-finite policy does with an update whose gradients are still not finite after its retries.
-ON_EXHAUSTED_CHOICES = ("skip", "stop", "raise")
-
-
-class NonFiniteGradientsError(RuntimeError):
-    """The gradients of an update were not finite after every retry, under ``on_exhausted="raise"``.
-
-    ``train()`` raises it once every callback has ended the run; the update was not applied.
-    """
-
-
-def validate_non_finite_policy(max_consecutive_skips: Any, max_retries: Any, on_exhausted: Any) -> None:
-    """Refuse settings of the non-finite policy that are not valid, or that contradict each other."""
-    if max_consecutive_skips is not None:
-        validate_positive_int("max_consecutive_skips", max_consecutive_skips, "skipped updates", 10)
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries={max_retries!r} is not valid: pass an integer >= 0.")
-    if on_exhausted not in ON_EXHAUSTED_CHOICES:
-        raise ValueError(
-            f"on_exhausted={on_exhausted!r} is not valid: choose between 'skip' (skip the update and go on), 'stop' "
-            "(end the run there, cleanly) and 'raise' (end the run, then raise NonFiniteGradientsError)."
-        )
-    if on_exhausted != "skip" and max_consecutive_skips is not None:
-        raise ValueError(
-            f"max_consecutive_skips={max_consecutive_skips} counts skipped updates in a row, but on_exhausted="
-            f"{on_exhausted!r} ends the run at the first update whose retries run out, skipping none: leave "
-            "max_consecutive_skips out, or pass on_exhausted='skip'."
-        )
 
 
 class SkipNonFiniteStepsCallback(TrainerCallback):

@@ -10,13 +10,12 @@ stage, a bar per training and evaluation epoch, a line per metric).
 from __future__ import annotations
 
 import numbers
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
-from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
+from pytorch_accel_trainer.console import progress_bar_class
 from pytorch_accel_trainer.data import dataloader_length
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.run_config import get_run_config
@@ -27,30 +26,6 @@ if TYPE_CHECKING:
     from tqdm import tqdm
 
     from pytorch_accel_trainer.trainer import Trainer
-
-_TQDM_CLASS = None
-
-
-def progress_bar_class() -> type:
-    """tqdm's widget bar in a notebook that has ipywidgets, its text bar everywhere else.
-
-    ``tqdm.auto`` alone warns ("IProgress not found") in a notebook without ipywidgets; the text bar shows the
-    same there. Chosen once, at the first bar. ipywidgets is imported only inside a Jupyter kernel (``ipykernel``
-    already imported): in a script, importing it (and IPython with it) would cost about 0.1 s at every run's start,
-    for a bar it cannot draw.
-    """
-    global _TQDM_CLASS
-    if _TQDM_CLASS is None:
-        from tqdm.std import tqdm as chosen
-
-        if "ipykernel" in sys.modules:  # a notebook, or a process notebook_launcher forked from one
-            try:
-                import ipywidgets  # noqa: F401  (only whether it imports)
-                from tqdm.auto import tqdm as chosen
-            except ImportError:
-                pass
-        _TQDM_CLASS = chosen
-    return _TQDM_CLASS
 
 
 def _plural(count: int, noun: str) -> str:
@@ -87,8 +62,8 @@ class PrintProgressCallback(TrainerCallback):
 
     The first line summarises the model (its parameters, total and trainable, its size in MiB and the precision it
     runs in: ``utils.model_summary_line``); the second says what will run (epochs, updates per epoch, the global
-    batch); the end line says how long it took and the best value of a monitoring callback (``EarlyStoppingCallback``,
-    ...), if there is one.
+    batch); the end line says how long it took and the best value of the first callback that watches a metric
+    (``EarlyStoppingCallback``, ...: ``TrainerCallback.watched_metric``), if there is one.
 
     Args:
         verbose: print pytorch-accelerated's messages instead: a line at the start and end of each run and at the
@@ -165,9 +140,9 @@ class PrintProgressCallback(TrainerCallback):
         seconds = time.perf_counter() - self._run_start
         epochs = _plural(self._epochs, "epoch")
         summary = f"Finished {epochs} in {seconds:.3g}s ({trainer.num_update_steps_completed} updates)"
-        monitor = next((cb for cb in trainer.callback_handler if isinstance(cb, MonitorCallback)), None)
-        if monitor is not None and monitor.best_metric is not None:
-            summary += f" · best {monitor.watch_metric}: {format_value(monitor.best_metric)}"
+        name, best = trainer.callback_handler.watched_metric()
+        if best is not None:
+            summary += f" · best {name}: {format_value(best)}"
         _print(trainer, summary)
 
     def on_evaluation_run_start(self, trainer: Trainer, **kwargs):

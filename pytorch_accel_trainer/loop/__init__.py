@@ -1,12 +1,13 @@
 """The parts of a training step that the Trainer composes, each with its own state and a narrow interface: the run's
-state and its transitions (``run_state``), the accumulation window (``accumulation``), batches and their weights
-(``batches``), the non-finite gradient policy (``non_finite``), the epoch's recorded values and the run's result
-(``recording``), the learning-rate range test's sweep, suggestion and snapshot (``lr_find``), the checks of the
-model, loss function, optimizer and constructor options (``components``), the check of the first evaluation batch
-(``first_eval_batch``), each module's train/eval mode kept across a pass (``training_modes``); and the Trainer's two
-feature mixins, saving and loading (``persistence``) and extra models trained beside the main one
-(``extra_models``), which call none of the Trainer's private methods.
+state, its transitions and the accumulation window's state (``run_state``), what is done to the gradients before an
+update (``accumulation``), batches and their weights (``batches``), the non-finite gradient policy (``non_finite``),
+the epoch's recorded values and the run's result (``recording``), the learning-rate range test's sweep, suggestion
+and snapshot (``lr_find``), the checks of the model, loss function, optimizer and constructor options
+(``components``), the check of the first evaluation batch (``first_eval_batch``), each module's train/eval mode kept
+across a pass (``training_modes``); and the Trainer's two feature mixins, saving and loading (``persistence``) and
+extra models trained beside the main one (``extra_models``), which call none of the Trainer's private methods.
 
-Imports the layers below it (``state``, ``parallel``, ``callbacks`` and the public leaf modules); only
-``trainer.py`` and ``cli`` import it.
+Imports the layers below it (``state``, ``parallel`` and the public leaf modules), never a callback: what the loop
+needs of the callbacks it asks through the protocol of ``TrainerCallback`` (a method with a default), every callback
+alike. Only ``trainer.py`` and ``cli`` import it.
 """

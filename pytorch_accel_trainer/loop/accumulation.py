@@ -1,7 +1,9 @@
-"""The accumulation window: how micro-batch losses are scaled, and what is done to the gradients before an update.
+"""What is done to the accumulated gradients before an update: a window's correction, and clipping.
 
-Each function runs once per micro-batch or once per optimizer update and never reads a value back from the
-device. ``docs/inside_the_trainer.md`` explains the arithmetic ("Scaling the loss for accumulation").
+The window's state and how each micro-batch's loss is scaled are the run state's (``RunState.scale_loss``,
+``RunState.end_window``); the functions here run once per optimizer update, only where the run asks for them (a window
+that needs a correction, clipping or a gradient norm), and never read a value back from the device.
+``docs/inside_the_trainer.md`` explains the arithmetic ("Scaling the loss for accumulation").
 """
 
 from __future__ import annotations
@@ -20,30 +22,10 @@ def _gradients(parameters: Iterable[torch.nn.Parameter]) -> list:
     return [parameter.grad for parameter in parameters if parameter.grad is not None]
 
 
-def scale_loss_for_accumulation(batch_output: dict, step: int, state: RunState) -> torch.Tensor:
-    """The loss to back-propagate: its gradients, added over the window, are those of one large batch.
-
-    The loss is divided by the micro-batches of its window (fewer in a partial last window of an epoch of known
-    length), or, with ``num_items_in_batch``, multiplied by it (the window's total divides the gradients at the
-    update, :func:`finish_window`).
-    """
-    loss, accumulation = batch_output["loss"], state.accumulation_steps
-    if "num_items_in_batch" in batch_output:
-        items = batch_output["num_items_in_batch"]
-        state.add_window_items(items, opens_window=step % accumulation == 0)
-        return loss * items
-    if accumulation == 1:
-        return loss
-    window_start = step - step % accumulation
-    epoch_length = state.train_epoch_length  # None: unknown, corrected by finish_window if the stream ends early
-    micro_batches = accumulation if epoch_length is None else min(accumulation, epoch_length - window_start)
-    return loss if micro_batches == 1 else loss / micro_batches
-
-
 def finish_window(step: int, state: RunState, accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Before the update that closes the window at micro-batch ``step``: rescale the gradients of a partial last
-    window of an epoch of unknown length, and divide those of item-weighted losses by the window's items. A full
-    window without ``num_items_in_batch`` (the common case) costs no tensor operation."""
+    """Before the update that closes the window at micro-batch ``step``, where ``state.window_needs_correction``:
+    rescale the gradients of a partial last window of an epoch of unknown length, and divide those of item-weighted
+    losses by the window's items (``RunState.scale_loss`` scaled each micro-batch's loss)."""
     micro_batches, accumulation = step % state.accumulation_steps + 1, state.accumulation_steps
     if state.train_epoch_length is None and micro_batches != accumulation:  # the stream ended inside the window
         torch._foreach_mul_(_gradients(model.parameters()), accumulation / micro_batches)

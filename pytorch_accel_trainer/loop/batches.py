@@ -3,11 +3,10 @@ what that hook returns, and what a batch's loss counts for in an epoch's mean.""
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Mapping
 from types import MethodType
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 from accelerate.utils import find_batch_size
@@ -234,12 +233,29 @@ def batch_size_of(batch: Any) -> int:
     return tensor.size(0)
 
 
-@functools.lru_cache(maxsize=128)
-def _batch_idx_argument(function: Callable, is_method: bool) -> Optional[str]:
-    """How the batch hook ``function`` takes the batch index (found once per function, not per step): by keyword
-    when it names a parameter ``batch_idx`` (``"keyword"``); as its argument after the batch when that one has no
-    default, whatever its name (``"positional"``: ``training_step(self, batch, index)``); or not at all (``None``:
-    pytorch-accelerated's ``(self, batch)``)."""
+class BatchIndexArguments(NamedTuple):
+    """How each batch hook of a trainer takes the batch index (see :func:`batch_index_argument`), read once."""
+
+    train: Optional[str]  # calculate_train_batch_loss
+    eval: Optional[str]  # calculate_eval_batch_loss
+    predict: Optional[str]  # calculate_predict_batch_output
+
+    @classmethod
+    def of(cls, trainer: Any) -> BatchIndexArguments:
+        """Read the signatures of ``trainer``'s batch hooks (as it is constructed: never on the step's path)."""
+        return cls(
+            batch_index_argument(trainer.calculate_train_batch_loss),
+            batch_index_argument(trainer.calculate_eval_batch_loss),
+            batch_index_argument(trainer.calculate_predict_batch_output),
+        )
+
+
+def batch_index_argument(hook: Callable) -> Optional[str]:
+    """How the batch hook ``hook`` (a bound method or a function) takes the batch index: by keyword when it names a
+    parameter ``batch_idx`` (``"keyword"``); as its argument after the batch when that one has no default, whatever
+    its name (``"positional"``: ``training_step(self, batch, index)``); or not at all (``None``: pytorch-accelerated's
+    ``(self, batch)``). Reads the signature: the trainer calls it once per hook, as it is constructed."""
+    function, is_method = getattr(hook, "__func__", hook), isinstance(hook, MethodType)
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: called with the batch alone
@@ -259,9 +275,12 @@ def _batch_idx_argument(function: Callable, is_method: bool) -> Optional[str]:
     return None
 
 
-def call_batch_hook(hook: Callable, batch: Any, batch_idx: int, loss_output: bool = True) -> Any:
-    """Call the batch hook ``hook`` on ``batch``, with ``batch_idx`` too when it takes it (see
-    :func:`_batch_idx_argument`), and return its output.
+def call_batch_hook(
+    hook: Callable, batch: Any, batch_idx: int, index_argument: Optional[str], loss_output: bool = True
+) -> Any:
+    """Call the batch hook ``hook`` on ``batch``, with ``batch_idx`` as ``index_argument`` says (what
+    :func:`batch_index_argument` found when the trainer was constructed: no signature is read here), and return its
+    output.
 
     With ``loss_output`` (the batch-loss hooks, ``calculate_train_batch_loss`` and ``calculate_eval_batch_loss``), the
     output is checked, and a ``batch_size`` it left out is found from the batch (shapes only: no host sync);
@@ -272,11 +291,10 @@ def call_batch_hook(hook: Callable, batch: Any, batch_idx: int, loss_output: boo
             one of shape ``(1,)`` is returned as one) and a ``batch_size``, given or found; the message names the
             hook.
     """
-    argument = _batch_idx_argument(getattr(hook, "__func__", hook), isinstance(hook, MethodType))
-    if argument is None:
+    if index_argument is None:
         output = hook(batch)
     else:
-        output = hook(batch, batch_idx=batch_idx) if argument == "keyword" else hook(batch, batch_idx)
+        output = hook(batch, batch_idx=batch_idx) if index_argument == "keyword" else hook(batch, batch_idx)
     if not loss_output:
         return output
     if isinstance(output, dict) and "batch_size" in output:

@@ -14,7 +14,6 @@ import torch
 from accelerate.utils import send_to_device
 from torch.utils.data import DataLoader, IterableDataset
 
-from pytorch_accel_trainer.callbacks.base import overrides
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.loop.batches import is_mapping
 from pytorch_accel_trainer.loop.training_modes import training_modes_kept
@@ -27,16 +26,16 @@ def check_first_eval_batch(trainer: Any) -> None:
     iterating the dataloader (no sampler, iterator or worker is touched), the model runs in eval mode under
     ``no_grad`` (each module's mode is put back), no event fires, and the RNG states of torch, numpy and ``random``
     are put back. Skipped for a stream (an iterable dataset may not be readable twice), for a dataloader that is not a
-    torch ``DataLoader``, and when a subclass overrides ``calculate_eval_batch_loss``, which may keep state (metrics)
-    that one extra batch would change; ``train(check_first_eval_batch=False)`` switches it off.
+    torch ``DataLoader``; the Trainer does not call it when a subclass overrides ``calculate_eval_batch_loss``, which
+    may keep state (metrics) that one extra batch would change, nor with ``train(check_first_eval_batch=False)``.
 
     Raises:
         ValueError: ``calculate_eval_batch_loss`` raised on the first batch; the message names the dataset, the
             batch's tensor shapes and the error.
     """
     dataloader = getattr(trainer.eval_dataloader, "base_dataloader", trainer.eval_dataloader)
-    if not isinstance(dataloader, DataLoader) or overrides(trainer, "calculate_eval_batch_loss"):
-        return  # a dataloader of your own, or a hook of your own: its first evaluation step is the check
+    if not isinstance(dataloader, DataLoader):
+        return  # a dataloader of your own: its first evaluation step is the check
     dataset, length = dataloader.dataset, dataset_length(dataloader.dataset)
     if isinstance(dataset, IterableDataset) or not length:
         return  # a stream may not be readable twice

@@ -13,8 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from pytorch_accel_trainer.callbacks.non_finite import NonFiniteGradientsError, validate_non_finite_policy
-from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.errors import NonFiniteGradientsError, StopTrainingError, validate_non_finite_policy
 from pytorch_accel_trainer.loop.run_state import RunState
 
 #: Runs the forward and backward passes of a window's micro-batches again: given their ``(batch, step)`` pairs.

@@ -7,12 +7,10 @@ returns; they take what they need as arguments.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
 
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
 from pytorch_accel_trainer.loop.run_state import RunState, TrainResult
 from pytorch_accel_trainer.run_config import TrainerRunConfig
 from pytorch_accel_trainer.tracking import (
@@ -55,14 +53,12 @@ def record_epoch_values(
 
 
 def create_train_result(
-    state: RunState, run_config: TrainerRunConfig, run_history: RunHistory, callbacks: Iterable
+    state: RunState, run_config: TrainerRunConfig, run_history: RunHistory, watched_metric: tuple
 ) -> TrainResult:
-    """Return the summary of the training run that just ended (one host read if a hook gave tensor sizes)."""
+    """Return the summary of the training run that just ended (one host read if a hook gave tensor sizes); its best
+    metric is ``watched_metric``, ``(name, best value)``: the callbacks' (``CallbackHandler.watched_metric``)."""
     wall_time = time.perf_counter() - (state.started_at or 0.0)
     num_samples = int(state.samples_seen) * run_config.num_processes  # the processes run the same steps
-    monitor: Optional[MonitorCallback] = next(
-        (callback for callback in callbacks if isinstance(callback, MonitorCallback)), None
-    )
     epochs = metric_counts(run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get(
         "train_loss_epoch", 0
     )
@@ -71,8 +67,8 @@ def create_train_result(
     )
     return TrainResult(
         metrics=metrics_recorded_since(run_history, state.metric_counts_at_start),
-        best_metric_name=None if monitor is None else monitor.watch_metric,
-        best_metric=None if monitor is None else monitor.best_metric,
+        best_metric_name=watched_metric[0],
+        best_metric=watched_metric[1],
         num_epochs=epochs,  # training epochs run to their end, a last one a callback stopped after included
         num_update_steps=state.num_update_steps_completed,
         num_samples=num_samples,

@@ -43,7 +43,14 @@ class RunState:
         train_epoch_length: the micro-batches of a training epoch on this process, ``None`` when unknown.
         batch_idx: the index in its epoch of the batch being run, training or evaluation, from 0 (``None`` before the
             first); read as ``trainer.batch_idx``.
+        closes_window: whether the training micro-batch being run closes its accumulation window (or the epoch): its
+            backward pass syncs the gradients, and the update follows.
+        retrying_window: while the micro-batches of a window run again for non-finite gradients (no event fires, no
+            sample is counted again).
         items_in_window: ``num_items_in_batch`` summed over the current accumulation window (0 when not given).
+        window_needs_correction: whether the gradients of the window that just closed need a correction before its
+            update (:func:`~pytorch_accel_trainer.loop.accumulation.finish_window`): a partial last window of an epoch
+            of unknown length, or losses weighted by ``num_items_in_batch``.
         train_loss_tracker: the running, weighted sum of this epoch's training losses, on the device.
         train_step_metrics: the same for the extra scalars ``calculate_train_batch_loss`` returns (``accuracy``, ...).
         eval_loss_tracker, eval_step_metrics: the same for the current evaluation epoch (of ``train()``,
@@ -99,7 +106,10 @@ class RunState:
     epoch_first_step: int = 0
     train_epoch_length: Optional[int] = None
     batch_idx: Optional[int] = None
+    closes_window: bool = False
+    retrying_window: bool = False
     items_in_window: Any = 0
+    window_needs_correction: bool = False
     train_loss_tracker: LossTracker = field(default_factory=LossTracker)
     train_step_metrics: StepMetricsTracker = field(default_factory=StepMetricsTracker)
     eval_loss_tracker: LossTracker = field(default_factory=LossTracker)
@@ -247,9 +257,26 @@ class RunState:
         if first_try:
             self.samples_seen += batch_output["batch_size"]
 
-    def add_window_items(self, items: Any, opens_window: bool) -> None:
-        """Add a micro-batch's ``num_items_in_batch`` to the accumulation window's (the first one starts it)."""
-        self.items_in_window = items if opens_window else self.items_in_window + items
+    def scale_loss(self, batch_output: dict, step: int) -> torch.Tensor:
+        """The loss of micro-batch ``step`` to back-propagate: its gradients, added over the window, are those of one
+        large batch.
+
+        The loss is divided by the micro-batches of its window (fewer in a partial last window of an epoch of known
+        length), or, with ``num_items_in_batch``, multiplied by it (the window's total divides the gradients at the
+        update: ``accumulation.finish_window``). A full window without it costs no tensor operation at the update.
+        """
+        loss, accumulation = batch_output["loss"], self.accumulation_steps
+        if "num_items_in_batch" in batch_output:
+            items = batch_output["num_items_in_batch"]
+            opens_window = step % accumulation == 0
+            self.items_in_window = items if opens_window else self.items_in_window + items
+            return loss * items
+        if accumulation == 1:
+            return loss
+        window_start = step - step % accumulation
+        epoch_length = self.train_epoch_length  # None: unknown, corrected at the update if the stream ends early
+        micro_batches = accumulation if epoch_length is None else min(accumulation, epoch_length - window_start)
+        return loss if micro_batches == 1 else loss / micro_batches
 
     def take_window_items(self) -> Any:
         """Return the window's ``num_items_in_batch`` sum and start the next window at 0."""
@@ -258,8 +285,12 @@ class RunState:
 
     def end_window(self, step: int, is_last_batch: bool) -> None:
         """Note that the accumulation window closing at micro-batch ``step`` has run: a stop from here on leaves
-        the epoch at its next batch, or (``is_last_batch``) after all of it."""
+        the epoch at its next batch, or (``is_last_batch``) after all of it; and whether its gradients need a
+        correction before the update (see ``window_needs_correction``)."""
         self.open_epoch_at, self.epoch_trained = (None, True) if is_last_batch else (step + 1, False)
+        stream_ended_early = self.train_epoch_length is None and (step + 1) % self.accumulation_steps != 0
+        items_given = not (isinstance(self.items_in_window, int) and self.items_in_window == 0)
+        self.window_needs_correction = stream_ended_early or items_given
 
     # ------------------------------------------------------------------------------------------------
     # An evaluation epoch
@@ -387,8 +418,9 @@ class TrainResult:
     Attributes:
         metrics: the latest value of each metric this run recorded (``train_loss_epoch``, ``eval_loss_epoch``,
             the step metrics, what callbacks recorded).
-        best_metric_name, best_metric: the metric the first monitoring callback (``EarlyStoppingCallback``,
-            ``SaveBestModelCallback``, ...) watches, and its best value in this run; ``None`` without one.
+        best_metric_name, best_metric: the metric the first callback that watches one (``EarlyStoppingCallback``,
+            ``SaveBestModelCallback``, ...: ``TrainerCallback.watched_metric``) watches, and its best value in this
+            run; ``None`` without one.
         num_epochs: the training epochs run to their end in this call (a resumed run counts those it ran; an
             epoch after which a callback stopped the run counts).
         num_update_steps: the optimizer updates made so far, a resumed run's earlier ones included.

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Iterator, Optional
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import IterableDataset
 
-from pytorch_accel_trainer.callbacks.progress import progress_bar_class
+from pytorch_accel_trainer.console import progress_bar_class
 
 #: the batch states kept: the one trained up to, and those the loop's and Accelerate's look-ahead took since
 _KEPT_STATES = 4
