@@ -21,9 +21,6 @@ import torch
 from accelerate import PartialState, skip_first_batches
 from accelerate.utils import broadcast_object_list, gather_object
 
-from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
-from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
-from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.data_position import samples_per_step, skip_first_samples
 from pytorch_accel_trainer.loop.extra_models import (
@@ -72,9 +69,11 @@ from pytorch_accel_trainer.state.lookup import find_state_to_resume
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
+    TRAINING_STATES,
     Location,
     RemoteStates,
     as_location,
+    declared_destinations,
     is_url,
     join,
     local_file_to_read,
@@ -173,11 +172,12 @@ def train_locations(arguments: dict) -> dict[str, Optional[Location]]:
 
 def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
     """The folders every node of a multi-node run must see as the main process does, each with what the run keeps
-    there: those of its training states, and the one it resumes from (see ``parallel/shared_folders.py``)."""
+    there: those of its training states (as the callbacks declare them), and the one it resumes from (see
+    ``parallel/shared_folders.py``)."""
     folders = {
-        callback.save_dir: "training states of SaveTrainingStateCallback(save_dir=...)"
-        for callback in callbacks
-        if isinstance(callback, SaveTrainingStateCallback) and not is_url(callback.save_dir)
+        destination.location: f"training states of {destination.given_as}"
+        for destination in declared_destinations(callbacks)
+        if destination.holds == TRAINING_STATES and not is_url(destination.location)
     }
     if options.max_time_save_dir is not None and not is_url(options.max_time_save_dir):
         folders.setdefault(as_location(options.max_time_save_dir), "training states of train(max_time_save_dir=...)")
@@ -190,10 +190,10 @@ def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dic
 
 
 def validate_destinations_can_be_written(accelerator: Any, callbacks: Iterable, options: "TrainOptions") -> None:
-    """Check, before the first batch, that every folder the run will write to can be written: the training states'
-    (callbacks, ``max_time_save_dir``) and the checkpoints' (``SaveBestModelCallback``, ``WSDCheckpointCallback``).
-    Each process probes its folders (a store: the main process, once); one small collective agrees on the outcome,
-    so that every process raises the same ``OSError``, naming the folder, where it was given and the cause."""
+    """Check, before the first batch, that every folder the run will write to can be written: those the callbacks
+    declare (``TrainerCallback.writes_to``) and ``max_time_save_dir``. Each process probes its folders (a store: the
+    main process, once); one small collective agrees on the outcome, so that every process raises the same
+    ``OSError``, naming the folder, where it was given and the cause."""
     failure: Optional[str] = None
     for location, use in _destinations(callbacks, options).items():
         if is_url(location) and not accelerator.is_main_process:
@@ -212,15 +212,8 @@ def validate_destinations_can_be_written(accelerator: Any, callbacks: Iterable, 
 
 def _destinations(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
     destinations: dict[Location, str] = {}
-    for callback in callbacks:
-        if isinstance(callback, SaveTrainingStateCallback):
-            destinations.setdefault(callback.save_dir, "SaveTrainingStateCallback(save_dir=...)")
-        elif isinstance(callback, SaveBestModelCallback):
-            destinations.setdefault(
-                storage.parent(as_location(callback.save_path)), "the folder of SaveBestModelCallback(save_path=...)"
-            )
-        elif isinstance(callback, WSDCheckpointCallback):
-            destinations.setdefault(callback.save_dir, "WSDCheckpointCallback(save_dir=...)")
+    for destination in declared_destinations(callbacks):
+        destinations.setdefault(destination.location, destination.given_as)
     if options.max_time_save_dir is not None:
         destinations.setdefault(options.max_time_save_dir, "train(max_time_save_dir=...)")
     return destinations
@@ -229,9 +222,9 @@ def _destinations(callbacks: Iterable, options: "TrainOptions") -> dict[Location
 def validate_stores_reach_every_process(callbacks: Iterable, options: "TrainOptions", num_processes: int) -> None:
     """Refuse, before any work, a run of several processes whose training states would go to ``memory://``."""
     urls = {
-        callback.save_dir: "SaveTrainingStateCallback(save_dir=...)"
-        for callback in callbacks
-        if isinstance(callback, SaveTrainingStateCallback) and is_url(callback.save_dir)
+        destination.location: destination.given_as
+        for destination in declared_destinations(callbacks)
+        if destination.holds == TRAINING_STATES and is_url(destination.location)
     }
     for value, use in ((options.max_time_save_dir, "max_time_save_dir"), (options.resume_from, "resume_from")):
         if value is not None and is_url(value):
