@@ -110,9 +110,9 @@ from pytorch_accel_trainer.run_config import (
     get_run_config,
 )
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
-from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import StoredState
-from pytorch_accel_trainer.state.lookup import find_state_to_resume
+from pytorch_accel_trainer.state.manager import TrainingStates
+from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.tracking import (
     InMemoryRunHistory,
     LossTracker,
@@ -388,7 +388,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """
         options = self._checked_train_options(locals())
         stored_state = (
-            find_state_to_resume(Processes.of_accelerator(self._accelerator), options.resume_from)
+            TrainingStates(Processes.of_accelerator(self._accelerator)).find(options.resume_from)
             if options.resume_from is not None
             else None
         )

@@ -25,7 +25,7 @@ from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCa
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import crash_points
 from pytorch_accel_trainer.state.files import CHECKSUM, MANIFEST_NAME, TRAINER_FILE, file_digest
-from pytorch_accel_trainer.state.training_state import (
+from pytorch_accel_trainer.state.training_state import (  # the public path
     StateFormatError,
     find_resumable_state,
     list_complete_states,

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.errors import validate_positive_int
+from pytorch_accel_trainer.state.manager import validate_save_dir
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
 from pytorch_accel_trainer.state.storage import TRAINING_STATES, Destination, as_location, validate_location
-from pytorch_accel_trainer.state.training_state import validate_save_dir
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer

@@ -29,8 +29,8 @@ from pytorch_accel_trainer.loop.extra_models import (
     validate_extra_checkpoint_entries,
 )
 from pytorch_accel_trainer.loop.run_state import RunState
-from pytorch_accel_trainer.loop.state_content import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
+from pytorch_accel_trainer.loop.trainer_parts import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.parallel.sharded import (
@@ -43,7 +43,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     validate_training_state_supported,
     writes_on_this_process,
 )
-from pytorch_accel_trainer.state import async_save, storage
+from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -57,7 +57,6 @@ from pytorch_accel_trainer.state.checkpointing import (
     validate_some_weights_fit,
     without_wrapper_prefixes,
 )
-from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import (
     MANIFEST_NAME,
     StoredState,
@@ -65,26 +64,19 @@ from pytorch_accel_trainer.state.files import (
     follow_umask,
     validate_state_name,
 )
-from pytorch_accel_trainer.state.lookup import find_state_to_resume
+from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates, validate_save_dir
+from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
     TRAINING_STATES,
     Location,
-    RemoteStates,
     as_location,
     declared_destinations,
     is_url,
-    join,
     local_file_to_read,
     local_file_to_write,
     validate_store_reaches_every_process,
-)
-from pytorch_accel_trainer.state.training_state import (
-    ResumePlan,
-    ResumePosition,
-    validate_save_dir,
-    write_training_state,
 )
 
 if TYPE_CHECKING:
@@ -317,14 +309,10 @@ def write_state(
 ) -> Location:
     """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
 
-    A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
-    state is copied to host memory and written in the background; the folder it will have is returned. Under an
-    object-storage URL the state is written to the node-local mirror and uploaded, its manifest last
-    (``state/storage.py``); the URL of the new state is returned."""
+    The trainer hands its parts to :class:`~pytorch_accel_trainer.state.manager.TrainingStates`, which writes them
+    (see :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.save`: a save in the background waited for
+    first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned."""
     started = time.monotonic()
-    async_save.saver.wait()
-    remote = _remote_states_for_saving(trainer, parent) if isinstance(parent, str) else None
-    local_parent = Path(parent) if remote is None else remote.mirror
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
     content = state_content(trainer, position, checkpoint_kwargs)
@@ -336,49 +324,15 @@ def write_state(
         **({} if trainer.run_state.run_id is None else {"run_id": trainer.run_state.run_id}),
     }
     name = name or default_state_name(trainer.num_update_steps_completed)
+    states = TrainingStates(Processes.of_accelerator(accelerator))
+    location = states.save(parent, content, fields, name, max_rolling, asynchronous)
     if asynchronous:
-        final = async_save.save_in_background(
-            local_parent, content, fields, Processes.of_accelerator(accelerator), name, max_rolling, remote
-        )
-        trainer.print(f"Saving training state {_shown(parent, final)} in the background")
-        return final if remote is None else join(parent, final.name)
-    folder = write_training_state(
-        local_parent, content, fields, Processes.of_accelerator(accelerator), name, max_rolling, remote is not None
-    )
-    if remote is not None:
-        remote.publish_collectively(folder, Processes.of_accelerator(accelerator))
+        trainer.print(f"Saving training state {location} in the background")
+        return location
     if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
         trainer.run_state.time_budget.note_save(time.monotonic() - started)
-    trainer.print(f"Saved training state {_shown(parent, folder)}")
-    return folder if remote is None else join(parent, folder.name)
-
-
-def _remote_states_for_saving(trainer: "Trainer", url: str) -> RemoteStates:
-    """The store folder ``url``, its mirror synchronised on each machine (every process must call this)."""
-    accelerator = trainer.accelerator
-    validate_store_reaches_every_process(url, accelerator.num_processes, "save_training_state")
-    remote = RemoteStates(url)
-    if accelerator.is_local_main_process:
-        remote.sync_mirror()
-    accelerator.wait_for_everyone()
-    return remote
-
-
-def _shown(parent: Location, folder: Path) -> str:
-    """How a message names a state: its URL in a store, else its folder."""
-    return str(join(parent, folder.name)) if isinstance(parent, str) else str(folder)
-
-
-def wait_for_saves(trainer: "Trainer") -> None:
-    """Wait for a training state being written in the background; raise its error unless one is already on its
-    way out of the run (then it is warned about, so that neither is lost)."""
-    already_failing = sys.exc_info()[1] is not None  # called from a finally: another error may be on its way out
-    try:
-        async_save.saver.wait()
-    except CheckpointError as error:
-        if not already_failing:
-            raise
-        warnings.warn(str(error), stacklevel=2)
+    trainer.print(f"Saved training state {location}")
+    return location
 
 
 def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterable) -> None:
@@ -388,7 +342,7 @@ def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterab
     state = trainer.run_state
     if state.preemption_save_dir is not None and state.preemption_save_dir not in saved_to:
         write_state(trainer, state.preemption_save_dir, state.position(step))
-    async_save.saver.wait()  # a state being written in the background is complete before the process exits
+    TrainingStates.wait()  # a state being written in the background is complete before the process exits
     trainer.print(
         f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}."
     )
@@ -407,9 +361,8 @@ def _agreed_preemption_signal(trainer: "Trainer") -> Optional[int]:
 def end_saves_and_preemption(trainer: "Trainer") -> None:
     """As a run ends: wait for a save under way in the background, and put back the signal handlers."""
     try:
-        wait_for_saves(trainer)
+        TrainingStates.end_run()  # a save in the background is complete (or its error raised), host copies freed
     finally:
-        async_save.host_buffers.clear()  # the host copies kept for the run's next asynchronous save
         trainer.run_state.end_preemption()  # the signal handlers enable_preemption replaced are put back
 
 
@@ -538,7 +491,7 @@ class PersistenceMixin:
         Returns:
             The ``checkpoint_kwargs`` saved with it.
         """
-        stored = find_state_to_resume(Processes.of_accelerator(self.accelerator), input_dir)
+        stored = TrainingStates(Processes.of_accelerator(self.accelerator)).find(input_dir)
         if stored is None:
             raise FileNotFoundError(
                 f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state."
