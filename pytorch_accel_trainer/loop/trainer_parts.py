@@ -22,7 +22,6 @@ from accelerate.utils import send_to_device
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
-from pytorch_accel_trainer.state.checkpointing import validate_plain
 from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
 from pytorch_accel_trainer.state.files import (
     StoredState,
@@ -32,6 +31,7 @@ from pytorch_accel_trainer.state.files import (
     extra_optimizer_classes,
     inner_optimizer,
     rank_file,
+    validate_plain,
 )
 from pytorch_accel_trainer.state.folder import history_epoch, load_rank_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
@@ -75,9 +75,10 @@ def sharded_parts(trainer: "Trainer", names: Optional[Iterable[str]] = None) -> 
 
 
 def _callback_states(callbacks: Iterable) -> dict:
+    """The states of the callbacks whose class has a ``state_dict`` method, by class name."""
     states = {}
     for callback in callbacks:
-        if callable(getattr(callback, "state_dict", None)):
+        if callable(getattr(type(callback), "state_dict", None)):  # asked of the class: no __getattr__ of callbacks
             state = callback.state_dict()
             validate_plain(state, f"{type(callback).__name__}.state_dict()")
             states[type(callback).__name__] = state
@@ -121,7 +122,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "rng": capture_rng_state(),
         "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
         "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
-        "callbacks": _callback_states(trainer.callback_handler),
+        "callbacks": _callback_states(trainer.callback_handler.callbacks),
         "stream_position": _stream_state(trainer, position),
     }
     return StateContent(sharded_parts(trainer), shared, own)

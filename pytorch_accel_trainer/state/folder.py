@@ -29,13 +29,7 @@ import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import crash_points
-from pytorch_accel_trainer.state.checkpointing import (
-    describe_unreadable_torch_file,
-    is_abandoned,
-    refused_by_weights_only,
-    reporting_out_of_space,
-    writer_tag,
-)
+from pytorch_accel_trainer.state.checkpointing import describe_unreadable_torch_file, refused_by_weights_only
 from pytorch_accel_trainer.state.files import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -49,13 +43,16 @@ from pytorch_accel_trainer.state.files import (
     file_digest,
     folder_writer,
     fsync_path,
+    is_abandoned,
     is_real_directory,
     read_small_text,
+    reporting_out_of_space,
     state_folders,
     temporary_folder,
     unused_folder_name,
     validate_manifest,
     write_text_atomically,
+    writer_tag,
 )
 from pytorch_accel_trainer.state.parts import Processes, StateContent, agreed, write_content
 from pytorch_accel_trainer.state.rng import validate_rng_state
@@ -205,7 +202,8 @@ def write_training_state(
                 here = {file: pair for file, pair in files.items() if (temporary / file).is_file()}
                 elsewhere = {file: pair for file, pair in files.items() if file not in here}
                 finish_save(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere)
-                prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
+                if max_rolling is not None or "best" in fields.get("kinds", ()):  # else no state became surplus
+                    prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
     except Exception as error:
         problem = error
     # every process learns whether the main process sealed the state: none waits for one that failed
