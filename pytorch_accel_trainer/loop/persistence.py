@@ -110,9 +110,8 @@ def load_resume_plan(
         history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short
     shown: Any = stored.url or stored.folder  # a store's state: its URL, not its node-local copy
     _say_if_restarted(trainer, shown, plan)
-    run = "" if stored.run_id is None else f", run {stored.run_id}"
     updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
-    trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}{run}")
+    trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}, run {stored.run_id}")
     saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
     if saved_processes != processes:
         trainer.print(

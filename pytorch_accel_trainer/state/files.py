@@ -28,9 +28,7 @@ import torch
 import xxhash
 
 #: The one format of training states, written and read: the tensors one shard per process (DCP), each file listed as
-#: ``{"size", "xxh3_128"}``. Formats 1 (SHA-256), 2 (CRC32) and 3 (the whole model and optimizer in one file each,
-#: written by the main process) were written only by development versions, before the first release; they are not
-#: read.
+#: ``{"size", "xxh3_128"}``; a state of any other is refused (``folder.StateFormatError``).
 FORMAT_VERSION = 4
 #: The manifest's key for the checksum of each file: XXH3-128 (xxhash), which hashes at memory speed.
 CHECKSUM = "xxh3_128"
@@ -173,9 +171,9 @@ class StoredState:
         return set(self.manifest["kinds"])
 
     @property
-    def run_id(self) -> Optional[str]:
-        """The identity of the run that wrote the state; ``None`` for a state written before runs had one."""
-        return self.manifest.get("run_id")
+    def run_id(self) -> str:
+        """The identity of the run that wrote the state."""
+        return self.manifest["run_id"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,8 +410,8 @@ def validate_manifest(manifest: dict) -> None:
         raise DamagedStateError(f"kinds is {kinds!r}; it must be a non-empty list of {KINDS}")
     if not isinstance(manifest.get("run_facts"), dict):
         raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
-    run_id = manifest.get("run_id")  # absent in the states written before runs had an identity
-    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+    run_id = manifest.get("run_id")
+    if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
         raise DamagedStateError(f"run_id is {run_id!r}; it must be 32 hex digits")
     _validate_files(manifest.get("files"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])

@@ -59,8 +59,8 @@ from pytorch_accel_trainer.state.rng import validate_rng_state
 
 
 class StateFormatError(CheckpointError):
-    """A training state of a format this version does not read: written by a development version of the library
-    before its first release (formats 1 and 2), or by a newer version. Raised before anything is loaded."""
+    """A training state of another format version than the one this version reads (:data:`~pytorch_accel_trainer.
+    state.files.FORMAT_VERSION`). Raised before anything is loaded."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,7 +83,8 @@ def _is_abandoned_folder(temporary: Path) -> Optional[bool]:
 def remove_abandoned_temporaries(parent: Path) -> list[Path]:
     """Delete the temporary state folders in ``parent`` whose writer (named by its marker) is gone; return them.
 
-    A folder without a marker (written by an earlier version) is left: nothing tells that its writer is gone.
+    A folder without a marker (its writer was killed between creating it and marking it) is left: nothing tells
+    that its writer is gone; :func:`begin_save` removes it when the same state is saved again.
     """
     removed = []
     try:
@@ -106,7 +107,7 @@ def begin_save(final_folder: Path) -> Path:
     """
     remove_abandoned_temporaries(final_folder.parent)
     temporary = temporary_folder(final_folder)
-    if is_real_directory(temporary):  # left by a crash before writers were marked, or a live writer's
+    if is_real_directory(temporary):  # left by a killed save, or a live writer's
         if _is_abandoned_folder(temporary) is False:
             raise CheckpointError(
                 f"{temporary} is being written by another live process: two runs save training states into "
@@ -259,20 +260,12 @@ def _validate_format_version(folder: Path, version: Any) -> None:
         raise CheckpointError(
             f"{folder / MANIFEST_NAME}: damaged manifest: format_version is {version!r}; it must be {FORMAT_VERSION}."
         )
-    if version == FORMAT_VERSION:
-        return
-    if version < FORMAT_VERSION:
-        origin = "a development version of pytorch_accel_trainer wrote before the first release"
-        fix = (
-            "Start the run again without it (move the folder away, or pass another resume_from), or resume it with "
-            "the version that wrote it"
+    if version != FORMAT_VERSION:
+        raise StateFormatError(
+            f"{folder} is a training state of format version {version}; this version of pytorch_accel_trainer reads "
+            f"format version {FORMAT_VERSION} only. Resume it with the version that wrote it, or start the run again "
+            "without it (move the folder away, or pass another resume_from). Nothing was loaded from it."
         )
-    else:
-        origin, fix = "a newer version of pytorch_accel_trainer wrote", "Resume it with that version"
-    raise StateFormatError(
-        f"{folder} is a training state of format version {version}, which {origin}; this version reads format "
-        f"version {FORMAT_VERSION} only. {fix}. Nothing was loaded from it."
-    )
 
 
 def verify_folder(folder: Path, processes: Optional[Processes] = None) -> StoredState:
@@ -398,10 +391,10 @@ def load_rank_file(path: Path) -> dict:
     return rank_state
 
 
-def history_epoch(shared: dict, path: Path) -> Optional[int]:
-    """The run history's epoch of the saved position, checked (``None`` in a state written before it was kept)."""
+def history_epoch(shared: dict, path: Path) -> int:
+    """The run history's epoch of the saved position, checked."""
     epoch = shared.get("history_epoch")
-    if epoch is not None and (type(epoch) is not int or epoch < 1):
+    if type(epoch) is not int or epoch < 1:
         raise CheckpointError(f"{path}: history_epoch is {epoch!r}, not an epoch counted from 1; it was altered.")
     return epoch
 
@@ -418,9 +411,9 @@ def prune_states(
 
     A state is deleted only when each of its kinds allows it: ``permanent`` states are never deleted, and
     only the newest ``best`` state is kept. States in ``keep`` are never deleted, nor is anything through a link.
-    With ``run_id``, only that run's states are counted and deleted: another run's (or one saved before runs had an
-    identity) is never touched. Pruning never ends a run: a folder that cannot be deleted is left in place with a
-    warning naming it.
+    With ``run_id``, only that run's states are counted and deleted: another run's is never touched. Pruning never
+    ends a run: a folder that cannot be deleted is left in place with a warning naming it. A save prunes only when a
+    state may have become surplus: with ``max_rolling``, or as a new ``best`` state.
     """
     keep_names = {Path(path).name for path in keep}
     try:

@@ -312,7 +312,7 @@ def _written_at(state: StoredState) -> int:
 
 def _run_to_resume(parent: Path, states: list[StoredState]) -> Optional[str]:
     """The run whose states a resume from ``parent`` continues: the run of the state ``latest`` names (the last one
-    saved), else that of the state written last. ``None``: the states were written before runs had an identity."""
+    saved), else that of the state written last; ``None`` when there is no state."""
     if not states:
         return None
     try:
@@ -343,13 +343,12 @@ def report_skipped_states(location: Any, chosen: Any, problems: list) -> None:
 
 
 def describe_runs(states: Iterable[StoredState]) -> str:
-    """``'epoch_1, final (run 3f2a...), checkpoint-8 (no run identity)'``: the states, grouped by run."""
+    """``'epoch_1, final (run 3f2a...); checkpoint-8 (run 9c1d...)'``: the states, grouped by run."""
     by_run: dict[Optional[str], list[str]] = {}
     for state in states:
         by_run.setdefault(state.run_id, []).append(state.folder.name)
     return "; ".join(
-        f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''} "
-        f"({'no run identity: saved by an earlier version' if run is None else f'run {run}'})"
+        f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''} (run {run})"
         for run, names in by_run.items()
     )
 

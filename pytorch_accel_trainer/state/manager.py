@@ -151,8 +151,8 @@ class ResumePlan:
     num_update_steps_completed: int = 0
     train_step_metrics: dict = field(default_factory=dict)
     run_id: Optional[str] = None
-    #: the run history's epoch of the position's epoch (``None`` in states written before it was kept): a resumed run
-    #: continues an epoch a stop cut short under its own number, though the saved history moved past it.
+    #: the run history's epoch of the position's epoch: a resumed run continues an epoch a stop cut short under its
+    #: own number, though the saved history moved past it.
     history_epoch: Optional[int] = None
     #: the saved run's settings (``run_facts``): its number of processes and batch size place the saved position
     saved_run_facts: dict = field(default_factory=dict)
@@ -189,8 +189,8 @@ def validate_save_dir(parent: Any, run_state, allow_other_runs: bool = False, ac
 
 def validate_no_other_runs(parent: Path, run_id: str, accepted: Iterable[str] = ()) -> None:
     """Refuse to save the states of the new run ``run_id`` into ``parent`` when it holds another run's (but those
-    of ``accepted``: the earlier ``train()`` calls of the same callback), or states saved before runs had an
-    identity: they would mix, and a resume from ``parent`` would continue the other run.
+    of ``accepted``: the earlier ``train()`` calls of the same callback): they would mix, and a resume from
+    ``parent`` would continue the other run.
 
     Raises:
         CheckpointError: naming the folder, the other run's states and the three ways out.
