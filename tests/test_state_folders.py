@@ -397,7 +397,7 @@ def test_folder_of_older_formats_only_stops(states):
         CheckpointError,
         match=(
             r"holds 4 training state\(s\) and none can be resumed, so the run was not restarted from scratch:\n"
-            r"(  \S*step_\d is a training state of format version 2, .*\n){4}Move those folders away to start over"
+            r"(  \S*step_\d is a training state of format version 2; .*\n){4}Move those folders away to start over"
         ),
     ):
         _run(states, num_epochs=2)
