@@ -22,7 +22,7 @@ from torch import nn
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import checkpointing
+from pytorch_accel_trainer.state import files
 from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, SkippedWeights, load_checkpoint_file
 
 
@@ -240,7 +240,7 @@ def test_torch_enforce_fail_becomes_enospc(tmp_path, monkeypatch):
         raise real.value
 
     monkeypatch.setattr(torch, "save", fail)
-    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
     with pytest.raises(
         OSError, match=r"no space left on .*model\.pt: .*RuntimeError: \[enforce fail at inline_container\.cc"
     ):
