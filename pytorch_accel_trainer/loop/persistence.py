@@ -3,7 +3,8 @@
 Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.loop.run_state.RunState`,
 which the loop calls at its safe points (between two optimizer updates) and when a run resumes. And
 :class:`PersistenceMixin`, the public saving and loading methods of the Trainer, thin wrappers around
-``state/checkpointing.py`` and ``state/training_state.py``; it holds no state of its own and calls none of the
+``state/checkpointing.py`` (the one-file export) and ``state/manager.py`` (``TrainingStates``, the owner of the
+training states, handed the trainer's parts from ``trainer_parts.py``); it holds no state of its own and calls none of the
 Trainer's private methods (the extra models' entries come from functions of ``extra_models.py``).
 """
 
@@ -425,7 +426,7 @@ class PersistenceMixin:
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
         process, the position in the epoch, the step and epoch counters, the run history, each callback's
         ``state_dict()``, ``checkpoint_kwargs``, and each extra model of :meth:`add_model` and its optimizer (a file
-        each). It is written crash-safely (see ``training_state.py``) and
+        each). It is written crash-safely (see ``state/folder.py``) and
         never overwrites an existing state. Every process must call this.
 
         During a training run the save waits for the next point between two optimizer updates (a save asked

@@ -1,6 +1,6 @@
 """The trainer's training state as parts handed to ``state/``: what a state holds, and how a resume puts it back.
 
-``state/`` is given what it saves, never the trainer (``state/content.py``): here the trainer's model, optimizer and
+``state/`` is given what it saves, never the trainer (``state/parts.py``): here the trainer's model, optimizer and
 extra models become sharded parts (each process its own shard, through ``torch.distributed.checkpoint``); its
 position, counters, run history, scheduler and scaler the shared plain values; its RNG states, loss sums and
 callbacks' states each process's own. A resume reads them back in the same three groups, checking each against
@@ -98,7 +98,7 @@ def _stream_state(trainer: "Trainer", position: ResumePosition) -> Optional[dict
 
 
 def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwargs: Optional[dict]) -> StateContent:
-    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/content.py``."""
+    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/parts.py``."""
     validate_training_state_supported(trainer.accelerator)
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
     validate_plain(checkpoint_kwargs, "checkpoint_kwargs")

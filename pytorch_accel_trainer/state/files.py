@@ -1,12 +1,12 @@
 """The files of a training state on disk: their names, durable writes, the manifest's schema, reads that never
 leave the state's folder, and the comparisons of what a state holds with the current run. A leaf: it imports
-nothing of the package (``training_state.py`` builds the trainer's states on it).
+nothing of the package (``folder.py`` builds a state's folder on it).
 
 A training state is input like any other: a manifest may have been edited, a file replaced by a link. So every
 name the manifest lists must be a plain file name inside the folder, no file is opened through a symbolic link
 (``O_NOFOLLOW``; the size and hash of a file are read from the very file that was opened), and every field the
 manifest claims is checked for its type and range before anything is sized or looped over from it. A problem
-raises :class:`DamagedStateError`, which ``training_state`` turns into the library's ``CheckpointError``;
+raises :class:`DamagedStateError`, which ``folder.py`` turns into the library's ``CheckpointError``;
 its message names only the folder and the file, and tells nothing of what lies outside the folder.
 """
 

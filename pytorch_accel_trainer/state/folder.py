@@ -167,7 +167,7 @@ def write_training_state(
 ) -> Path:
     """Write ``content`` as a new training state under ``parent`` (as ``name``; ``-2``... when taken) with the
     manifest ``fields``; every process of ``processes`` must call this, and each writes its own part in parallel
-    (``content.py``): no process gathers the others' tensors.
+    (``parts.py``): no process gathers the others' tensors.
 
     The protocol: the main process makes the temporary folder; every process writes its files into it, each
     checksummed as written; the checksums reach the main process, which writes the manifest last, renames the folder

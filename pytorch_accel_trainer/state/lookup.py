@@ -1,5 +1,5 @@
 """Which training state a resume continues: the lookup behind ``train(resume_from=...)`` and
-``load_training_state``, beside the format it reads (``training_state.py``) and the store it may download from
+``load_training_state``, beside the folder it reads (``folder.py``) and the store it may download from
 (``storage.py``).
 
 ``resume_from`` may be one state's folder, a folder of states (the newest good one of the run saved last), a run
