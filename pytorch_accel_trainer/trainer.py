@@ -36,7 +36,7 @@ from pytorch_accel_trainer.callbacks import (  # noqa: F401  (importable from he
 )
 from pytorch_accel_trainer.callbacks.base import EVENTS, validate_callback_list
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.loop import accumulation, persistence
+from pytorch_accel_trainer.loop import accumulation, destinations, persistence
 from pytorch_accel_trainer.loop.batches import (
     NO_EVAL_BATCH,
     NO_TRAIN_BATCH,
@@ -420,14 +420,18 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         options = TrainOptions.from_arguments(
             arguments,
             per_device_batch_size=batch_size_for(given_dataloader, arguments["per_device_batch_size"]),
-            **persistence.train_locations(arguments),  # ~ and $VARIABLES expanded; a mangled URL refused
+            **destinations.train_locations(arguments),  # ~ and $VARIABLES expanded; a mangled URL refused
         )
         optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             validate_optimizer_parameters(optimizer, self.model)
-        persistence.validate_stores_reach_every_process(self.callback_handler, options, self._accelerator.num_processes)
-        persistence.validate_destinations_can_be_written(self._accelerator, self.callback_handler, options)
-        check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
+        destinations.validate_stores_reach_every_process(
+            self.callback_handler, options, self._accelerator.num_processes
+        )
+        destinations.validate_destinations_can_be_written(self._accelerator, self.callback_handler, options)
+        check_folders_are_shared(
+            self._accelerator, destinations.folders_shared_by_nodes(self.callback_handler, options)
+        )
         return options
 
     def _start_training_run(self, train_dataset: Any, eval_dataset: Any, options: TrainOptions) -> None:

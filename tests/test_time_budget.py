@@ -166,7 +166,7 @@ def test_a_users_callback_declares_its_folder_and_is_checked_before_the_first_ba
     from types import SimpleNamespace
 
     from pytorch_accel_trainer.callbacks import CHECKPOINTS, TRAINING_STATES
-    from pytorch_accel_trainer.loop.persistence import validate_stores_reach_every_process
+    from pytorch_accel_trainer.loop.destinations import validate_stores_reach_every_process
 
     (tmp_path / "notes.txt").write_text("a file, where a folder is needed")
     counter = CountsBatches()
