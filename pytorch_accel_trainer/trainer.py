@@ -43,7 +43,7 @@ from pytorch_accel_trainer.data import (
     warn_if_endless,
 )
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.loop import accumulation, persistence
+from pytorch_accel_trainer.loop import accumulation, destinations, persistence
 from pytorch_accel_trainer.loop.batches import (
     NO_EVAL_BATCH,
     NO_TRAIN_BATCH,
@@ -138,9 +138,9 @@ from pytorch_accel_trainer.run_config import (
 )
 from pytorch_accel_trainer.schedulers.scheduler_base import warn_if_schedule_is_in_epochs
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
-from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import StoredState
-from pytorch_accel_trainer.state.lookup import find_state_to_resume
+from pytorch_accel_trainer.state.manager import TrainingStates
+from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.tracking import (
     InMemoryRunHistory,
     LossTracker,
@@ -385,7 +385,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """
         options = self._checked_train_options(locals())
         stored_state = (
-            find_state_to_resume(Processes.of_accelerator(self._accelerator), options.resume_from)
+            TrainingStates(Processes.of_accelerator(self._accelerator)).find(options.resume_from)
             if options.resume_from is not None
             else None
         )
@@ -418,14 +418,18 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         options = TrainOptions.from_arguments(
             arguments,
             per_device_batch_size=batch_size_for(given_dataloader, arguments["per_device_batch_size"]),
-            **persistence.train_locations(arguments),  # ~ and $VARIABLES expanded; a mangled URL refused
+            **destinations.train_locations(arguments),  # ~ and $VARIABLES expanded; a mangled URL refused
         )
         optimizer = self._training_optimizer  # an evaluation-only trainer has none: an error now
         if isinstance(self.model, torch.nn.Module):  # a stand-in model is refused where Accelerate prepares it
             validate_optimizer_parameters(optimizer, self.model)
-        persistence.validate_stores_reach_every_process(self.callback_handler, options, self._accelerator.num_processes)
-        persistence.validate_destinations_can_be_written(self._accelerator, self.callback_handler, options)
-        check_folders_are_shared(self._accelerator, persistence.folders_shared_by_nodes(self.callback_handler, options))
+        destinations.validate_stores_reach_every_process(
+            self.callback_handler, options, self._accelerator.num_processes
+        )
+        destinations.validate_destinations_can_be_written(self._accelerator, self.callback_handler, options)
+        check_folders_are_shared(
+            self._accelerator, destinations.folders_shared_by_nodes(self.callback_handler, options)
+        )
         return options
 
     def _start_training_run(self, train_dataset: Any, eval_dataset: Any, options: TrainOptions) -> None:

@@ -82,6 +82,21 @@ def test_window_trace_stays_small():
     assert summary["functions"] <= 28 and summary["files"] <= 7, "\n".join(listing)
 
 
+def test_save_and_resume_traces_stay_small():
+    """What ``save_training_state`` runs, and what a resume runs that a fresh ``train()`` does not
+    (benchmarks/persistence_trace.py): a newcomer follows each in a few modules. Issue 44 measured 122 functions in
+    18 files and 113 in 15 before the training states had one owner; its target is 70 in 8 for each."""
+    spec = importlib.util.spec_from_file_location(
+        "persistence_trace", REPO_ROOT / "benchmarks" / "persistence_trace.py"
+    )
+    persistence_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(persistence_trace)
+    figures = persistence_trace.measure()
+    save, resume = figures["save"], figures["resume"]
+    assert save["functions"] <= 102 and save["files"] <= 17, "\n".join(save["listing"])
+    assert resume["functions"] <= 114 and resume["files"] <= 14, "\n".join(resume["listing"])
+
+
 #: The rows of benchmarks/sharded_state.py, in its order.
 SHARDED_STATE_ROWS = [
     "dcp_save",

@@ -22,7 +22,7 @@ from torch import nn
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import checkpointing
+from pytorch_accel_trainer.state import files
 from pytorch_accel_trainer.state.checkpointing import MODEL_KEY, SkippedWeights, load_checkpoint_file
 
 
@@ -240,7 +240,7 @@ def test_torch_enforce_fail_becomes_enospc(tmp_path, monkeypatch):
         raise real.value
 
     monkeypatch.setattr(torch, "save", fail)
-    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
     with pytest.raises(
         OSError, match=r"no space left on .*model\.pt: .*RuntimeError: \[enforce fail at inline_container\.cc"
     ):
@@ -287,10 +287,10 @@ def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous, full_f
     from pathlib import Path
 
     from pytorch_accel_trainer.callbacks import TrainerCallback
-    from pytorch_accel_trainer.state import content, distcp, training_state
+    from pytorch_accel_trainer.state import distcp, parts, training_state
 
     def send_to_full_device():
-        write = content.save_tensors_file
+        write = parts.save_tensors_file
 
         def save_to_full_device(obj, path):
             if path.name != full_file:
@@ -301,7 +301,7 @@ def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous, full_f
         def open_full_device(path, *args, **kwargs):  # the files DCP writes, through distcp's file system
             return builtins.open("/dev/full" if Path(path).name == full_file else path, *args, **kwargs)
 
-        monkeypatch.setattr(content, "save_tensors_file", save_to_full_device)
+        monkeypatch.setattr(parts, "save_tensors_file", save_to_full_device)
         monkeypatch.setattr(distcp, "open", open_full_device, raising=False)
 
     if asynchronous:

@@ -25,7 +25,7 @@ from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCa
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import crash_points
 from pytorch_accel_trainer.state.files import CHECKSUM, MANIFEST_NAME, TRAINER_FILE, file_digest
-from pytorch_accel_trainer.state.training_state import (
+from pytorch_accel_trainer.state.training_state import (  # the public path
     StateFormatError,
     find_resumable_state,
     list_complete_states,
@@ -344,10 +344,9 @@ def _as_format_2(folder):
 
 def _format_2_refusal(folder) -> str:
     return (
-        rf"{re.escape(str(folder))} is a training state of format version 2, which a development version of "
-        r"pytorch_accel_trainer wrote before the first release; this version reads format version 4 only\. Start the "
-        r"run again without it \(move the folder away, or pass another resume_from\), or resume it with the version "
-        r"that wrote it\. Nothing was loaded from it\."
+        rf"{re.escape(str(folder))} is a training state of format version 2; this version of pytorch_accel_trainer "
+        r"reads format version 4 only\. Resume it with the version that wrote it, or start the run again without it "
+        r"\(move the folder away, or pass another resume_from\)\. Nothing was loaded from it\."
     )
 
 
@@ -398,7 +397,7 @@ def test_folder_of_older_formats_only_stops(states):
         CheckpointError,
         match=(
             r"holds 4 training state\(s\) and none can be resumed, so the run was not restarted from scratch:\n"
-            r"(  \S*step_\d is a training state of format version 2, .*\n){4}Move those folders away to start over"
+            r"(  \S*step_\d is a training state of format version 2; .*\n){4}Move those folders away to start over"
         ),
     ):
         _run(states, num_epochs=2)
@@ -409,19 +408,15 @@ def test_folder_of_older_formats_only_stops(states):
     [
         (
             5,
-            r"step_4 is a training state of format version 5, which a newer version of pytorch_accel_trainer wrote; "
-            r"this version reads format version 4 only\. Resume it with that version\. Nothing was loaded",
+            r"step_4 is a training state of format version 5; this version of pytorch_accel_trainer reads format "
+            r"version 4 only\. Resume it with the version that wrote it, or start the run again without it",
         ),
         (
             3,  # the whole model and optimizer in one file each
-            r"step_4 is a training state of format version 3, which a development version of pytorch_accel_trainer "
-            r"wrote before the first release; this version reads format version 4 only\. Start the run again",
+            r"step_4 is a training state of format version 3; this version of pytorch_accel_trainer reads format "
+            r"version 4 only\. Resume it with the version that wrote it",
         ),
-        (
-            1,
-            r"step_4 is a training state of format version 1, which a development version of pytorch_accel_trainer "
-            r"wrote before the first release; this version reads format version 4 only\. Start the run again",
-        ),
+        (1, r"step_4 is a training state of format version 1; this version of pytorch_accel_trainer reads format"),
         ("4", r"manifest\.json: damaged manifest: format_version is '4'; it must be 4\."),
         (None, r"manifest\.json: damaged manifest: format_version is None; it must be 4\."),
     ],
@@ -635,20 +630,18 @@ def test_two_runs_in_one_folder_kept_apart(tmp_path, capsys):
     assert sorted(name for name in states if states[name]["run_id"] == b_run) == ["epoch_3", "epoch_4", "final-2"]
 
 
-def test_state_without_run_id_resumes(tmp_path, capsys):
-    """A state saved before runs had an identity still resumes, and counts as another run."""
+def test_state_without_run_id_is_refused(tmp_path):
+    """Every state names its run: a manifest without ``run_id`` is a damaged one, skipped like any other."""
     ck = tmp_path / "ck"
     _train(_trainer(ck, lr=0.1), num_epochs=2)
-    for path in ck.glob(f"*/{MANIFEST_NAME}"):  # as an earlier version wrote them
+    for path in ck.glob(f"*/{MANIFEST_NAME}"):
         manifest = json.loads(path.read_text())
         del manifest["run_id"]
         path.write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"\(no run identity: saved by an earlier version\)"):
-        _train(_trainer(ck, lr=0.1), num_epochs=3)
-    trainer = _trainer(ck, lr=0.1)
-    _train(trainer, resume_from=ck, num_epochs=3)
-    assert f"Resuming from {ck / 'final'} (after 8 optimizer updates)" in capsys.readouterr().out
-    assert trainer.num_update_steps_completed == 12
+    with pytest.raises(
+        CheckpointError, match=r"final/manifest\.json: damaged manifest: run_id is None; it must be 32 hex"
+    ):
+        _train(_trainer(ck, lr=0.1), resume_from=ck, num_epochs=3)
 
 
 def test_resume_from_says_what_it_found(tmp_path, capsys):

@@ -95,18 +95,7 @@ def test_imports_run_one_way_between_units(path):
 
 #: The loop modules that still import a concrete callback until the branch where callbacks declare what they write
 #: (helper "persist") is merged: the lead removes this list at the merge.
-LOOP_MODULES_IMPORTING_CALLBACKS_UNTIL_MERGE = {"loop/persistence.py", "loop/time_budget.py"}
-
-
-def _loop_module(path: pathlib.Path):
-    relative = path.relative_to(PACKAGE).as_posix()
-    if relative not in LOOP_MODULES_IMPORTING_CALLBACKS_UNTIL_MERGE:
-        return pytest.param(path, id=relative)
-    reason = "its callbacks declare what they write on the persist branch, merged later"
-    return pytest.param(path, id=relative, marks=pytest.mark.xfail(strict=False, reason=reason))
-
-
-@pytest.mark.parametrize("path", [_loop_module(path) for path in sorted((PACKAGE / "loop").glob("*.py"))])
+@pytest.mark.parametrize("path", [pytest.param(path, id=path.name) for path in sorted((PACKAGE / "loop").glob("*.py"))])
 def test_the_loop_imports_no_callback(path):
     """The engine defines protocols and plug-ins declare what they need: no module of ``loop/`` imports from
     ``callbacks/`` (under ``TYPE_CHECKING`` included), so the loop asks every callback alike, a user's included."""

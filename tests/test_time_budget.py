@@ -150,6 +150,54 @@ def test_an_unwritable_destination_is_found_before_the_first_batch(tmp_path):
     assert counter.batches == 0 and (tmp_path / "notes.txt").is_file()
 
 
+class SavesEveryEpoch(TrainerCallback):
+    """A user's own saving callback: it declares its folder, and gets the built-in callbacks' checks."""
+
+    def __init__(self, folder, holds):
+        self.folder, self.holds = folder, holds
+
+    def writes_to(self):
+        from pytorch_accel_trainer.callbacks import Destination
+
+        return (Destination(self.folder, self.holds, "SavesEveryEpoch(folder=...)"),)
+
+
+def test_a_users_callback_declares_its_folder_and_is_checked_before_the_first_batch(tmp_path):
+    from types import SimpleNamespace
+
+    from pytorch_accel_trainer.callbacks import CHECKPOINTS, TRAINING_STATES
+    from pytorch_accel_trainer.loop.destinations import validate_stores_reach_every_process
+
+    (tmp_path / "notes.txt").write_text("a file, where a folder is needed")
+    counter = CountsBatches()
+    saver = SavesEveryEpoch(tmp_path / "notes.txt" / "exports", CHECKPOINTS)
+    trainer = make_trainer(make_linear(), callbacks=[counter, saver])
+    with pytest.raises(OSError, match=r"notes.txt/exports' \(SavesEveryEpoch\(folder=...\)\) cannot be written"):
+        trainer.train(linear_dataset(8), num_epochs=1, per_device_batch_size=2)
+    assert counter.batches == 0
+    options = SimpleNamespace(max_time_save_dir=None, resume_from=None)
+    with pytest.raises(
+        ValueError, match=r"'memory://bucket/states' \(SavesEveryEpoch\(folder=...\)\) is fsspec's in-memory store"
+    ):
+        validate_stores_reach_every_process([SavesEveryEpoch("memory://bucket/states", TRAINING_STATES)], options, 2)
+    validate_stores_reach_every_process([SavesEveryEpoch("memory://bucket/exports", CHECKPOINTS)], options, 2)
+
+
+def test_the_time_budget_saves_in_the_folder_of_training_states_a_users_callback_declares(tmp_path):
+    from types import SimpleNamespace
+
+    from pytorch_accel_trainer.callbacks import CHECKPOINTS, TRAINING_STATES
+    from pytorch_accel_trainer.loop.time_budget import create_time_budget
+
+    options = SimpleNamespace(max_time=60, max_time_save_dir=None)
+    callbacks = [
+        SavesEveryEpoch(tmp_path / "exports", CHECKPOINTS),
+        SavesEveryEpoch(tmp_path / "states", TRAINING_STATES),
+    ]
+    assert create_time_budget(options, callbacks, measures=False).save_dir == tmp_path / "states"
+    assert create_time_budget(options, callbacks[:1], measures=False).save_dir is None
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder, whatever its mode")
 def test_a_folder_without_write_permission_is_found_before_the_first_batch(tmp_path):
     locked = tmp_path / "locked"

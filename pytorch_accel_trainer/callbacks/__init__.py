@@ -41,6 +41,7 @@ from pytorch_accel_trainer.callbacks.trackers import CSVTracker, ExperimentTrack
 from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
 from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.state.storage import CHECKPOINTS, TRAINING_STATES, Destination
 from pytorch_accel_trainer.utils import (  # importable from here, as in pytorch-accelerated
     LIMIT_BATCHES_ENV_VAR,
     DataLoaderSlice,
@@ -48,6 +49,9 @@ from pytorch_accel_trainer.utils import (  # importable from here, as in pytorch
 )
 
 __all__ = [
+    "CHECKPOINTS",
+    "Destination",
+    "TRAINING_STATES",
     "EVENTS",
     "LIMIT_BATCHES_ENV_VAR",
     "CSVTracker",

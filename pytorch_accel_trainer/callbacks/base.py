@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pytorch_accel_trainer.state.storage import Destination
     from pytorch_accel_trainer.trainer import Trainer
 
 #: Every event the trainer fires, in the order of a training run followed by an evaluation run.
@@ -233,6 +234,22 @@ class TrainerCallback:
         ``train()`` reports in its ``TrainResult`` (``best_metric_name``, ``best_metric``: the first callback's that
         watches one); the default, ``None``, watches none. ``MonitorCallback`` and its subclasses return theirs."""
         return None
+
+    def writes_to(self) -> tuple[Destination, ...]:
+        """The folders or object-storage URLs this callback writes to, each with what it keeps there; by default
+        none. A callback that saves files overrides it, so that the trainer checks its destinations before the
+        first batch as it does the built-in ones' (they can be written, a local folder is shared by every node, a
+        store of training states reaches every process).
+
+        Example::
+
+            from pytorch_accel_trainer.callbacks import CHECKPOINTS, Destination
+
+            class SaveEveryEpoch(TrainerCallback):
+                def writes_to(self):
+                    return (Destination(self.folder, CHECKPOINTS, "SaveEveryEpoch(folder=...)"),)
+        """
+        return ()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for an attribute that normal lookup did not find; a parent class (an nn.Module, say) may have it.

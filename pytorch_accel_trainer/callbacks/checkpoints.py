@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from pytorch_accel_trainer.callbacks.monitor import MonitorCallback
-from pytorch_accel_trainer.state.storage import validate_location
+from pytorch_accel_trainer.state.storage import CHECKPOINTS, Destination, as_location, parent, validate_location
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -56,6 +56,14 @@ class SaveBestModelCallback(MonitorCallback):
         self.save_scheduler = save_scheduler
         self.load_saved_checkpoint = load_saved_checkpoint
         self.best_metric_epoch: int | None = None
+
+    def writes_to(self) -> tuple[Destination, ...]:
+        """The folder of ``save_path``, where the checkpoint file is written."""
+        return (
+            Destination(
+                parent(as_location(self.save_path)), CHECKPOINTS, "the folder of SaveBestModelCallback(save_path=...)"
+            ),
+        )
 
     def _reset(self) -> None:
         super()._reset()

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.errors import validate_positive_int
+from pytorch_accel_trainer.state.manager import validate_save_dir
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
-from pytorch_accel_trainer.state.storage import as_location, validate_location
-from pytorch_accel_trainer.state.training_state import validate_save_dir
+from pytorch_accel_trainer.state.storage import TRAINING_STATES, Destination, as_location, validate_location
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -100,6 +100,10 @@ class SaveTrainingStateCallback(TrainerCallback):
         self.best_metric: Optional[float] = None
         self._last_saved_step: Optional[int] = None
         self._run_ids: set = set()  # the runs this callback has saved, over the train() calls of a script
+
+    def writes_to(self) -> tuple[Destination, ...]:
+        """``save_dir``, a folder (or URL) of training states."""
+        return (Destination(self.save_dir, TRAINING_STATES, "SaveTrainingStateCallback(save_dir=...)"),)
 
     def state_dict(self) -> dict:
         return {"best_metric": self.best_metric, "last_saved_step": self._last_saved_step}

@@ -15,11 +15,13 @@ from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.parallel.sharded import state_module
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
-from pytorch_accel_trainer.state.content import Processes, Stateful, load_sharded
 from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
 from pytorch_accel_trainer.state.files import inner_optimizer
-from pytorch_accel_trainer.state.storage import local_path
-from pytorch_accel_trainer.state.training_state import ResumePlan, find_resumable_state, load_trainer_file
+from pytorch_accel_trainer.state.folder import load_trainer_file
+from pytorch_accel_trainer.state.lookup import find_resumable_state
+from pytorch_accel_trainer.state.manager import ResumePlan
+from pytorch_accel_trainer.state.parts import Processes, Stateful, load_sharded
+from pytorch_accel_trainer.state.storage import CHECKPOINTS, Destination, local_path
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.trainer import Trainer
@@ -80,6 +82,11 @@ class WSDCheckpointCallback(TrainerCallback):
         self.decay_fraction: float | None = None
         self.decay_info: list[dict] | None = None  # the schedule's periods, read at each run start
         self.save_dir.mkdir(parents=True, exist_ok=True)
+
+    def writes_to(self) -> tuple[Destination, ...]:
+        """``save_dir``: the post-decay exports, and the pre-decay states this callback loads back itself (not the
+        run's states to resume from)."""
+        return (Destination(self.save_dir, CHECKPOINTS, "WSDCheckpointCallback(save_dir=...)"),)
 
     def on_training_run_start(self, trainer: Trainer, **kwargs):
         scheduler: Any = trainer.scheduler  # any scheduler with the methods that _validate_wsd_scheduler checks

@@ -6,7 +6,7 @@ methods: :meth:`~ExtraModelsMixin.add_model` registers an extra model (and its o
 ``extra_models`` / ``extra_optimizers`` dicts, which the trainer calls: it prepares the extras with Accelerate in each
 ``train()`` and ``evaluate()``, together with its own model (same device, same processes, same mixed precision),
 unwraps them at the end of the run, and keeps them in ``save_checkpoint`` / ``load_checkpoint``. The files of a
-training state that hold the extras are written and read by ``training_state.py`` and ``async_save.py``
+training state that hold the extras are written and read by ``state/folder.py`` and ``async_save.py``
 (``state/files.py`` names them).
 """
 

@@ -3,8 +3,10 @@
 Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.loop.run_state.RunState`,
 which the loop calls at its safe points (between two optimizer updates) and when a run resumes. And
 :class:`PersistenceMixin`, the public saving and loading methods of the Trainer, thin wrappers around
-``state/checkpointing.py`` and ``state/training_state.py``; it holds no state of its own and calls none of the
-Trainer's private methods (the extra models' entries come from functions of ``extra_models.py``).
+``state/checkpointing.py`` (the one-file export) and ``state/manager.py`` (``TrainingStates``, the owner of the
+training states, handed the trainer's parts from ``trainer_parts.py``); it holds no state of its own and calls none
+of the Trainer's private methods (the extra models' entries come from functions of ``extra_models.py``). The checks
+before the first batch of where a run writes are in ``destinations.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 import torch
 from accelerate import PartialState, skip_first_batches
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 
-from pytorch_accel_trainer.callbacks.checkpoints import SaveBestModelCallback
-from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
-from pytorch_accel_trainer.callbacks.wsd import WSDCheckpointCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.data_position import samples_per_step, skip_first_samples
 from pytorch_accel_trainer.loop.extra_models import (
@@ -32,8 +31,8 @@ from pytorch_accel_trainer.loop.extra_models import (
     validate_extra_checkpoint_entries,
 )
 from pytorch_accel_trainer.loop.run_state import RunState
-from pytorch_accel_trainer.loop.state_content import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
+from pytorch_accel_trainer.loop.trainer_parts import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.parallel.sharded import (
@@ -46,7 +45,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     validate_training_state_supported,
     writes_on_this_process,
 )
-from pytorch_accel_trainer.state import async_save, storage
+from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -60,39 +59,29 @@ from pytorch_accel_trainer.state.checkpointing import (
     validate_some_weights_fit,
     without_wrapper_prefixes,
 )
-from pytorch_accel_trainer.state.content import Processes
 from pytorch_accel_trainer.state.files import (
-    MANIFEST_NAME,
     StoredState,
     default_state_name,
     follow_umask,
     validate_state_name,
 )
-from pytorch_accel_trainer.state.lookup import find_state_to_resume
+from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates, validate_save_dir
+from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
 from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
     Location,
-    RemoteStates,
     as_location,
     is_url,
-    join,
     local_file_to_read,
     local_file_to_write,
-    validate_store_reaches_every_process,
-)
-from pytorch_accel_trainer.state.training_state import (
-    ResumePlan,
-    ResumePosition,
-    validate_save_dir,
-    write_training_state,
 )
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
-    from pytorch_accel_trainer.run_config import TrainerRunConfig, TrainOptions
+    from pytorch_accel_trainer.run_config import TrainerRunConfig
     from pytorch_accel_trainer.trainer import Trainer
 
 
@@ -119,9 +108,8 @@ def load_resume_plan(
         history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short
     shown: Any = stored.url or stored.folder  # a store's state: its URL, not its node-local copy
     _say_if_restarted(trainer, shown, plan)
-    run = "" if stored.run_id is None else f", run {stored.run_id}"
     updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
-    trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}{run}")
+    trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}, run {stored.run_id}")
     saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
     if saved_processes != processes:
         trainer.print(
@@ -159,85 +147,6 @@ def create_run_id(trainer: "Trainer", plan: Optional[ResumePlan]) -> str:
     if trainer.accelerator.num_processes > 1:
         broadcast_object_list(chosen)
     return chosen[0]
-
-
-def train_locations(arguments: dict) -> dict[str, Optional[Location]]:
-    """``train()``'s ``resume_from`` and ``max_time_save_dir`` as locations (:func:`~pytorch_accel_trainer.state.
-    storage.as_location`: ``~`` and environment variables expanded, a URL kept, a URL that lost a slash refused),
-    before any work."""
-    return {
-        name: None if arguments[name] is None else as_location(arguments[name])
-        for name in ("resume_from", "max_time_save_dir")
-    }
-
-
-def folders_shared_by_nodes(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
-    """The folders every node of a multi-node run must see as the main process does, each with what the run keeps
-    there: those of its training states, and the one it resumes from (see ``parallel/shared_folders.py``)."""
-    folders = {
-        callback.save_dir: "training states of SaveTrainingStateCallback(save_dir=...)"
-        for callback in callbacks
-        if isinstance(callback, SaveTrainingStateCallback) and not is_url(callback.save_dir)
-    }
-    if options.max_time_save_dir is not None and not is_url(options.max_time_save_dir):
-        folders.setdefault(as_location(options.max_time_save_dir), "training states of train(max_time_save_dir=...)")
-    if options.resume_from is not None and not is_url(options.resume_from):  # a store is shared by every node
-        resume_from = Path(as_location(options.resume_from))  # a local path here
-        holder = resume_from.parent if (resume_from / MANIFEST_NAME).is_file() else resume_from  # a state's folder
-        if holder.is_dir():
-            folders.setdefault(holder, "the training states of train(resume_from=...)")
-    return folders
-
-
-def validate_destinations_can_be_written(accelerator: Any, callbacks: Iterable, options: "TrainOptions") -> None:
-    """Check, before the first batch, that every folder the run will write to can be written: the training states'
-    (callbacks, ``max_time_save_dir``) and the checkpoints' (``SaveBestModelCallback``, ``WSDCheckpointCallback``).
-    Each process probes its folders (a store: the main process, once); one small collective agrees on the outcome,
-    so that every process raises the same ``OSError``, naming the folder, where it was given and the cause."""
-    failure: Optional[str] = None
-    for location, use in _destinations(callbacks, options).items():
-        if is_url(location) and not accelerator.is_main_process:
-            continue  # a store is the same for every process
-        try:
-            storage.probe_destination(location, use)
-        except OSError as error:
-            failure = str(error)
-            break
-    failures = [failure] if accelerator.num_processes == 1 else gather_object([failure])
-    first = next(((index, text) for index, text in enumerate(failures) if text is not None), None)
-    if first is not None:
-        index, text = first
-        raise OSError(text if accelerator.num_processes == 1 else f"{text} (on process {index})")
-
-
-def _destinations(callbacks: Iterable, options: "TrainOptions") -> dict[Location, str]:
-    destinations: dict[Location, str] = {}
-    for callback in callbacks:
-        if isinstance(callback, SaveTrainingStateCallback):
-            destinations.setdefault(callback.save_dir, "SaveTrainingStateCallback(save_dir=...)")
-        elif isinstance(callback, SaveBestModelCallback):
-            destinations.setdefault(
-                storage.parent(as_location(callback.save_path)), "the folder of SaveBestModelCallback(save_path=...)"
-            )
-        elif isinstance(callback, WSDCheckpointCallback):
-            destinations.setdefault(callback.save_dir, "WSDCheckpointCallback(save_dir=...)")
-    if options.max_time_save_dir is not None:
-        destinations.setdefault(options.max_time_save_dir, "train(max_time_save_dir=...)")
-    return destinations
-
-
-def validate_stores_reach_every_process(callbacks: Iterable, options: "TrainOptions", num_processes: int) -> None:
-    """Refuse, before any work, a run of several processes whose training states would go to ``memory://``."""
-    urls = {
-        callback.save_dir: "SaveTrainingStateCallback(save_dir=...)"
-        for callback in callbacks
-        if isinstance(callback, SaveTrainingStateCallback) and is_url(callback.save_dir)
-    }
-    for value, use in ((options.max_time_save_dir, "max_time_save_dir"), (options.resume_from, "resume_from")):
-        if value is not None and is_url(value):
-            urls.setdefault(str(value), f"train({use}=...)")
-    for url, use in urls.items():
-        validate_store_reaches_every_process(str(url), num_processes, use)
 
 
 def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
@@ -324,14 +233,10 @@ def write_state(
 ) -> Location:
     """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
 
-    A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
-    state is copied to host memory and written in the background; the folder it will have is returned. Under an
-    object-storage URL the state is written to the node-local mirror and uploaded, its manifest last
-    (``state/storage.py``); the URL of the new state is returned."""
+    The trainer hands its parts to :class:`~pytorch_accel_trainer.state.manager.TrainingStates`, which writes them
+    (see :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.save`: a save in the background waited for
+    first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned."""
     started = time.monotonic()
-    async_save.saver.wait()
-    remote = _remote_states_for_saving(trainer, parent) if isinstance(parent, str) else None
-    local_parent = Path(parent) if remote is None else remote.mirror
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
     content = state_content(trainer, position, checkpoint_kwargs)
@@ -343,49 +248,15 @@ def write_state(
         **({} if trainer.run_state.run_id is None else {"run_id": trainer.run_state.run_id}),
     }
     name = name or default_state_name(trainer.num_update_steps_completed)
+    states = TrainingStates(Processes.of_accelerator(accelerator))
+    location = states.save(parent, content, fields, name, max_rolling, asynchronous)
     if asynchronous:
-        final = async_save.save_in_background(
-            local_parent, content, fields, Processes.of_accelerator(accelerator), name, max_rolling, remote
-        )
-        trainer.print(f"Saving training state {_shown(parent, final)} in the background")
-        return final if remote is None else join(parent, final.name)
-    folder = write_training_state(
-        local_parent, content, fields, Processes.of_accelerator(accelerator), name, max_rolling, remote is not None
-    )
-    if remote is not None:
-        remote.publish_collectively(folder, Processes.of_accelerator(accelerator))
+        trainer.print(f"Saving training state {location} in the background")
+        return location
     if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
         trainer.run_state.time_budget.note_save(time.monotonic() - started)
-    trainer.print(f"Saved training state {_shown(parent, folder)}")
-    return folder if remote is None else join(parent, folder.name)
-
-
-def _remote_states_for_saving(trainer: "Trainer", url: str) -> RemoteStates:
-    """The store folder ``url``, its mirror synchronised on each machine (every process must call this)."""
-    accelerator = trainer.accelerator
-    validate_store_reaches_every_process(url, accelerator.num_processes, "save_training_state")
-    remote = RemoteStates(url)
-    if accelerator.is_local_main_process:
-        remote.sync_mirror()
-    accelerator.wait_for_everyone()
-    return remote
-
-
-def _shown(parent: Location, folder: Path) -> str:
-    """How a message names a state: its URL in a store, else its folder."""
-    return str(join(parent, folder.name)) if isinstance(parent, str) else str(folder)
-
-
-def wait_for_saves(trainer: "Trainer") -> None:
-    """Wait for a training state being written in the background; raise its error unless one is already on its
-    way out of the run (then it is warned about, so that neither is lost)."""
-    already_failing = sys.exc_info()[1] is not None  # called from a finally: another error may be on its way out
-    try:
-        async_save.saver.wait()
-    except CheckpointError as error:
-        if not already_failing:
-            raise
-        warnings.warn(str(error), stacklevel=2)
+    trainer.print(f"Saved training state {location}")
+    return location
 
 
 def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterable) -> None:
@@ -395,7 +266,7 @@ def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterab
     state = trainer.run_state
     if state.preemption_save_dir is not None and state.preemption_save_dir not in saved_to:
         write_state(trainer, state.preemption_save_dir, state.position(step))
-    async_save.saver.wait()  # a state being written in the background is complete before the process exits
+    TrainingStates.wait()  # a state being written in the background is complete before the process exits
     trainer.print(
         f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}."
     )
@@ -414,9 +285,8 @@ def _agreed_preemption_signal(trainer: "Trainer") -> Optional[int]:
 def end_saves_and_preemption(trainer: "Trainer") -> None:
     """As a run ends: wait for a save under way in the background, and put back the signal handlers."""
     try:
-        wait_for_saves(trainer)
+        TrainingStates.end_run()  # a save in the background is complete (or its error raised), host copies freed
     finally:
-        async_save.host_buffers.clear()  # the host copies kept for the run's next asynchronous save
         trainer.run_state.end_preemption()  # the signal handlers enable_preemption replaced are put back
 
 
@@ -480,7 +350,7 @@ class PersistenceMixin:
         The state holds the model (safetensors), optimizer, scheduler, gradient scaler, every RNG of every
         process, the position in the epoch, the step and epoch counters, the run history, each callback's
         ``state_dict()``, ``checkpoint_kwargs``, and each extra model of :meth:`add_model` and its optimizer (a file
-        each). It is written crash-safely (see ``training_state.py``) and
+        each). It is written crash-safely (see ``state/folder.py``) and
         never overwrites an existing state. Every process must call this.
 
         During a training run the save waits for the next point between two optimizer updates (a save asked
@@ -545,7 +415,7 @@ class PersistenceMixin:
         Returns:
             The ``checkpoint_kwargs`` saved with it.
         """
-        stored = find_state_to_resume(Processes.of_accelerator(self.accelerator), input_dir)
+        stored = TrainingStates(Processes.of_accelerator(self.accelerator)).find(input_dir)
         if stored is None:
             raise FileNotFoundError(
                 f"{str(input_dir)!r} holds no training state: pass a folder written by save_training_state."

@@ -17,8 +17,8 @@ import torch
 from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.loop.batches import loss_weight
 from pytorch_accel_trainer.parallel.distributed import stop_reason
+from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
 from pytorch_accel_trainer.state.storage import Location, as_location
-from pytorch_accel_trainer.state.training_state import ResumePlan, ResumePosition
 from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, LossTracker, StepMetricsTracker
 
 if TYPE_CHECKING:

@@ -18,10 +18,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
-from pytorch_accel_trainer.callbacks.training_state import SaveTrainingStateCallback
 from pytorch_accel_trainer.errors import TimeBudgetExceeded
 from pytorch_accel_trainer.run_config import max_time_seconds
-from pytorch_accel_trainer.state.storage import Location, WriteSpeed, as_location, probe_destination, validate_location
+from pytorch_accel_trainer.state.storage import (
+    TRAINING_STATES,
+    Location,
+    WriteSpeed,
+    as_location,
+    declared_destinations,
+    probe_destination,
+    validate_location,
+)
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.run_config import TrainOptions
@@ -42,8 +49,9 @@ class TimeBudget:
     Args:
         seconds: the budget, from the start of ``train()``.
         max_time: the budget as the user gave it (for messages).
-        save_dir: where the state of a run it stops is saved (``max_time_save_dir``, else the ``save_dir`` of the
-            run's ``SaveTrainingStateCallback``); ``None`` when none is.
+        save_dir: where the state of a run it stops is saved (``max_time_save_dir``, else the first folder of
+            training states a callback declares, ``TrainerCallback.writes_to``: a ``SaveTrainingStateCallback``'s
+            ``save_dir``); ``None`` when none is.
     """
 
     def __init__(
@@ -127,8 +135,13 @@ def create_time_budget(
     validate_location(options.max_time_save_dir)
     save_dir = options.max_time_save_dir
     if save_dir is None:
-        save_dir = next(
-            (callback.save_dir for callback in callbacks if isinstance(callback, SaveTrainingStateCallback)), None
+        save_dir = next(  # the first folder of training states a callback declares it writes
+            (
+                destination.location
+                for destination in declared_destinations(callbacks)
+                if destination.holds == TRAINING_STATES
+            ),
+            None,
         )
     location = None if save_dir is None else as_location(save_dir)
     write_speed = None

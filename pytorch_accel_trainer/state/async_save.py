@@ -24,8 +24,9 @@ from typing import Any, Optional
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import training_state
-from pytorch_accel_trainer.state.content import Processes, StateContent
+from pytorch_accel_trainer.state.files import unused_folder_name
+from pytorch_accel_trainer.state.folder import write_training_state
+from pytorch_accel_trainer.state.parts import Processes, StateContent
 
 
 class HostBuffers:
@@ -136,12 +137,12 @@ def save_in_background(
     every process must call this. Return the folder the state will have (``remote``: a ``storage.RemoteStates``
     whose mirror ``parent`` is; the state is uploaded once written)."""
     background = _background_processes(processes)
-    chosen = training_state.unused_folder_name(parent, name).name if processes.is_main else None
+    chosen = unused_folder_name(parent, name).name if processes.is_main else None
     final = parent / background.broadcast(chosen)  # each machine's folder under its own parent
     staged = stage(content)
 
     def write() -> Path:
-        folder = training_state.write_training_state(
+        folder = write_training_state(
             parent, staged, fields, background, final.name, max_rolling, node_local=remote is not None
         )
         if remote is not None:

@@ -7,13 +7,9 @@ process is gone (a live process's temporary is never touched).
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import pickle
 import re
-import shutil
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -21,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state.files import is_abandoned, reporting_out_of_space, validate_plain, writer_tag
 
 MODEL_KEY = "model_state_dict"
 OPTIMIZER_KEY = "optimizer_state_dict"
@@ -32,8 +29,6 @@ EXTRA_OPTIMIZERS_KEY = "extra_optimizer_state_dicts"
 #: Where ``load_checkpoint(path, strict=False)`` puts, in the checkpoint it returns, the :class:`SkippedWeights`.
 SKIPPED_WEIGHTS_KEY = "skipped_weights"
 RESERVED_KEYS = (MODEL_KEY, OPTIMIZER_KEY, SCHEDULER_KEY, EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, SKIPPED_WEIGHTS_KEY)
-
-_PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
 
 
 def build_checkpoint(
@@ -62,23 +57,6 @@ def build_checkpoint(
         validate_plain(value, f"checkpoint_kwargs[{key!r}]")
         checkpoint[key] = value
     return checkpoint
-
-
-def validate_plain(value: Any, where: str) -> None:
-    """Refuse a value that would need pickle to load back, naming where it is."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            validate_plain(key, f"{where} key")
-            validate_plain(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple, set)):
-        for index, item in enumerate(value):
-            validate_plain(item, f"{where}[{index}]")
-    elif not isinstance(value, _PLAIN_TYPES):
-        raise TypeError(
-            f"{where} is a {type(value).__name__}, which cannot be loaded back without pickle (checkpoints load with "
-            "weights_only=True, so that loading one never runs code). Store tensors, numbers, strings, lists or "
-            "dicts of them instead, e.g. a state_dict()."
-        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,30 +173,8 @@ def validate_some_weights_fit(model_state: dict, file_state: dict, skipped: Skip
 # Temporaries of killed writes
 # ------------------------------------------------------------------------------------------------
 
-_MAX_PID = 1 << 22  # Linux's highest pid_max; a larger number is no process id (and would overflow os.kill)
-#: ``.<name>.tmp-<host>-<pid>``; ``.<name>.tmp-<pid>`` as written before the host was part of the name
-_TEMPORARY_FILE = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<host>.+)-)?(?P<pid>\d+)")
-
-
-def writer_tag() -> str:
-    """``<host>-<pid>`` of this process: who writes a temporary (a pid alone means nothing on a shared disk)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def is_abandoned(host: Optional[str], pid: int) -> bool:
-    """Whether the process ``pid`` of ``host`` (``None``: this host) is gone, so that its temporaries are garbage.
-
-    A process of another host cannot be checked from here: its temporaries are kept.
-    """
-    if (host is not None and host != socket.gethostname()) or not 0 < pid <= _MAX_PID:
-        return False  # pid 0 would ask about our own process group
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # it exists, under another user
-    return False
+#: ``.<name>.tmp-<host>-<pid>``: an export's temporary, named by its writer
+_TEMPORARY_FILE = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)")
 
 
 def temporary_file(path: Path) -> Path:
@@ -243,48 +199,6 @@ def remove_abandoned_temporary_files(folder: Path) -> list[Path]:
     except OSError:
         pass  # tidying up never fails a save: what is left is removed by a later one
     return removed
-
-
-def _is_out_of_space(error: BaseException, folder: Path) -> bool:
-    """Whether a failed write ran out of disk space. torch's writer may report it without an errno ("enforce fail
-    at inline_container.cc ... unexpected pos"), so an almost full disk counts as the cause too."""
-    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
-        return True
-    if "No space left" in str(error) or "ENOSPC" in str(error):
-        return True
-    try:
-        return shutil.disk_usage(folder).free < 1 << 20
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def reporting_out_of_space(temporary: Path, target: Path, what: str, kept: str):
-    """Turn a write into ``temporary`` that runs out of disk space into one ``OSError(ENOSPC)`` naming ``target``
-    and ``what`` was not written, after removing the partial ``temporary`` (a file or a folder); ``kept`` says what
-    is left unchanged."""
-    try:
-        yield
-    except (OSError, RuntimeError) as error:
-        if not _is_out_of_space(error, temporary.parent):
-            raise
-        # removed before the free space is measured: the partial files are not the user's to free
-        if temporary.is_dir() and not temporary.is_symlink():
-            shutil.rmtree(temporary, ignore_errors=True)
-        else:
-            temporary.unlink(missing_ok=True)
-        raise OSError(
-            errno.ENOSPC,
-            f"no space left on {target}: {what} was not written ({_free_space(temporary.parent)} free after removing "
-            f"the partial files; {type(error).__name__}: {error}). Free some space or save to another disk; {kept}",
-        ) from error
-
-
-def _free_space(folder: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(folder).free} bytes"
-    except OSError:
-        return "unknown space"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
     Raises:
         CheckpointError: no training state there, a damaged one, or one without ``part``.
     """
-    from pytorch_accel_trainer.state.training_state import find_resumable_state
+    from pytorch_accel_trainer.state.lookup import find_resumable_state
 
     if not Path(state).exists():
         raise FileNotFoundError(

@@ -1,6 +1,6 @@
 """The named points between the steps of a save, where a test simulates a crash.
 
-The writers of training states (``training_state``, ``async_save``, ``storage``) call :func:`crash_point` between
+The writers of training states (``folder``, ``parts``, ``storage``) call :func:`crash_point` between
 their steps. It does nothing; a test replaces it (``monkeypatch.setattr(crash_points, "crash_point", crash)``) to
 stop a save at one point and check what a crash there leaves. A leaf: it imports nothing of the package.
 """

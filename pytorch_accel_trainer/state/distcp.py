@@ -10,7 +10,7 @@ What this module adds to DCP, which has no checksum and reads back with pickle:
 
 - **Checksums as written.** Every file a process writes goes through a stream that computes its size and XXH3-128
   as the bytes pass (:class:`ChecksummedWriter`): no second read. The caller gathers them into the state's manifest,
-  which is written last (``training_state.py``).
+  which is written last (``folder.py``).
 - **No pickle on reading.** DCP pickles its metadata and would unpickle any "bytes" entry it finds; the reader here
   rebuilds the metadata with an unpickler that knows DCP's own few classes only (:func:`read_metadata`), and refuses
   a "bytes" entry (only tensors are ever written: the plain values of a state go to its torch files).

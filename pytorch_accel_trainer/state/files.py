@@ -1,20 +1,24 @@
 """The files of a training state on disk: their names, durable writes, the manifest's schema, reads that never
 leave the state's folder, and the comparisons of what a state holds with the current run. A leaf: it imports
-nothing of the package (``training_state.py`` builds the trainer's states on it).
+nothing of the package (``folder.py`` builds a state's folder on it).
 
 A training state is input like any other: a manifest may have been edited, a file replaced by a link. So every
 name the manifest lists must be a plain file name inside the folder, no file is opened through a symbolic link
 (``O_NOFOLLOW``; the size and hash of a file are read from the very file that was opened), and every field the
 manifest claims is checked for its type and range before anything is sized or looped over from it. A problem
-raises :class:`DamagedStateError`, which ``training_state`` turns into the library's ``CheckpointError``;
+raises :class:`DamagedStateError`, which ``folder.py`` turns into the library's ``CheckpointError``;
 its message names only the folder and the file, and tells nothing of what lies outside the folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import mmap
 import os
 import re
+import shutil
+import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +28,7 @@ import torch
 import xxhash
 
 #: The one format of training states, written and read: the tensors one shard per process (DCP), each file listed as
-#: ``{"size", "xxh3_128"}``. Formats 1 (SHA-256), 2 (CRC32) and 3 (the whole model and optimizer in one file each,
-#: written by the main process) were written only by development versions, before the first release; they are not
-#: read.
+#: ``{"size", "xxh3_128"}``; a state of any other is refused (``folder.StateFormatError``).
 FORMAT_VERSION = 4
 #: The manifest's key for the checksum of each file: XXH3-128 (xxhash), which hashes at memory speed.
 CHECKSUM = "xxh3_128"
@@ -169,9 +171,9 @@ class StoredState:
         return set(self.manifest["kinds"])
 
     @property
-    def run_id(self) -> Optional[str]:
-        """The identity of the run that wrote the state; ``None`` for a state written before runs had one."""
-        return self.manifest.get("run_id")
+    def run_id(self) -> str:
+        """The identity of the run that wrote the state."""
+        return self.manifest["run_id"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -408,8 +410,8 @@ def validate_manifest(manifest: dict) -> None:
         raise DamagedStateError(f"kinds is {kinds!r}; it must be a non-empty list of {KINDS}")
     if not isinstance(manifest.get("run_facts"), dict):
         raise DamagedStateError(f"run_facts is {manifest.get('run_facts')!r}; it must be a dict")
-    run_id = manifest.get("run_id")  # absent in the states written before runs had an identity
-    if run_id is not None and not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
+    run_id = manifest.get("run_id")
+    if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
         raise DamagedStateError(f"run_id is {run_id!r}; it must be 32 hex digits")
     _validate_files(manifest.get("files"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])
@@ -495,3 +497,91 @@ def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
         f"{name!r} is not registered (its saved state would be dropped)" for name in saved if name not in registered
     ]
     return f"it holds the extra {kind} {saved}, but this trainer has {registered}: {'; '.join(lost)}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Values a file may hold, and the writes killed or cut short (training states and export checkpoints alike)
+# ------------------------------------------------------------------------------------------------
+
+_PLAIN_TYPES = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.device, torch.Size)
+_MAX_PID = 1 << 22  # Linux's highest pid_max; a larger number is no process id (and would overflow os.kill)
+
+
+def validate_plain(value: Any, where: str) -> None:
+    """Refuse a value that would need pickle to load back, naming where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            validate_plain(key, f"{where} key")
+            validate_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple, set)):
+        for index, item in enumerate(value):
+            validate_plain(item, f"{where}[{index}]")
+    elif not isinstance(value, _PLAIN_TYPES):
+        raise TypeError(
+            f"{where} is a {type(value).__name__}, which cannot be loaded back without pickle (checkpoints load with "
+            "weights_only=True, so that loading one never runs code). Store tensors, numbers, strings, lists or "
+            "dicts of them instead, e.g. a state_dict()."
+        )
+
+
+def writer_tag() -> str:
+    """``<host>-<pid>`` of this process: who writes a temporary (a pid alone means nothing on a shared disk)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def is_abandoned(host: Optional[str], pid: int) -> bool:
+    """Whether the process ``pid`` of ``host`` (``None``: this host) is gone, so that its temporaries are garbage.
+
+    A process of another host cannot be checked from here: its temporaries are kept.
+    """
+    if (host is not None and host != socket.gethostname()) or not 0 < pid <= _MAX_PID:
+        return False  # pid 0 would ask about our own process group
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, under another user
+    return False
+
+
+def _is_out_of_space(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of disk space. torch's writer may report it without an errno ("enforce fail
+    at inline_container.cc ... unexpected pos"), so an almost full disk counts as the cause too."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    if "No space left" in str(error) or "ENOSPC" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def reporting_out_of_space(temporary: Path, target: Path, what: str, kept: str):
+    """Turn a write into ``temporary`` that runs out of disk space into one ``OSError(ENOSPC)`` naming ``target``
+    and ``what`` was not written, after removing the partial ``temporary`` (a file or a folder); ``kept`` says what
+    is left unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        if not _is_out_of_space(error, temporary.parent):
+            raise
+        # removed before the free space is measured: the partial files are not the user's to free
+        if temporary.is_dir() and not temporary.is_symlink():
+            shutil.rmtree(temporary, ignore_errors=True)
+        else:
+            temporary.unlink(missing_ok=True)
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on {target}: {what} was not written ({_free_space(temporary.parent)} free after removing "
+            f"the partial files; {type(error).__name__}: {error}). Free some space or save to another disk; {kept}",
+        ) from error
+
+
+def _free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free} bytes"
+    except OSError:
+        return "unknown space"

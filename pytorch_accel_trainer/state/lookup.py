@@ -1,5 +1,5 @@
 """Which training state a resume continues: the lookup behind ``train(resume_from=...)`` and
-``load_training_state``, beside the format it reads (``training_state.py``) and the store it may download from
+``load_training_state``, beside the folder it reads (``folder.py``) and the store it may download from
 (``storage.py``).
 
 ``resume_from`` may be one state's folder, a folder of states (the newest good one of the run saved last), a run
@@ -12,20 +12,29 @@ verified there. Knows nothing of the Trainer: it is given the processes (``conte
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state.content import Processes
-from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, StoredState, is_real_directory, is_state_name
-from pytorch_accel_trainer.state.storage import RemoteStates, as_location
-from pytorch_accel_trainer.state.training_state import (
-    find_resumable_state,
+from pytorch_accel_trainer.state.files import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    StoredState,
+    is_real_directory,
+    is_state_name,
+    read_small_text,
+    state_folders,
+)
+from pytorch_accel_trainer.state.folder import (
+    StateFormatError,
     list_complete_states,
+    load_trainer_file,
     read_manifest,
-    report_skipped_states,
     verify_folder,
 )
+from pytorch_accel_trainer.state.parts import Processes
+from pytorch_accel_trainer.state.storage import RemoteStates, as_location
 
 #: Files of an Accelerate ``save_state`` folder, as pytorch-accelerated's training states are: not resumable here.
 ACCELERATE_STATE_FILES = ("random_states_0.pkl", "optimizer.bin", "pytorch_model.bin", "model.safetensors")
@@ -207,3 +216,142 @@ def _download_newest(remote: RemoteStates, only: Optional[str]) -> Optional[str]
         return name
     report_skipped_states(remote.url, None, problems)
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# A local folder of states: the newest good one of the run saved last
+# ------------------------------------------------------------------------------------------------
+
+
+def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> Optional[StoredState]:
+    """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
+
+    ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
+    complete one of one run is used: the run of the state saved last (named by ``latest``); the states of other runs
+    are left alone, with a warning naming them. The states that cannot be used are skipped, each with a warning
+    naming it and why (damaged, or of another format version): those newer than it, and those whose manifest cannot
+    be read (so whose place in the run is unknown: a state of another format is one), or that are links. A state
+    whose trainer file disagrees with its manifest (an edited manifest) is a damaged one.
+
+    With ``processes`` (every one of which must call this), each state is verified by them together, each hashing
+    its share of the files (:func:`verify_folder`).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        StateFormatError: ``path`` is one training state, of another format version than the one read.
+        CheckpointError: ``path`` is a file (e.g. an export checkpoint), or it holds training states but none
+            of them checks out.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"resume_from={str(path)!r} does not exist: pass a training-state folder or a folder of them "
+            "(e.g. the save_dir of SaveTrainingStateCallback)."
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"resume_from={str(path)!r} is a file, not a training-state folder. A file written by save_checkpoint is "
+            "an export checkpoint (weights, optimizer, scheduler; no position or RNG states), which cannot continue "
+            "a run: load it with trainer.load_checkpoint(path) before train() to start from its weights. resume_from "
+            "needs a training-state folder, or a folder of them (written by save_training_state or "
+            "SaveTrainingStateCallback)."
+        )
+    if os.path.lexists(path / MANIFEST_NAME):
+        return verify_folder(path, processes)
+    readable = {folder: _readable_state(folder) for folder in state_folders(path)}
+    run_id = _run_to_resume(path, [state for state in readable.values() if state is not None])
+    other_runs = [state for state in readable.values() if state is not None and state.run_id != run_id]
+    problems, stored = [], None
+    for folder in sorted(readable, key=lambda folder: _order_or_lowest(readable[folder]), reverse=True):
+        # newest first; then those whose manifest is unreadable (so whose run and place are unknown)
+        known = readable[folder]
+        if known is not None and (known.run_id != run_id or stored is not None):
+            continue  # another run's, or older than the state chosen: left alone
+        try:
+            candidate = _verify_state_in(folder, processes)
+        except CheckpointError as error:
+            problems.append(error)
+            continue
+        stored = stored or candidate
+    report_skipped_states(path, None if stored is None else stored.folder, problems)
+    if stored is not None and other_runs:
+        warnings.warn(
+            f"{path} also holds the states of other runs ({describe_runs(other_runs)}); they were left alone: "
+            f"resuming from {stored.folder}, the newest good state of the run saved last.",
+            stacklevel=2,
+        )
+    return stored
+
+
+def _verify_state_in(folder: Path, processes: Optional[Processes] = None) -> StoredState:
+    """A state of a folder of states, verified down to its trainer file (whose position must be the manifest's: an
+    edited manifest must not make an older state look like the newest, and then stop the resume)."""
+    if not is_real_directory(folder):
+        raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
+    stored = verify_folder(folder, processes)
+    load_trainer_file(stored)
+    return stored
+
+
+def _readable_state(folder: Path) -> Optional[StoredState]:
+    """The state in ``folder`` with its manifest (files not hashed), or ``None`` when its manifest cannot be read."""
+    try:
+        if is_real_directory(folder):
+            return StoredState(folder, read_manifest(folder))
+    except CheckpointError:
+        pass
+    return None
+
+
+def _written_at(state: StoredState) -> int:
+    try:
+        return os.stat(state.folder / MANIFEST_NAME, follow_symlinks=False).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def _run_to_resume(parent: Path, states: list[StoredState]) -> Optional[str]:
+    """The run whose states a resume from ``parent`` continues: the run of the state ``latest`` names (the last one
+    saved), else that of the state written last; ``None`` when there is no state."""
+    if not states:
+        return None
+    try:
+        latest = read_small_text(parent / LATEST_NAME, 4096).strip()
+    except (OSError, ValueError):  # absent, a link, damaged: the states' own times decide
+        latest = None
+    for state in states:
+        if state.folder.name == latest:
+            return state.run_id
+    return max(states, key=_written_at).run_id
+
+
+def report_skipped_states(location: Any, chosen: Any, problems: list) -> None:
+    """Warn about each state of ``location`` skipped for the state ``chosen`` (``problems``: why each was); when
+    none was chosen but some were skipped, raise :class:`CheckpointError` listing them rather than start over."""
+    if chosen is not None:
+        for problem in problems:
+            damaged = not isinstance(problem, StateFormatError)
+            kind = "damaged training state" if damaged else "training state of another format"
+            warnings.warn(f"Skipped a {kind} (resuming from {chosen}): {problem}", stacklevel=3)
+    elif problems:
+        listed = "\n  ".join(map(str, problems))
+        raise CheckpointError(
+            f"{location} holds {len(problems)} training state(s) and none can be resumed, so the run was not "
+            f"restarted from scratch:\n  {listed}\nMove those folders away to start over, or point resume_from at a "
+            "good one."
+        )
+
+
+def describe_runs(states: Iterable[StoredState]) -> str:
+    """``'epoch_1, final (run 3f2a...); checkpoint-8 (run 9c1d...)'``: the states, grouped by run."""
+    by_run: dict[Optional[str], list[str]] = {}
+    for state in states:
+        by_run.setdefault(state.run_id, []).append(state.folder.name)
+    return "; ".join(
+        f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''} (run {run})"
+        for run, names in by_run.items()
+    )
+
+
+def _order_or_lowest(state: Optional[StoredState]) -> tuple:
+    return (0, ()) if state is None else (1, state.order)

@@ -26,13 +26,44 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, NamedTuple, Optional, Union
 
 from pytorch_accel_trainer.state import crash_points
 from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX, temporary_folder
 
 #: A local path, or the URL of a folder or file in object storage.
 Location = Union[Path, str]
+
+#: What a :class:`Destination` holds: training states a run resumes from (``train(resume_from=...)``).
+TRAINING_STATES = "training states"
+#: What a :class:`Destination` holds: files the run exports (checkpoints, weights), not resumed from.
+CHECKPOINTS = "checkpoints"
+
+
+class Destination(NamedTuple):
+    """A folder (or object-storage URL) a run writes to, as a callback declares it
+    (:meth:`~pytorch_accel_trainer.callbacks.base.TrainerCallback.writes_to`).
+
+    Before the first batch the trainer checks every destination alike: it can be written (each process probes it),
+    a local one is the same folder on every node, and one of ``TRAINING_STATES`` is no ``memory://`` store of one
+    process when several run; the time budget saves its stop state in the first one of ``TRAINING_STATES``.
+
+    Attributes:
+        location: the folder or URL written to.
+        holds: :data:`TRAINING_STATES` or :data:`CHECKPOINTS`.
+        given_as: where the user gave it, for the messages, e.g. ``"SaveTrainingStateCallback(save_dir=...)"``.
+    """
+
+    location: Location
+    holds: str
+    given_as: str
+
+
+def declared_destinations(callbacks: Any) -> list[Destination]:
+    """What the callbacks declare they write (``TrainerCallback.writes_to``), in their order; a callback that does not
+    derive from ``TrainerCallback`` and has no ``writes_to`` declares nothing."""
+    return [destination for callback in callbacks for destination in (getattr(callback, "writes_to", None) or tuple)()]
+
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 

@@ -13,7 +13,7 @@ The package is given what it saves, never the Trainer: a :class:`StateContent` o
 Which processes write together, and their collectives, is a :class:`Processes`: the run's (from its Accelerator) for
 a save on the training thread, or a group of their own for a save in the background. Every file is checksummed by
 the process that writes it, as it writes it; the checksums reach the main process, which writes the manifest last
-(``training_state.py``).
+(``folder.py``).
 """
 
 from __future__ import annotations

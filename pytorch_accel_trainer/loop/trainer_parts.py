@@ -1,6 +1,6 @@
 """The trainer's training state as parts handed to ``state/``: what a state holds, and how a resume puts it back.
 
-``state/`` is given what it saves, never the trainer (``state/content.py``): here the trainer's model, optimizer and
+``state/`` is given what it saves, never the trainer (``state/parts.py``): here the trainer's model, optimizer and
 extra models become sharded parts (each process its own shard, through ``torch.distributed.checkpoint``); its
 position, counters, run history, scheduler and scaler the shared plain values; its RNG states, loss sums and
 callbacks' states each process's own. A resume reads them back in the same three groups, checking each against
@@ -23,8 +23,6 @@ from accelerate.utils import send_to_device
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
-from pytorch_accel_trainer.state.checkpointing import validate_plain
-from pytorch_accel_trainer.state.content import Processes, StateContent, Stateful, check_fit, load_sharded
 from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
 from pytorch_accel_trainer.state.files import (
     StoredState,
@@ -34,15 +32,12 @@ from pytorch_accel_trainer.state.files import (
     extra_optimizer_classes,
     inner_optimizer,
     rank_file,
+    validate_plain,
 )
+from pytorch_accel_trainer.state.folder import history_epoch, load_rank_file, load_trainer_file
+from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
+from pytorch_accel_trainer.state.parts import Processes, StateContent, Stateful, check_fit, load_sharded
 from pytorch_accel_trainer.state.rng import capture_rng_state
-from pytorch_accel_trainer.state.training_state import (
-    ResumePlan,
-    ResumePosition,
-    history_epoch,
-    load_rank_file,
-    load_trainer_file,
-)
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
 if TYPE_CHECKING:
@@ -80,9 +75,10 @@ def sharded_parts(trainer: "Trainer", names: Optional[Iterable[str]] = None) -> 
 
 
 def _callback_states(callbacks: Iterable) -> dict:
+    """The states of the callbacks whose class has a ``state_dict`` method, by class name."""
     states = {}
     for callback in callbacks:
-        if callable(getattr(callback, "state_dict", None)):
+        if callable(getattr(type(callback), "state_dict", None)):  # asked of the class: no __getattr__ of callbacks
             state = callback.state_dict()
             validate_plain(state, f"{type(callback).__name__}.state_dict()")
             states[type(callback).__name__] = state
@@ -102,7 +98,7 @@ def _stream_state(trainer: "Trainer", position: ResumePosition) -> Optional[dict
 
 
 def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwargs: Optional[dict]) -> StateContent:
-    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/content.py``."""
+    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/parts.py``."""
     validate_training_state_supported(trainer.accelerator)
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
     validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
@@ -126,7 +122,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "rng": capture_rng_state(),
         "train_loss_tracker": trainer.run_state.train_loss_tracker.state_dict(),
         "train_step_metrics": trainer.run_state.train_step_metrics.state_dict(),
-        "callbacks": _callback_states(trainer.callback_handler),
+        "callbacks": _callback_states(trainer.callback_handler.callbacks),
         "stream_position": _stream_state(trainer, position),
     }
     return StateContent(sharded_parts(trainer), shared, own)
