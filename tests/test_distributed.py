@@ -10,16 +10,17 @@ import sys
 
 import pytest
 import torch
-from conftest import launcher
+from conftest import real_launcher
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
 
 def _launch(tmp_path, name, num_processes, per_device_batch_size, env):
-    """A launch of its own, in the environment ``env`` (the other tests read the scenarios' shared launches)."""
+    """A real launch of its own (what accelerate launch does is tested), in the environment ``env`` (the other tests
+    read the scenarios' shared launches)."""
     output = tmp_path / f"{name}.json"
     completed = subprocess.run(
-        [*launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), "1"],
+        [*real_launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), "1"],
         env=env,
         capture_output=True,
         text=True,

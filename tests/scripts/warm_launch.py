@@ -18,7 +18,7 @@ What each process has, as under the real launch (``real_launcher`` of tests/conf
 - on several processes, the variables ``accelerate launch --multi_gpu --mixed_precision no --dynamo_backend no``
   sets (Accelerate's and torchrun's: ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` of a TCP store the launch hosts, as
   torchrun's agent does, ...);
-- the random state of a new interpreter (Python's and numpy's drawn from the OS, torch's default seed), default
+- the random state of a new interpreter (Python's, numpy's and torch's drawn from the OS), default
   signal handlers, and an interpreter exit as a script's end (threads joined, ``atexit`` functions, streams flushed).
 
 How it ends, as under the real launch: one process's exit status is the launch's (a process killed by a signal: the
@@ -63,7 +63,8 @@ ACCELERATE_ENV = {
 #: How long a failed process's siblings have to end after SIGTERM before SIGKILL (torchrun's default).
 TERMINATE_GRACE_S = 30
 
-FRESH_TORCH_SEED = None  # set by serve
+#: How often a launch looks at its processes (accelerate launch's --monitor_interval, passed to torchrun's agent).
+MONITOR_INTERVAL_S = 0.1
 
 
 # ---------------------------------------------------------------------------------------------------------- client
@@ -94,7 +95,8 @@ def client(socket_path: str, num_processes: int, target: list) -> None:
     if ended.get("refused"):
         sys.exit(f"warm_launch: {ended['refused']}")
     if ended.get("signal"):
-        signal.signal(ended["signal"], signal.SIG_DFL)
+        if ended["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(ended["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), ended["signal"])
     sys.exit(ended["returncode"])
 
@@ -121,8 +123,6 @@ def serve(socket_path: str) -> int:
     import pytorch_accel_trainer  # noqa: F401
 
     gc.freeze()  # the launches share these objects unchanged: their collector leaves them be (fewer copied pages)
-    global FRESH_TORCH_SEED
-    FRESH_TORCH_SEED = torch.initial_seed()  # what torch draws from in a new interpreter
     imported_env = dict(os.environ)
     imported_pythonpath = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     own_path = [path for path in sys.path[1:] if path not in imported_pythonpath]  # but this folder
@@ -195,27 +195,33 @@ def _launch(connection: socket.socket, imported_env: dict, own_path: list) -> in
             os.write(write_end, str(store.port).encode())
             os.close(write_end)
     ended = _wait(children, connection)
-    connection.sendall(json.dumps(ended).encode() + b"\n")
+    try:
+        connection.sendall(json.dumps(ended).encode() + b"\n")
+    except OSError:
+        pass  # the client was killed
     shutil.rmtree(request["error_folder"], ignore_errors=True)
     os._exit(0)
 
 
 def _wait(children: dict, connection: socket.socket) -> dict:
-    """Wait for the processes ``children`` (pid: rank); end the others once one failed, every one if the client died.
-    Returns how the launch ended: ``{"returncode": ...}`` or ``{"signal": ...}``, as the client must end."""
+    """Wait for the processes ``children`` (pid: rank), looking at them every MONITOR_INTERVAL_S as torchrun's agent
+    does; end the others once one failed, and every one at once if the client died. Returns how the launch ended:
+    ``{"returncode": ...}`` or ``{"signal": ...}``, as the client must end."""
     statuses: dict = {}
     terminated_at = None
     while len(statuses) < len(children):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid in children:
-            statuses[pid] = status
-            if (os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0) and terminated_at is None:
-                terminated_at = time.monotonic()
-                _signal_all(children, statuses, signal.SIGTERM)
-            continue
-        if select.select([connection], [], [], 0.05)[0] and not connection.recv(1, socket.MSG_PEEK):
+        if select.select([connection], [], [], MONITOR_INTERVAL_S)[0] and not connection.recv(1, socket.MSG_PEEK):
             _signal_all(children, statuses, signal.SIGKILL)  # the client was killed: so is its launch
-        if terminated_at is not None and time.monotonic() - terminated_at > TERMINATE_GRACE_S:
+        while len(statuses) < len(children):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            statuses[pid] = status
+        failed = any(os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0 for status in statuses.values())
+        if failed and terminated_at is None:
+            terminated_at = time.monotonic()
+            _signal_all(children, statuses, signal.SIGTERM)
+        elif terminated_at is not None and time.monotonic() - terminated_at > TERMINATE_GRACE_S:
             _signal_all(children, statuses, signal.SIGKILL)
     if len(children) > 1:
         return {"returncode": int(any(status != 0 for status in statuses.values()))}
@@ -290,7 +296,7 @@ def _run_process(request: dict, fds: list, rank: int, port, own_path: list) -> i
     sys.argv = list(target) if option is None else ["-c", *target[2:]] if option == "-c" else target[1:]
     random.seed()
     np.random.seed()
-    torch.manual_seed(FRESH_TORCH_SEED)
+    torch.seed()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     main_module = types.ModuleType("__main__")
