@@ -28,8 +28,8 @@ timeout, ``process.kill()``) kills every process of its launch at once.
 
 Not the same, so a test of these keeps ``real_launcher``: the launcher's own output and exit statuses (torchrun's
 error report), its handling of signals sent to it, restarts (``--max_restarts``), and a variable that torch, Python
-or a library reads when it is imported (a launch whose environment changes one, TORCH_*, PYTORCH_*, OMP_*, PYTHON*
-but PYTHONPATH, ..., is refused with that message).
+or a library reads when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with
+that message).
 """
 
 from __future__ import annotations
@@ -48,6 +48,9 @@ import time
 #: Variables read as torch, Python or the libraries it loads are imported: a launch that changes one cannot be forked
 #: from the server's imports.
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "CUDA", "OMP_", "MKL", "KMP_", "OPENBLAS", "NCCL", "GLOO", "LD_", "PYTHON")
+#: Those of them read when used, not as Python or torch start: ``sys.path`` is made from ``PYTHONPATH`` for each
+#: process, and torch sets its compiler's cache folder in the environment of the test process as it first compiles.
+READ_WHEN_USED = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
 
 #: What ``accelerate launch --multi_gpu --num_machines 1 --mixed_precision no --dynamo_backend no`` adds to the
 #: environment of each process, besides torchrun's per-process variables (``_process_environment``).
@@ -154,7 +157,7 @@ def _launch(connection: socket.socket, imported_env: dict, own_path: list) -> in
         name
         for name in set(request["env"]) | set(imported_env)
         if name.startswith(READ_AT_IMPORT)
-        and name != "PYTHONPATH"
+        and name not in READ_WHEN_USED
         and request["env"].get(name) != imported_env.get(name)
     )
     if changed:
