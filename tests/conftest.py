@@ -36,16 +36,19 @@ def pytest_report_header(config):
     return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
-#: The longest tests on 2 CPU cores (20-80 s each with -n 2, most of it starting processes), first: one that starts the
-#: shared launches of the multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which
-#: the other tests that read them would wait for; then the exit-race launches, the two-process kill and resume, and
-#: the benchmark smoke run.
+#: The longest tests on 2 CPU cores (30-200 s each with -n 2, busy), first: one that starts the shared launches of the
+#: multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which the other tests that
+#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start fresh
+#: processes of their own, inductor's first compile, mypy), and the real launches (a rank killed, torchrun's
+#: restarts, the exit race).
 LONGEST_TESTS = (
     "test_callbacks_distributed.py::test_two_processes_stop_together",
-    "test_exit.py::test_quickstart_on_two_processes_exits_0",
-    "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
     "test_benchmarks.py::test_quick_benchmark_runs_every_row",
+    "test_compile.py::test_empty_options_use_defaults",
+    "test_lint.py::test_mypy_reports_no_error_on_the_package",
+    "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
     "test_restarts.py::test_lost_process_restarts_and_resumes_bitwise",
+    "test_exit.py::test_quickstart_on_two_processes_exits_0",
 )
 
 
