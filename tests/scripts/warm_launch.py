@@ -45,11 +45,26 @@ import sys
 import tempfile
 import time
 
-#: Variables read as torch, Python or the libraries it loads are imported: a launch that changes one cannot be forked
-#: from the server's imports.
-READ_AT_IMPORT = ("TORCH", "PYTORCH", "CUDA", "OMP_", "MKL", "KMP_", "OPENBLAS", "NCCL", "GLOO", "LD_", "PYTHON")
-#: Those of them read when used, not as Python or torch start: ``sys.path`` is made from ``PYTHONPATH`` for each
-#: process, and torch sets its compiler's cache folder in the environment of the test process as it first compiles.
+#: Variables (names, or the start of names) that Python, torch or the libraries it loads read as they start or are
+#: imported: a launch that changes one cannot be forked from the server's imports. Not every variable torch reads:
+#: torch itself sets some in the test process as it runs (KMP_DUPLICATE_LIB_OK, TORCH_WARM_POOL, ... as it compiles).
+READ_AT_IMPORT = (
+    "PYTHON",
+    "PYTORCH_",
+    "TORCH_LOGS",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_COMPILE",
+    "TORCHDYNAMO_",
+    "TORCHINDUCTOR_",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
+#: Those of them read when used: ``sys.path`` is made from ``PYTHONPATH`` for each process, and torch sets its
+#: compiler's cache folder in the environment of the test process as it first compiles.
 READ_WHEN_USED = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
 
 #: What ``accelerate launch --multi_gpu --num_machines 1 --mixed_precision no --dynamo_backend no`` adds to the
