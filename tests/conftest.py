@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 # The suite runs on the CPU on every machine, one with a GPU included: its tests compare with tensors made on the CPU
 # and test what the CPU does (fp16 refused, bitwise resume), so that it passes, with the same results, everywhere. What
@@ -33,16 +36,19 @@ def pytest_report_header(config):
     return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
-#: The longest tests on 2 CPU cores (20-80 s each with -n 2, most of it starting processes), first: one that starts the
-#: shared launches of the multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which
-#: the other tests that read them would wait for; then the exit-race launches, the two-process kill and resume, and
-#: the benchmark smoke run.
+#: The longest tests on 2 CPU cores (30-200 s each with -n 2, busy), first: one that starts the shared launches of the
+#: multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which the other tests that
+#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start fresh
+#: processes of their own, inductor's first compile, mypy), and the real launches (a rank killed, torchrun's
+#: restarts, the exit race).
 LONGEST_TESTS = (
     "test_callbacks_distributed.py::test_two_processes_stop_together",
-    "test_exit.py::test_quickstart_on_two_processes_exits_0",
-    "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
     "test_benchmarks.py::test_quick_benchmark_runs_every_row",
+    "test_compile.py::test_empty_options_use_defaults",
+    "test_lint.py::test_mypy_reports_no_error_on_the_package",
+    "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
     "test_restarts.py::test_lost_process_restarts_and_resumes_bitwise",
+    "test_exit.py::test_quickstart_on_two_processes_exits_0",
 )
 
 
@@ -75,9 +81,11 @@ if "OMP_NUM_THREADS" not in os.environ:
 CPU_PROCESSES_ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 
-def launcher(num_processes: int) -> list:
-    """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` processes:
-    ``accelerate launch`` for several, plain ``python`` for one."""
+def real_launcher(num_processes: int) -> list:
+    """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` new interpreters:
+    ``accelerate launch`` for several, plain ``python`` for one. For the tests of the launch itself (the launcher's
+    output and exit status, restarts, a rank's death that the launcher must handle, the environment a launch gives):
+    the others use ``launcher``."""
     if num_processes == 1:
         return [sys.executable]
     return [
@@ -96,6 +104,45 @@ def launcher(num_processes: int) -> list:
         "--main_process_port",
         "0",
     ]
+
+
+#: Forks the suite's launches from an interpreter that already imported torch, Accelerate and the package.
+WARM_LAUNCH_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "warm_launch.py"
+
+#: This test process's warm launcher (its server and socket), started by its first launch.
+_warm_server: dict = {}
+
+
+def launcher(num_processes: int) -> list:
+    """The start of a command that runs a script (appended, with its arguments; ``-m MODULE`` for a module) on
+    ``num_processes`` processes as ``real_launcher``'s command does (the same environment, arguments, streams, exit
+    status), but forked from an interpreter that already imported torch, Accelerate and the package (the warm
+    launcher, tests/scripts/warm_launch.py, which says what differs): a new interpreter pays about 9 s of CPU for
+    those imports on 2 cores. Its first call starts this test process's warm launcher."""
+    if not _warm_server:
+        folder = tempfile.mkdtemp(prefix="warm-launch-")
+        socket_path = os.path.join(folder, "socket")
+        with open(f"{socket_path}.log", "wb") as log:
+            server = subprocess.Popen(
+                [sys.executable, str(WARM_LAUNCH_SCRIPT), "serve", socket_path],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=CPU_PROCESSES_ENV,
+            )
+        _warm_server.update(server=server, socket=socket_path)
+        atexit.register(_stop_warm_server, server, folder)
+    return [sys.executable, "-S", str(WARM_LAUNCH_SCRIPT), _warm_server["socket"], str(num_processes)]
+
+
+def _stop_warm_server(server: subprocess.Popen, folder: str) -> None:
+    """End the warm launcher as its test process ends (it also ends when its standard input closes)."""
+    server.stdin.close()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 #: Runs the scenarios of the multi-process tests one after the other, in one launch per number of processes.

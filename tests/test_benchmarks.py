@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.tooling  # runs the benchmark scripts
 CORE_ROWS = ["torch_loop", "accelerate_loop", "trainer_default", "trainer_no_callbacks"]
 OPTIONAL_ROWS = {"pytorch_accelerated": "pytorch_accelerated", "lightning": "lightning"}
 WORKLOADS = ["overhead", "compute", "eval_heavy", "sched_accum_progress"]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 from accelerate.utils import ProjectConfiguration
-from conftest import linear_dataset, make_linear, make_trainer
+from conftest import launcher, linear_dataset, make_linear, make_trainer
 
 from pytorch_accel_trainer.parallel.distributed import MIXED_PRECISION_ALIASES, mixed_precision_name
 
@@ -23,8 +22,8 @@ def test_cpu_true_sets_accelerate_up():
         "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
         "trainer = Trainer(model, torch.nn.MSELoss(), optimizer, callbacks=(), cpu=True)\n"
         "assert PartialState()._cpu is True and trainer.device.type == 'cpu', PartialState()._cpu\n"
-    )  # a fresh process: Accelerate's state is set up once per process, by its first Accelerator
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    )  # a fresh process (forked from the warm launcher): Accelerate's state is set up once per process
+    completed = subprocess.run([*launcher(1), "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
 
 

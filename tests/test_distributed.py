@@ -10,16 +10,17 @@ import sys
 
 import pytest
 import torch
-from conftest import launcher
+from conftest import launcher, real_launcher
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
 
 def _launch(tmp_path, name, num_processes, per_device_batch_size, env):
-    """A launch of its own, in the environment ``env`` (the other tests read the scenarios' shared launches)."""
+    """A real launch of its own (what accelerate launch does is tested), in the environment ``env`` (the other tests
+    read the scenarios' shared launches)."""
     output = tmp_path / f"{name}.json"
     completed = subprocess.run(
-        [*launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), "1"],
+        [*real_launcher(num_processes), str(SCRIPT), str(output), str(per_device_batch_size), "1"],
         env=env,
         capture_output=True,
         text=True,
@@ -118,7 +119,7 @@ def test_one_process_set_up_under_launch():
         "Trainer(torch.nn.Linear(1, 1), torch.nn.MSELoss(), None)\n"
     )
     env = {key: value for key, value in os.environ.items() if key not in ("ACCELERATE_USE_CPU", "WORLD_SIZE")}
-    completed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    completed = subprocess.run([*launcher(1), "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert completed.returncode != 0
     assert (
         "RuntimeError: The launcher started 2 processes, but Accelerate was set up before the trainer was created"

@@ -1,11 +1,13 @@
 """Every ```python block of README.md and docs/ runs, so the documentation cannot rot.
 
 A page is a script: its python blocks run in order, as one program (a block may use the names an earlier block of
-the same page defined), in a fresh interpreter whose working folder is an empty temporary one, with the repository
-root on ``PYTHONPATH`` (so ``examples.train_digits`` imports). Each block is placed at its own line of the page, so
-a traceback's line numbers are the page's. Pseudocode, shell commands and what cannot run here (several GPUs, a
-package that is not installed) carry another label (```text, ```bash, ...), and the label tests below keep a
-python block from hiding under a label these tests do not run (```py, ```python3, ```pycon).
+the same page defined), in a fresh process whose working folder is an empty temporary one, with the repository
+root on ``PYTHONPATH`` (so ``examples.train_digits`` imports): a process of the warm launcher (tests/conftest.py
+``launcher``), forked from an interpreter that imported torch, Accelerate and the package and did nothing else. Each
+block is placed at its own line of the page, so a traceback's line numbers are the page's. Pseudocode, shell commands
+and what cannot run here (several GPUs, a package that is not installed) carry another label (```text, ```bash, ...),
+and the label tests below keep a python block from hiding under a label these tests do not run (```py, ```python3,
+```pycon).
 
 docs/api/ (the API reference, generated from docstrings) holds no code blocks of its own and is left out.
 """
@@ -16,11 +18,11 @@ import ast
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -119,7 +121,7 @@ def test_each_page_runs_as_one_script(page, tmp_path):
     script.write_text(page_script(fenced_blocks(page.read_text())))
 
     result = subprocess.run(
-        [sys.executable, str(script)],
+        [*launcher(1), str(script)],
         check=False,
         cwd=tmp_path,
         env=_environment(),

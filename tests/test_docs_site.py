@@ -184,6 +184,7 @@ def test_public_names_in_api_reference():
 
 
 @pytest.mark.slow
+@pytest.mark.tooling
 def test_the_site_builds_with_no_warning(tmp_path):
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # mkdocs-material's banner about MkDocs 2.0: not a warning

@@ -46,6 +46,7 @@ def _run(*arguments: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.tooling
 def test_smoke_run_lists_every_check(tmp_path):
     """The smoke run lists every check, fails none, and writes the table and figures."""
     completed = _run("--smoke", "--output-dir", str(tmp_path))

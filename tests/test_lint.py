@@ -15,6 +15,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.tooling
+
 
 def _run(*command: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -1,8 +1,9 @@
 """Mixed precision: bf16 on the CPU, the precision from the environment, and the errors.
 
 Accelerate sets the mixed precision once per process (a singleton that refuses another one later), so each
-precision trains in a fresh process: ``tests/scripts/mixed_precision_run.py``, which writes what it saw as JSON.
-Starting one costs about 5 seconds (importing torch and Accelerate), hence ``slow``.
+precision trains in a fresh process: ``tests/scripts/mixed_precision_run.py``, which writes what it saw as JSON,
+forked from the warm launcher's interpreter (tests/conftest.py ``launcher``), which imported torch and Accelerate
+but set nothing up.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
-from conftest import linear_dataset, make_linear, make_trainer
+from conftest import launcher, linear_dataset, make_linear, make_trainer
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "mixed_precision_run.py"
 
@@ -29,7 +29,7 @@ def run_in_fresh_process(tmp_path: Path, precision: str, environment_precision: 
         env["ACCELERATE_MIXED_PRECISION"] = environment_precision
     output = tmp_path / "result.json"
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), str(output), precision], env=env, capture_output=True, text=True, timeout=240
+        [*launcher(1), str(SCRIPT), str(output), precision], env=env, capture_output=True, text=True, timeout=240
     )
     assert completed.returncode == 0, completed.stderr
     return json.loads(output.read_text())

@@ -137,6 +137,7 @@ def test_output_problems_finds_bad_outputs():
 
 
 @pytest.mark.slow
+@pytest.mark.tooling
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_without_errors_or_warnings(name):
     files_before = sorted(path.name for path in NOTEBOOKS_DIR.iterdir() if path.name != "__pycache__")

@@ -231,17 +231,16 @@ def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     import json
     import signal
     import subprocess
-    import sys
     from pathlib import Path
 
-    from conftest import CPU_PROCESSES_ENV
+    from conftest import CPU_PROCESSES_ENV, launcher
 
     script = Path(__file__).parent / "scripts" / "resume_run.py"
     env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
     config = {"save_dir": "s3://states-bucket/killed", "out": str(tmp_path / "out.pt"), "save_every": 2}
     # SIGKILL while the third state's trainer_state.pt is uploaded: its shards are in the store, its manifest is not
     killed = subprocess.run(
-        [sys.executable, str(script), json.dumps({**config, "crash_at": "upload:trainer_state.pt", "crash_on_hit": 3})],
+        [*launcher(1), str(script), json.dumps({**config, "crash_at": "upload:trainer_state.pt", "crash_on_hit": 3})],
         env=env,
         capture_output=True,
         text=True,
@@ -253,7 +252,7 @@ def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     assert store.exists("states-bucket/killed/step_6/.metadata")
     assert not store.exists("states-bucket/killed/step_6/manifest.json")
     resumed = subprocess.run(
-        [sys.executable, str(script), json.dumps({**config, "reference_out": str(tmp_path / "reference.pt")})],
+        [*launcher(1), str(script), json.dumps({**config, "reference_out": str(tmp_path / "reference.pt")})],
         env=env,
         capture_output=True,
         text=True,

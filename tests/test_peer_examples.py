@@ -12,9 +12,9 @@ import os
 import pathlib
 import runpy
 import subprocess
-import sys
 
 import pytest
+from conftest import launcher
 
 from pytorch_accel_trainer.utils import LIMIT_BATCHES_ENV_VAR
 
@@ -105,7 +105,7 @@ def test_custom_callback_event(quick, capsys, monkeypatch):
 def test_custom_event_example_as_a_script():
     env = {**os.environ, LIMIT_BATCHES_ENV_VAR: "2"}
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "custom_callback_event.py")],
+        [*launcher(1), str(EXAMPLES / "custom_callback_event.py")],
         env=env,
         capture_output=True,
         text=True,

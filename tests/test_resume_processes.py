@@ -12,20 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher, real_launcher
 
 from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 
 
-def _command(config, num_processes):
-    return [*launcher(num_processes), str(SCRIPT), json.dumps(config)]
+def _command(config, num_processes, launch=launcher):
+    return [*launch(num_processes), str(SCRIPT), json.dumps(config)]
 
 
-def _launch(config, num_processes=1, timeout=240):
+def _launch(config, num_processes=1, timeout=240, launch=launcher):
+    """The run of ``config``, forked from the warm launcher; ``launch=real_launcher`` where the launcher's handling of a
+    process's death is part of what a test checks (a rank that dies and the launcher that ends the others)."""
     return subprocess.run(
-        _command(config, num_processes), env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=timeout
+        _command(config, num_processes, launch), env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -41,7 +43,10 @@ def _interrupted_then_resumed(
     folder = tmp_path / "interrupted"
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
-    stopped = _launch({**config, **interruption}, num_processes)
+    # a process that stops itself stops as well forked; on several processes the launcher ends the others
+    stopped = _launch(
+        {**config, **interruption}, num_processes, launch=launcher if num_processes == 1 else real_launcher
+    )
     assert stopped.returncode in expected_codes, (stopped.returncode, stopped.stderr[-3000:])
     assert not (folder / "out.pt").exists()
     reference_out = {"reference_out": str(tmp_path / "reference.pt")} if reference else {}
@@ -78,8 +83,12 @@ def test_random_sigkill_then_resume_bitwise(tmp_path):
     folder = tmp_path / "random"
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
-    process = subprocess.Popen(
-        _command(config, 1), env=CPU_PROCESSES_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    process = subprocess.Popen(  # killed by this test: a real launch, which dies with the kill
+        _command(config, 1, real_launcher),
+        env=CPU_PROCESSES_ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     started = time.monotonic()
     while not list_complete_states(folder / "states") if (folder / "states").exists() else True:

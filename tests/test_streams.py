@@ -50,14 +50,13 @@ def _assert_same_weights(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stream_that_keeps_its_position_resumes_without_reading_again(tmp_path, workers):
-    """Stopped at 1,500 updates (the stop asked for in the 1,501st step lands after it: 6,004 samples trained), the
-    resumed stream produces the 1,996 samples left (and, with 2 workers, their prefetch as the dataloader is built),
-    at most 64 before its first new update."""
-    (report,), output = _launch(tmp_path, 1, "--workers", str(workers), "--stop-after", "1500", "--samples", "8000",
-                                "--epochs", "1")  # fmt: skip
+    """Stopped at 30 of the epoch's 100 updates (the stop asked for in the 31st step lands after it: 124 samples
+    trained), the resumed stream produces the 276 samples left (and, with 2 workers, their prefetch as the dataloader
+    is built), at most 64 before its first new update."""
+    (report,), output = _launch(tmp_path, 1, "--workers", str(workers), "--stop-after", "30", "--epochs", "1")
     _assert_same_weights(tmp_path)
     trained_before = report["stopped"]["updates"] * BATCH
-    assert report["resumed"]["produced"] == 8000 - trained_before + (PREFETCHED if workers else 0)
+    assert report["resumed"]["produced"] == 400 - trained_before + (PREFETCHED if workers else 0)
     assert report["resumed"]["before_first_update"] <= 64
     assert "produced again" not in output and "Replaying" not in output
 

@@ -75,7 +75,7 @@ def test_pruned_trial_stops_after_its_epoch(in_tests, tmp_path):
 
 
 def _tune_process(config: pathlib.Path, space: pathlib.Path, n_trials: int, *options: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pytorch_accel_trainer", "tune", "--config", str(config), "--search", str(space)]
+    command = [*launcher(1), "-m", "pytorch_accel_trainer", "tune", "--config", str(config), "--search", str(space)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [*command, "--n_trials", str(n_trials), *options], cwd=TESTS, env=env, stdout=subprocess.PIPE, text=True

@@ -1,0 +1,353 @@
+"""Launches of the suite's scripts forked from an interpreter that already imported torch, Accelerate and the package,
+instead of new interpreters: a new one pays about 9 s of CPU to import them on 2 cores, and a 2-process
+``accelerate launch`` three times that (the launcher and each process), most of what a multi-process test took.
+
+    python tests/scripts/warm_launch.py serve SOCKET                     # the server (tests/conftest.py starts it)
+    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
+
+The second command is a launch, and tests/conftest.py's ``launcher(n)`` its start: the suite's
+``subprocess.run([*launcher(n), script, ...], env=..., cwd=...)`` calls run unchanged. The client (no imports but the
+standard library's) hands its standard streams, environment, working folder and arguments to the server over the
+Unix socket ``SOCKET``; the server forks a launch for it, which forks ``NUM_PROCESSES`` processes that each run the
+target as ``__main__`` with what a new interpreter would have had; the client then exits as the launch ended.
+
+What each process has, as under the real launch (``real_launcher`` of tests/conftest.py):
+
+- the client's environment, working folder, standard streams and ``sys.argv``; ``sys.path`` starts with the script's
+  folder (the working folder for ``-m``), then the client's ``PYTHONPATH``, then the interpreter's own folders;
+- on several processes, the variables ``accelerate launch --multi_gpu --mixed_precision no --dynamo_backend no``
+  sets (Accelerate's and torchrun's: ``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` of a TCP store the launch hosts, as
+  torchrun's agent does, ...);
+- the random state of a new interpreter (Python's, numpy's and torch's drawn from the OS), default
+  signal handlers, and an interpreter exit as a script's end (threads joined, ``atexit`` functions, streams flushed).
+
+How it ends, as under the real launch: one process's exit status is the launch's (a process killed by a signal: the
+client kills itself with it); on several processes, 0 if every process exited 0, otherwise 1, once the first failed
+process's siblings were ended (SIGTERM, then SIGKILL 30 s later, as torchrun does). The client killed (a test's
+timeout, ``process.kill()``) kills every process of its launch at once.
+
+Not the same, so a test of these keeps ``real_launcher``: the launcher's own output and exit statuses (torchrun's
+error report), its handling of signals sent to it, restarts (``--max_restarts``), and a variable that torch, Python
+or a library reads when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with
+that message).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+#: Variables (names, or the start of names) that Python, torch or the libraries it loads read as they start or are
+#: imported: a launch that changes one cannot be forked from the server's imports. Not every variable torch reads:
+#: torch itself sets some in the test process as it runs (KMP_DUPLICATE_LIB_OK, TORCH_WARM_POOL, ... as it compiles).
+READ_AT_IMPORT = (
+    "PYTHON",
+    "PYTORCH_",
+    "TORCH_LOGS",
+    "TORCH_SHOW_CPP_STACKTRACES",
+    "TORCH_COMPILE",
+    "TORCHDYNAMO_",
+    "TORCHINDUCTOR_",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
+#: Those of them read when used: ``sys.path`` is made from ``PYTHONPATH`` for each process, and torch sets its
+#: compiler's cache folder in the environment of the test process as it first compiles.
+READ_WHEN_USED = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
+
+#: What ``accelerate launch --multi_gpu --num_machines 1 --mixed_precision no --dynamo_backend no`` adds to the
+#: environment of each process, besides torchrun's per-process variables (``_process_environment``).
+ACCELERATE_ENV = {
+    "ACCELERATE_MIXED_PRECISION": "no",
+    "ACCELERATE_DYNAMO_BACKEND": "NO",
+    "ACCELERATE_DYNAMO_MODE": "default",
+    "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
+    "ACCELERATE_DYNAMO_USE_DYNAMIC": "False",
+    "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
+}
+
+#: How long a failed process's siblings have to end after SIGTERM before SIGKILL (torchrun's default).
+TERMINATE_GRACE_S = 30
+
+#: How often a launch looks at its processes (accelerate launch's --monitor_interval, passed to torchrun's agent).
+MONITOR_INTERVAL_S = 0.1
+
+
+# ---------------------------------------------------------------------------------------------------------- client
+
+
+def client(socket_path: str, num_processes: int, target: list) -> None:
+    """Hand this process's streams, environment, folder and ``target`` to the server; exit as the launch ended."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deadline = time.monotonic() + 600  # the server is importing torch on a busy machine
+    while True:
+        try:
+            connection.connect(socket_path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                sys.exit(f"warm_launch: no server at {socket_path} after 600 s; its log: {socket_path}.log")
+            time.sleep(0.05)
+    request = {"num_processes": num_processes, "target": target, "env": dict(os.environ), "cwd": os.getcwd()}
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = connection.recv(4096)
+        if not chunk:
+            log = _tail(f"{socket_path}.log")
+            sys.exit(f"warm_launch: the server ended during the launch; the end of its log:\n{log}")
+        reply += chunk
+    ended = json.loads(reply)
+    if ended.get("refused"):
+        sys.exit(f"warm_launch: {ended['refused']}")
+    if ended.get("signal"):
+        if ended["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(ended["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), ended["signal"])
+    sys.exit(ended["returncode"])
+
+
+def _tail(path: str) -> str:
+    try:
+        with open(path, errors="replace") as log:
+            return log.read()[-3000:]
+    except OSError as error:
+        return str(error)
+
+
+# ---------------------------------------------------------------------------------------------------------- server
+
+
+def serve(socket_path: str) -> int:
+    """Import what every launch imports, then fork a launch per connection until standard input closes. Returns, in
+    a launched process only, that process's exit status (``main`` exits with it)."""
+    import accelerate  # noqa: F401
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    import pytorch_accel_trainer  # noqa: F401
+
+    gc.freeze()  # the launches share these objects unchanged: their collector leaves them be (fewer copied pages)
+    imported_env = dict(os.environ)
+    imported_pythonpath = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    own_path = [path for path in sys.path[1:] if path not in imported_pythonpath]  # but this folder
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the launches reap themselves
+    while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+            return 0  # the test session ended
+        if listener in readable:
+            connection, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                return _launch(connection, imported_env, own_path)
+            connection.close()
+
+
+def _launch(connection: socket.socket, imported_env: dict, own_path: list) -> int:
+    """Run one launch: fork its processes, wait for them, tell the client how it ended. In a forked process, returns
+    that process's exit status; in the launch itself, exits."""
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    while not message.endswith(b"\n"):
+        message += connection.recv(1 << 20)
+    request = json.loads(message)
+    changed = sorted(
+        name
+        for name in set(request["env"]) | set(imported_env)
+        if name.startswith(READ_AT_IMPORT)
+        and name not in READ_WHEN_USED
+        and request["env"].get(name) != imported_env.get(name)
+    )
+    if changed:
+        refused = (
+            f"the launch's environment changes {changed}, read as torch or Python start, which the warm launcher "
+            "imported before: launch with real_launcher (tests/conftest.py)"
+        )
+        connection.sendall(json.dumps({"refused": refused}).encode() + b"\n")
+        os._exit(0)
+    num_processes = request["num_processes"]
+    request["error_folder"] = tempfile.mkdtemp(prefix="torchelastic_")  # where torchrun's processes report errors
+    port_pipes = [os.pipe() for _ in range(num_processes)] if num_processes > 1 else []
+    children = {}
+    for rank in range(num_processes):
+        pid = os.fork()
+        if pid == 0:
+            connection.close()
+            port = None
+            if port_pipes:
+                for index, (read_end, write_end) in enumerate(port_pipes):
+                    os.close(write_end)
+                    if index != rank:
+                        os.close(read_end)
+                with os.fdopen(port_pipes[rank][0]) as port_pipe:
+                    port = port_pipe.read()
+            return _run_process(request, fds, rank, port, own_path)
+        children[pid] = rank
+    for fd in fds:
+        os.close(fd)
+    store = None
+    if port_pipes:
+        from torch.distributed import TCPStore
+
+        # the store of torchrun's agent, which every process joins as a client (TORCHELASTIC_USE_AGENT_STORE)
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        for read_end, write_end in port_pipes:
+            os.close(read_end)
+            os.write(write_end, str(store.port).encode())
+            os.close(write_end)
+    ended = _wait(children, connection)
+    try:
+        connection.sendall(json.dumps(ended).encode() + b"\n")
+    except OSError:
+        pass  # the client was killed
+    shutil.rmtree(request["error_folder"], ignore_errors=True)
+    os._exit(0)
+
+
+def _wait(children: dict, connection: socket.socket) -> dict:
+    """Wait for the processes ``children`` (pid: rank), looking at them every MONITOR_INTERVAL_S as torchrun's agent
+    does; end the others once one failed, and every one at once if the client died. Returns how the launch ended:
+    ``{"returncode": ...}`` or ``{"signal": ...}``, as the client must end."""
+    statuses: dict = {}
+    terminated_at = None
+    while len(statuses) < len(children):
+        if select.select([connection], [], [], MONITOR_INTERVAL_S)[0] and not connection.recv(1, socket.MSG_PEEK):
+            _signal_all(children, statuses, signal.SIGKILL)  # the client was killed: so is its launch
+        while len(statuses) < len(children):
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            statuses[pid] = status
+        failed = any(os.WIFSIGNALED(status) or os.WEXITSTATUS(status) != 0 for status in statuses.values())
+        if failed and terminated_at is None:
+            terminated_at = time.monotonic()
+            _signal_all(children, statuses, signal.SIGTERM)
+        elif terminated_at is not None and time.monotonic() - terminated_at > TERMINATE_GRACE_S:
+            _signal_all(children, statuses, signal.SIGKILL)
+    if len(children) > 1:
+        return {"returncode": int(any(status != 0 for status in statuses.values()))}
+    (status,) = statuses.values()
+    if os.WIFSIGNALED(status):
+        return {"signal": os.WTERMSIG(status)}
+    return {"returncode": os.WEXITSTATUS(status)}
+
+
+def _signal_all(children: dict, statuses: dict, signum: int) -> None:
+    for pid in children:
+        if pid not in statuses:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _process_environment(request: dict, rank: int, port) -> dict:
+    """The environment of process ``rank``: the client's, and on several processes what the real launch adds."""
+    env = dict(request["env"])
+    num_processes = request["num_processes"]
+    if num_processes > 1:
+        env.update(ACCELERATE_ENV)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            ROLE_NAME="default",
+            WORLD_SIZE=str(num_processes),
+            LOCAL_WORLD_SIZE=str(num_processes),
+            GROUP_WORLD_SIZE="1",
+            ROLE_WORLD_SIZE=str(num_processes),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RUN_ID="none",
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+            TORCHELASTIC_ERROR_FILE=os.path.join(request["error_folder"], "attempt_0", str(rank), "error.json"),
+        )
+    return env
+
+
+def _run_process(request: dict, fds: list, rank: int, port, own_path: list) -> int:
+    """Become process ``rank`` of the launch and run its target as ``__main__``, as ``python SCRIPT``, ``python -m
+    MODULE`` or ``python -c CODE`` do (it stays ``sys.modules["__main__"]`` until the interpreter exits); return its
+    exit status."""
+    import builtins
+    import random
+    import runpy
+    import traceback
+    import types
+
+    import numpy as np
+    import torch
+
+    for target_fd, fd in enumerate(fds):
+        os.dup2(fd, target_fd)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(_process_environment(request, rank, port))
+    os.chdir(request["cwd"])
+    target = request["target"]
+    option = target[0] if target[0] in ("-m", "-c") else None
+    first = os.path.dirname(os.path.abspath(target[0])) if option is None else os.getcwd() if option == "-m" else ""
+    sys.path[:] = [first, *(path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path), *own_path]
+    sys.argv = list(target) if option is None else ["-c", *target[2:]] if option == "-c" else target[1:]
+    random.seed()
+    np.random.seed()
+    torch.seed()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    main_module = types.ModuleType("__main__")
+    sys.modules["__main__"] = main_module
+    try:
+        if option == "-m":
+            runpy._run_module_as_main(target[1])  # what python -m runs, in sys.modules["__main__"]
+        else:
+            if option == "-c":
+                code = compile(target[1], "<string>", "exec")
+            else:
+                with open(target[0], "rb") as source:
+                    code = compile(source.read(), target[0], "exec")
+                main_module.__dict__.update(__file__=target[0], __cached__=None)
+            main_module.__dict__["__builtins__"] = builtins
+            exec(code, main_module.__dict__)
+    except SystemExit as exit:
+        if exit.code is None or isinstance(exit.code, int):
+            return exit.code or 0
+        print(exit.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - what an interpreter prints for an uncaught exception
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main(argv: list) -> int:
+    if argv[0] == "serve":
+        return serve(argv[1])
+    client(argv[0], int(argv[1]), argv[2:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
