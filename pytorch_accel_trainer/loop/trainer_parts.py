@@ -23,7 +23,6 @@ from accelerate.utils import send_to_device
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
-from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
 from pytorch_accel_trainer.state.files import (
     StoredState,
     describe_changes,
@@ -36,7 +35,15 @@ from pytorch_accel_trainer.state.files import (
 )
 from pytorch_accel_trainer.state.folder import history_epoch, load_rank_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
-from pytorch_accel_trainer.state.parts import Processes, StateContent, Stateful, check_fit, load_sharded
+from pytorch_accel_trainer.state.parts import (
+    ModelState,
+    OptimizerState,
+    Processes,
+    StateContent,
+    Stateful,
+    check_fit,
+    load_sharded,
+)
 from pytorch_accel_trainer.state.rng import capture_rng_state
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 

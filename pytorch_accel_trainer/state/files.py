@@ -22,7 +22,7 @@ import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 import xxhash
@@ -38,7 +38,7 @@ LATEST_NAME = "latest"
 STATE_PREFIX = "checkpoint-"
 TEMPORARY_PREFIX = ".tmp-"
 TRAINER_FILE = "trainer_state.pt"
-#: DCP's metadata: where each piece of each tensor of the state lies (``distcp.py``)
+#: DCP's metadata: where each piece of each tensor of the state lies (``parts.py``)
 SHARDS_METADATA_FILE = ".metadata"
 REQUIRED_FILES = (SHARDS_METADATA_FILE, TRAINER_FILE)
 RESTORE_POINTS = ("before_iterator", "after_iterator")
@@ -179,38 +179,6 @@ class StoredState:
 # ------------------------------------------------------------------------------------------------
 # Writing a file of a state, flushed to disk
 # ------------------------------------------------------------------------------------------------
-
-
-class ChecksumWriter:
-    """A write-only file object that computes the checksum (XXH3-128) and size of the bytes as they are written, so
-    a file's checksum costs no second read (torch.save writes through ``write``)."""
-
-    def __init__(self, handle) -> None:
-        self._handle = handle
-        self._hasher = xxhash.xxh3_128()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self._hasher.update(data)
-        self.size += len(data)
-        return self._handle.write(data)
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-    @property
-    def digest(self) -> str:
-        return self._hasher.hexdigest()
-
-
-def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
-    """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing."""
-    with open(path, "wb") as handle:
-        writer = ChecksumWriter(handle)
-        torch.save(obj, cast(IO[bytes], writer))  # torch.save needs only write()
-        handle.flush()
-        os.fsync(handle.fileno())
-    return writer.size, writer.digest
 
 
 def fsync_path(path: Path) -> None:
