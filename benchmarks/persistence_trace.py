@@ -10,7 +10,9 @@ Two figures, each over a small MLP trained for an epoch on one process:
     .venv/bin/python benchmarks/persistence_trace.py           # both figures: functions, files, by file
     .venv/bin/python benchmarks/persistence_trace.py --list    # the functions too, in the order they first ran
 
-``--json`` writes the figures. Python functions of the package only: torch's and Accelerate's calls are left out,
+Each figure is given twice: every code object of the package that ran, and the named functions only
+(comprehensions, generator expressions and lambdas belong to the function that encloses them). ``--json`` writes the
+figures. Python functions of the package only: torch's and Accelerate's calls are left out,
 and so is what a background thread runs (a synchronous save runs on the calling thread).
 """
 
@@ -51,12 +53,26 @@ def traced(action: Callable[[], object]) -> list[tuple[str, str, int]]:
     return list(seen)
 
 
+def is_named(name: str) -> bool:
+    """Whether a code object is a function a newcomer follows: comprehensions, generator expressions and lambdas
+    (``<listcomp>``, ``<genexpr>``, ``<lambda>``, ...) are part of the function that encloses them."""
+    return not name.startswith("<")
+
+
 def summary(functions: list[tuple[str, str, int]]) -> dict:
+    """The figures of one trace: every code object that ran (``functions``, ``files``, ``functions_by_file``) and the
+    named functions only (``named``: the same three figures)."""
     files = Counter(filename for filename, _, _ in functions)
+    named_files = Counter(filename for filename, name, _ in functions if is_named(name))
     return {
         "functions": len(functions),
         "files": len(files),
         "functions_by_file": dict(files.most_common()),
+        "named": {
+            "functions": sum(named_files.values()),
+            "files": len(named_files),
+            "functions_by_file": dict(named_files.most_common()),
+        },
         "listing": [f"{filename}:{line} {name}" for filename, name, line in functions],
     }
 
@@ -100,6 +116,9 @@ def main() -> None:
     for what, figures in results.items():
         by_file = ", ".join(f"{name} {count}" for name, count in figures["functions_by_file"].items())
         print(f"{what}: {figures['functions']} functions in {figures['files']} files ({by_file})")
+        named = figures["named"]
+        by_file = ", ".join(f"{name} {count}" for name, count in named["functions_by_file"].items())
+        print(f"{what}, named functions only: {named['functions']} in {named['files']} files ({by_file})")
         if args.list:
             print("\n".join(f"    {line}" for line in figures["listing"]))
     if args.json:

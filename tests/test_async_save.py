@@ -10,8 +10,8 @@ from test_training_state import Crash, CrashAt, _final_state, _run
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import async_save, crash_points
-from pytorch_accel_trainer.state.distcp import METADATA_FILE, read_metadata
 from pytorch_accel_trainer.state.files import MANIFEST_NAME
+from pytorch_accel_trainer.state.parts import METADATA_FILE, read_metadata
 from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
 
 

@@ -287,7 +287,7 @@ def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous, full_f
     from pathlib import Path
 
     from pytorch_accel_trainer.callbacks import TrainerCallback
-    from pytorch_accel_trainer.state import distcp, parts, training_state
+    from pytorch_accel_trainer.state import parts, training_state
 
     def send_to_full_device():
         write = parts.save_tensors_file
@@ -298,11 +298,11 @@ def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous, full_f
             with open("/dev/full", "wb") as full:
                 torch.save(obj, full)
 
-        def open_full_device(path, *args, **kwargs):  # the files DCP writes, through distcp's file system
+        def open_full_device(path, *args, **kwargs):  # the files DCP writes, through parts' file system
             return builtins.open("/dev/full" if Path(path).name == full_file else path, *args, **kwargs)
 
         monkeypatch.setattr(parts, "save_tensors_file", save_to_full_device)
-        monkeypatch.setattr(distcp, "open", open_full_device, raising=False)
+        monkeypatch.setattr(parts, "open", open_full_device, raising=False)
 
     if asynchronous:
 

@@ -131,8 +131,8 @@ def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path):
     import os
     import pickle
 
-    from pytorch_accel_trainer.state.distcp import read_metadata
     from pytorch_accel_trainer.state.files import DamagedStateError
+    from pytorch_accel_trainer.state.parts import read_metadata
 
     _, state = _tiny_state(tmp_path)
     marker = tmp_path / "ran"
@@ -152,8 +152,8 @@ def test_metadata_cannot_point_outside_the_state(tmp_path):
     is refused: nothing outside the folder is read."""
     import pickle
 
-    from pytorch_accel_trainer.state.distcp import read_metadata
     from pytorch_accel_trainer.state.files import MANIFEST_NAME, file_digest
+    from pytorch_accel_trainer.state.parts import read_metadata
 
     _, state = _tiny_state(tmp_path)
     outside = tmp_path / "outside"

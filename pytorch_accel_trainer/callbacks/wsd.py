@@ -12,15 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
-from pytorch_accel_trainer.parallel.sharded import state_module
+from pytorch_accel_trainer.parallel.sharded import inner_optimizer, state_module
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import SCHEDULER_KEY
-from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
-from pytorch_accel_trainer.state.files import inner_optimizer
 from pytorch_accel_trainer.state.folder import load_trainer_file
-from pytorch_accel_trainer.state.lookup import find_resumable_state
-from pytorch_accel_trainer.state.manager import ResumePlan
-from pytorch_accel_trainer.state.parts import Processes, Stateful, load_sharded
+from pytorch_accel_trainer.state.manager import ResumePlan, find_resumable_state
+from pytorch_accel_trainer.state.parts import ModelState, OptimizerState, Processes, Stateful, load_sharded
 from pytorch_accel_trainer.state.storage import CHECKPOINTS, Destination, local_path
 
 if TYPE_CHECKING:

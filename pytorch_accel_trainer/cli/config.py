@@ -25,7 +25,7 @@ from pytorch_accel_trainer.cli.run_folder import WEIGHTS_FILE, RunFolderCallback
 from pytorch_accel_trainer.placeholders import placeholder_from_text
 from pytorch_accel_trainer.predictions import PREDICTION_FILE_SUFFIXES, validate_prediction_store
 from pytorch_accel_trainer.run_config import OptionalNumber, max_time_seconds
-from pytorch_accel_trainer.state.lookup import RUN_FOLDER_STATES
+from pytorch_accel_trainer.state.manager import RUN_FOLDER_STATES
 from pytorch_accel_trainer.state.storage import as_location, exists, is_url, join, local_file_to_write, local_path
 from pytorch_accel_trainer.trainer import DEFAULT_CALLBACKS, Trainer
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from accelerate import Accelerator
 
-from pytorch_accel_trainer.parallel.sharded import is_deepspeed, is_fsdp
+from pytorch_accel_trainer.loop.trainer_parts import describe_extras_difference
+from pytorch_accel_trainer.parallel.sharded import inner_optimizer, is_deepspeed, is_fsdp
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
-from pytorch_accel_trainer.state.files import describe_extras_difference, inner_optimizer
 
 if TYPE_CHECKING:
     from pytorch_accel_trainer.loop.run_state import RunState

@@ -4,7 +4,7 @@
 extra models become sharded parts (each process its own shard, through ``torch.distributed.checkpoint``); its
 position, counters, run history, scheduler and scaler the shared plain values; its RNG states, loss sums and
 callbacks' states each process's own. A resume reads them back in the same three groups, checking each against
-this run before anything is loaded.
+this run before anything is loaded (the run's settings, the optimizers' classes and groups, the extra models).
 
 A resume on another number of processes (``allow_resume_changes=True``): the model and optimizer are resharded by
 DCP; the loss sums of the interrupted epoch of every saved process are added into process 0's (the epoch's loss is
@@ -16,27 +16,26 @@ data position is converted to samples by ``loop/persistence.py``.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
+import torch
 from accelerate.utils import send_to_device
 
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.parallel.sharded import state_module, validate_training_state_supported
-from pytorch_accel_trainer.state.distcp import ModelState, OptimizerState
-from pytorch_accel_trainer.state.files import (
-    StoredState,
-    describe_changes,
-    describe_extras_difference,
-    describe_optimizer_mismatch,
-    extra_optimizer_classes,
-    inner_optimizer,
-    rank_file,
-    validate_plain,
-)
+from pytorch_accel_trainer.parallel.sharded import inner_optimizer, state_module, validate_training_state_supported
+from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
 from pytorch_accel_trainer.state.folder import history_epoch, load_rank_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
-from pytorch_accel_trainer.state.parts import Processes, StateContent, Stateful, check_fit, load_sharded
+from pytorch_accel_trainer.state.parts import (
+    ModelState,
+    OptimizerState,
+    Processes,
+    StateContent,
+    Stateful,
+    check_fit,
+    load_sharded,
+)
 from pytorch_accel_trainer.state.rng import capture_rng_state
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
@@ -131,6 +130,70 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
 # ------------------------------------------------------------------------------------------------
 # Reading a state back into the trainer
 # ------------------------------------------------------------------------------------------------
+
+
+def describe_changes(saved: dict, current: dict) -> list[str]:
+    """List each run setting that differs between a saved state and the current run."""
+    return [
+        f"{name}: saved {saved.get(name)!r}, now {current.get(name)!r}"
+        for name in sorted(current)
+        if saved.get(name) != current.get(name)
+    ]
+
+
+def extra_optimizer_classes(optimizers: dict) -> dict:
+    """The class of each extra optimizer, saved with a state so that a resume can name a different one."""
+    return {name: type(inner_optimizer(optimizer)).__qualname__ for name, optimizer in optimizers.items()}
+
+
+def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
+    """Why the names of the extra ``kind`` (``"models"``, ``"optimizers"``) a checkpoint or state holds differ from
+    those a trainer registered, naming both sets and what would be lost; ``None`` when they are the same."""
+    saved, registered = sorted(saved), sorted(registered)
+    if saved == registered:
+        return None
+    lost = [f"{name!r} is not in it (it would keep its current state)" for name in registered if name not in saved]
+    lost += [
+        f"{name!r} is not registered (its saved state would be dropped)" for name in saved if name not in registered
+    ]
+    return f"it holds the extra {kind} {saved}, but this trainer has {registered}: {'; '.join(lost)}"
+
+
+def describe_optimizer_mismatch(
+    saved: Any, saved_class: Optional[str], optimizer: torch.optim.Optimizer, compare_parameters: bool = True
+) -> Optional[str]:
+    """Why an optimizer state (``state_dict()`` of a ``saved_class`` optimizer) cannot be loaded into ``optimizer``,
+    or ``None`` when it fits: another class (``saved_class=None`` compares none), and with
+    ``compare_parameters`` another number of parameter groups or of parameters in a group, or other per-parameter
+    state where both have some. (A training state keys the per-parameter state by parameter names, where the live
+    optimizer numbers them: only the class and the groups are compared then.)"""
+    current = inner_optimizer(optimizer)
+    current_class = type(current).__qualname__
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("state"), dict)
+        or not isinstance(saved.get("param_groups"), list)
+        or not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in saved["param_groups"])
+    ):
+        return "it is not an optimizer state_dict (a dict of 'state' and a list of 'param_groups')"
+    if saved_class is not None and saved_class != current_class:
+        return f"it was saved by the optimizer {saved_class}, but this trainer's optimizer is {current_class}"
+    if not compare_parameters:
+        return None
+    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
+    current_sizes = [len(group["params"]) for group in current.param_groups]
+    if saved_sizes != current_sizes:
+        return (
+            f"its parameter groups hold {saved_sizes} parameters, but those of this trainer's {current_class} hold "
+            f"{current_sizes}"
+        )
+    current_state = current.state_dict()["state"]
+    for index, values in saved["state"].items():
+        if index in current_state and (not isinstance(values, dict) or set(values) != set(current_state[index])):
+            keys = sorted(values) if isinstance(values, dict) else values
+            kept = sorted(current_state[index])
+            return f"parameter {index} has the state {keys}, but this trainer's {current_class} keeps {kept}"
+    return None
 
 
 def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts: Optional[dict], allow: bool) -> None:

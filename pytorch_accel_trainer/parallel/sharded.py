@@ -464,6 +464,14 @@ def state_module(accelerator: Accelerator, prepared: torch.nn.Module, unwrapped:
     return _sharded_for_loading(accelerator, prepared) if is_fsdp(accelerator) else unwrapped
 
 
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The user's torch optimizer inside Accelerate's wrapper."""
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
+    return optimizer
+
+
 def writes_on_this_process(accelerator: Accelerator, save_per_node: bool) -> bool:
     """Whether this process writes an export file: once per node, or on the main process only.
 

@@ -1,6 +1,6 @@
 """A sharded training state made whole, on one machine, without a process group: ``pytorch-accel-trainer consolidate``.
 
-A training state holds the model's tensors one shard per process of the run that wrote it (``distcp.py``). For an
+A training state holds the model's tensors one shard per process of the run that wrote it (``parts.py``). For an
 evaluation, an export or a serving job, :func:`consolidate` verifies the state (every file against its manifest)
 and writes the model's full weights as one plain file: safetensors (``.safetensors``), or a checkpoint that
 ``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read (``.pt``, ``.pth``; the model's weights under
@@ -17,8 +17,8 @@ from typing import Union
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import distcp
 from pytorch_accel_trainer.state.files import DamagedStateError
+from pytorch_accel_trainer.state.parts import SEPARATOR, read_full_tensors, read_metadata
 
 #: The extensions of the outputs :func:`consolidate` writes, and what each one is.
 OUTPUT_KINDS = {".safetensors": "safetensors weights", ".pt": "a checkpoint", ".pth": "a checkpoint"}
@@ -31,7 +31,7 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
     Raises:
         CheckpointError: no training state there, a damaged one, or one without ``part``.
     """
-    from pytorch_accel_trainer.state.lookup import find_resumable_state
+    from pytorch_accel_trainer.state.manager import find_resumable_state
 
     if not Path(state).exists():
         raise FileNotFoundError(
@@ -41,12 +41,12 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
     if stored is None:
         raise CheckpointError(f"{str(state)!r} holds no training state: pass a folder written by save_training_state.")
     try:
-        metadata = distcp.read_metadata(stored.folder)
-        prefix = f"{part}{distcp.SEPARATOR}"
+        metadata = read_metadata(stored.folder)
+        prefix = f"{part}{SEPARATOR}"
         if not any(name.startswith(prefix) for name in metadata.state_dict_metadata):
-            parts = sorted({name.split(distcp.SEPARATOR, 1)[0] for name in metadata.state_dict_metadata})
+            parts = sorted({name.split(SEPARATOR, 1)[0] for name in metadata.state_dict_metadata})
             raise CheckpointError(f"{stored.folder} holds no {part!r} (it holds {', '.join(parts)}).")
-        tensors = distcp.read_full_tensors(stored.folder, prefix, set(stored.manifest["files"]))
+        tensors = read_full_tensors(stored.folder, prefix, set(stored.manifest["files"]))
     except DamagedStateError as error:
         raise CheckpointError(f"{error}; the state was damaged or altered.") from error
     return {name[len(prefix) :]: tensor for name, tensor in tensors.items()}

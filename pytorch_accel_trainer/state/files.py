@@ -1,6 +1,5 @@
-"""The files of a training state on disk: their names, durable writes, the manifest's schema, reads that never
-leave the state's folder, and the comparisons of what a state holds with the current run. A leaf: it imports
-nothing of the package (``folder.py`` builds a state's folder on it).
+"""The files of a training state on disk: their names, durable writes, the manifest's schema and reads that never
+leave the state's folder. A leaf: it imports nothing of the package (``folder.py`` builds a state's folder on it).
 
 A training state is input like any other: a manifest may have been edited, a file replaced by a link. So every
 name the manifest lists must be a plain file name inside the folder, no file is opened through a symbolic link
@@ -22,7 +21,7 @@ import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 import xxhash
@@ -38,7 +37,7 @@ LATEST_NAME = "latest"
 STATE_PREFIX = "checkpoint-"
 TEMPORARY_PREFIX = ".tmp-"
 TRAINER_FILE = "trainer_state.pt"
-#: DCP's metadata: where each piece of each tensor of the state lies (``distcp.py``)
+#: DCP's metadata: where each piece of each tensor of the state lies (``parts.py``)
 SHARDS_METADATA_FILE = ".metadata"
 REQUIRED_FILES = (SHARDS_METADATA_FILE, TRAINER_FILE)
 RESTORE_POINTS = ("before_iterator", "after_iterator")
@@ -179,38 +178,6 @@ class StoredState:
 # ------------------------------------------------------------------------------------------------
 # Writing a file of a state, flushed to disk
 # ------------------------------------------------------------------------------------------------
-
-
-class ChecksumWriter:
-    """A write-only file object that computes the checksum (XXH3-128) and size of the bytes as they are written, so
-    a file's checksum costs no second read (torch.save writes through ``write``)."""
-
-    def __init__(self, handle) -> None:
-        self._handle = handle
-        self._hasher = xxhash.xxh3_128()
-        self.size = 0
-
-    def write(self, data) -> int:
-        self._hasher.update(data)
-        self.size += len(data)
-        return self._handle.write(data)
-
-    def flush(self) -> None:
-        self._handle.flush()
-
-    @property
-    def digest(self) -> str:
-        return self._hasher.hexdigest()
-
-
-def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
-    """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing."""
-    with open(path, "wb") as handle:
-        writer = ChecksumWriter(handle)
-        torch.save(obj, cast(IO[bytes], writer))  # torch.save needs only write()
-        handle.flush()
-        os.fsync(handle.fileno())
-    return writer.size, writer.digest
 
 
 def fsync_path(path: Path) -> None:
@@ -415,88 +382,6 @@ def validate_manifest(manifest: dict) -> None:
         raise DamagedStateError(f"run_id is {run_id!r}; it must be 32 hex digits")
     _validate_files(manifest.get("files"))
     _validate_world_size(manifest.get("world_size"), manifest["files"])
-
-
-# ------------------------------------------------------------------------------------------------
-# What a state holds, compared with the current run
-# ------------------------------------------------------------------------------------------------
-
-
-def describe_changes(saved: dict, current: dict) -> list[str]:
-    """List each run setting that differs between a saved state and the current run."""
-    return [
-        f"{name}: saved {saved.get(name)!r}, now {current.get(name)!r}"
-        for name in sorted(current)
-        if saved.get(name) != current.get(name)
-    ]
-
-
-def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The user's torch optimizer inside Accelerate's wrapper."""
-    inner = getattr(optimizer, "optimizer", None)
-    while isinstance(inner, torch.optim.Optimizer):
-        optimizer, inner = inner, getattr(inner, "optimizer", None)
-    return optimizer
-
-
-def describe_optimizer_mismatch(
-    saved: Any, saved_class: Optional[str], optimizer: torch.optim.Optimizer, compare_parameters: bool = True
-) -> Optional[str]:
-    """Why an optimizer state (``state_dict()`` of a ``saved_class`` optimizer) cannot be loaded into ``optimizer``,
-    or ``None`` when it fits: another class (``saved_class=None`` compares none), and with
-    ``compare_parameters`` another number of parameter groups or of parameters in a group, or other per-parameter
-    state where both have some. (A training state keys the per-parameter state by parameter names, where the live
-    optimizer numbers them: only the class and the groups are compared then.)"""
-    current = inner_optimizer(optimizer)
-    current_class = type(current).__qualname__
-    if (
-        not isinstance(saved, dict)
-        or not isinstance(saved.get("state"), dict)
-        or not isinstance(saved.get("param_groups"), list)
-        or not all(isinstance(group, dict) and isinstance(group.get("params"), list) for group in saved["param_groups"])
-    ):
-        return "it is not an optimizer state_dict (a dict of 'state' and a list of 'param_groups')"
-    if saved_class is not None and saved_class != current_class:
-        return f"it was saved by the optimizer {saved_class}, but this trainer's optimizer is {current_class}"
-    if not compare_parameters:
-        return None
-    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
-    current_sizes = [len(group["params"]) for group in current.param_groups]
-    if saved_sizes != current_sizes:
-        return (
-            f"its parameter groups hold {saved_sizes} parameters, but those of this trainer's {current_class} hold "
-            f"{current_sizes}"
-        )
-    current_state = current.state_dict()["state"]
-    for index, values in saved["state"].items():
-        if index in current_state and (not isinstance(values, dict) or set(values) != set(current_state[index])):
-            keys = sorted(values) if isinstance(values, dict) else values
-            kept = sorted(current_state[index])
-            return f"parameter {index} has the state {keys}, but this trainer's {current_class} keeps {kept}"
-    return None
-
-
-# ------------------------------------------------------------------------------------------------
-# The extra models and optimizers of a trainer (``Trainer.add_model``): a file each
-# ------------------------------------------------------------------------------------------------
-
-
-def extra_optimizer_classes(optimizers: dict) -> dict:
-    """The class of each extra optimizer, saved with a state so that a resume can name a different one."""
-    return {name: type(inner_optimizer(optimizer)).__qualname__ for name, optimizer in optimizers.items()}
-
-
-def describe_extras_difference(kind: str, saved, registered) -> Optional[str]:
-    """Why the names of the extra ``kind`` (``"models"``, ``"optimizers"``) a checkpoint or state holds differ from
-    those a trainer registered, naming both sets and what would be lost; ``None`` when they are the same."""
-    saved, registered = sorted(saved), sorted(registered)
-    if saved == registered:
-        return None
-    lost = [f"{name!r} is not in it (it would keep its current state)" for name in registered if name not in saved]
-    lost += [
-        f"{name!r} is not registered (its saved state would be dropped)" for name in saved if name not in registered
-    ]
-    return f"it holds the extra {kind} {saved}, but this trainer has {registered}: {'; '.join(lost)}"
 
 
 # ------------------------------------------------------------------------------------------------

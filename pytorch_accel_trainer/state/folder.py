@@ -10,7 +10,7 @@ that does not. A temporary folder left by a killed save is removed by a later sa
 
 A state is input, and is read as such (``files.py``): the manifest's fields are checked for type and range, its file
 names never leave the folder, no file is read through a symbolic link. Everything is read back without arbitrary
-pickle: the shards through ``distcp.py`` (DCP's metadata rebuilt from its own classes only), the rest with
+pickle: the shards through ``parts.py`` (DCP's metadata rebuilt from its own classes only), the rest with
 ``torch.load(weights_only=True)``. One format is read, the one written (:data:`~pytorch_accel_trainer.state.files.
 FORMAT_VERSION`); a state of any other is refused with :class:`StateFormatError` before anything is loaded.
 """

@@ -1,7 +1,7 @@
 """The training state's public import path: the lookup (:func:`find_resumable_state`), the position a state was
 taken at and what a resume applies, and the errors of its format. The code lives by responsibility in
-``manager.py`` (the owner, :class:`TrainingStates`), ``folder.py`` (one state's folder: written, verified, pruned)
-and ``lookup.py`` (which state a resume continues).
+``manager.py`` (the owner, :class:`TrainingStates`, and which state a resume continues) and ``folder.py`` (one
+state's folder: written, verified, pruned).
 """
 
 from pytorch_accel_trainer.state.folder import (
@@ -12,8 +12,13 @@ from pytorch_accel_trainer.state.folder import (
     verify_folder,
     write_training_state,
 )
-from pytorch_accel_trainer.state.lookup import find_resumable_state
-from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates, validate_save_dir
+from pytorch_accel_trainer.state.manager import (
+    ResumePlan,
+    ResumePosition,
+    TrainingStates,
+    find_resumable_state,
+    validate_save_dir,
+)
 
 __all__ = [
     "ResumePlan",
