@@ -86,8 +86,8 @@ def test_window_trace_stays_small():
 
 def test_save_and_resume_traces_stay_small():
     """What ``save_training_state`` runs, and what a resume runs that a fresh ``train()`` does not
-    (benchmarks/persistence_trace.py): a newcomer follows each in a few modules. Issue 44 measured 122 functions in
-    18 files and 113 in 15 before the training states had one owner; its target is 70 in 8 for each."""
+    (benchmarks/persistence_trace.py): a newcomer follows each in a few modules, and a new layer on either path fails
+    here (the history of the figures is in benchmarks/README.md)."""
     spec = importlib.util.spec_from_file_location(
         "persistence_trace", REPO_ROOT / "benchmarks" / "persistence_trace.py"
     )
