@@ -5,6 +5,8 @@ save or of a background save, on a local folder and on S3, then resumed bit for 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from torch.utils.data import TensorDataset
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.cli.commands import console_main
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state.consolidate import full_weights
+from pytorch_accel_trainer.state.checkpointing import MODEL_KEY
+from pytorch_accel_trainer.state.consolidate import consolidate, full_weights
 from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_state_run.py"
@@ -126,9 +129,109 @@ def test_consolidate_refuses_bad_outputs_and_damaged_states(tmp_path, capsys):
     assert not (tmp_path / "model.safetensors").exists()
 
 
+def test_consolidate_never_overwrites_a_file_nor_writes_inside_a_state(tmp_path, capsys):
+    _, state = _tiny_state(tmp_path)
+    kept = tmp_path / "m.safetensors"
+    kept.write_text("keep")
+    assert console_main(["consolidate", str(state), str(kept)]) == 2
+    assert f"{str(kept)!r} already exists: consolidate never overwrites a file" in capsys.readouterr().err
+    assert kept.read_text() == "keep"
+    rank_file = state / "rank_00000.pt"
+    before = rank_file.read_bytes()
+    for inside in (rank_file, state / "model.pt"):
+        with pytest.raises(ValueError, match=r"inside the training state .*: write the weights outside it"):
+            consolidate(tmp_path / "states", inside)
+    assert rank_file.read_bytes() == before and not (state / "model.pt").exists()
+    verify_folder(state)  # the state is untouched
+
+
+def test_consolidate_expands_home_and_variables_in_both_paths(tmp_path, monkeypatch):
+    trainer, _ = _tiny_state(tmp_path)
+    expected = trainer.get_model().state_dict()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("OUTDIR", str(tmp_path / "outdir"))
+    monkeypatch.setenv("STATES", str(tmp_path / "states"))
+    consolidate("$STATES", "~/out/m.safetensors")
+    consolidate("${STATES}", "$OUTDIR/m.pt")
+    assert_bitwise_equal(load_file(tmp_path / "home" / "out" / "m.safetensors"), expected)
+    assert_bitwise_equal(torch.load(tmp_path / "outdir" / "m.pt", weights_only=True)[MODEL_KEY], expected)
+    (tmp_path / "home" / "states").symlink_to(tmp_path / "states")
+    assert console_main(["consolidate", "~/states", "$OUTDIR/again.safetensors"]) == 0
+    assert not any(os.path.lexists(tmp_path / name) for name in ("~", "$OUTDIR", "$STATES", "s3:"))
+    with pytest.raises(ValueError, match=r"names the environment variable \$NOT_SET_HERE, which is not set"):
+        consolidate("$STATES", "$NOT_SET_HERE/m.pt")
+    with pytest.raises(ValueError, match=r"looks like a URL of a s3:// store that lost a slash"):
+        consolidate("$STATES", "s3:/bucket/m.safetensors")
+
+
+def test_consolidate_writes_models_only_never_an_optimizer(tmp_path):
+    _, state = _tiny_state(tmp_path)
+    for part in ("optimizer", "extra_optimizer:critic", "extra_model:"):
+        with pytest.raises(ValueError, match=rf"--part {part!r} is not a model: .*'model' or 'extra_model:NAME'"):
+            consolidate(state, tmp_path / "opt.pt", part)
+    assert not (tmp_path / "opt.pt").exists()
+
+
+def test_consolidate_reads_the_model_tensors_alone(tmp_path, monkeypatch):
+    """The model's tensors are read, not the optimizer's; the docs that describe consolidate's memory say so."""
+    import torch.distributed.checkpoint as dcp
+
+    _, state = _tiny_state(tmp_path)
+    read = []
+    original = dcp.load
+
+    def recording_load(state_dict, **kwargs):
+        read.extend(state_dict)
+        return original(state_dict, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", recording_load)
+    full_weights(state)
+    assert read and all(name.startswith("model/") for name in read)
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("config.md", "training_state.md", "fsdp_deepspeed.md"):
+        text = " ".join((docs / page).read_text().split())
+        assert "the optimizer's state is not read" in text, page
+
+
+def test_consolidate_refuses_standard_input_and_files_as_state(tmp_path, capsys):
+    _, state = _tiny_state(tmp_path)
+    output = str(tmp_path / "m.safetensors")
+    for given, problem in (
+        ("-", "is standard input"),
+        ("/dev/stdin", "is not a folder"),
+        (str(state / "rank_00000.pt"), "is a file, not a training state's folder"),
+    ):
+        assert console_main(["consolidate", given, output]) == 2
+        error = capsys.readouterr().err
+        assert f"consolidate: STATE {given!r} {problem}" in error
+        assert "resume_from" not in error and "load_checkpoint" not in error
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_consolidate_reads_the_training_states_of_a_run_folder(tmp_path):
+    trainer, _ = _tiny_state(tmp_path / "run" / "ignored")
+    run = tmp_path / "run"
+    (run / "ignored" / "states").rename(run / "training_states")
+    (run / "ignored").rmdir()
+    (run / "config.yaml").write_text("model: x\n")
+    consolidate(run, tmp_path / "m.safetensors")
+    assert_bitwise_equal(load_file(tmp_path / "m.safetensors"), trainer.get_model().state_dict())
+
+
+def test_consolidate_refuses_a_folder_as_output_with_a_name_it_takes(tmp_path, capsys):
+    _, state = _tiny_state(tmp_path)
+    folder = tmp_path / "out.safetensors"
+    folder.mkdir()
+    assert console_main(["consolidate", str(state), str(folder)]) == 2
+    error = capsys.readouterr().err
+    suggested = re.search(r"e\.g\. '([^']+)'", error)
+    assert f"{str(folder)!r} is a folder" in error and suggested and suggested.group(1) != str(folder)
+    assert console_main(["consolidate", str(state), suggested.group(1)]) == 0
+
+
 def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path):
     """DCP pickles its .metadata; the reader rebuilds DCP's own classes only, so a planted payload is refused."""
-    import os
     import pickle
 
     from pytorch_accel_trainer.state.files import DamagedStateError
