@@ -147,6 +147,7 @@ def test_save_best_model_writes_to_a_store(memory_store):
 def test_consolidate_reads_and_writes_a_store(tmp_path, memory_store, monkeypatch):
     """A state in object storage is consolidated from its URL, into a URL; no local folder of the URL's name."""
     from safetensors.torch import load
+
     from pytorch_accel_trainer.cli.commands import console_main
 
     monkeypatch.chdir(tmp_path)

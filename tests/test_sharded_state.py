@@ -139,7 +139,7 @@ def test_consolidate_never_overwrites_a_file_nor_writes_inside_a_state(tmp_path,
     rank_file = state / "rank_00000.pt"
     before = rank_file.read_bytes()
     for inside in (rank_file, state / "model.pt"):
-        with pytest.raises(ValueError, match=r"inside the training state .*: write the weights outside it"):
+        with pytest.raises(ValueError, match=r"is in the training state .*: write the weights outside it"):
             consolidate(tmp_path / "states", inside)
     assert rank_file.read_bytes() == before and not (state / "model.pt").exists()
     verify_folder(state)  # the state is untouched
@@ -200,7 +200,7 @@ def test_consolidate_refuses_standard_input_and_files_as_state(tmp_path, capsys)
     for given, problem in (
         ("-", "is standard input"),
         ("/dev/stdin", "is not a folder"),
-        (str(state / "rank_00000.pt"), "is a file, not a training state's folder"),
+        (str(state / "rank_00000.pt"), "is not a folder but a file"),
     ):
         assert console_main(["consolidate", given, output]) == 2
         error = capsys.readouterr().err

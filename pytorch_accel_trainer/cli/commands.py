@@ -30,6 +30,7 @@ from pytorch_accel_trainer.cli.config import (
 from pytorch_accel_trainer.cli.parsing import TUNE_OPTIONS, parse_command, put_current_folder_on_import_path
 from pytorch_accel_trainer.cli.tune import create_pruner, tune
 from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.state.storage import Location
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Any:
@@ -53,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     return result
 
 
-def run_consolidate_command(argv: Sequence[str]) -> Path:
+def run_consolidate_command(argv: Sequence[str]) -> Location:
     """Run ``consolidate STATE OUTPUT [--part NAME]``: the full weights of a (sharded) training state as one file."""
     import argparse
 
@@ -64,10 +65,16 @@ def run_consolidate_command(argv: Sequence[str]) -> Path:
         description="Write the full weights of a training state (written by any number of processes, FSDP included) "
         "as one file, on this machine, without launching processes.",
     )
-    parser.add_argument("state", help="a training state's folder, or a folder of them (the newest good one is used)")
+    parser.add_argument(
+        "state",
+        help="a training state's folder, a folder of them (the newest good one is used), a run folder, or the URL of "
+        "one of these in object storage",
+    )
     kinds = ", ".join(f"{suffix} ({kind})" for suffix, kind in OUTPUT_KINDS.items())
-    parser.add_argument("output", help=f"the file to write: {kinds}")
-    parser.add_argument("--part", default="model", help="the model to write: model (default), or extra_model:NAME")
+    parser.add_argument("output", help=f"the new file to write (never overwritten; a path or a URL): {kinds}")
+    parser.add_argument(
+        "--part", default="model", help="the model to write: model (default), or extra_model:NAME; never an optimizer"
+    )
     namespace = parser.parse_args(argv)
     output = consolidate(namespace.state, namespace.output, namespace.part)
     print(f"Wrote the full weights of {namespace.state} ({namespace.part}) to {output}")
