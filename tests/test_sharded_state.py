@@ -194,13 +194,16 @@ def test_consolidate_reads_the_model_tensors_alone(tmp_path, monkeypatch):
         assert "the optimizer's state is not read" in text, page
 
 
-def test_consolidate_refuses_standard_input_and_files_as_state(tmp_path, capsys):
+def test_consolidate_refuses_standard_input_files_and_folders_without_a_state(tmp_path, capsys):
     _, state = _tiny_state(tmp_path)
     output = str(tmp_path / "m.safetensors")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("not a state")
     for given, problem in (
         ("-", "is standard input"),
         ("/dev/stdin", "is not a folder"),
         (str(state / "rank_00000.pt"), "is not a folder but a file"),
+        (str(tmp_path / "notes"), "holds no training state"),
     ):
         assert console_main(["consolidate", given, output]) == 2
         error = capsys.readouterr().err

@@ -24,7 +24,7 @@ import torch
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.files import MANIFEST_NAME, DamagedStateError, StoredState
-from pytorch_accel_trainer.state.manager import TrainingStates
+from pytorch_accel_trainer.state.manager import RUN_FOLDER_STATES, TrainingStates, find_resumable_state, is_run_folder
 from pytorch_accel_trainer.state.parts import SEPARATOR, Processes, read_full_tensors, read_metadata
 from pytorch_accel_trainer.state.storage import Location, RemoteStates, as_location, validate_location
 
@@ -153,22 +153,25 @@ def _training_state_holding(target: Location) -> Optional[Location]:
 
 
 def _find_state(state: Union[str, os.PathLike]) -> StoredState:
-    """The verified training state of ``state`` (see :func:`full_weights`), through
-    :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.find` on this one process.
+    """The verified training state of ``state`` (see :func:`full_weights`): in a store, through
+    :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.find` on this one process; on a disk, through
+    :func:`~pytorch_accel_trainer.state.manager.find_resumable_state` (a run folder: its ``training_states``). A
+    location without a state is an error here, not a new run.
 
     Raises:
         FileNotFoundError, CheckpointError, ValueError: see :func:`full_weights`.
     """
     location = as_location(state)
-    if isinstance(location, Path):
-        _validate_local_state(location, str(state))
-    else:
+    if isinstance(location, str):
         validate_location(location)
-    stored = TrainingStates(Processes()).find(location)
+        stored = TrainingStates(Processes()).find(location)
+    else:
+        _validate_local_state(location, str(state))
+        stored = find_resumable_state(location / RUN_FOLDER_STATES if is_run_folder(location) else location)
     if stored is None:
         raise CheckpointError(
-            f"consolidate: STATE {str(state)!r} holds no training state: pass a folder written by "
-            "save_training_state (or SaveTrainingStateCallback), a folder of them, or a run folder."
+            f"consolidate: STATE {str(state)!r} holds no training state (no folder with a {MANIFEST_NAME}): pass a "
+            "folder written by save_training_state (or SaveTrainingStateCallback), a folder of them, or a run folder."
         )
     return stored
 

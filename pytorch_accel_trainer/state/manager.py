@@ -130,7 +130,7 @@ class TrainingStates:
         if not path.exists():
             _refuse_a_missing_local_state(path)
             return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
-        if path.is_dir() and _is_run_folder(path):
+        if path.is_dir() and is_run_folder(path):
             return self.find(path / RUN_FOLDER_STATES)
         stored = find_resumable_state(path, self.processes)
         found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
@@ -303,7 +303,7 @@ def _visible_entries(folder: Path) -> list[str]:
     )
 
 
-def _is_run_folder(folder: Path) -> bool:
+def is_run_folder(folder: Path) -> bool:
     """Whether ``folder`` is a run folder with a states folder, and no training state of its own."""
     return (
         is_real_directory(folder / RUN_FOLDER_STATES)
@@ -370,7 +370,7 @@ def _refuse_a_missing_state(url: str) -> None:
 
 def _is_remote_run_folder(remote: RemoteStates) -> bool:
     """Whether the store folder of ``remote`` is a run folder of the command line: it has a ``training_states``
-    folder and no training state of its own (as :func:`_is_run_folder` on a disk)."""
+    folder and no training state of its own (as :func:`is_run_folder` on a disk)."""
     complete, taken = remote.remote_names()
     return RUN_FOLDER_STATES in taken and not complete and not any(is_state_name(name) for name in taken)
 
