@@ -69,8 +69,8 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
 
 def consolidate(state: Union[str, os.PathLike], output: Union[str, os.PathLike], part: str = "model") -> Location:
     """Write the full weights of ``part`` of a training state (see :func:`full_weights`) to ``output``, atomically:
-    a ``.safetensors`` file, or a ``.pt`` / ``.pth`` checkpoint (``model_state_dict``). Return ``output`` (a
-    ``Path``, or the URL of a file in object storage).
+    a ``.safetensors`` file, or a ``.pt`` / ``.pth`` checkpoint (``model_state_dict``). Return the file written:
+    ``output`` as a ``Path`` (``~`` and ``$VARIABLES`` expanded), or its URL in object storage.
 
     ``output`` is checked before the state is read: a new file (an existing one is never replaced), outside every
     training state.
