@@ -63,7 +63,7 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
         raise CheckpointError(f"{error}; the state was damaged or altered.") from error
     finally:
         if stored.url is not None:  # a store's state: its downloaded copy goes, as after a resume
-            RemoteStates(storage.parent(stored.url)).drop_downloads(stored.folder.name)
+            RemoteStates(str(storage.parent(stored.url))).drop_downloads(stored.folder.name)
     return {name[len(prefix) :]: tensor for name, tensor in tensors.items()}
 
 
@@ -144,7 +144,8 @@ def _training_state_holding(target: Location) -> Optional[Location]:
     if isinstance(target, Path):
         resolved = target.resolve()
         return next((folder for folder in (resolved, *resolved.parents) if (folder / MANIFEST_NAME).is_file()), None)
-    folder, above = None, target
+    folder: Location = ""
+    above: Location = target
     while above != folder:  # up to the bucket: one small request per level
         folder, above = above, storage.parent(above)
         if storage.exists(storage.join(folder, MANIFEST_NAME)):
