@@ -144,19 +144,23 @@ def test_save_best_model_writes_to_a_store(memory_store):
     assert memory_store.exists("/bucket/best/model.pt")
 
 
-def test_consolidate_reads_and_writes_a_store(tmp_path, memory_store, monkeypatch):
+@pytest.mark.parametrize("store", ["memory", "s3"])
+def test_consolidate_reads_and_writes_a_store(tmp_path, monkeypatch, request, store):
     """A state in object storage is consolidated from its URL, into a URL; no local folder of the URL's name."""
     from safetensors.torch import load
 
     from pytorch_accel_trainer.cli.commands import console_main
 
+    request.getfixturevalue("memory_store" if store == "memory" else "s3_endpoint")
+    bucket = "memory://bucket" if store == "memory" else "s3://states-bucket"
     monkeypatch.chdir(tmp_path)
-    trainer = _run("memory://bucket/consolidated", num_epochs=1)
-    assert console_main(["consolidate", "memory://bucket/consolidated", "memory://bucket/export/m.safetensors"]) == 0
-    weights = load(memory_store.cat_file("/bucket/export/m.safetensors"))
-    assert_bitwise_equal(weights, trainer.get_model().state_dict())
-    assert console_main(["consolidate", "memory://bucket/consolidated", "memory://bucket/export/m.safetensors"]) == 2
-    assert not os.path.exists(tmp_path / "memory:")
+    trainer = _run(f"{bucket}/consolidated", num_epochs=1)
+    command = ["consolidate", f"{bucket}/consolidated", f"{bucket}/export/m.safetensors"]
+    assert console_main(command) == 0
+    written = fsspec.filesystem(store, skip_instance_cache=True).cat_file(f"{bucket}/export/m.safetensors")
+    assert_bitwise_equal(load(written), trainer.get_model().state_dict())
+    assert console_main(command) == 2  # never overwritten
+    assert not os.path.exists(tmp_path / f"{store}:")
 
 
 @pytest.mark.parametrize(
