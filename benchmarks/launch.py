@@ -5,8 +5,8 @@ The environment variable ``BENCHMARK_LAUNCHER`` replaces both: a command that ta
 script and its arguments. The test suite's smoke runs (tests/test_benchmarks.py) set it to its warm launcher
 (tests/scripts/warm_launch.py), which forks the processes from an interpreter that already imported torch, Accelerate
 and the package: a smoke run checks that every row runs and trains, never its start-up figures, and a new interpreter
-pays about 9 s of CPU for those imports on 2 cores. Import times are measured in a new interpreter whatever it says
-(run.py's ``--import-worker``).
+pays about 4.5 s of CPU for those imports (10 to 13 s of wall time on 2 busy cores). Import times are measured in a
+new interpreter whatever it says (run.py's ``--import-worker``).
 """
 
 from __future__ import annotations
