@@ -38,7 +38,7 @@ def pytest_report_header(config):
 
 #: The longest tests on 2 CPU cores (30-200 s each with -n 2, busy), first: one that starts the shared launches of the
 #: multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which the other tests that
-#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start fresh
+#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start
 #: processes of their own, inductor's first compile, mypy), and the real launches (a rank killed, torchrun's
 #: restarts, the exit race).
 LONGEST_TESTS = (
