@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from launch import launcher  # benchmarks/launch.py, beside this file
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "memory_growth"
 ROWS = ("torch_loop", "accelerate_loop", "trainer_default", "trainer_no_callbacks")
@@ -183,7 +185,7 @@ def worker_environment() -> dict:
 
 
 def measure_row(args, row: str) -> dict:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", row]
+    command = [*launcher(1), str(Path(__file__).resolve()), "--worker", row]
     command += ["--steps", str(args.steps), "--vocab", str(args.vocab)]
     try:
         completed = subprocess.run(

@@ -25,6 +25,7 @@ REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(1, str(REPO_ROOT))  # benchmark this checkout, installed or not
 
+from launch import launcher  # noqa: E402
 from workloads import BASELINE_ROW, WORKLOADS, available_rows, workload_spec  # noqa: E402
 
 #: Modules whose import time is compared in fresh processes: the ratio is the second over the first.
@@ -72,15 +73,18 @@ def import_worker_main(module: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _run_child(args: list, timeout: float, env: Optional[dict] = None) -> dict:
-    """Run ``run.py ARGS`` in a fresh interpreter and return its JSON line (or an ``error``)."""
-    return _run_child_lines(args, 1, timeout, env)[0]
+def _run_import_child(args: list, timeout: float, env: Optional[dict] = None) -> dict:
+    """Run ``run.py ARGS`` in a new interpreter, where an import is timed whatever ``BENCHMARK_LAUNCHER`` says
+    (benchmarks/launch.py), and return its JSON line (or an ``error``)."""
+    return _run_child_lines(args, 1, timeout, env, start=[sys.executable])[0]
 
 
-def _run_child_lines(args: list, count: int, timeout: float, env: Optional[dict] = None) -> list:
-    """Run ``run.py ARGS`` in a fresh interpreter and return its last ``count`` JSON lines, one per measurement
-    (or as many ``error`` results)."""
-    command = [sys.executable, str(Path(__file__).resolve()), *args]
+def _run_child_lines(
+    args: list, count: int, timeout: float, env: Optional[dict] = None, start: Optional[list] = None
+) -> list:
+    """Run ``run.py ARGS`` in a fresh process (started by ``start``, by default benchmarks/launch.py's ``launcher``)
+    and return its last ``count`` JSON lines, one per measurement (or as many ``error`` results)."""
+    command = [*(launcher(1) if start is None else start), str(Path(__file__).resolve()), *args]
     # every row on the CPU, also on a machine with a GPU: the hand-written loops never move anything to a device, so
     # a row that took the GPU would be measured against a CPU baseline (the GPU figures: benchmarks/gpu_checks/)
     env = {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": ""}
@@ -490,11 +494,11 @@ def main(argv=None) -> int:
     import_env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
     if not args.quick:  # a smoke run's timings are rough anyway: no process spent on writing bytecode
         for module in IMPORT_MODULES:
-            _run_child(["--import-worker", module], timeout=120, env=import_env)
+            _run_import_child(["--import-worker", module], timeout=120, env=import_env)
     for repeat in range(args.repeats):
         # interleaved: each repeat visits every workload and row, in an order rotated by the repeat
         for module in _rotated(list(IMPORT_MODULES), repeat):
-            result = _run_child(["--import-worker", module], timeout=120, env=import_env)
+            result = _run_import_child(["--import-worker", module], timeout=120, env=import_env)
             import_runs[module].append(result)
             progress(f"repeat {repeat + 1} import {module}", result, f"{result.get('import_ms', 0):.0f} ms")
         due = [name for name in args.workloads if repeat < _workload_repeats(name, args)]

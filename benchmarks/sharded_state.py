@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate import DistributedType, PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin
+from launch import launcher  # benchmarks/launch.py, beside this file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -333,22 +334,9 @@ def run_worker(args) -> None:
 
 
 def launch_command(args, work_dir: Path, raw: Path) -> list:
-    """``accelerate launch`` of this file's worker on 2 CPU processes (as tests/conftest.py's ``launcher``)."""
+    """``accelerate launch`` of this file's worker on 2 CPU processes (benchmarks/launch.py)."""
     return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(NUM_PROCESSES),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
+        *launcher(NUM_PROCESSES),
         str(Path(__file__).resolve()),
         "--worker",
         "--raw",

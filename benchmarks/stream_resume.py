@@ -43,6 +43,7 @@ from pathlib import Path
 import accelerate
 import torch
 import torchdata
+from launch import launcher  # benchmarks/launch.py, beside this file
 from torch.utils.data import Dataset, IterableDataset
 
 from pytorch_accel_trainer import Trainer
@@ -302,7 +303,7 @@ def run_command(command: list, results: list, timeout: int) -> dict:
 
 def worker_command(args, worker: str, kind: str, k: int, state_dir: Path, result: Path) -> list:
     return [
-        sys.executable,
+        *launcher(1),
         str(Path(__file__).resolve()),
         "--worker",
         worker,
@@ -320,10 +321,8 @@ def worker_command(args, worker: str, kind: str, k: int, state_dir: Path, result
 
 
 def launch_command(args, state_dir: Path, result: Path) -> list:
-    """``accelerate launch`` of the two-process worker on 2 CPU processes (as tests/conftest.py's ``launcher``)."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes"]
-    launch += [str(NUM_PROCESSES), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    launch += ["--main_process_port", "0", str(Path(__file__).resolve()), "--worker", "processes"]
+    """``accelerate launch`` of the two-process worker on 2 CPU processes (benchmarks/launch.py)."""
+    launch = [*launcher(NUM_PROCESSES), str(Path(__file__).resolve()), "--worker", "processes"]
     launch += ["--k", str(args.process_steps), "--sleep", str(args.sleep), "--state-dir", str(state_dir)]
     return launch + ["--result", str(result)]
 

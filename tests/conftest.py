@@ -38,7 +38,7 @@ def pytest_report_header(config):
 
 #: The longest tests on 2 CPU cores (30-200 s each with -n 2, busy), first: one that starts the shared launches of the
 #: multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which the other tests that
-#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start fresh
+#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start
 #: processes of their own, inductor's first compile, mypy), and the real launches (a rank killed, torchrun's
 #: restarts, the exit race).
 LONGEST_TESTS = (
@@ -117,8 +117,9 @@ def launcher(num_processes: int) -> list:
     """The start of a command that runs a script (appended, with its arguments; ``-m MODULE`` for a module) on
     ``num_processes`` processes as ``real_launcher``'s command does (the same environment, arguments, streams, exit
     status), but forked from an interpreter that already imported torch, Accelerate and the package (the warm
-    launcher, tests/scripts/warm_launch.py, which says what differs): a new interpreter pays about 9 s of CPU for
-    those imports on 2 cores. Its first call starts this test process's warm launcher."""
+    launcher, tests/scripts/warm_launch.py, which says what differs): a new interpreter pays about 4.5 s of CPU for
+    those imports (10 to 13 s of wall time on 2 busy cores). Its first call starts this test process's warm
+    launcher."""
     if not _warm_server:
         folder = tempfile.mkdtemp(prefix="warm-launch-")
         socket_path = os.path.join(folder, "socket")

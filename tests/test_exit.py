@@ -9,6 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import launcher as warm_launcher
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIM_SOURCE = ROOT / "benchmarks" / "exit_stress" / "slow_wakeup.c"
@@ -72,5 +73,5 @@ def test_exit_wait_sees_idle_gloo_workers():
         "assert waited < 1.0, waited\n"
         "print('ok', len(states), round(waited * 1000, 1))\n"
     )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    completed = subprocess.run([*warm_launcher(1), "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert completed.returncode == 0 and completed.stdout.startswith("ok"), completed.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Launches of the suite's scripts forked from an interpreter that already imported torch, Accelerate and the package,
-instead of new interpreters: a new one pays about 9 s of CPU to import them on 2 cores, and a 2-process
-``accelerate launch`` three times that (the launcher and each process), most of what a multi-process test took.
+instead of new interpreters: a new one pays about 4.5 s of CPU to import them (10 to 13 s of wall time on 2 busy
+cores), and a 2-process ``accelerate launch`` three times that (the launcher and each process), most of what a
+multi-process test took.
 
     python tests/scripts/warm_launch.py serve SOCKET                     # the server (tests/conftest.py starts it)
     python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
