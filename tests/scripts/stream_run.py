@@ -8,8 +8,8 @@ Usage: ``stream_run.py OUT [--workers N] [--plain] [--split main_process|dataset
 ``--unsplit`` keeps it whole on every process). ``--uneven N`` gives process 1 N samples fewer than the others.
 ``--memory-store`` only tries to train with training states in ``memory://`` and prints the error.
 
-The resumed run may differ: ``--resume-workers N``, ``--resume-split S``, ``--allow-changes``; ``--only-resume``
-runs it alone (from the states an earlier launch left in OUT, e.g. on another number of processes). A run that
+The resumed run may differ: ``--resume-workers N``, ``--resume-split S``, ``--allow-changes``. ``--modes`` runs some
+of the three alone (``stopped``, then ``resumed`` from the states it left in OUT, e.g. on another number of processes). A run that
 raises prints ``REFUSED`` with the error and the samples its stream produced, instead of ``REPORT``.
 """
 
@@ -140,7 +140,7 @@ def main():
     parser.add_argument("--resume-workers", type=int)
     parser.add_argument("--resume-split")
     parser.add_argument("--allow-changes", action="store_true")
-    parser.add_argument("--only-resume", action="store_true")
+    parser.add_argument("--modes", default="uninterrupted,stopped,resumed")
     args = parser.parse_args()
     if args.memory_store:
         model = torch.nn.Linear(4, 1)
@@ -153,8 +153,7 @@ def main():
         return
     rank = int(os.environ.get("RANK", "0"))
     try:
-        modes = ("resumed",) if args.only_resume else ("uninterrupted", "stopped", "resumed")
-        report = {mode: run(args, mode) for mode in modes}
+        report = {mode: run(args, mode) for mode in args.modes.split(",")}
     except (ValueError, TypeError, CheckpointError) as error:
         print_line("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value, "rank": rank}))
         return
