@@ -19,6 +19,8 @@ from conftest import CPU_PROCESSES_ENV, launcher
 from torch.utils.data import IterableDataset
 
 from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+from pytorch_accel_trainer.errors import StopTrainingError
 
 SCRIPT = Path(__file__).parent / "scripts" / "stream_run.py"
 BATCH = 4
@@ -223,6 +225,60 @@ def test_stream_split_dataset_on_a_stream_that_does_not_split_itself_is_refused_
         assert "their first batches are the same: the stream does not split itself" in refusal["error"]
         assert "stream_split at 'main_process'" in refusal["error"]
         assert refusal["produced"] <= 2 * 4  # the first batch, and the one the loop reads ahead
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_hugging_face_stream_split_by_node_is_refused_on_the_default_stream_split(tmp_path):
+    """split_dataset_by_node gives each process its own part: on the default "main_process" the main process would
+    read its part alone and send it to both (32 of 64 samples trained); the run is refused as it starts, naming the
+    value to pass."""
+    pytest.importorskip("datasets")
+    for refusal in _refusals(tmp_path, 2, "--hf-split-by-node"):
+        assert "a Hugging Face IterableDataset split by node (split_dataset_by_node, world_size=2)" in refusal["error"]
+        assert "Pass train(..., stream_split='dataset')" in refusal["error"]
+        assert refusal["produced"] == 0
+
+
+class _Stop(TrainerCallback):
+    def on_train_step_end(self, trainer, **kwargs):
+        if trainer.run_state.num_update_steps_completed == 2:
+            raise StopTrainingError("stopped by the test")
+
+
+def _hf_numbers(shards):
+    for shard in shards:
+        for index in range(8):
+            yield {"x": [float(shard * 8 + index)]}
+
+
+def test_a_hugging_face_stream_shuffled_with_a_buffer_warns_at_a_resume_inside_an_epoch(tmp_path):
+    """datasets keeps no shuffle buffer in a stream's state (its issue 7444): resumed 8 samples into an epoch of 32
+    with a buffer of 16, the stream trains 16 of the 24 left. The resume warns, naming the buffer and what to do."""
+    datasets = pytest.importorskip("datasets")
+
+    def run(resume: bool) -> list:
+        stream = datasets.IterableDataset.from_generator(_hf_numbers, gen_kwargs={"shards": [0, 1, 2, 3]})
+        seen: list = []
+
+        class Recording(Trainer):
+            def calculate_train_batch_loss(self, batch):
+                seen.extend(batch["x"].flatten().tolist())
+                return super().calculate_train_batch_loss((batch["x"], batch["x"]))
+
+        model = torch.nn.Linear(1, 1)
+        store = SaveTrainingStateCallback(tmp_path / "states", save_on_signals=())
+        callbacks = [store] if resume else [store, _Stop()]
+        trainer = Recording(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.0), callbacks=callbacks)
+        shuffled = stream.shuffle(seed=3, buffer_size=16).with_format("torch")
+        trainer.train(
+            shuffled, num_epochs=1, per_device_batch_size=4, resume_from=tmp_path / "states" if resume else None
+        )
+        return seen
+
+    assert len(run(resume=False)) == 12  # the stop asked for after update 2 lands after update 3
+    with pytest.warns(UserWarning, match=r"shuffled with a buffer \(buffer_size=16\).*up to 16 samples"):
+        assert len(run(resume=True)) < 32 - 12
 
 
 class _Numbers(IterableDataset):

@@ -298,13 +298,38 @@ def validate_stream_resume(plan: Any, dataloader: Any, facts: dict) -> None:
         )
     workers = getattr(dataloader, "num_workers", 0)
     saved_workers = _workers_of(plan.stream_state)
-    if keeps_position(dataloader) and saved_workers is not None and saved_workers != workers:
+    if not keeps_position(dataloader) or saved_workers is None:
+        return  # a stream replayed up to its position
+    if saved_workers != workers:
         raise CheckpointError(
             f"{taken} with num_workers={saved_workers}, and this run's training dataloader has num_workers={workers}: "
             "the state holds the place of each worker in its own share of the stream, which cannot be moved to "
             f"another number of workers. Pass train_dataloader_kwargs={{'num_workers': {saved_workers}}}, "
             f"{between_epochs}: see docs/training_state.md, 'Streams'."
         )
+    buffer_size = _shuffle_buffer_size(dataloader.dataset)
+    if buffer_size is not None:
+        warnings.warn(
+            f"{taken} of a Hugging Face IterableDataset shuffled with a buffer (buffer_size={buffer_size}), whose "
+            "state_dict() does not hold the buffer's samples (datasets issue 7444): the resumed stream fills a new "
+            f"buffer, and up to {buffer_size} samples the saved one held are not trained on in this epoch (on each "
+            "process that reads the stream). The next epochs are whole. To resume without losing any, resume from a "
+            "state taken at an epoch's end: see docs/training_state.md, 'Streams'.",
+            stacklevel=2,
+        )
+
+
+def _shuffle_buffer_size(dataset: Any) -> Optional[int]:
+    """The buffer size of a Hugging Face ``IterableDataset.shuffle(buffer_size=...)`` in ``dataset``'s chain of
+    example iterables, else ``None``."""
+    if type(dataset).__module__.split(".")[0] != "datasets":
+        return None
+    examples = getattr(dataset, "_ex_iterable", None)
+    while examples is not None:
+        if type(examples).__name__ == "BufferShuffledExamplesIterable":
+            return getattr(examples, "buffer_size", None)
+        examples = getattr(examples, "ex_iterable", None)
+    return None
 
 
 def _workers_of(stream_state: Optional[dict]) -> Optional[int]:

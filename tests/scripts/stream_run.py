@@ -9,8 +9,9 @@ Usage: ``stream_run.py OUT [--workers N] [--plain] [--split main_process|dataset
 ``--memory-store`` only tries to train with training states in ``memory://`` and prints the error.
 
 The resumed run may differ: ``--resume-workers N``, ``--resume-split S``, ``--allow-changes``. ``--modes`` runs some
-of the three alone (``stopped``, then ``resumed`` from the states it left in OUT, e.g. on another number of processes). A run that
-raises prints ``REFUSED`` with the error and the samples its stream produced, instead of ``REPORT``.
+of the three alone (``stopped``, then ``resumed`` from the states it left in OUT, e.g. on another number of
+processes). A run that raises prints ``REFUSED`` with the error and the samples its stream produced, instead of
+``REPORT``. ``--hf-split-by-node`` only tries to train a Hugging Face stream split by node with ``--split``.
 """
 
 from __future__ import annotations
@@ -125,6 +126,32 @@ def run(args, mode: str) -> dict:
     }
 
 
+def hf_numbers(shards):
+    """The samples of a Hugging Face stream, 8 a shard (a function of its own: datasets hashes it)."""
+    for shard in shards:
+        for index in range(8):
+            yield {"x": [float(shard * 8 + index)] * 4, "y": [0.0]}
+
+
+def refuse_hf_split_by_node(args) -> None:
+    """Try to train a Hugging Face stream split by node (``split_dataset_by_node``) with ``--split``; print the
+    refusal."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    stream = datasets.IterableDataset.from_generator(hf_numbers, gen_kwargs={"shards": list(range(8))})
+    split = split_dataset_by_node(stream, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=[])
+    try:
+        trainer.train(split, num_epochs=1, per_device_batch_size=4, stream_split=args.split)
+    except ValueError as error:
+        print_line(
+            "REFUSED "
+            + json.dumps({"error": str(error), "produced": PRODUCED.value, "rank": trainer.accelerator.process_index})
+        )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -136,12 +163,16 @@ def main():
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--uneven", type=int, default=0)
     parser.add_argument("--unsplit", action="store_true")
+    parser.add_argument("--hf-split-by-node", action="store_true", help="only try a split HF stream on the default")
     parser.add_argument("--memory-store", action="store_true", help="only try to save states to memory://")
     parser.add_argument("--resume-workers", type=int)
     parser.add_argument("--resume-split")
     parser.add_argument("--allow-changes", action="store_true")
     parser.add_argument("--modes", default="uninterrupted,stopped,resumed")
     args = parser.parse_args()
+    if args.hf_split_by_node:
+        refuse_hf_split_by_node(args)
+        return
     if args.memory_store:
         model = torch.nn.Linear(4, 1)
         store = SaveTrainingStateCallback("memory://bucket/states", save_on_signals=())
