@@ -590,7 +590,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         split = None if options is None else options.stream_split
         validate_stream_split(self.train_dataloader, split, self.accelerator.num_processes)
         if stateful:
-            validate_stream_state(self.train_dataloader.dataset)
+            validate_stream_state(cast(Any, self.train_dataloader).dataset)
 
     def _create_run_config(self, options: Optional[TrainOptions] = None, **train_arguments) -> TrainerRunConfig:
         """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders, from
