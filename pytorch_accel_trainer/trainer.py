@@ -92,6 +92,8 @@ from pytorch_accel_trainer.loop.stream_position import (
     prepare_own_part,
     reads_own_part,
     stateful_dataloaders,
+    validate_stream_split,
+    validate_stream_state,
 )
 from pytorch_accel_trainer.loop.time_budget import create_time_budget, training_state_bytes
 from pytorch_accel_trainer.loop.training_modes import training_modes_kept
@@ -555,6 +557,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         own_part, reads_own = None, dataloaders and self._reads_own_stream_part(self.train_dataloader)
         stateful = dataloaders and keeps_position(self.train_dataloader)
         stateful = stateful and (reads_own or self.accelerator.num_processes == 1)
+        if dataloaders:
+            self._validate_train_stream(stateful)
         if reads_own:
             own_part, components[2] = prepare_own_part(self.accelerator, self.train_dataloader, stateful), None
         with stateful_dataloaders(self.accelerator, stateful):  # Accelerate builds them as StatefulDataLoader
@@ -578,6 +582,15 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if self.torch_compile is not False:  # True or a dict, even {}; compiled after the DDP wrapper, as torch advises
             options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
             self.model = cast(torch.nn.Module, torch.compile(self.model, **options))
+
+    def _validate_train_stream(self, stateful: bool) -> None:
+        """Refuse, before the training stream is read, a stream read the wrong way for how it splits itself, or
+        (``stateful``: its position is kept in training states) whose ``state_dict()`` a state could not keep."""
+        options = self.run_state.options
+        split = None if options is None else options.stream_split
+        validate_stream_split(self.train_dataloader, split, self.accelerator.num_processes)
+        if stateful:
+            validate_stream_state(cast(Any, self.train_dataloader).dataset)
 
     def _create_run_config(self, options: Optional[TrainOptions] = None, **train_arguments) -> TrainerRunConfig:
         """Return the frozen :class:`TrainerRunConfig` of the run being started, on the prepared dataloaders, from

@@ -31,7 +31,12 @@ from pytorch_accel_trainer.loop.extra_models import (
     validate_extra_checkpoint_entries,
 )
 from pytorch_accel_trainer.loop.run_state import RunState
-from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
+from pytorch_accel_trainer.loop.stream_position import (
+    is_stream,
+    replay_batches,
+    replay_message,
+    validate_stream_resume,
+)
 from pytorch_accel_trainer.loop.trainer_parts import read_training_state, run_facts, state_content
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
@@ -102,7 +107,9 @@ def load_resume_plan(
         _say_if_restarted(trainer, None)
         trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
         return None
-    plan = read_training_state(trainer, stored, run_facts(trainer), allow_changes)
+    facts = run_facts(trainer)
+    plan = read_training_state(trainer, stored, facts, allow_changes)
+    validate_stream_resume(plan, trainer.train_dataloader, facts)
     history = trainer.run_history
     if plan.history_epoch is not None and plan.history_epoch != history.current_epoch:
         history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short

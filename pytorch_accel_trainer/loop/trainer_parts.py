@@ -23,6 +23,7 @@ from accelerate.utils import send_to_device
 
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
+from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream_state_name
 from pytorch_accel_trainer.parallel.sharded import inner_optimizer, state_module, validate_training_state_supported
 from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
 from pytorch_accel_trainer.state.folder import history_epoch, load_rank_file, load_trainer_file
@@ -49,12 +50,18 @@ EXTRA_MODEL_PART, EXTRA_OPTIMIZER_PART = "extra_model:", "extra_optimizer:"
 def run_facts(trainer: "Trainer") -> dict:
     """The settings a resumed run must share with the saved one to continue it exactly."""
     config = trainer.run_config
-    return {
+    facts = {
         "world_size": trainer.accelerator.num_processes,
         "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
         "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
         "train_dataset_length": None if trainer.train_dataset is None else dataset_length(trainer.train_dataset),
     }
+    options = trainer.run_state.options
+    split = None if options is None else options.stream_split
+    stream_split = stream_split_fact(trainer.train_dataloader, split, trainer.accelerator.num_processes)
+    if stream_split is not None:  # a stream on several processes: who reads it places the saved position
+        facts["stream_split"] = stream_split
+    return facts
 
 
 def sharded_parts(trainer: "Trainer", names: Optional[Iterable[str]] = None) -> dict[str, Stateful]:
@@ -92,7 +99,7 @@ def _stream_state(trainer: "Trainer", position: ResumePosition) -> Optional[dict
         return None  # at an epoch's start the stream starts afresh
     stream_state = positions.state_after(position.batches_seen)
     if stream_state is not None:
-        validate_plain(stream_state, f"the training stream's state_dict() ({type(trainer.train_dataset).__name__})")
+        validate_plain(stream_state, stream_state_name(trainer.train_dataset))
     return stream_state
 
 
@@ -137,7 +144,7 @@ def describe_changes(saved: dict, current: dict) -> list[str]:
     return [
         f"{name}: saved {saved.get(name)!r}, now {current.get(name)!r}"
         for name in sorted(current)
-        if saved.get(name) != current.get(name)
+        if name in saved and saved[name] != current[name]  # a setting an older state did not record is not compared
     ]
 
 

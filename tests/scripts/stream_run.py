@@ -4,9 +4,14 @@ per process with what each run's stream produced, and saves the final weights of
 
 Usage: ``stream_run.py OUT [--workers N] [--plain] [--split main_process|dataset] [--stop-after K] [--samples N]
 [--epochs E]``, on 1 process (``python``) or several (``accelerate launch``, tests/conftest.py ``launcher``). With
-``--split dataset`` the stream splits itself between the processes (each reads every ``world_size``-th sample).
-``--uneven N`` gives process 1 N samples fewer than the others. ``--memory-store`` only tries to train with training
-states in ``memory://`` and prints the error.
+``--split dataset`` the stream splits itself between the processes (each reads every ``world_size``-th sample;
+``--unsplit`` keeps it whole on every process). ``--uneven N`` gives process 1 N samples fewer than the others.
+``--memory-store`` only tries to train with training states in ``memory://`` and prints the error.
+
+The resumed run may differ: ``--resume-workers N``, ``--resume-split S``, ``--allow-changes``. ``--modes`` runs some
+of the three alone (``stopped``, then ``resumed`` from the states it left in OUT, e.g. on another number of
+processes). A run that raises prints ``REFUSED`` with the error and the samples its stream produced, instead of
+``REPORT``. ``--hf-split-by-node`` only tries to train a Hugging Face stream split by node with ``--split``.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from torch.utils.data import IterableDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.errors import StopTrainingError
+from pytorch_accel_trainer.errors import CheckpointError, StopTrainingError
 
 #: samples produced by the stream in this process and its workers (forked: the value is shared with them)
 PRODUCED = multiprocessing.Value("q", 0)
+#: --unsplit: the stream does not split itself between the processes, though told to
+UNSPLIT = "--unsplit" in sys.argv
 
 
 def print_line(line: str) -> None:
@@ -45,7 +52,7 @@ class Stream(IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        split = self.split and torch.distributed.is_initialized()
+        split = self.split and not UNSPLIT and torch.distributed.is_initialized()
         world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if split else (1, 0)
         end = self.num_samples - (self.short_by if rank == 1 else 0)
         while True:
@@ -98,13 +105,17 @@ def run(args, mode: str) -> dict:
     )
     stream_class = PlainStream if args.plain else Stream
     PRODUCED.value = 0
+    resumed = mode == "resumed"
+    split = args.resume_split if resumed and args.resume_split else args.split
+    workers = args.resume_workers if resumed and args.resume_workers is not None else args.workers
     trainer.train(
-        stream_class(args.samples, args.split == "dataset", short_by=args.uneven),
+        stream_class(args.samples, split == "dataset", short_by=args.uneven),
         num_epochs=args.epochs,
         per_device_batch_size=4,
-        train_dataloader_kwargs={"num_workers": args.workers},
-        stream_split=args.split,
-        resume_from=os.path.join(args.out, "states") if mode == "resumed" else None,
+        train_dataloader_kwargs={"num_workers": workers},
+        stream_split=split,
+        resume_from=os.path.join(args.out, "states") if resumed else None,
+        allow_resume_changes=args.allow_changes,
     )
     if mode != "stopped" and trainer.accelerator.is_main_process:
         torch.save(trainer.get_model().state_dict(), os.path.join(args.out, f"{mode}.pt"))
@@ -113,6 +124,32 @@ def run(args, mode: str) -> dict:
         "before_first_update": watch.before_first_update,
         "updates": trainer.run_state.num_update_steps_completed,
     }
+
+
+def hf_numbers(shards):
+    """The samples of a Hugging Face stream, 8 a shard (a function of its own: datasets hashes it)."""
+    for shard in shards:
+        for index in range(8):
+            yield {"x": [float(shard * 8 + index)] * 4, "y": [0.0]}
+
+
+def refuse_hf_split_by_node(args) -> None:
+    """Try to train a Hugging Face stream split by node (``split_dataset_by_node``) with ``--split``; print the
+    refusal."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    stream = datasets.IterableDataset.from_generator(hf_numbers, gen_kwargs={"shards": list(range(8))})
+    split = split_dataset_by_node(stream, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(model, torch.nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.05), callbacks=[])
+    try:
+        trainer.train(split, num_epochs=1, per_device_batch_size=4, stream_split=args.split)
+    except ValueError as error:
+        print_line(
+            "REFUSED "
+            + json.dumps({"error": str(error), "produced": PRODUCED.value, "rank": trainer.accelerator.process_index})
+        )
 
 
 def main():
@@ -125,8 +162,17 @@ def main():
     parser.add_argument("--samples", type=int, default=400)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--uneven", type=int, default=0)
+    parser.add_argument("--unsplit", action="store_true")
+    parser.add_argument("--hf-split-by-node", action="store_true", help="only try a split HF stream on the default")
     parser.add_argument("--memory-store", action="store_true", help="only try to save states to memory://")
+    parser.add_argument("--resume-workers", type=int)
+    parser.add_argument("--resume-split")
+    parser.add_argument("--allow-changes", action="store_true")
+    parser.add_argument("--modes", default="uninterrupted,stopped,resumed")
     args = parser.parse_args()
+    if args.hf_split_by_node:
+        refuse_hf_split_by_node(args)
+        return
     if args.memory_store:
         model = torch.nn.Linear(4, 1)
         store = SaveTrainingStateCallback("memory://bucket/states", save_on_signals=())
@@ -136,8 +182,13 @@ def main():
         except ValueError as error:
             print_line("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value}))
         return
-    report = {mode: run(args, mode) for mode in ("uninterrupted", "stopped", "resumed")}
-    report["rank"] = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        report = {mode: run(args, mode) for mode in args.modes.split(",")}
+    except (ValueError, TypeError, CheckpointError) as error:
+        print_line("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value, "rank": rank}))
+        return
+    report["rank"] = rank
     print_line("REPORT " + json.dumps(report))
 
 
