@@ -233,7 +233,6 @@ def test_a_hugging_face_stream_split_by_node_is_refused_on_the_default_stream_sp
     """split_dataset_by_node gives each process its own part: on the default "main_process" the main process would
     read its part alone and send it to both (32 of 64 samples trained); the run is refused as it starts, naming the
     value to pass."""
-    pytest.importorskip("datasets")
     for refusal in _refusals(tmp_path, 2, "--hf-split-by-node"):
         assert "a Hugging Face IterableDataset split by node (split_dataset_by_node, world_size=2)" in refusal["error"]
         assert "Pass train(..., stream_split='dataset')" in refusal["error"]
@@ -255,7 +254,7 @@ def _hf_numbers(shards):
 def test_a_hugging_face_stream_shuffled_with_a_buffer_warns_at_a_resume_inside_an_epoch(tmp_path):
     """datasets keeps no shuffle buffer in a stream's state (its issue 7444): resumed 8 samples into an epoch of 32
     with a buffer of 16, the stream trains 16 of the 24 left. The resume warns, naming the buffer and what to do."""
-    datasets = pytest.importorskip("datasets")
+    import datasets  # the test extra has it
 
     def run(resume: bool) -> list:
         stream = datasets.IterableDataset.from_generator(_hf_numbers, gen_kwargs={"shards": [0, 1, 2, 3]})
