@@ -32,7 +32,7 @@ from pytorch_accel_trainer.loop.extra_models import (
 )
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches, replay_message
-from pytorch_accel_trainer.loop.trainer_parts import read_training_state, run_facts, state_content
+from pytorch_accel_trainer.loop.trainer_parts import read_training_state, restore_rng_state, run_facts, state_content
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.parallel.sharded import (
@@ -68,7 +68,6 @@ from pytorch_accel_trainer.state.files import (
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates, validate_save_dir
 from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
-from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
     Location,
     as_location,
