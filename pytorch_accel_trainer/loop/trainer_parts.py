@@ -10,7 +10,7 @@ A resume on another number of processes (``allow_resume_changes=True``): the mod
 DCP; the loss sums of the interrupted epoch of every saved process are added into process 0's (the epoch's loss is
 the same); process ``r`` takes the callbacks' states of saved process ``r`` (of process 0 beyond the saved count) and,
 where the saved run had a process ``r``, its RNG states; a new process keeps those the trainer's seed gave it. The
-data position is converted to samples by ``loop/persistence.py``.
+data position is converted to samples by ``loop/safe_points.py``.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "num_update_steps_completed": trainer.num_update_steps_completed,
         "run_history": trainer.run_history.state_dict(),
         "history_epoch": trainer.run_state.history_epoch(position),
-        "run_facts": run_facts(trainer),
+        "run_facts": trainer.run_state.run_facts,
         "checkpoint_kwargs": checkpoint_kwargs,
         "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
         "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
