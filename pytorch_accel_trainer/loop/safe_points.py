@@ -27,7 +27,6 @@ from pytorch_accel_trainer.loop.stream_position import is_stream, replay_batches
 from pytorch_accel_trainer.loop.trainer_parts import read_training_state, restore_rng_state, state_content
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
-from pytorch_accel_trainer.parallel.sharded import validate_training_state_supported
 from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.files import StoredState, default_state_name
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates
@@ -191,9 +190,7 @@ def write_state(
     (see :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.save`: a save in the background waited for
     first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned."""
     started = time.monotonic()
-    accelerator = trainer.accelerator
-    validate_training_state_supported(accelerator)
-    content = state_content(trainer, position, checkpoint_kwargs)
+    content = state_content(trainer, position, checkpoint_kwargs)  # refuses a run under DeepSpeed
     fields = {
         "num_update_steps_completed": trainer.num_update_steps_completed,
         "position": asdict(position),
@@ -202,7 +199,7 @@ def write_state(
         **({} if trainer.run_state.run_id is None else {"run_id": trainer.run_state.run_id}),
     }
     name = name or default_state_name(trainer.num_update_steps_completed)
-    states = TrainingStates(Processes.of_accelerator(accelerator))
+    states = TrainingStates(Processes.of_accelerator(trainer.accelerator))
     location = states.save(parent, content, fields, name, max_rolling, asynchronous)
     if asynchronous:
         trainer.print(f"Saving training state {location} in the background")
