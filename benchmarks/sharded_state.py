@@ -46,7 +46,7 @@ from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
-from pytorch_accel_trainer.loop import persistence
+from pytorch_accel_trainer.loop import safe_points
 from pytorch_accel_trainer.state import async_save
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def save_in_background(trainer: Trainer, folder: Path) -> None:
     """The save a run takes at a point between updates with ``asynchronous=True``, called directly: it returns once
     each process staged its shard in host memory (what training waits for); the files are written in the
     background, waited for after the measurement."""
-    persistence.write_state(trainer, folder, trainer.run_state.position(None), asynchronous=True)
+    safe_points.write_state(trainer, folder, trainer.run_state.position(None), asynchronous=True)
 
 
 def measure_call(memory: PeakMemory, function, *arguments) -> dict:

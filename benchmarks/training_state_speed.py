@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
-from pytorch_accel_trainer.loop import persistence
+from pytorch_accel_trainer.loop import safe_points
 
 
 def _model(width: int, layers: int) -> nn.Module:
@@ -66,7 +66,7 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         name: []
         for name in ("torch_save", "torch_load", "state_save", "state_load", "sync_stall", "async_stall", "async_total")
     }
-    has_async = "asynchronous" in persistence.write_state.__code__.co_varnames
+    has_async = "asynchronous" in safe_points.write_state.__code__.co_varnames
     for repeat in range(repeats):
         plain = root / f"plain-{repeat}.pt"
         times["torch_save"].append(
@@ -85,12 +85,12 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         times["state_save"].append(_timed(lambda: trainer.save_training_state(folder)))
         times["state_load"].append(_timed(lambda: trainer.load_training_state(folder)))
         position = trainer.run_state.position(None)
-        times["sync_stall"].append(_timed(lambda: persistence.write_state(trainer, root / f"sync-{repeat}", position)))
+        times["sync_stall"].append(_timed(lambda: safe_points.write_state(trainer, root / f"sync-{repeat}", position)))
         if has_async:
             from pytorch_accel_trainer.state import async_save
 
             start = time.perf_counter()
-            persistence.write_state(trainer, root / f"async-{repeat}", position, asynchronous=True)
+            safe_points.write_state(trainer, root / f"async-{repeat}", position, asynchronous=True)
             times["async_stall"].append(time.perf_counter() - start)  # what the training loop waits for
             async_save.saver.wait()
             times["async_total"].append(time.perf_counter() - start)

@@ -245,7 +245,7 @@ class DeferredSum:
         """The exact state, as copies; ``pending`` and ``pending_weight`` (values not yet added) are always
         ``None``, for the states saved before the sum was added up in place."""
         return {
-            "total": self.total,
+            "total": self._sum.clone() if self._has_values else None,  # type: ignore[union-attr]
             "pending": None,
             "pending_weight": None,
             "weight_total": _copied(self.weight_total),

@@ -43,7 +43,7 @@ from pytorch_accel_trainer.data import (
     warn_if_endless,
 )
 from pytorch_accel_trainer.errors import StopTrainingError
-from pytorch_accel_trainer.loop import accumulation, destinations, persistence
+from pytorch_accel_trainer.loop import accumulation, destinations, safe_points
 from pytorch_accel_trainer.loop.batches import (
     NO_EVAL_BATCH,
     NO_TRAIN_BATCH,
@@ -96,6 +96,7 @@ from pytorch_accel_trainer.loop.stream_position import (
     validate_stream_state,
 )
 from pytorch_accel_trainer.loop.time_budget import create_time_budget, training_state_bytes
+from pytorch_accel_trainer.loop.trainer_parts import run_facts
 from pytorch_accel_trainer.loop.training_modes import training_modes_kept
 from pytorch_accel_trainer.parallel.distributed import (
     ProcessAgreement,
@@ -634,8 +635,11 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
 
     def _load_resume_plan(self, stored_state: Optional[StoredState], options: TrainOptions) -> None:
         """Load the training state to resume from, if any, and start the run state at its position."""
-        plan = persistence.load_resume_plan(self, stored_state, options.resume_from, options.allow_resume_changes)
-        self.run_state.begin_resume(plan, persistence.create_run_id(self, plan))
+        facts = run_facts(self)  # taken once: every state the run saves holds them
+        plan = safe_points.load_resume_plan(
+            self, stored_state, options.resume_from, facts, options.allow_resume_changes
+        )
+        self.run_state.begin_resume(plan, safe_points.create_run_id(self, plan), facts)
 
     def _run_training(self) -> None:
         """Run the epochs of a training run, as in the documented pseudocode."""
@@ -668,14 +672,14 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 if state.open_epoch_at is not None:
                     break  # the step limit fell inside the epoch: a state taken now resumes at its next batch
                 state.next_epoch()
-                persistence.reach_safe_point(self)  # between epochs: saves asked for during the epoch are taken here
+                safe_points.reach_safe_point(self)  # between epochs: saves asked for during the epoch are taken here
                 if self._reached_max_steps():
                     break  # the step limit came before the epoch limit
             if state.save_requests:  # asked for after the last update of a run stopped mid-epoch
-                persistence.take_requested_saves(self)
+                safe_points.take_requested_saves(self)
         finally:
             state.end_epochs()  # from here on, saves are taken at once
-            persistence.end_saves_and_preemption(self)  # a save in the background is complete (or its error raised)
+            safe_points.end_saves_and_preemption(self)  # a save in the background is complete (or its error raised)
             self._end_non_finite_policy()
         self.training_run_end()
         self._call_event("on_training_run_end")
@@ -1231,7 +1235,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             train_dl.set_epoch(self.run_history.current_epoch - 1)  # the shuffle order depends on seed + epoch
         state = self.run_state
         reads_own_part = self._reads_own_stream_part(train_dl)
-        state.epoch_first_step, train_dl = persistence.skip_to_resume_position(state, train_dl)
+        state.epoch_first_step, train_dl = safe_points.skip_to_resume_position(state, train_dl)
         if reads_own_part:  # each process its own part of a stream: the epoch ends with the shortest
             train_dl = batches_every_process_has(train_dl, self.process_agreement, self._accelerator)
         # a dataloader that says it is empty was warned about at setup; any other must yield a batch
@@ -1242,7 +1246,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """The point between two updates, where micro-batch ``step`` opens a window (its batch fetched, no gradient
         pending): the end of a resume, the saves asked for, a preemption; then the agreed stop, if any."""
         if self.run_state.has_work_at_safe_point():
-            persistence.reach_safe_point(self, step)
+            safe_points.reach_safe_point(self, step)
         self._raise_agreed_stop()
 
     def _reads_own_stream_part(self, dataloader: Any) -> bool:

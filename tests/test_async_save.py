@@ -9,7 +9,7 @@ from test_resume_processes import _interrupted_then_resumed
 from test_training_state import Crash, CrashAt, _final_state, _run
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import async_save, crash_points
+from pytorch_accel_trainer.state import async_save, files
 from pytorch_accel_trainer.state.files import MANIFEST_NAME
 from pytorch_accel_trainer.state.parts import METADATA_FILE, read_metadata
 from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
@@ -74,7 +74,7 @@ def test_background_failure_raised_next_save(tmp_path, reference, monkeypatch, p
             failed.append(name)
             raise Crash(name)
 
-    monkeypatch.setattr(crash_points, "crash_point", fail)
+    monkeypatch.setattr(files, "crash_point", fail)
     with pytest.raises(
         CheckpointError,
         match=r"The asynchronous save of a training state failed \(Crash: .*\); the states saved before it are intact",
@@ -84,7 +84,7 @@ def test_background_failure_raised_next_save(tmp_path, reference, monkeypatch, p
     assert not async_save.saver.pending
     assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
     assert find_resumable_state(tmp_path) is not None
-    monkeypatch.setattr(crash_points, "crash_point", lambda name: None)
+    monkeypatch.setattr(files, "crash_point", lambda name: None)
     resumed = _run(tmp_path, max_checkpoints=4, asynchronous=True)
     assert_bitwise_equal(_final_state(resumed), reference)
 
@@ -121,7 +121,7 @@ def test_last_save_failure_raised_at_return(tmp_path, monkeypatch):
             if len(manifests) == 11:
                 raise Crash(name)
 
-    monkeypatch.setattr(crash_points, "crash_point", fail_the_last)
+    monkeypatch.setattr(files, "crash_point", fail_the_last)
     with pytest.raises(CheckpointError, match=r"The asynchronous save of a training state failed"):
         _run(tmp_path, num_epochs=1, save_every_n_epochs=None, save_at_end=False, asynchronous=True)
     assert len(manifests) == 11 and not async_save.saver.pending

@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.loop.lr_find import suggest_lr
-from pytorch_accel_trainer.state.rng import capture_rng_state
+from pytorch_accel_trainer.loop.trainer_parts import capture_rng_state
 
 
 def dropout_trainer(callbacks=()) -> Trainer:

@@ -93,7 +93,7 @@ def test_memory_store_states_resume_and_prune(tmp_path, memory_store, monkeypatc
 
 
 def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypatch):
-    from pytorch_accel_trainer.state import crash_points
+    from pytorch_accel_trainer.state import files
 
     reference = _end_state(_run(tmp_path / "reference"))
     url = "memory://bucket/partial"
@@ -104,7 +104,7 @@ def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypa
         if uploads.count("upload:trainer_state.pt") == 3:
             raise Crash()
 
-    monkeypatch.setattr(crash_points, "crash_point", crash_in_the_third_upload)
+    monkeypatch.setattr(files, "crash_point", crash_in_the_third_upload)
     with pytest.raises(Crash):
         _run(url, resume_from=url)
     monkeypatch.undo()

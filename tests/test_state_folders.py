@@ -23,7 +23,7 @@ from torch import nn
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state import files
 from pytorch_accel_trainer.state.files import CHECKSUM, MANIFEST_NAME, TRAINER_FILE, file_digest
 from pytorch_accel_trainer.state.training_state import (  # the public path
     StateFormatError,
@@ -439,7 +439,7 @@ _STOPPED_SAVE = textwrap.dedent(
     import torch
     from torch import nn
     from pytorch_accel_trainer import Trainer
-    from pytorch_accel_trainer.state import crash_points
+    from pytorch_accel_trainer.state import files
 
     def stop(name):  # in the middle of a save: die, or stay alive writing
         if name == "write:trainer_state.pt":  # its shards written
@@ -448,7 +448,7 @@ _STOPPED_SAVE = textwrap.dedent(
             print("writing", flush=True)
             time.sleep(120)
 
-    crash_points.crash_point = stop
+    files.crash_point = stop
     model = nn.Linear(1, 1)
     trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=())
     samples = int(sys.argv[3])
@@ -512,7 +512,7 @@ def test_unprunable_state_is_left_with_warning(tmp_path, monkeypatch):
             shutil.move(parent / "step_1", outside)
             (parent / "step_1").symlink_to(outside, target_is_directory=True)
 
-    monkeypatch.setattr(crash_points, "crash_point", swap_for_a_link)
+    monkeypatch.setattr(files, "crash_point", swap_for_a_link)
     with pytest.warns(
         UserWarning, match=r"Could not prune the training state \S*step_1 \(.*symbolic link.*\); it is left in place"
     ):

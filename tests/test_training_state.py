@@ -23,7 +23,7 @@ from torch import nn
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, StopTrainingError, TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state import files
 from pytorch_accel_trainer.state.files import CHECKSUM, MANIFEST_NAME, file_digest
 from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
 
@@ -159,14 +159,14 @@ def test_crash_during_save_resumes_exactly(tmp_path, references, monkeypatch, po
             crashed.append(name)
             raise Crash(name)
 
-    monkeypatch.setattr(crash_points, "crash_point", crash)
+    monkeypatch.setattr(files, "crash_point", crash)
     with pytest.raises(Crash):
         _run(tmp_path, max_checkpoints=4)
     assert crashed == [point]
     newest = find_resumable_state(tmp_path)
     assert newest is not None and verify_folder(newest.folder)
     assert all(verify_folder(state.folder) for state in list_complete_states(tmp_path))
-    monkeypatch.setattr(crash_points, "crash_point", lambda name: None)
+    monkeypatch.setattr(files, "crash_point", lambda name: None)
     resumed = _run(tmp_path, max_checkpoints=4)
     assert_bitwise_equal(_final_state(resumed), references())
 

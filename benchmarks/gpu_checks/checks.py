@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import pytorch_accel_trainer
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
-from pytorch_accel_trainer.loop import persistence
+from pytorch_accel_trainer.loop import safe_points
 from pytorch_accel_trainer.state import async_save
 
 HERE = Path(__file__).resolve().parent
@@ -510,21 +510,21 @@ def check_memory(smoke: bool) -> dict:
 
 
 class SaveStalls:
-    """Times each training-state save the loop takes (``persistence.write_state``, called at the loop's safe points),
+    """Times each training-state save the loop takes (``safe_points.write_state``, called at the loop's safe points),
     device synchronised before and after: the time the loop waits, copy to host memory included. Also times the
     part spent waiting for the previous background save (``write_state`` waits for it first)."""
 
     def __init__(self):
         self.seconds: list = []
         self.waiting_for_previous: list = []
-        self._original = persistence.write_state
+        self._original = safe_points.write_state
 
     def __enter__(self) -> "SaveStalls":
-        persistence.write_state = self._timed
+        safe_points.write_state = self._timed
         return self
 
     def __exit__(self, *exc_info) -> None:
-        persistence.write_state = self._original
+        safe_points.write_state = self._original
 
     def _timed(self, *args, **kwargs):
         synchronize()  # the queued steps are not the save's: a copy would wait for them, as would the next read

@@ -25,9 +25,9 @@ from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.errors import validate_positive_number, validate_positive_option
 from pytorch_accel_trainer.loop.batches import require_batches
+from pytorch_accel_trainer.loop.trainer_parts import capture_rng_state, restore_rng_state
 from pytorch_accel_trainer.loop.training_modes import restore_training_modes, training_modes
 from pytorch_accel_trainer.plotting import plot_lr_find
-from pytorch_accel_trainer.state.rng import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -1,45 +1,30 @@
-"""The Trainer's persistence: export checkpoints, training states, resume and preemption.
+"""The Trainer's public saving and loading methods: export checkpoints, weights, training states and preemption.
 
-Two parts. Functions over the trainer's public API and its :class:`~pytorch_accel_trainer.loop.run_state.RunState`,
-which the loop calls at its safe points (between two optimizer updates) and when a run resumes. And
-:class:`PersistenceMixin`, the public saving and loading methods of the Trainer, thin wrappers around
-``state/checkpointing.py`` (the one-file export) and ``state/manager.py`` (``TrainingStates``, the owner of the
-training states, handed the trainer's parts from ``trainer_parts.py``); it holds no state of its own and calls none
-of the Trainer's private methods (the extra models' entries come from functions of ``extra_models.py``). The checks
-before the first batch of where a run writes are in ``destinations.py``.
+:class:`PersistenceMixin`, thin wrappers around ``state/checkpointing.py`` (the one-file export) and
+``state/manager.py`` (``TrainingStates``, the owner of the training states, handed the trainer's parts from
+``trainer_parts.py``); it holds no state of its own and calls none of the Trainer's private methods (the extra
+models' entries come from functions of ``extra_models.py``). What the loop does with training states (resume, and
+at its safe points the saves asked for and preemption) is in ``safe_points.py``; the checks before the first batch of
+where a run writes are in ``destinations.py``.
 """
 
 from __future__ import annotations
 
-import sys
-import time
-import uuid
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 import torch
-from accelerate import PartialState, skip_first_batches
-from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.loop.data_position import samples_per_step, skip_first_samples
 from pytorch_accel_trainer.loop.extra_models import (
     extra_checkpoint_entries,
     load_extra_checkpoint_entries,
     validate_extra_checkpoint_entries,
 )
 from pytorch_accel_trainer.loop.run_state import RunState
-from pytorch_accel_trainer.loop.stream_position import (
-    is_stream,
-    replay_batches,
-    replay_message,
-    validate_stream_resume,
-)
-from pytorch_accel_trainer.loop.trainer_parts import read_training_state, run_facts, state_content
-from pytorch_accel_trainer.parallel.distributed import print_on_node
-from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
+from pytorch_accel_trainer.loop.safe_points import write_state
+from pytorch_accel_trainer.loop.trainer_parts import read_training_state
 from pytorch_accel_trainer.parallel.sharded import (
     gathers_model_state,
     get_full_model_state_dict,
@@ -50,7 +35,6 @@ from pytorch_accel_trainer.parallel.sharded import (
     validate_training_state_supported,
     writes_on_this_process,
 )
-from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.checkpointing import (
     MODEL_KEY,
     OPTIMIZER_KEY,
@@ -64,16 +48,10 @@ from pytorch_accel_trainer.state.checkpointing import (
     validate_some_weights_fit,
     without_wrapper_prefixes,
 )
-from pytorch_accel_trainer.state.files import (
-    StoredState,
-    default_state_name,
-    follow_umask,
-    validate_state_name,
-)
-from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates, validate_save_dir
+from pytorch_accel_trainer.state.files import follow_umask, validate_state_name
+from pytorch_accel_trainer.state.manager import TrainingStates, validate_save_dir
 from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS, SignalCatcher
-from pytorch_accel_trainer.state.rng import restore_rng_state
 from pytorch_accel_trainer.state.storage import (
     Location,
     as_location,
@@ -88,213 +66,6 @@ if TYPE_CHECKING:
     from pytorch_accel_trainer.parallel.distributed import ProcessAgreement
     from pytorch_accel_trainer.run_config import TrainerRunConfig
     from pytorch_accel_trainer.trainer import Trainer
-
-
-# ------------------------------------------------------------------------------------------------
-# Resume: where the run starts again, and when the saved RNG states go back
-# ------------------------------------------------------------------------------------------------
-
-
-def load_resume_plan(
-    trainer: "Trainer", stored: Optional[StoredState], resume_from, allow_changes: bool
-) -> Optional[ResumePlan]:
-    """Load ``stored`` into the trainer (weights, optimizer, scheduler, history, callbacks) and return what the
-    run still has to restore as it reaches the saved position; ``None`` when there is nothing to resume."""
-    if resume_from is None:
-        return None
-    if stored is None:
-        found = "holds no training state yet" if storage.exists(resume_from) else "does not exist yet"
-        _say_if_restarted(trainer, None)
-        trainer.print(f"resume_from={str(resume_from)!r} {found}: starting a new run.")
-        return None
-    facts = run_facts(trainer)
-    plan = read_training_state(trainer, stored, facts, allow_changes)
-    validate_stream_resume(plan, trainer.train_dataloader, facts)
-    history = trainer.run_history
-    if plan.history_epoch is not None and plan.history_epoch != history.current_epoch:
-        history._set_epoch(plan.history_epoch)  # the saved history moved past an epoch a stop cut short
-    shown: Any = stored.url or stored.folder  # a store's state: its URL, not its node-local copy
-    _say_if_restarted(trainer, shown, plan)
-    updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
-    trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}, run {stored.run_id}")
-    saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
-    if saved_processes != processes:
-        trainer.print(
-            f"The state was saved by {saved_processes} process(es) and resumes on {processes}: the model and optimizer "
-            f"are resharded, and the {plan.position.epoch_samples} samples of its epoch trained so far are skipped, "
-            "the rest split between the processes (each trained once, in another order)."
-        )
-    return plan
-
-
-def _say_if_restarted(trainer: "Trainer", resumed_from: Any, plan: Optional[ResumePlan] = None) -> None:
-    """On an attempt ``torchrun --max-restarts`` restarted, say so, and where it resumes (``parallel/restarts.py``)."""
-    epoch = trainer.run_history.current_epoch
-    updates = None if plan is None else plan.num_update_steps_completed
-    line = describe_restarted_attempt(resumed_from, epoch=epoch, num_update_steps=updates)
-    if line is not None:
-        trainer.print(line)
-
-
-def _where(plan: ResumePlan, current_epoch: int) -> str:
-    """Where a resume goes on, as the run history counts epochs: ``epoch 3, 8 batches in`` (at its 9th batch), or
-    ``the start of epoch 3``."""
-    epoch = plan.history_epoch if plan.history_epoch is not None else current_epoch
-    if plan.position.batches_seen:
-        return f"epoch {epoch}, {plan.position.batches_seen} batches in"
-    return f"the start of epoch {epoch}"
-
-
-def create_run_id(trainer: "Trainer", plan: Optional[ResumePlan]) -> str:
-    """The identity of the run starting: that of the state it resumes, else a new one (the main process's, on every
-    process: one small collective)."""
-    if plan is not None and plan.run_id is not None:
-        return plan.run_id
-    chosen = [uuid.uuid4().hex]
-    if trainer.accelerator.num_processes > 1:
-        broadcast_object_list(chosen)
-    return chosen[0]
-
-
-def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, Iterable]:
-    """Return this epoch's first step and dataloader: after a resume, only the batches not yet trained on.
-
-    Batches already seen are skipped by sampler offset, so resuming at step 10,000 costs about the same as at step 10
-    (map-style data); on another number of processes or batch size, the epoch's samples trained so far are skipped
-    and the rest split again (``loop/data_position.py``). A stream is put back where it was when it can say where it
-    is, else replayed (``loop/stream_position.py``).
-    """
-    options = state.options
-    per_device = None if options is None else options.per_device_batch_size
-    process = PartialState()
-    state.start_epoch_data(samples_per_step(train_dl, per_device, process.num_processes))
-    resume = state.resume
-    first_step = 0
-    if resume is not None and resume.position.loop_epoch == state.epoch:
-        position = resume.position
-        first_step = position.batches_seen
-        if position.rng_restore_point == "after_iterator":  # taken inside the epoch: its loss so far goes back
-            state.restore_train_trackers(resume.train_loss_tracker, resume.train_step_metrics)
-        if position.epoch_samples != first_step * state.epoch_samples_per_step:  # split differently from here
-            train_dl = skip_first_samples(train_dl, position.epoch_samples)
-            state.start_epoch_data(state.epoch_samples_per_step, (position.epoch_samples, first_step))
-        elif first_step and state.stream_positions is not None and resume.stream_state is not None:
-            cast(Any, train_dl).load_state_dict(resume.stream_state)  # the stream goes on where it stopped
-        elif first_step and is_stream(train_dl):
-            print_on_node(replay_message(first_step, process.num_processes, state.epoch_samples_per_step, train_dl))
-            train_dl = replay_batches(train_dl, first_step, show_progress=process.is_main_process)
-        elif first_step:
-            train_dl = skip_first_batches(train_dl, first_step)
-        _restore_rng_if_due(state, "before_iterator")
-    if state.stream_positions is not None:
-        train_dl = state.stream_positions.follow(train_dl, first_step)
-    return first_step, train_dl
-
-
-def _restore_rng_if_due(state: RunState, point: str) -> None:
-    """Put back the saved RNG states where the saved run took them; this ends the resume."""
-    rng_state = state.end_resume_at(point)
-    if rng_state is not None:
-        restore_rng_state(rng_state)
-
-
-# ------------------------------------------------------------------------------------------------
-# Safe points: between two optimizer updates
-# ------------------------------------------------------------------------------------------------
-
-
-def reach_safe_point(trainer: "Trainer", step: Optional[int] = None) -> None:
-    """Between two optimizer updates: finish a resume, take the saves asked for, stop if preempted.
-
-    Args:
-        step: the micro-batch about to run in the current epoch; ``None`` between epochs.
-    """
-    state = trainer.run_state
-    if not state.has_work_at_safe_point():
-        return  # no resume to finish, no save asked for, no preemption: the common case
-    # a new kind of work below must also make RunState.has_work_at_safe_point() true, or it would never run
-    _restore_rng_if_due(state, "after_iterator")
-    saved_to = take_requested_saves(trainer, step) if state.save_requests else ()
-    _exit_if_preempted(trainer, step, saved_to)
-
-
-def take_requested_saves(trainer: "Trainer", step: Optional[int] = None) -> set:
-    """Write the training states asked for since the last safe point, at the position of ``step``; return their
-    folders' parents. Also called as a run ends, so that a save asked for after its last update is not lost."""
-    saved_to = set()
-    for parent, request in trainer.run_state.take_save_requests().items():
-        write_state(trainer, parent, trainer.run_state.position(step), **request)
-        saved_to.add(parent)
-    return saved_to
-
-
-def write_state(
-    trainer: "Trainer",
-    parent: Location,
-    position: ResumePosition,
-    kinds=("rolling",),
-    checkpoint_kwargs=None,
-    max_rolling=None,
-    asynchronous=False,
-    name=None,
-) -> Location:
-    """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
-
-    The trainer hands its parts to :class:`~pytorch_accel_trainer.state.manager.TrainingStates`, which writes them
-    (see :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.save`: a save in the background waited for
-    first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned."""
-    started = time.monotonic()
-    accelerator = trainer.accelerator
-    validate_training_state_supported(accelerator)
-    content = state_content(trainer, position, checkpoint_kwargs)
-    fields = {
-        "num_update_steps_completed": trainer.num_update_steps_completed,
-        "position": asdict(position),
-        "kinds": sorted(set(kinds)),
-        "run_facts": content.shared["run_facts"],
-        **({} if trainer.run_state.run_id is None else {"run_id": trainer.run_state.run_id}),
-    }
-    name = name or default_state_name(trainer.num_update_steps_completed)
-    states = TrainingStates(Processes.of_accelerator(accelerator))
-    location = states.save(parent, content, fields, name, max_rolling, asynchronous)
-    if asynchronous:
-        trainer.print(f"Saving training state {location} in the background")
-        return location
-    if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too
-        trainer.run_state.time_budget.note_save(time.monotonic() - started)
-    trainer.print(f"Saved training state {location}")
-    return location
-
-
-def _exit_if_preempted(trainer: "Trainer", step: Optional[int], saved_to: Iterable) -> None:
-    signal_number = _agreed_preemption_signal(trainer)
-    if not signal_number:
-        return
-    state = trainer.run_state
-    if state.preemption_save_dir is not None and state.preemption_save_dir not in saved_to:
-        write_state(trainer, state.preemption_save_dir, state.position(step))
-    TrainingStates.wait()  # a state being written in the background is complete before the process exits
-    trainer.print(
-        f"Stopped by signal {signal_number}: the training state is saved; exiting with code {128 + signal_number}."
-    )
-    sys.exit(128 + signal_number)
-
-
-def _agreed_preemption_signal(trainer: "Trainer") -> Optional[int]:
-    """The preemption signal any process received; every process leaves at the same step."""
-    state = trainer.run_state
-    if state.preemption_save_dir is None:
-        return state.preemption_signal
-    (signal_number,) = trainer.process_agreement.any_process(trainer.accelerator, state.preemption_signal or 0)
-    return signal_number or None  # one small host-side collective per update window, no device sync
-
-
-def end_saves_and_preemption(trainer: "Trainer") -> None:
-    """As a run ends: wait for a save under way in the background, and put back the signal handlers."""
-    try:
-        TrainingStates.end_run()  # a save in the background is complete (or its error raised), host copies freed
-    finally:
-        trainer.run_state.end_preemption()  # the signal handlers enable_preemption replaced are put back
 
 
 class PersistenceMixin:

@@ -2,8 +2,8 @@
 
 A :class:`RunState` is created by each ``train()`` (``trainer.run_state``) and stays readable after the run
 (``trainer.num_update_steps_completed`` reads it). Its fields change only through its own methods (the transitions
-below) or in ``trainer.py``'s loop; callbacks and the persistence functions read them, and queue requests through
-the methods (a save, a stop, a preemption). ``tests/test_structure.py`` holds this.
+below) or in ``trainer.py``'s loop; callbacks and the safe points' functions (``safe_points.py``) read them, and
+queue requests through the methods (a save, a stop, a preemption). ``tests/test_structure.py`` holds this.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class RunState:
         run_id: the run's identity, written in each training state's manifest: made as a new run starts, adopted
             from the state a resumed run continues (a new one for a state saved before runs had one).
         is_new_run: whether the run started afresh (no state resumed).
+        run_facts: the settings a resumed run must share with the saved one to continue it exactly (world size,
+            batch size, accumulation, dataset length: ``loop/trainer_parts.py``'s ``run_facts``), taken once as the
+            run starts and written in each of its training states.
         checked_save_dirs: the folders of training states checked to hold no other run's states.
         history_epoch_offset: the run history's epoch minus ``epoch`` as the epochs start (the history may count
             earlier runs' epochs too); the history's epoch of any position of the run is its epoch plus this.
@@ -132,6 +135,7 @@ class RunState:
     first_epoch: int = 0
     run_id: Optional[str] = None
     is_new_run: bool = True
+    run_facts: dict = field(default_factory=dict)
     checked_save_dirs: set = field(default_factory=set)
     history_epoch_offset: int = 0
     open_epoch_at: Optional[int] = None
@@ -153,10 +157,11 @@ class RunState:
     # The run and its epochs
     # ------------------------------------------------------------------------------------------------
 
-    def begin_resume(self, plan: Optional[ResumePlan], run_id: str) -> None:
+    def begin_resume(self, plan: Optional[ResumePlan], run_id: str, run_facts: dict) -> None:
         """Continue from a loaded training state: its update count and epoch, and what is still to restore as the
-        run reaches the saved position (nothing without one); ``run_id`` is the run's identity."""
-        self.resume, self.run_id, self.is_new_run = plan, run_id, plan is None
+        run reaches the saved position (nothing without one); ``run_id`` is the run's identity, ``run_facts`` its
+        settings."""
+        self.resume, self.run_id, self.is_new_run, self.run_facts = plan, run_id, plan is None, run_facts
         if plan is not None:
             self.num_update_steps_completed = plan.num_update_steps_completed
             self.epoch = plan.position.loop_epoch

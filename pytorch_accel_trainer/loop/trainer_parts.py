@@ -10,14 +10,17 @@ A resume on another number of processes (``allow_resume_changes=True``): the mod
 DCP; the loss sums of the interrupted epoch of every saved process are added into process 0's (the epoch's loss is
 the same); process ``r`` takes the callbacks' states of saved process ``r`` (of process 0 beyond the saved count) and,
 where the saved run had a process ``r``, its RNG states; a new process keeps those the trainer's seed gave it. The
-data position is converted to samples by ``loop/persistence.py``.
+data position is converted to samples by ``loop/safe_points.py``.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
+import numpy as np
 import torch
 from accelerate.utils import send_to_device
 
@@ -26,7 +29,7 @@ from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream_state_name
 from pytorch_accel_trainer.parallel.sharded import inner_optimizer, state_module, validate_training_state_supported
 from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
-from pytorch_accel_trainer.state.folder import history_epoch, load_rank_file, load_trainer_file
+from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
 from pytorch_accel_trainer.state.parts import (
     ModelState,
@@ -37,7 +40,6 @@ from pytorch_accel_trainer.state.parts import (
     check_fit,
     load_sharded,
 )
-from pytorch_accel_trainer.state.rng import capture_rng_state
 from pytorch_accel_trainer.tracking import LossTracker, StepMetricsTracker
 
 if TYPE_CHECKING:
@@ -117,7 +119,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "num_update_steps_completed": trainer.num_update_steps_completed,
         "run_history": trainer.run_history.state_dict(),
         "history_epoch": trainer.run_state.history_epoch(position),
-        "run_facts": run_facts(trainer),
+        "run_facts": trainer.run_state.run_facts,
         "checkpoint_kwargs": checkpoint_kwargs,
         "optimizer_class": type(inner_optimizer(trainer.optimizer)).__qualname__,  # checked on resume
         "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
@@ -132,6 +134,76 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "stream_position": _stream_state(trainer, position),
     }
     return StateContent(sharded_parts(trainer), shared, own)
+
+
+# ------------------------------------------------------------------------------------------------
+# The random number generators of a process, as plain tensors and numbers (no pickle needed to read them back)
+# ------------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict:
+    """Return the state of every RNG of this process: torch, CUDA, numpy and ``random``."""
+    numpy_state = cast(tuple, np.random.get_state(legacy=True))  # the legacy form: a tuple
+    python_version, python_internal, python_gauss = random.getstate()
+    state = {
+        "torch": torch.random.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+            "position": int(numpy_state[2]),
+            "has_gauss": int(numpy_state[3]),
+            "cached_gaussian": float(numpy_state[4]),
+        },
+        "python": {"version": python_version, "internal": list(python_internal), "gauss": python_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Restore what :func:`capture_rng_state` returned."""
+    torch.random.set_rng_state(state["torch"])
+    np.random.set_state(_numpy_state(state))
+    random.setstate(_python_state(state))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def validate_rng_state(state: Any) -> None:
+    """Check that ``state`` (as :func:`capture_rng_state` returns, read from a file) can be restored, by loading it
+    into throwaway generators: the process's own are untouched.
+
+    Raises:
+        ValueError: what is wrong (a key missing, a state of the wrong size or type), in the generator's words.
+    """
+    try:
+        torch.Generator().set_state(state["torch"])
+        np.random.RandomState().set_state(_numpy_state(state))
+        random.Random().setstate(_python_state(state))
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, list) or any(
+            not isinstance(generator, torch.Tensor) or generator.dtype != torch.uint8 for generator in cuda
+        ):
+            raise TypeError("the CUDA generators' states are not a list of uint8 tensors")
+    except (LookupError, TypeError, ValueError, RuntimeError, AttributeError, OverflowError) as error:
+        problem = f"{type(error).__name__}: {error}"
+        raise ValueError(f"its random generators' states cannot be restored ({problem})") from None
+
+
+def _numpy_state(state: dict) -> tuple:
+    numpy_state = state["numpy"]
+    return (
+        "MT19937",
+        numpy_state["keys"].numpy().astype(np.uint32),
+        numpy_state["position"],
+        numpy_state["has_gauss"],
+        numpy_state["cached_gaussian"],
+    )
+
+
+def _python_state(state: dict) -> tuple:
+    python_state = state["python"]
+    return (python_state["version"], tuple(python_state["internal"]), python_state["gauss"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,6 +333,23 @@ def _check_optimizers(trainer: "Trainer", stored: StoredState, shared: dict, gro
                 f"{folder} does not fit the optimizer of the extra model {name!r}: {mismatch}. Resume with the extra "
                 "models and optimizers the state was saved with."
             )
+
+
+def load_rank_file(path: Path) -> dict:
+    """One process's own part of a state (``rank_<N>.pt``): its RNG states, loss sums and callbacks' states, checked."""
+    rank_state = load_tensors_file(path)
+    if (
+        not isinstance(rank_state, dict)
+        or not isinstance(rank_state.get("callbacks"), dict)
+        or not {"rng", "train_loss_tracker"} <= set(rank_state)
+    ):
+        raise CheckpointError(f"{path}: not a process's state (rng, train_loss_tracker, callbacks); it was altered.")
+    if rank_state["rng"] is not None:
+        try:
+            validate_rng_state(rank_state["rng"])
+        except ValueError as error:
+            raise CheckpointError(f"{path}: {error}; it was altered.") from None
+    return rank_state
 
 
 def _own_state(stored: StoredState, processes: Processes) -> dict:

@@ -55,6 +55,13 @@ _RANK_FILE = re.compile(r"rank_\d{5,}\.pt")
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 
+def crash_point(name: str) -> None:
+    """Called by the writers of a state (``folder``, ``parts``, ``storage``) between the steps of a save, with the
+    step's name (``"manifest"``, ``"write:trainer_state.pt"``, ``"upload:manifest.json"``, ...); does nothing. A
+    test replaces it (``monkeypatch.setattr(files, "crash_point", crash)``) to stop a save at one point and check
+    what a crash there leaves."""
+
+
 class DamagedStateError(ValueError):
     """A training state, or one of its files, that cannot be trusted; the message names it and what is wrong."""
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state import files as state_files
 from pytorch_accel_trainer.state.checkpointing import describe_unreadable_torch_file, refused_by_weights_only
 from pytorch_accel_trainer.state.files import (
     CHECKSUM,
@@ -55,7 +55,6 @@ from pytorch_accel_trainer.state.files import (
     writer_tag,
 )
 from pytorch_accel_trainer.state.parts import Processes, StateContent, agreed, write_content
-from pytorch_accel_trainer.state.rng import validate_rng_state
 
 
 class StateFormatError(CheckpointError):
@@ -140,19 +139,19 @@ def finish_save(
     for path in sorted(temporary.iterdir()):
         if path.name.startswith(WRITER_MARKER_PREFIX):
             continue
-        crash_points.crash_point(f"hash:{path.name}")
+        state_files.crash_point(f"hash:{path.name}")
         size, digest = checksums.get(path.name) or file_digest(path)
         files[path.name] = {"size": size, CHECKSUM: digest}
     manifest = {"format_version": FORMAT_VERSION, **manifest_fields, "files": files}
-    crash_points.crash_point("manifest")
+    state_files.crash_point("manifest")
     write_text_atomically(temporary / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True))
     fsync_path(temporary)
-    crash_points.crash_point("rename")
+    state_files.crash_point("rename")
     os.rename(temporary, final_folder)
     for marker in final_folder.glob(f"{WRITER_MARKER_PREFIX}*"):
         marker.unlink(missing_ok=True)  # left by a crash here, it is harmless: not in the manifest
     fsync_path(final_folder.parent)
-    crash_points.crash_point("latest")
+    state_files.crash_point("latest")
     write_text_atomically(final_folder.parent / LATEST_NAME, final_folder.name + "\n")
 
 
@@ -375,22 +374,6 @@ def load_trainer_file(stored: StoredState) -> dict:
     return shared
 
 
-def load_rank_file(path: Path) -> dict:
-    rank_state = load_tensors_file(path)
-    if (
-        not isinstance(rank_state, dict)
-        or not isinstance(rank_state.get("callbacks"), dict)
-        or not {"rng", "train_loss_tracker"} <= set(rank_state)
-    ):
-        raise CheckpointError(f"{path}: not a process's state (rng, train_loss_tracker, callbacks); it was altered.")
-    if rank_state["rng"] is not None:
-        try:
-            validate_rng_state(rank_state["rng"])
-        except ValueError as error:
-            raise CheckpointError(f"{path}: {error}; it was altered.") from None
-    return rank_state
-
-
 def history_epoch(shared: dict, path: Path) -> int:
     """The run history's epoch of the saved position, checked."""
     epoch = shared.get("history_epoch")
@@ -439,7 +422,7 @@ def prune_states(
             ("best" not in state.kinds) or state.folder in superseded_best
         )
         if removable:
-            crash_points.crash_point(f"prune:{state.folder.name}")
+            state_files.crash_point(f"prune:{state.folder.name}")
             try:
                 shutil.rmtree(state.folder)  # refuses a link, and never follows one inside the folder
             except OSError as error:

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state import files as state_files
 from pytorch_accel_trainer.state.files import (
     SHARDS_METADATA_FILE,
     TEMPORARY_PREFIX,
@@ -580,17 +580,17 @@ def write_content(content: StateContent, folder: Path, processes: Processes) -> 
     own_name = rank_file(processes.rank)
 
     def write_own() -> dict:
-        crash_points.crash_point(f"write:{own_name}")
+        state_files.crash_point(f"write:{own_name}")
         return {own_name: save_tensors_file(content.own, folder / own_name)}
 
     # agreed before the shards: DCP's save is collective, and a process that failed here must not leave the others
     # waiting in it (DCP itself tells every process of a failure in its own steps)
     state_name = folder.name.removeprefix(TEMPORARY_PREFIX)
     checksums = agreed(processes, write_own, f"its part of the training state {state_name}")[processes.rank]
-    crash_points.crash_point("write:shards")
+    state_files.crash_point("write:shards")
     checksums.update(save_shards(content.tensors or {}, folder, processes.group))
     if processes.is_main:
-        crash_points.crash_point(f"write:{TRAINER_FILE}")
+        state_files.crash_point(f"write:{TRAINER_FILE}")
         shared = {**content.shared, "plain_parts": content.plain}
         checksums[TRAINER_FILE] = save_tensors_file(shared, folder / TRAINER_FILE)
     return checksums

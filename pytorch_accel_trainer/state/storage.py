@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional, Union
 
-from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state import files as state_files
 from pytorch_accel_trainer.state.files import LATEST_NAME, MANIFEST_NAME, WRITER_MARKER_PREFIX, temporary_folder
 
 #: A local path, or the URL of a folder or file in object storage.
@@ -436,9 +436,9 @@ class RemoteStates:
         remote = f"{self.root}/{folder.name}"
         files = sorted(path for path in folder.iterdir() if path.is_file() and path.name != self._manifest)
         for path in files:
-            crash_points.crash_point(f"upload:{path.name}")
+            state_files.crash_point(f"upload:{path.name}")
             self.fs.put_file(str(path), f"{remote}/{path.name}")
-        crash_points.crash_point(f"upload:{self._manifest}")
+        state_files.crash_point(f"upload:{self._manifest}")
         self.fs.put_file(str(folder / self._manifest), f"{remote}/{self._manifest}")  # visible from here on
         self.fs.pipe_file(f"{self.root}/{self._latest}", f"{folder.name}\n".encode())
         for path in files:
@@ -450,7 +450,7 @@ class RemoteStates:
         process uploads the manifest, which lists them, after every machine did this."""
         for path in sorted(temporary.iterdir()):
             if path.is_file() and not path.name.startswith(WRITER_MARKER_PREFIX):
-                crash_points.crash_point(f"upload:{path.name}")
+                state_files.crash_point(f"upload:{path.name}")
                 self.fs.put_file(str(path), f"{self.root}/{name}/{path.name}")
         shutil.rmtree(temporary, ignore_errors=True)
 

@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
-from pytorch_accel_trainer.state import crash_points, training_state
+from pytorch_accel_trainer.state import files, training_state
 
 
 class IndexedDataset(Dataset):
@@ -138,7 +138,7 @@ def run(config):
             elif len(training_state.list_complete_states(Path(config["save_dir"]))) >= 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        crash_points.crash_point = crash
+        files.crash_point = crash
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -6,7 +6,7 @@ Usage: sharded_state_run.py CONFIG_JSON, with
   out            a folder: the final full weights are written there as <name>.safetensors (process 0)
   name           the weights' file name (default "weights")
   asynchronous   save in the background (default False)
-  crash_at       a crash point's name (state/crash_points.py): the process that reaches it for the
+  crash_at       a crash point's name (state/files.py: crash_point): the process that reaches it for the
                  crash_on_hit-th time (default 1) is killed with SIGKILL
   fail_rank      with crash_at: instead, only this process fails there with a full disk (OSError ENOSPC)
   reference      then an uninterrupted run in the same processes, its weights as reference.safetensors
@@ -22,7 +22,7 @@ from pathlib import Path
 from fsdp_train import CpuFSDP2Trainer, full_parameters, make_data, make_trainer
 
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback
-from pytorch_accel_trainer.state import crash_points
+from pytorch_accel_trainer.state import files
 
 ARGUMENTS = {"num_epochs": 3, "per_device_batch_size": 4, "gradient_clip_norm": 1.0}
 
@@ -38,7 +38,7 @@ def kill_at(point: str, on_hit: int, fail_rank=None) -> None:
             if len(hits) == on_hit and int(os.environ.get("RANK", "0")) == fail_rank:
                 raise OSError(errno.ENOSPC, "No space left on device (a full disk, simulated)")
 
-    crash_points.crash_point = crash
+    files.crash_point = crash
 
 
 def run(save_dir: str, asynchronous: bool, out: Path, name: str) -> None:
@@ -54,7 +54,7 @@ def main(config: dict) -> None:
         kill_at(config["crash_at"], config.get("crash_on_hit", 1), config.get("fail_rank"))
     run(config["save_dir"], config.get("asynchronous", False), out, config.get("name", "weights"))
     if config.get("reference"):
-        crash_points.crash_point = lambda name: None
+        files.crash_point = lambda name: None
         run(str(out / "reference_states"), False, out, "reference")
 
 
