@@ -6,7 +6,8 @@ Each process runs under ``with_faulthandler.py``: at a fatal signal it writes ev
 function ran), and it may leave a ``core`` for ``gdb``. A launch that failed keeps its folder under ``--keep``; the
 others are removed. The launches are forked from an interpreter that already imported torch, Accelerate and the
 package (``tests/scripts/warm_launch.py``, as the test suite launches): about 9 s of CPU less per process.
-``--slow-gloo`` preloads ``slow_wakeup.c`` into every process, as ``stress.py --slow-gloo`` does.
+``--slow-gloo`` preloads ``slow_wakeup.c`` into every process, as ``stress.py --slow-gloo`` does;
+``--without-exit-wait`` turns off the trainer's wait for idle gloo workers at exit (the library before that fix).
 
     .venv/bin/python benchmarks/exit_stress/fsdp_stress.py --launches 100
     .venv/bin/python benchmarks/exit_stress/fsdp_stress.py --launches 20 --slow-gloo --keep /tmp/fsdp-aborts
@@ -33,9 +34,11 @@ FSDP_SCRIPT = REPO / "tests" / "scripts" / "fsdp_train.py"
 WRAPPER = HERE / "with_faulthandler.py"
 
 
-def launch_env(slow_gloo: bool) -> dict:
-    """The environment of the server and of each launch (they must agree): the CPU, one OpenMP thread, the shim."""
+def launch_env(slow_gloo: bool, without_exit_wait: bool) -> dict:
+    """The environment of the server and of each launch (they must agree): the CPU, one OpenMP thread, the shim, and
+    whether ``with_faulthandler.py`` turns the library's wait at exit off."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env["EXIT_STRESS_WITHOUT_EXIT_WAIT"] = "1" if without_exit_wait else "0"
     if slow_gloo:
         env["LD_PRELOAD"] = _shim()
     return env
@@ -86,11 +89,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=100, help="launches (default 100)")
     parser.add_argument("--slow-gloo", action="store_true", help="preload the 2 ms wake-up delay shim")
+    parser.add_argument(
+        "--without-exit-wait", action="store_true", help="turn the trainer's wait for idle gloo workers at exit off"
+    )
     parser.add_argument("--keep", type=pathlib.Path, help="keep the folders of the failed launches here")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one launch may take (default 300)")
     args = parser.parse_args()
     root = pathlib.Path(tempfile.mkdtemp(prefix="fsdp-stress-"))
-    env = launch_env(args.slow_gloo)
+    env = launch_env(args.slow_gloo, args.without_exit_wait)
     server, socket_path = start_server(root, env)
     failed, aborted, places = 0, 0, collections.Counter()
     started = time.monotonic()
@@ -117,7 +123,8 @@ def main() -> int:
         server.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"FSDP2 over gloo{' (slow gloo)' if args.slow_gloo else ''}: {args.launches - failed}/{args.launches} "
+        f"FSDP2 over gloo{' (slow gloo)' if args.slow_gloo else ''}"
+        f"{' without the exit wait' if args.without_exit_wait else ''}: {args.launches - failed}/{args.launches} "
         f"exited 0; {failed} failed, {aborted} with a C++ abort"
     )
     for place, count in places.most_common():
