@@ -662,6 +662,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                         self.scheduler_step()
                     self.training_run_epoch_end()
                     self._call_event("on_training_run_epoch_end")
+                    state.end_epoch()  # a stop from here on comes after the epoch: the last one's is the planned end
                     self._raise_agreed_stop("epoch_end")
                 except StopTrainingError as error:
                     if state.open_epoch_at is not None:  # inside the training epoch: its loss so far, as a step limit

@@ -3,8 +3,11 @@ arguments in pytorch-accelerated's positional order."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from conftest import linear_dataset, make_linear, make_mlp, make_trainer, regression_dataset
+from conftest import linear_dataset, load_module_from, make_linear, make_mlp, make_trainer, regression_dataset
 
 from pytorch_accel_trainer.callbacks import EarlyStoppingCallback, TrainerCallback
 from pytorch_accel_trainer.loop.run_state import TrainResult
@@ -72,6 +75,41 @@ def test_result_of_a_stopped_run():
         make_trainer(make_mlp()).train(regression_dataset(8), num_epochs=None, max_num_train_steps=3).stopped_early
         is False
     )
+
+
+#: tests/scripts/distributed_callbacks.py: the stops of a 2-epoch run of 16 updates, on 1 or 2 processes.
+STOPS_SCRIPT = Path(__file__).parent / "scripts" / "distributed_callbacks.py"
+
+
+def _assert_stops_inside_the_last_epoch_are_early(results):
+    """``stop_in_last_epoch``'s results, of one process: a stop inside the last epoch (after update 11 of 16) is an
+    early stop, a stop as it ends is not."""
+    stop_error, budget, at_end = results["stop_error"], results["time_budget"], results["last_epoch_end"]
+    assert stop_error["stop_reason"].startswith("stopped after update 11")  # " (on process 1)" on 2 processes
+    assert stop_error["stopped_early"] and stop_error["num_update_steps"] == 11
+    assert budget["stop_reason"].startswith("Time budget max_time=3600")
+    assert budget["stopped_early"] and 11 <= budget["num_update_steps"] < 16  # inside epoch 2
+    assert budget["saved_updates"] == [budget["num_update_steps"]]  # the state to continue from, saved at the stop
+    assert at_end["stop_reason"].startswith("stopped at the last epoch's end")
+    assert not at_end["stopped_early"] and at_end["num_update_steps"] == 16
+
+
+def test_a_stop_inside_the_last_epoch_is_early(tmp_path):
+    """TrainResult.stopped_early is True for a callback's StopTrainingError or the time budget inside the last epoch
+    (the cut-short epoch records its loss, yet the run did not end), False for a stop as that epoch ends."""
+    load_module_from(STOPS_SCRIPT, "distributed_callbacks").stop_in_last_epoch(tmp_path, per_device_batch_size=4)
+    _assert_stops_inside_the_last_epoch_are_early(json.loads((tmp_path / "result.rank0.json").read_text()))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.scenarios("stop_in_last_epoch")
+def test_a_stop_inside_the_last_epoch_is_early_on_every_process(two_process_scenarios):
+    """On two processes, every process returns the same TrainResult for each stop, early inside the last epoch."""
+    folder = two_process_scenarios.folder("stop_in_last_epoch")
+    first, second = (json.loads((folder / f"result.rank{rank}.json").read_text()) for rank in range(2))
+    assert first == second  # stopped_early, stop_reason, counts, samples and metrics agree
+    _assert_stops_inside_the_last_epoch_are_early(first)
 
 
 def test_a_resumed_run_returns_what_it_ran(tmp_path):

@@ -62,14 +62,16 @@ def create_train_result(
     epochs = metric_counts(run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get(
         "train_loss_epoch", 0
     )
+    # the planned end: the step limit, or the end of the last epoch (a stop inside it, even one that records the
+    # cut-short epoch's loss, or before its evaluation, is an early one)
     finished = state.reached_max_steps() or (
-        run_config.num_epochs is not None and state.first_epoch + epochs >= run_config.num_epochs
+        run_config.num_epochs is not None and state.first_epoch + state.epochs_ended >= run_config.num_epochs
     )
     return TrainResult(
         metrics=metrics_recorded_since(run_history, state.metric_counts_at_start),
         best_metric_name=watched_metric[0],
         best_metric=watched_metric[1],
-        num_epochs=epochs,  # training epochs run to their end, a last one a callback stopped after included
+        num_epochs=epochs,  # the epochs that recorded their loss, a cut-short one included
         num_update_steps=state.num_update_steps_completed,
         num_samples=num_samples,
         wall_time_seconds=wall_time,

@@ -90,6 +90,8 @@ class RunState:
             then resumes at its next batch. ``None`` before the epoch's first update and once its last batch has run.
         epoch_trained: whether every batch of the current epoch has been trained on (its evaluation may still run);
             a state taken before the loop moves on then resumes at the next epoch.
+        epochs_ended: the epochs of this run that reached their end (``on_training_run_epoch_end`` fired): once the
+            last one has, the run ran to its planned end, whatever stops it there.
         epoch_samples_per_step: the samples one micro-batch step of the current epoch takes, over every process.
         epoch_sample_base: ``(samples, step)``: the epoch's samples trained before its micro-batch ``step``, where its
             dataloader started; ``(0, 0)`` but in an epoch a resume on another number of processes split again
@@ -140,6 +142,7 @@ class RunState:
     history_epoch_offset: int = 0
     open_epoch_at: Optional[int] = None
     epoch_trained: bool = False
+    epochs_ended: int = 0
     epoch_samples_per_step: int = 0
     epoch_sample_base: tuple = (0, 0)
     stream_positions: Optional[StreamPositions] = None
@@ -194,6 +197,10 @@ class RunState:
         self.in_training_run = True
         self.started_at, self.first_epoch, self.metric_counts_at_start = time.perf_counter(), self.epoch, metric_counts
         self.history_epoch_offset = history_epoch - self.epoch
+
+    def end_epoch(self) -> None:
+        """Note that the current epoch reached its end (its evaluation and end hooks ran)."""
+        self.epochs_ended += 1
 
     def next_epoch(self) -> None:
         """Move the loop on to the next epoch, from its first batch."""
@@ -426,15 +433,16 @@ class TrainResult:
         best_metric_name, best_metric: the metric the first callback that watches one (``EarlyStoppingCallback``,
             ``SaveBestModelCallback``, ...: ``TrainerCallback.watched_metric``) watches, and its best value in this
             run; ``None`` without one.
-        num_epochs: the training epochs run to their end in this call (a resumed run counts those it ran; an
-            epoch after which a callback stopped the run counts).
+        num_epochs: the training epochs of this call that recorded their ``train_loss_epoch`` (a resumed run counts
+            those it ran): an epoch a stop or the step limit cut short counts.
         num_update_steps: the optimizer updates made so far, a resumed run's earlier ones included.
         num_samples: the training samples of this call, over every process (each process's ``batch_size``
             sum times the number of processes, which run the same steps).
         wall_time_seconds: from the first epoch's start to the end of the run.
         samples_per_second: ``num_samples / wall_time_seconds``, evaluation time included.
-        stopped_early: whether a callback ended the run before its last epoch (reaching ``max_num_train_steps`` is
-            the planned end, not an early one).
+        stopped_early: whether a ``StopTrainingError`` (a callback's, the time budget's) ended the run before its last
+            epoch's end, inside that epoch included (reaching ``max_num_train_steps``, or a stop as the last epoch
+            ends, is the planned end, not an early one).
         stop_reason: why the run was stopped, when a ``StopTrainingError`` ended it (a callback's, or the non-finite
             policy's ``on_exhausted="stop"``): its message; else ``None``.
         non_finite_updates_skipped: the optimizer updates skipped for non-finite gradients

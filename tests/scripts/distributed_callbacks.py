@@ -2,9 +2,12 @@
 tests/test_callbacks_distributed.py compares."""
 
 import json
+import time
+import types
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchmetrics import MeanSquaredError
@@ -16,7 +19,11 @@ from pytorch_accel_trainer.callbacks import (
     ExperimentTrackingCallback,
     MetricCollectionCallback,
     ProgressBarCallback,
+    StopTrainingError,
+    TrainerCallback,
 )
+from pytorch_accel_trainer.loop import time_budget
+from pytorch_accel_trainer.state.training_state import list_complete_states
 
 
 def _data(num_samples, seed):
@@ -72,3 +79,69 @@ def stop_together(folder: Path, per_device_batch_size: int) -> None:
             ),
         }
         (folder / "result.json").write_text(json.dumps(result))
+
+
+#: The run of ``stop_in_last_epoch``: 2 epochs of 8 updates (32 samples, 4 a step over every process).
+LAST_EPOCH_RUN = {"num_epochs": 2, "num_samples": 32, "total_batch_size": 4}
+
+
+class StopAfterUpdate(TrainerCallback):
+    """Raises a ``StopTrainingError`` after update ``update`` (on every process)."""
+
+    def __init__(self, update):
+        self.update = update
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+        if num_update_steps_completed == self.update:
+            raise StopTrainingError(f"stopped after update {self.update}")
+
+
+class ClockJumpsAfterUpdate(StopAfterUpdate):
+    """After update ``update``, the time budget's clock reads two hours later on every process: a budget of an hour is
+    spent at the next check, as a slow update would spend it, but at a known update, with no wall-clock race."""
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed, **kwargs):
+        if num_update_steps_completed == self.update:
+            time_budget.time = types.SimpleNamespace(monotonic=lambda: time.monotonic() + 7200)
+
+    def on_training_run_end(self, trainer, **kwargs):
+        time_budget.time = time
+
+
+class StopAtLastEpochEnd(TrainerCallback):
+    """Raises a ``StopTrainingError`` as the run's last epoch ends, after its evaluation (as early stopping may)."""
+
+    def on_training_run_epoch_end(self, trainer, **kwargs):
+        if trainer.run_state.epoch == LAST_EPOCH_RUN["num_epochs"] - 1:
+            raise StopTrainingError("stopped at the last epoch's end")
+
+
+def stop_in_last_epoch(folder: Path, per_device_batch_size: int) -> None:
+    """Stop a 2-epoch run inside its last epoch (a callback's ``StopTrainingError`` after update 11, the time budget
+    after update 11) and at its end; each process writes its ``TrainResult`` of each, and the update its saved state
+    holds, to ``folder/result.rank<i>.json``."""
+    stops = {
+        "stop_error": ({}, StopAfterUpdate(11)),
+        "time_budget": ({"max_time": 3600, "max_time_save_dir": folder / "budget"}, ClockJumpsAfterUpdate(11)),
+        "last_epoch_end": ({}, StopAtLastEpochEnd()),
+    }
+    results = {}
+    for case, (train_kwargs, stop) in stops.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        trainer = Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.02), callbacks=[stop])
+        result = trainer.train(
+            _data(LAST_EPOCH_RUN["num_samples"], 0),
+            num_epochs=LAST_EPOCH_RUN["num_epochs"],
+            eval_dataset=_data(8, 1),
+            per_device_batch_size=per_device_batch_size,
+            **train_kwargs,
+        )
+        results[case] = {
+            **{name: getattr(result, name) for name in ("stopped_early", "stop_reason", "num_epochs", "num_samples")},
+            "num_update_steps": result.num_update_steps,
+            "metrics": result.metrics,
+        }
+    saved = list_complete_states(folder / "budget")  # the time budget's state, saved as it stopped the run
+    results["time_budget"]["saved_updates"] = [state.manifest["num_update_steps_completed"] for state in saved]
+    (folder / f"result.rank{PartialState().process_index}.json").write_text(json.dumps(results))

@@ -73,6 +73,8 @@ SCENARIOS = {
         distributed_train.train_into,
         {1: {"per_device_batch_size": 4, "accumulation": 2, "loss_kind": "tokens_unweighted"}},
     ),
+    # one process: tests/test_train_api.py runs it in its own process
+    "stop_in_last_epoch": (distributed_callbacks.stop_in_last_epoch, {2: {"per_device_batch_size": 2}}),
     "evaluate_every_case": (distributed_eval.evaluate_every_case, {1: {}, 2: {}}),
     "predict_every_case": (predict_run.predict_every_case, {2: {}}),
     "console_output": (console_run.train, {1: {}, 2: {}}),
