@@ -392,6 +392,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if options.resume_from is not None
             else None
         )
+        safe_points.validate_resume_target(stored_state, options.num_epochs, options.max_num_train_steps)
         self._start_training_run(train_dataset, eval_dataset, options)
         self._load_resume_plan(stored_state, options)
         self._run_training()
@@ -1224,6 +1225,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _epochs(self) -> Iterable[int]:
         """The run's epochs, from the one a resumed run continues; without ``num_epochs``, until the step limit."""
         first = self.run_state.epoch  # 0, or the epoch a resumed run continues
+        if self.run_state.nothing_left_to_train:
+            return range(0)  # a finished run resumed: its step limit is reached (no epoch starts for one more update)
         num_epochs = get_run_config(self).num_epochs
         if num_epochs is None:
             return itertools.count(first)  # only max_num_train_steps ends this run

@@ -68,11 +68,30 @@ def test_resume_past_max_num_train_steps_is_refused(tmp_path):
         _train(_trainer(), num_epochs=3, max_num_train_steps=5, resume_from=state)
 
 
-def test_resume_of_a_finished_run_says_there_is_nothing_left(tmp_path, capsys):
+def test_resume_of_a_finished_run_loads_it_and_says_there_is_nothing_left(tmp_path, capsys):
     state = _saved_state(tmp_path, num_epochs=2)
-    result = _train(_trainer(), num_epochs=2, resume_from=state)
-    assert "nothing left to train" in capsys.readouterr().out
-    assert result.num_epochs_completed == 0 if hasattr(result, "num_epochs_completed") else True
+    finished = _trainer()
+    _train(finished, num_epochs=2)
+    capsys.readouterr()
+    trainer = _trainer()
+    result = _train(trainer, num_epochs=2, resume_from=state)
+    assert f"nothing left to train: {state / 'checkpoint-00000008'} already trained 2 epochs (num_epochs=2)" in (
+        capsys.readouterr().out
+    )
+    assert result.nothing_left_to_train and not result.stopped_early
+    assert (result.num_epochs, result.num_update_steps) == (0, 8)
+    assert torch.equal(trainer.model.weight, finished.model.weight)
+
+
+def test_resume_at_max_num_train_steps_makes_no_further_update(tmp_path, capsys):
+    state = _saved_state(tmp_path, num_epochs=2)  # 8 updates
+    result = _train(_trainer(), num_epochs=3, max_num_train_steps=8, resume_from=state)
+    assert "already made 8 optimizer updates (max_num_train_steps=8)" in capsys.readouterr().out
+    assert result.nothing_left_to_train and result.num_update_steps == 8
+
+
+def test_a_new_run_has_something_left_to_train(tmp_path):
+    assert not _train(_trainer(), num_epochs=1).nothing_left_to_train
 
 
 def test_resume_refuses_a_manifest_whose_world_size_disagrees_with_its_files(tmp_path):
