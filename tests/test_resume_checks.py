@@ -11,49 +11,117 @@ from conftest import regression_dataset
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
 
 
-def _trainer(lr=0.05):
+def _trainer(lr=0.05, callbacks=None, **optimizer_kwargs):
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
-    return Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, **{"momentum": 0.9, **optimizer_kwargs})
+    return Trainer(model, nn.MSELoss(), optimizer, **({} if callbacks is None else {"callbacks": callbacks}))
 
 
 def _train(trainer, **kwargs):
     return trainer.train(regression_dataset(8), per_device_batch_size=2, **kwargs)
 
 
-def _saved_state(tmp_path, lr=0.05, num_epochs=1, scheduler=None):
-    trainer = _trainer(lr)
+def _saved_state(tmp_path, lr=0.05, num_epochs=1, scheduler=None, **optimizer_kwargs):
+    trainer = _trainer(lr, **optimizer_kwargs)
     _train(trainer, num_epochs=num_epochs, create_scheduler_fn=scheduler)
     trainer.save_training_state(tmp_path / "st")
     return tmp_path / "st"
 
 
-def test_resume_refuses_a_changed_learning_rate(tmp_path):
-    state = _saved_state(tmp_path, lr=0.05)
-    with pytest.raises(CheckpointError, match=r"(?s)lr.*0\.05.*0\.5.*allow_resume_changes"):
-        _train(_trainer(lr=0.5), num_epochs=2, resume_from=state)
+def _step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
-def test_resume_with_changes_allowed_trains_with_the_given_learning_rate(tmp_path):
-    state = _saved_state(tmp_path, lr=0.05)
-    trainer = _trainer(lr=0.5)
+def _lambda_lr(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda updates: 1 / (updates + 1))
+
+
+class _SetHyperparameters(TrainerCallback):
+    """Sets hyperparameters of every group as the run starts: a resume that trains with changed values by hand."""
+
+    def __init__(self, **values):
+        self.values = values
+
+    def on_training_run_start(self, trainer, **kwargs):
+        for group in trainer.optimizer.param_groups:
+            group.update(self.values)
+
+
+@pytest.mark.parametrize(
+    ("key", "given", "pattern"),
+    [
+        ("lr", {"lr": 0.5}, r"param_groups\[0\]\['lr'\]: saved 0\.05, now 0\.5"),
+        ("momentum", {"momentum": 0.5}, r"param_groups\[0\]\['momentum'\]: saved 0\.9, now 0\.5"),
+        ("weight_decay", {"weight_decay": 0.1}, r"param_groups\[0\]\['weight_decay'\]: saved 0, now 0\.1"),
+        ("nesterov", {"nesterov": True}, r"param_groups\[0\]\['nesterov'\]: saved False, now True"),
+    ],
+)
+def test_resume_refuses_a_changed_hyperparameter(tmp_path, key, given, pattern):
+    state = _saved_state(tmp_path)
+    trainer = _trainer(**given)
+    with pytest.raises(CheckpointError, match=rf"(?s)set up differently.*{pattern}.*allow_resume_changes=True"):
+        _train(trainer, num_epochs=2, resume_from=state)
+    assert trainer.run_state.num_update_steps_completed == 0  # refused before anything was loaded
+
+
+def test_resume_ignores_the_optimizer_implementation_flags(tmp_path):
+    state = _saved_state(tmp_path)
+    _train(_trainer(foreach=True), num_epochs=2, resume_from=state)
+
+
+def test_resume_with_changes_allowed_trains_with_the_given_hyperparameters(tmp_path, capsys):
+    state = _saved_state(tmp_path)
+    trainer = _trainer(lr=0.5, momentum=0.5)
     _train(trainer, num_epochs=2, resume_from=state, allow_resume_changes=True)
-    assert [group["lr"] for group in trainer.optimizer.param_groups] == [0.5]
-    same = _trainer(lr=0.05)
-    _train(same, num_epochs=2, resume_from=state)
-    assert not torch.equal(trainer.model.weight, same.model.weight)
+    assert "optimizer param_groups[0]['lr']: saved 0.05, now 0.5" in capsys.readouterr().out
+    assert [(group["lr"], group["momentum"]) for group in trainer.optimizer.param_groups] == [(0.5, 0.5)]
+    by_hand = _trainer(callbacks=[_SetHyperparameters(lr=0.5, momentum=0.5)])
+    _train(by_hand, num_epochs=2, resume_from=state)  # the saved values, then the given ones set before training
+    assert torch.equal(trainer.model.weight, by_hand.model.weight)
+    as_saved = _trainer()
+    _train(as_saved, num_epochs=2, resume_from=state)
+    assert not torch.equal(trainer.model.weight, as_saved.model.weight)
 
 
 def test_resume_with_a_scheduler_compares_the_initial_learning_rate(tmp_path):
-    step_lr = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)  # noqa: E731
-    state = _saved_state(tmp_path, lr=0.05, scheduler=step_lr)
-    trainer = _trainer(lr=0.05)
-    _train(trainer, num_epochs=2, resume_from=state, create_scheduler_fn=step_lr)  # the decayed lr is no change
-    with pytest.raises(CheckpointError, match=r"(?s)0\.05.*0\.5"):
-        _train(_trainer(lr=0.5), num_epochs=2, resume_from=state, create_scheduler_fn=step_lr)
+    state = _saved_state(tmp_path, scheduler=_step_lr)
+    trainer = _trainer()
+    _train(trainer, num_epochs=2, resume_from=state, create_scheduler_fn=_step_lr)  # the decayed lr is no change
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**8)
+    with pytest.raises(CheckpointError, match=r"(?s)'initial_lr'\]: saved 0\.05, now 0\.5"):
+        _train(_trainer(lr=0.5), num_epochs=2, resume_from=state, create_scheduler_fn=_step_lr)
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=8),
+        lambda optimizer: torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.01, max_lr=0.1, step_size_up=3),
+    ],
+    ids=["OneCycleLR", "CyclicLR"],
+)
+def test_resume_with_a_scheduler_ignores_the_momentum_it_cycles(tmp_path, scheduler):
+    state = _saved_state(tmp_path, scheduler=scheduler)
+    _train(_trainer(), num_epochs=2, resume_from=state, create_scheduler_fn=scheduler)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "expected_lr"),
+    [(_step_lr, 0.5 * 0.5**8), (_lambda_lr, 0.5 / 9)],
+    ids=["StepLR", "LambdaLR"],
+)
+def test_resume_with_changes_allowed_rescales_the_schedule(tmp_path, scheduler, expected_lr):
+    state = _saved_state(tmp_path, scheduler=scheduler)
+    trainer = _trainer(lr=0.5)
+    _train(trainer, num_epochs=2, resume_from=state, create_scheduler_fn=scheduler, allow_resume_changes=True)
+    group = trainer.optimizer.param_groups[0]
+    assert (group["initial_lr"], trainer.scheduler.base_lrs) == (0.5, [0.5])
+    assert group["lr"] == pytest.approx(expected_lr)
 
 
 def test_resume_past_num_epochs_is_refused(tmp_path):

@@ -123,8 +123,8 @@ def describe_nothing_left(shown: Any, plan: ResumePlan, num_epochs: Optional[int
     if num_epochs is not None and epoch >= num_epochs:
         return f"nothing left to train: {shown} already trained {epoch} epochs (num_epochs={num_epochs})."
     if max_steps is not None and plan.num_update_steps_completed >= max_steps:
-        updates = plan.num_update_steps_completed
-        return f"nothing left to train: {shown} already made {updates} optimizer updates (max_num_train_steps={max_steps})."
+        updates = f"{plan.num_update_steps_completed} optimizer updates"
+        return f"nothing left to train: {shown} already made {updates} (max_num_train_steps={max_steps})."
     return ""
 
 

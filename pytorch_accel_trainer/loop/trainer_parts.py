@@ -32,6 +32,7 @@ from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_p
 from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
 from pytorch_accel_trainer.state.parts import (
+    TENSOR_MARK,
     ModelState,
     OptimizerState,
     Processes,
@@ -220,6 +221,125 @@ def describe_changes(saved: dict, current: dict) -> list[str]:
     ]
 
 
+#: Parameter-group keys of how an optimizer computes, not of what it computes: a resume neither compares nor restores
+#: them (nor ``params``, the group's parameters, compared by the optimizer checks).
+IMPLEMENTATION_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
+def _scheduled_keys(group: dict) -> set:
+    """The keys of a parameter group that a scheduler moves during a run: each ``key`` beside an ``initial_<key>``
+    (torch's schedulers and this package's set ``initial_lr`` as they are created), and ``momentum`` and ``betas``
+    when a scheduler cycles them (``OneCycleLR``, ``CyclicLR``: ``base_momentum``)."""
+    moved = {key[len("initial_") :] for key in group if key.startswith("initial_")}
+    if "base_momentum" in group:
+        moved |= {"momentum", "betas"}
+    return moved
+
+
+def _plain_value(value: Any) -> Any:
+    """``value`` as a resume compares it (tuples as lists: a tuple may be read back as either); ``None`` for a
+    tensor or a tensor's mark in a state's plain part, which is not compared."""
+    if isinstance(value, torch.Tensor) or value == TENSOR_MARK:
+        return None
+    if isinstance(value, (list, tuple)):
+        items = [_plain_value(item) for item in value]
+        return None if any(item is None for item in items) else items
+    return value
+
+
+def hyperparameters(group: dict, skipped: Iterable[str] = ()) -> dict:
+    """What a resume compares of a parameter group: its plain values (a scheduled key by its ``initial_<key>``),
+    without the implementation flags, the keys ``skipped`` and those a scheduler moves."""
+    left_out = IMPLEMENTATION_FLAGS | _scheduled_keys(group) | set(skipped)
+    values = {key: _plain_value(value) for key, value in group.items() if key not in left_out}
+    return {key: value for key, value in values.items() if value is not None or group[key] is None}
+
+
+def describe_hyperparameter_changes(name: str, saved_groups: Any, groups: list) -> list[str]:
+    """List each hyperparameter of the parameter groups ``groups`` of the optimizer ``name`` that differs from the
+    saved groups' (``[]`` when the groups themselves differ in number: the optimizer checks refuse those)."""
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+        return []
+    changes = []
+    for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+        if not isinstance(saved, dict):
+            continue  # not an optimizer state: the optimizer checks refuse it
+        moved = _scheduled_keys(saved) | _scheduled_keys(group)
+        saved_values, values = hyperparameters(saved, moved), hyperparameters(group, moved)
+        changes += [
+            f"{name} param_groups[{index}][{key!r}]: saved {saved_values[key]!r}, now {value!r}"
+            for key, value in sorted(values.items())
+            if key in saved_values and saved_values[key] != value  # a key an older torch did not save is not compared
+        ]
+    return changes
+
+
+def _optimizers(trainer: "Trainer") -> list[tuple[str, str, torch.optim.Optimizer]]:
+    """``(name, part, optimizer)`` of the trainer's optimizer and of each extra model's (``part``: its name in a
+    state)."""
+    optimizers = [] if trainer.optimizer is None else [("optimizer", "optimizer", trainer.optimizer)]
+    optimizers += [
+        (f"extra optimizer {name!r}", f"{EXTRA_OPTIMIZER_PART}{name}", optimizer)
+        for name, optimizer in trainer.extra_optimizers.items()
+    ]
+    return [(name, part, inner_optimizer(optimizer)) for name, part, optimizer in optimizers]
+
+
+def _describe_hyperparameters_changed(trainer: "Trainer", shared: dict) -> list[str]:
+    """Each hyperparameter of the trainer's optimizers that differs from the state's (``shared``: its trainer file)."""
+    plain = shared.get("plain_parts") or {}
+    changes = []
+    for name, part, optimizer in _optimizers(trainer):
+        saved = plain.get(part)
+        saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        changes += describe_hyperparameter_changes(name, saved_groups, optimizer.param_groups)
+    return changes
+
+
+def _restore_hyperparameters(trainer: "Trainer", given: list[list[dict]]) -> list[str]:
+    """Put this run's hyperparameters (``given``: each optimizer's groups, copied before the state was loaded) back
+    into the loaded groups, so that a resume with ``allow_resume_changes=True`` trains with the values given; return
+    what changed. A scheduled key (``lr``) takes the new ``initial_<key>``, its current value scaled by new/old
+    ``initial_<key>``, and the trainer's scheduler its new base values."""
+    changes = []
+    for (name, _, optimizer), given_groups in zip(_optimizers(trainer), given):
+        changes += describe_hyperparameter_changes(
+            name, [dict(group) for group in optimizer.param_groups], given_groups
+        )
+        for group, given_group in zip(optimizer.param_groups, given_groups):
+            for key, value in hyperparameters(given_group, _scheduled_keys(group)).items():
+                old = group.get(key)
+                if key not in group or _plain_value(old) == value:
+                    continue
+                scheduled = key[len("initial_") :] if key.startswith("initial_") else None
+                current = group.get(scheduled)
+                if (
+                    isinstance(current, (int, float))
+                    and isinstance(old, (int, float))
+                    and isinstance(value, (int, float))
+                ):
+                    group[scheduled] = current * value / old if old else value  # the schedule so far, rescaled
+                group[key] = given_group[key]
+    if trainer.optimizer is not None:
+        _rebase_scheduler(trainer.scheduler, inner_optimizer(trainer.optimizer))
+    return changes
+
+
+def _rebase_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Give ``scheduler`` the base values of ``optimizer``'s groups (their ``initial_<key>``), as it would have taken
+    them had it been created with them: torch's ``base_lrs``, this package's ``base_lr_values``."""
+    if scheduler is None:
+        return
+    groups = optimizer.param_groups
+    if isinstance(getattr(scheduler, "base_lrs", None), list) and all("initial_lr" in group for group in groups):
+        scheduler.base_lrs = [group["initial_lr"] for group in groups]
+        if isinstance(getattr(scheduler, "_last_lr", None), list):
+            scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() says until the next step
+    field = getattr(scheduler, "param_group_field", None)
+    if isinstance(getattr(scheduler, "base_lr_values", None), list) and all(f"initial_{field}" in g for g in groups):
+        scheduler.base_lr_values = [group[f"initial_{field}"] for group in groups]
+
+
 def extra_optimizer_classes(optimizers: dict) -> dict:
     """The class of each extra optimizer, saved with a state so that a resume can name a different one."""
     return {name: type(inner_optimizer(optimizer)).__qualname__ for name, optimizer in optimizers.items()}
@@ -281,6 +401,7 @@ def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts
     folder = stored.folder
     if facts is not None and not allow:
         changes = describe_changes(shared["run_facts"], facts)
+        changes += _describe_hyperparameters_changed(trainer, shared)
         if changes:
             listed_changes = "\n  ".join(changes)
             raise CheckpointError(
@@ -395,9 +516,15 @@ def read_training_state(
     _check_optimizers(trainer, stored, shared, groups=True)
     processes = Processes.of_accelerator(accelerator)
     own = _own_state(stored, processes)
+    given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer in _optimizers(trainer)]
     load_sharded(stored, shared, parts, processes, live)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
+    if facts is not None:  # in a run: the hyperparameters given win (they differ only with allow_changes)
+        changes = _restore_hyperparameters(trainer, given)
+        if changes:
+            listed = "\n  ".join(changes)
+            trainer.print(f"Resuming with this run's hyperparameters (allow_resume_changes=True):\n  {listed}")
     if shared["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(shared["scaler"])
     trainer.run_history.load_state_dict(shared["run_history"])
