@@ -4,15 +4,20 @@ disagrees, state names the folder needs."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import regression_dataset
+from conftest import CPU_PROCESSES_ENV, launcher, regression_dataset
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
+
+RESUME_RUN_SCRIPT = Path(__file__).parent / "scripts" / "resume_run.py"
 
 
 def _trainer(lr=0.05, callbacks=None, **optimizer_kwargs):
@@ -162,14 +167,66 @@ def test_a_new_run_has_something_left_to_train(tmp_path):
     assert not _train(_trainer(), num_epochs=1).nothing_left_to_train
 
 
-def test_resume_refuses_a_manifest_whose_world_size_disagrees_with_its_files(tmp_path):
-    state = _saved_state(tmp_path)
-    folder = next(path for path in state.iterdir() if path.is_dir() and not path.name.startswith("."))
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["world_size"] = 2
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError):
-        _train(_trainer(), num_epochs=2, resume_from=folder)
+@pytest.fixture(scope="module")
+def two_process_states(tmp_path_factory):
+    """The training states of a 2-process run of tests/scripts/resume_run.py (one per update, and the final one)."""
+    folder = tmp_path_factory.mktemp("two_process_states")
+    saved = _launch_resume_run({"save_dir": str(folder / "states"), "out": str(folder / "out.pt"), "size": 8}, 2)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    return folder / "states"
+
+
+def _launch_resume_run(config, num_processes):
+    command = [*launcher(num_processes), str(RESUME_RUN_SCRIPT), json.dumps({"epochs": 1, **config})]
+    return subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
+
+
+def _with_edited_manifest(two_process_states, tmp_path, world_size, also=()):
+    """A copy of ``two_process_states`` whose newest state's manifest says ``world_size`` (its files untouched), and
+    ``also`` (``"files"``: no longer lists process 1's file; ``"run_facts"``: its run's settings say the same);
+    returns the folder of states and the edited state."""
+    states = shutil.copytree(two_process_states, tmp_path / "states")
+    edited = max((path for path in states.iterdir() if (path / "manifest.json").is_file()), key=_update_count)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    manifest["world_size"] = world_size
+    if "files" in also:
+        del manifest["files"]["rank_00001.pt"]
+    if "run_facts" in also:
+        manifest["run_facts"]["world_size"] = world_size
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    return states, edited
+
+
+def _update_count(state):
+    manifest = json.loads((state / "manifest.json").read_text())
+    return manifest["num_update_steps_completed"], state.name == "final"
+
+
+def test_state_lookup_skips_a_manifest_whose_world_size_disagrees_with_its_rank_files(two_process_states, tmp_path):
+    states, edited = _with_edited_manifest(two_process_states, tmp_path, world_size=1)
+    config = {"save_dir": str(states), "out": str(tmp_path / "out.pt"), "epochs": 2, "size": 8}
+    resumed = _launch_resume_run(config, 2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Skipped a damaged training state (resuming from {states}" in resumed.stderr
+    assert "world_size is 1; it must be the number of rank files listed (2)" in resumed.stderr
+    assert "Resuming from" in resumed.stdout and f"Resuming from {edited} " not in resumed.stdout
+
+
+@pytest.mark.parametrize(
+    ("also", "problem"),
+    [
+        ((), "world_size is 1; it must be the number of rank files listed (2)"),
+        (("files",), "damaged manifest: world_size is 1, but its run_facts say 2"),
+        (("files", "run_facts"), "trainer_state.pt: saved by 2 process(es), but manifest.json says 1; it was altered"),
+    ],
+    ids=["rank_files", "manifest_run_facts", "trainer_file"],
+)
+def test_resume_refuses_a_named_state_whose_manifest_world_size_was_edited(two_process_states, tmp_path, also, problem):
+    _, edited = _with_edited_manifest(two_process_states, tmp_path, 1, also)
+    config = {"save_dir": str(tmp_path / "new"), "out": str(tmp_path / "out.pt"), "resume_from": str(edited)}
+    resumed = _launch_resume_run({**config, "epochs": 2, "size": 8}, 1)
+    assert resumed.returncode != 0
+    assert "CheckpointError" in resumed.stderr and problem in resumed.stderr, resumed.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "  ", "latest", ".tmp-x"])
