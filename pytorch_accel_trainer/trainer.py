@@ -355,7 +355,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             resume_from: a training state, or a folder of them (the newest complete one is used), to continue
                 exactly; a path that does not exist, or an empty folder, starts a new run.
             gradient_clip_norm: clip the total gradient norm to this value before each update.
-            allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length changed.
+            allow_resume_changes: resume even if the world size, batch size, accumulation, dataset length or an
+                optimizer hyperparameter changed; the hyperparameters given win over the saved ones.
             scheduler_interval: ``"step"`` steps the scheduler after each optimizer update; ``"epoch"`` once per
                 epoch, after the evaluation epoch, for schedules written in epochs.
             max_time: a time budget from the start of ``train()``: seconds, ``"DD:HH:MM:SS"`` or ``"HH:MM:SS"``, a
@@ -380,7 +381,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         Raises:
             ValueError: an invalid argument, before any work starts; the message names the fix.
             TypeError: an argument of the wrong type (a scheduler instance for ``create_scheduler_fn``).
-            CheckpointError: ``resume_from`` holds files but no training state of this trainer.
+            CheckpointError: ``resume_from`` holds files but no training state of this trainer, one saved by a run
+                set up differently (unless ``allow_resume_changes``), or one that trained past ``num_epochs`` or
+                ``max_num_train_steps``.
 
         Example::
 
