@@ -226,103 +226,80 @@ def describe_changes(saved: dict, current: dict) -> list[str]:
 IMPLEMENTATION_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
-def _scheduled_keys(group: dict) -> set:
-    """The keys of a parameter group that a scheduler moves during a run: each ``key`` beside an ``initial_<key>``
-    (torch's schedulers and this package's set ``initial_lr`` as they are created), and ``momentum`` and ``betas``
-    when a scheduler cycles them (``OneCycleLR``, ``CyclicLR``: ``base_momentum``)."""
-    moved = {key[len("initial_") :] for key in group if key.startswith("initial_")}
-    if "base_momentum" in group:
-        moved |= {"momentum", "betas"}
-    return moved
-
-
-def _plain_value(value: Any) -> Any:
-    """``value`` as a resume compares it (tuples as lists: a tuple may be read back as either); ``None`` for a
-    tensor or a tensor's mark in a state's plain part, which is not compared."""
-    if isinstance(value, torch.Tensor) or value == TENSOR_MARK:
-        return None
-    if isinstance(value, (list, tuple)):
-        items = [_plain_value(item) for item in value]
-        return None if any(item is None for item in items) else items
-    return value
-
-
-def hyperparameters(group: dict, skipped: Iterable[str] = ()) -> dict:
-    """What a resume compares of a parameter group: its plain values (a scheduled key by its ``initial_<key>``),
-    without the implementation flags, the keys ``skipped`` and those a scheduler moves."""
-    left_out = IMPLEMENTATION_FLAGS | _scheduled_keys(group) | set(skipped)
-    values = {key: _plain_value(value) for key, value in group.items() if key not in left_out}
-    return {key: value for key, value in values.items() if value is not None or group[key] is None}
-
-
-def describe_hyperparameter_changes(name: str, saved_groups: Any, groups: list) -> list[str]:
-    """List each hyperparameter of the parameter groups ``groups`` of the optimizer ``name`` that differs from the
-    saved groups' (``[]`` when the groups themselves differ in number: the optimizer checks refuse those)."""
-    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
-        return []
-    changes = []
-    for index, (saved, group) in enumerate(zip(saved_groups, groups)):
-        if not isinstance(saved, dict):
-            continue  # not an optimizer state: the optimizer checks refuse it
-        moved = _scheduled_keys(saved) | _scheduled_keys(group)
-        saved_values, values = hyperparameters(saved, moved), hyperparameters(group, moved)
-        changes += [
-            f"{name} param_groups[{index}][{key!r}]: saved {saved_values[key]!r}, now {value!r}"
-            for key, value in sorted(values.items())
-            if key in saved_values and saved_values[key] != value  # a key an older torch did not save is not compared
-        ]
-    return changes
-
-
 def _optimizers(trainer: "Trainer") -> list[tuple[str, str, torch.optim.Optimizer]]:
     """``(name, part, optimizer)`` of the trainer's optimizer and of each extra model's (``part``: its name in a
     state)."""
-    optimizers = [] if trainer.optimizer is None else [("optimizer", "optimizer", trainer.optimizer)]
-    optimizers += [
-        (f"extra optimizer {name!r}", f"{EXTRA_OPTIMIZER_PART}{name}", optimizer)
-        for name, optimizer in trainer.extra_optimizers.items()
-    ]
-    return [(name, part, inner_optimizer(optimizer)) for name, part, optimizer in optimizers]
+    optimizers = [] if trainer.optimizer is None else [("optimizer", "optimizer", inner_optimizer(trainer.optimizer))]
+    for name, optimizer in trainer.extra_optimizers.items():
+        optimizers.append((f"extra optimizer {name!r}", f"{EXTRA_OPTIMIZER_PART}{name}", inner_optimizer(optimizer)))
+    return optimizers
 
 
-def _describe_hyperparameters_changed(trainer: "Trainer", shared: dict) -> list[str]:
-    """Each hyperparameter of the trainer's optimizers that differs from the state's (``shared``: its trainer file)."""
-    plain = shared.get("plain_parts") or {}
+def describe_hyperparameter_changes(saved_parts: dict, optimizers: list) -> list[str]:
+    """List each hyperparameter of the parameter groups of ``optimizers`` (``(name, part, optimizer)``) that differs
+    from its group's in the state's ``saved_parts`` (a group count that differs is left to the optimizer checks)."""
     changes = []
-    for name, part, optimizer in _optimizers(trainer):
-        saved = plain.get(part)
+    for name, part, optimizer in optimizers:
+        saved = saved_parts.get(part)
         saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
-        changes += describe_hyperparameter_changes(name, saved_groups, optimizer.param_groups)
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
+            continue
+        for index, (saved_group, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+            for key, (before, now) in differing_hyperparameters(saved_group, group).items():
+                changes.append(f"{name} param_groups[{index}][{key!r}]: saved {before!r}, now {now!r}")
     return changes
 
 
-def _restore_hyperparameters(trainer: "Trainer", given: list[list[dict]]) -> list[str]:
+def differing_hyperparameters(saved: Any, group: dict) -> dict:
+    """``{key: (saved value, value)}`` for each hyperparameter of the parameter group ``group`` that differs from the
+    ``saved`` group's. Not compared: the implementation flags, a key the saved group lacks (an older torch's), a
+    tensor, and what a scheduler moves during a run: each ``key`` beside an ``initial_<key>`` (torch's schedulers and
+    this package's set ``initial_lr`` as they are created: the ``initial_lr`` is compared instead), and ``momentum``
+    and ``betas`` when a scheduler cycles them (``OneCycleLR``, ``CyclicLR``: ``base_momentum``)."""
+    if not isinstance(saved, dict):
+        return {}  # not an optimizer state: the optimizer checks refuse it
+    moved = set()
+    for key in (*saved, *group):
+        if isinstance(key, str) and key.startswith("initial_"):
+            moved.add(key[len("initial_") :])
+        elif key == "base_momentum":
+            moved |= {"momentum", "betas"}
+    differing = {}
+    for key, value in group.items():
+        if key in IMPLEMENTATION_FLAGS or key in moved or key not in saved:
+            continue
+        before = saved[key]
+        if _holds_tensor(before) or _holds_tensor(value):
+            continue  # a tensor learning rate (or its mark in a state's plain part) is not compared
+        if (list(before) if isinstance(before, tuple) else before) != (
+            list(value) if isinstance(value, tuple) else value
+        ):
+            differing[key] = (before, value)  # a tuple may be read back as a list
+    return differing
+
+
+def _holds_tensor(value: Any) -> bool:
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(item, torch.Tensor) or (isinstance(item, str) and item == TENSOR_MARK):
+            return True
+    return False
+
+
+def _restore_hyperparameters(trainer: "Trainer", given: list[list[dict]]) -> None:
     """Put this run's hyperparameters (``given``: each optimizer's groups, copied before the state was loaded) back
-    into the loaded groups, so that a resume with ``allow_resume_changes=True`` trains with the values given; return
-    what changed. A scheduled key (``lr``) takes the new ``initial_<key>``, its current value scaled by new/old
-    ``initial_<key>``, and the trainer's scheduler its new base values."""
-    changes = []
-    for (name, _, optimizer), given_groups in zip(_optimizers(trainer), given):
-        changes += describe_hyperparameter_changes(
-            name, [dict(group) for group in optimizer.param_groups], given_groups
-        )
+    into the loaded groups, so that a resume with ``allow_resume_changes=True`` trains with the values given. A
+    scheduled key (``lr``) takes the new ``initial_<key>``, its current value scaled by new / old ``initial_<key>``,
+    and the trainer's scheduler its new base values."""
+    for (_, _, optimizer), given_groups in zip(_optimizers(trainer), given):
         for group, given_group in zip(optimizer.param_groups, given_groups):
-            for key, value in hyperparameters(given_group, _scheduled_keys(group)).items():
-                old = group.get(key)
-                if key not in group or _plain_value(old) == value:
-                    continue
+            for key, (loaded, value) in differing_hyperparameters(group, given_group).items():
                 scheduled = key[len("initial_") :] if key.startswith("initial_") else None
                 current = group.get(scheduled)
-                if (
-                    isinstance(current, (int, float))
-                    and isinstance(old, (int, float))
-                    and isinstance(value, (int, float))
-                ):
-                    group[scheduled] = current * value / old if old else value  # the schedule so far, rescaled
-                group[key] = given_group[key]
+                if all(isinstance(number, (int, float)) for number in (current, loaded, value)):
+                    group[scheduled] = current * value / loaded if loaded else value  # the schedule so far, rescaled
+                group[key] = value
     if trainer.optimizer is not None:
         _rebase_scheduler(trainer.scheduler, inner_optimizer(trainer.optimizer))
-    return changes
 
 
 def _rebase_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -395,13 +372,15 @@ def describe_optimizer_mismatch(
     return None
 
 
-def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts: Optional[dict], allow: bool) -> None:
-    """Refuse a state saved by a run set up differently (unless ``allow``), or that holds other parts than this
-    trainer has (extra models, optimizer class, scheduler), before anything is loaded."""
+def _check_settings(
+    trainer: "Trainer", stored: StoredState, shared: dict, facts: Optional[dict], allow: bool, hyperparameters: list
+) -> None:
+    """Refuse a state saved by a run set up differently (unless ``allow``): other ``facts``, other ``hyperparameters``
+    (:func:`describe_hyperparameter_changes`); or that holds other parts than this trainer has (extra models,
+    optimizer class, scheduler), before anything is loaded."""
     folder = stored.folder
     if facts is not None and not allow:
-        changes = describe_changes(shared["run_facts"], facts)
-        changes += _describe_hyperparameters_changed(trainer, shared)
+        changes = describe_changes(shared["run_facts"], facts) + hyperparameters
         if changes:
             listed_changes = "\n  ".join(changes)
             raise CheckpointError(
@@ -508,7 +487,9 @@ def read_training_state(
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
     shared = load_trainer_file(stored)
-    _check_settings(trainer, stored, shared, facts, allow_changes)
+    optimizers = _optimizers(trainer)
+    changed = [] if facts is None else describe_hyperparameter_changes(shared.get("plain_parts") or {}, optimizers)
+    _check_settings(trainer, stored, shared, facts, allow_changes, changed)
     parts = sharded_parts(trainer)
     # the clearest error first: the optimizers' classes, then the tensors' names and shapes, then the groups
     _check_optimizers(trainer, stored, shared, groups=False)
@@ -516,15 +497,14 @@ def read_training_state(
     _check_optimizers(trainer, stored, shared, groups=True)
     processes = Processes.of_accelerator(accelerator)
     own = _own_state(stored, processes)
-    given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer in _optimizers(trainer)]
+    given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer in optimizers] if changed else []
     load_sharded(stored, shared, parts, processes, live)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
-    if facts is not None:  # in a run: the hyperparameters given win (they differ only with allow_changes)
-        changes = _restore_hyperparameters(trainer, given)
-        if changes:
-            listed = "\n  ".join(changes)
-            trainer.print(f"Resuming with this run's hyperparameters (allow_resume_changes=True):\n  {listed}")
+    if changed:  # allowed: the hyperparameters given win over the saved ones
+        _restore_hyperparameters(trainer, given)
+        listed = "\n  ".join(changed)
+        trainer.print(f"Resuming with this run's hyperparameters (allow_resume_changes=True):\n  {listed}")
     if shared["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(shared["scaler"])
     trainer.run_history.load_state_dict(shared["run_history"])
