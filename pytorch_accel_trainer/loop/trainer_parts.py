@@ -293,8 +293,8 @@ def _restore_hyperparameters(trainer: "Trainer", given: list[list[dict]]) -> Non
     for (_, _, optimizer), given_groups in zip(_optimizers(trainer), given):
         for group, given_group in zip(optimizer.param_groups, given_groups):
             for key, (loaded, value) in differing_hyperparameters(group, given_group).items():
-                scheduled = key[len("initial_") :] if key.startswith("initial_") else None
-                current = group.get(scheduled)
+                scheduled = key[len("initial_") :]  # "lr" for "initial_lr"; for another key, no key of the group
+                current = group.get(scheduled) if key.startswith("initial_") else None
                 if all(isinstance(number, (int, float)) for number in (current, loaded, value)):
                     group[scheduled] = current * value / loaded if loaded else value  # the schedule so far, rescaled
                 group[key] = value
