@@ -38,6 +38,23 @@ def _saved_state(tmp_path, lr=0.05, num_epochs=1, scheduler=None, **optimizer_kw
     return tmp_path / "st"
 
 
+class _Halving:
+    """A scheduler that sets no ``initial_lr`` (as ``ReduceLROnPlateau``): it halves the learning rate each step."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        for group in self.optimizer.param_groups:
+            group["lr"] /= 2
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
 def _step_lr(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
@@ -107,10 +124,11 @@ def test_resume_with_a_scheduler_compares_the_initial_learning_rate(tmp_path):
     [
         lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=8),
         lambda optimizer: torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=0.01, max_lr=0.1, step_size_up=3),
+        _Halving,
     ],
-    ids=["OneCycleLR", "CyclicLR"],
+    ids=["OneCycleLR", "CyclicLR", "without_initial_lr"],
 )
-def test_resume_with_a_scheduler_ignores_the_momentum_it_cycles(tmp_path, scheduler):
+def test_resume_with_a_scheduler_ignores_what_it_moves(tmp_path, scheduler):
     state = _saved_state(tmp_path, scheduler=scheduler)
     _train(_trainer(), num_epochs=2, resume_from=state, create_scheduler_fn=scheduler)
 

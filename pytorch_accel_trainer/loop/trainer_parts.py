@@ -226,39 +226,44 @@ def describe_changes(saved: dict, current: dict) -> list[str]:
 IMPLEMENTATION_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
-def _optimizers(trainer: "Trainer") -> list[tuple[str, str, torch.optim.Optimizer]]:
-    """``(name, part, optimizer)`` of the trainer's optimizer and of each extra model's (``part``: its name in a
-    state)."""
-    optimizers = [] if trainer.optimizer is None else [("optimizer", "optimizer", inner_optimizer(trainer.optimizer))]
+def _optimizers(trainer: "Trainer") -> list[tuple[str, str, torch.optim.Optimizer, bool]]:
+    """``(name, part, optimizer, scheduled)`` of the trainer's optimizer and of each extra model's (``part``: its
+    name in a state; ``scheduled``: the trainer's scheduler moves its ``lr``)."""
+    optimizers = []
+    if trainer.optimizer is not None:
+        optimizers.append(("optimizer", "optimizer", inner_optimizer(trainer.optimizer), trainer.scheduler is not None))
     for name, optimizer in trainer.extra_optimizers.items():
-        optimizers.append((f"extra optimizer {name!r}", f"{EXTRA_OPTIMIZER_PART}{name}", inner_optimizer(optimizer)))
+        part = f"{EXTRA_OPTIMIZER_PART}{name}"
+        optimizers.append((f"extra optimizer {name!r}", part, inner_optimizer(optimizer), False))
     return optimizers
 
 
 def describe_hyperparameter_changes(saved_parts: dict, optimizers: list) -> list[str]:
-    """List each hyperparameter of the parameter groups of ``optimizers`` (``(name, part, optimizer)``) that differs
-    from its group's in the state's ``saved_parts`` (a group count that differs is left to the optimizer checks)."""
+    """List each hyperparameter of the parameter groups of ``optimizers`` (``(name, part, optimizer, scheduled)``)
+    that differs from its group's in the state's ``saved_parts`` (a group count that differs is left to the optimizer
+    checks)."""
     changes = []
-    for name, part, optimizer in optimizers:
+    for name, part, optimizer, scheduled in optimizers:
         saved = saved_parts.get(part)
         saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
             continue
         for index, (saved_group, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
-            for key, (before, now) in differing_hyperparameters(saved_group, group).items():
+            for key, (before, now) in differing_hyperparameters(saved_group, group, scheduled).items():
                 changes.append(f"{name} param_groups[{index}][{key!r}]: saved {before!r}, now {now!r}")
     return changes
 
 
-def differing_hyperparameters(saved: Any, group: dict) -> dict:
+def differing_hyperparameters(saved: Any, group: dict, scheduled: bool = False) -> dict:
     """``{key: (saved value, value)}`` for each hyperparameter of the parameter group ``group`` that differs from the
     ``saved`` group's. Not compared: the implementation flags, a key the saved group lacks (an older torch's), a
-    tensor, and what a scheduler moves during a run: each ``key`` beside an ``initial_<key>`` (torch's schedulers and
-    this package's set ``initial_lr`` as they are created: the ``initial_lr`` is compared instead), and ``momentum``
-    and ``betas`` when a scheduler cycles them (``OneCycleLR``, ``CyclicLR``: ``base_momentum``)."""
+    tensor, and what a scheduler moves during a run: ``lr`` when ``scheduled`` and each ``key`` beside an
+    ``initial_<key>`` (torch's schedulers but ``ReduceLROnPlateau``, and this package's, set ``initial_lr`` as they
+    are created: the ``initial_lr`` is compared instead), and ``momentum`` and ``betas`` when a scheduler cycles them
+    (``OneCycleLR``, ``CyclicLR``: ``base_momentum``)."""
     if not isinstance(saved, dict):
         return {}  # not an optimizer state: the optimizer checks refuse it
-    moved = set()
+    moved = {"lr"} if scheduled else set()
     for key in (*saved, *group):
         if isinstance(key, str) and key.startswith("initial_"):
             moved.add(key[len("initial_") :])
@@ -290,9 +295,9 @@ def _restore_hyperparameters(trainer: "Trainer", given: list[list[dict]]) -> Non
     into the loaded groups, so that a resume with ``allow_resume_changes=True`` trains with the values given. A
     scheduled key (``lr``) takes the new ``initial_<key>``, its current value scaled by new / old ``initial_<key>``,
     and the trainer's scheduler its new base values."""
-    for (_, _, optimizer), given_groups in zip(_optimizers(trainer), given):
+    for (_, _, optimizer, scheduled), given_groups in zip(_optimizers(trainer), given):
         for group, given_group in zip(optimizer.param_groups, given_groups):
-            for key, (loaded, value) in differing_hyperparameters(group, given_group).items():
+            for key, (loaded, value) in differing_hyperparameters(group, given_group, scheduled).items():
                 scheduled = key[len("initial_") :]  # "lr" for "initial_lr"; for another key, no key of the group
                 current = group.get(scheduled) if key.startswith("initial_") else None
                 if all(isinstance(number, (int, float)) for number in (current, loaded, value)):
@@ -497,7 +502,7 @@ def read_training_state(
     _check_optimizers(trainer, stored, shared, groups=True)
     processes = Processes.of_accelerator(accelerator)
     own = _own_state(stored, processes)
-    given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer in optimizers] if changed else []
+    given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer, _ in optimizers] if changed else []
     load_sharded(stored, shared, parts, processes, live)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
