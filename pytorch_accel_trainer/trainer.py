@@ -355,7 +355,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             resume_from: a training state, or a folder of them (the newest complete one is used), to continue
                 exactly; a path that does not exist, or an empty folder, starts a new run.
             gradient_clip_norm: clip the total gradient norm to this value before each update.
-            allow_resume_changes: resume even if the world size, batch size, accumulation or dataset length changed.
+            allow_resume_changes: resume even if the world size, batch size, accumulation, dataset length or an
+                optimizer hyperparameter changed; the hyperparameters given win over the saved ones.
             scheduler_interval: ``"step"`` steps the scheduler after each optimizer update; ``"epoch"`` once per
                 epoch, after the evaluation epoch, for schedules written in epochs.
             max_time: a time budget from the start of ``train()``: seconds, ``"DD:HH:MM:SS"`` or ``"HH:MM:SS"``, a
@@ -380,7 +381,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         Raises:
             ValueError: an invalid argument, before any work starts; the message names the fix.
             TypeError: an argument of the wrong type (a scheduler instance for ``create_scheduler_fn``).
-            CheckpointError: ``resume_from`` holds files but no training state of this trainer.
+            CheckpointError: ``resume_from`` holds files but no training state of this trainer, one saved by a run
+                set up differently (unless ``allow_resume_changes``), or one that trained past ``num_epochs`` or
+                ``max_num_train_steps``.
 
         Example::
 
@@ -392,6 +395,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if options.resume_from is not None
             else None
         )
+        safe_points.validate_resume_target(stored_state, options.num_epochs, options.max_num_train_steps)
         self._start_training_run(train_dataset, eval_dataset, options)
         self._load_resume_plan(stored_state, options)
         self._run_training()
@@ -1225,6 +1229,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
     def _epochs(self) -> Iterable[int]:
         """The run's epochs, from the one a resumed run continues; without ``num_epochs``, until the step limit."""
         first = self.run_state.epoch  # 0, or the epoch a resumed run continues
+        if self.run_state.nothing_left_to_train:
+            return range(0)  # a finished run resumed: its step limit is reached (no epoch starts for one more update)
         num_epochs = get_run_config(self).num_epochs
         if num_epochs is None:
             return itertools.count(first)  # only max_num_train_steps ends this run

@@ -86,7 +86,8 @@ class TrainSettings:
         eval_dataloader_kwargs: extra arguments of the evaluation DataLoader.
         collate_fn: import path of the collate function of both dataloaders.
         resume_from: a training state, or a folder of them, to continue from (a path or an object-storage URL).
-        allow_resume_changes: resume even if the batch size, accumulation, processes or data changed.
+        allow_resume_changes: resume even if the batch size, accumulation, processes, data or an optimizer
+            hyperparameter changed.
         scheduler_interval: ``step`` (after each update) or ``epoch`` (once per epoch).
         max_time: a time budget: seconds, ``DD:HH:MM:SS`` or ``HH:MM:SS`` (a cluster's wall-clock limit less a
             margin), read as ``train(max_time=...)`` reads the same text.

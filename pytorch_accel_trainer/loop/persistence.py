@@ -143,7 +143,8 @@ class PersistenceMixin:
                 ``"best"`` (only the newest is kept).
             max_checkpoints: keep at most this many rolling states in ``output_dir``.
             name: the state's folder name, e.g. ``"epoch_5"`` (``-2``, ``-3``... is added when it is taken: a state is
-                never overwritten); by default ``checkpoint-<updates>``.
+                never overwritten); by default ``checkpoint-<updates>``. Blank, ``latest``, ``manifest.json`` and
+                names starting with ``.`` are kept by the folder for itself (``ValueError``).
             asynchronous: during a run, stall the loop only while each process copies its part of the state to host
                 memory, and write it on a background thread of each process (any number of processes, FSDP
                 included); the next save and the end of ``train()`` wait for it and raise its error. Outside a run
@@ -158,7 +159,7 @@ class PersistenceMixin:
 
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
-            ValueError: under DeepSpeed (its engine keeps its own checkpoint format).
+            ValueError: under DeepSpeed (its engine keeps its own checkpoint format), or a ``name`` the folder keeps.
             CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``).
             NotADirectoryError: ``output_dir`` is a file.
         """

@@ -79,4 +79,5 @@ def create_train_result(
         stopped_early=not finished,
         stop_reason=state.stop_reason,
         non_finite_updates_skipped=state.non_finite_updates_skipped,
+        nothing_left_to_train=state.nothing_left_to_train,
     )

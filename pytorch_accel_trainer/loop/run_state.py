@@ -76,6 +76,8 @@ class RunState:
         started_at: ``time.perf_counter()`` when the epochs of this run started.
         metric_counts_at_start: the values each run-history metric had then (see ``tracking.metric_counts``).
         first_epoch: ``epoch`` then: 0, or the epoch a resumed run continues.
+        nothing_left_to_train: whether a resumed run had already reached ``num_epochs`` or ``max_num_train_steps``
+            then (a finished run resumed): it trains nothing.
         run_id: the run's identity, written in each training state's manifest: made as a new run starts, adopted
             from the state a resumed run continues (a new one for a state saved before runs had one).
         is_new_run: whether the run started afresh (no state resumed).
@@ -135,6 +137,7 @@ class RunState:
     started_at: Optional[float] = None
     metric_counts_at_start: dict = field(default_factory=dict)
     first_epoch: int = 0
+    nothing_left_to_train: bool = False
     run_id: Optional[str] = None
     is_new_run: bool = True
     run_facts: dict = field(default_factory=dict)
@@ -197,6 +200,10 @@ class RunState:
         self.in_training_run = True
         self.started_at, self.first_epoch, self.metric_counts_at_start = time.perf_counter(), self.epoch, metric_counts
         self.history_epoch_offset = history_epoch - self.epoch
+        num_epochs = None if self.options is None else self.options.num_epochs
+        self.nothing_left_to_train = not self.is_new_run and (
+            self.reached_max_steps() or (num_epochs is not None and self.epoch >= num_epochs)
+        )
 
     def end_epoch(self) -> None:
         """Note that the current epoch reached its end (its evaluation and end hooks ran)."""
@@ -447,6 +454,9 @@ class TrainResult:
             policy's ``on_exhausted="stop"``): its message; else ``None``.
         non_finite_updates_skipped: the optimizer updates skipped for non-finite gradients
             (``SkipNonFiniteStepsCallback``, ``skip_non_finite_steps``); 0 without such a policy.
+        nothing_left_to_train: whether the run resumed a state that had already reached ``num_epochs`` or
+            ``max_num_train_steps`` (a finished run resumed, as a requeued job does after its last save), so it
+            trained nothing; the state is loaded all the same.
     """
 
     metrics: dict
@@ -460,6 +470,7 @@ class TrainResult:
     stopped_early: bool
     stop_reason: Optional[str] = None
     non_finite_updates_skipped: int = 0
+    nothing_left_to_train: bool = False
 
 
 def validate_not_in_training_run(in_training_run: bool, method: str) -> None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 from accelerate import PartialState, skip_first_batches
 from accelerate.utils import broadcast_object_list
 
+from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.data_position import samples_per_step, skip_first_samples
 from pytorch_accel_trainer.loop.run_state import RunState
 from pytorch_accel_trainer.loop.stream_position import (
@@ -69,6 +70,11 @@ def load_resume_plan(
     _say_if_restarted(trainer, shown, plan)
     updates = f"(after {plan.num_update_steps_completed} optimizer updates)"
     trainer.print(f"Resuming from {shown} {updates} at {_where(plan, history.current_epoch)}, run {stored.run_id}")
+    options = trainer.run_state.options
+    if options is not None:
+        nothing_left = describe_nothing_left(shown, plan, options.num_epochs, options.max_num_train_steps)
+        if nothing_left:
+            trainer.print(nothing_left)
     saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
     if saved_processes != processes:
         trainer.print(
@@ -77,6 +83,49 @@ def load_resume_plan(
             "the rest split between the processes (each trained once, in another order)."
         )
     return plan
+
+
+def validate_resume_target(stored: Optional[StoredState], num_epochs: Optional[int], max_steps: Optional[int]) -> None:
+    """Refuse, before any work, to resume ``stored`` when it trained past this run's ``num_epochs`` or
+    ``max_num_train_steps`` (``max_steps``): the run would train nothing, and say nothing of why. A target exactly
+    reached (a finished run resumed, as a requeued job does after its last save) is no error: see
+    :func:`describe_nothing_left`.
+
+    Raises:
+        CheckpointError: naming the state, what it trained, the target and the fix.
+    """
+    if stored is None:
+        return
+    position, updates = ResumePosition(**stored.manifest["position"]), stored.manifest["num_update_steps_completed"]
+    shown: Any = stored.url or stored.folder
+    epochs = f"{position.loop_epoch} epochs" + (
+        f" and {position.batches_seen} batches of epoch {position.loop_epoch + 1}" if position.batches_seen else ""
+    )
+    trained_epochs = position.loop_epoch + (1 if position.batches_seen else 0)  # a started epoch is past a target
+    if num_epochs is not None and (trained_epochs > num_epochs):
+        raise CheckpointError(
+            f"{shown} already trained {epochs} ({updates} optimizer updates), past num_epochs={num_epochs}: this run "
+            f"would train nothing. Pass num_epochs={trained_epochs} or more to train on from it, or resume from an "
+            "earlier state."
+        )
+    if max_steps is not None and updates > max_steps:
+        raise CheckpointError(
+            f"{shown} already made {updates} optimizer updates ({epochs}), past max_num_train_steps={max_steps}: this "
+            f"run would train nothing. Pass max_num_train_steps={updates} or more (or None) to train on from it, or "
+            "resume from an earlier state."
+        )
+
+
+def describe_nothing_left(shown: Any, plan: ResumePlan, num_epochs: Optional[int], max_steps: Optional[int]) -> str:
+    """``"nothing left to train: ..."`` when the state ``shown`` (of ``plan``) exactly reached this run's
+    ``num_epochs`` or ``max_num_train_steps`` (``max_steps``); ``""`` when it has something left."""
+    epoch = plan.position.loop_epoch
+    if num_epochs is not None and epoch >= num_epochs:
+        return f"nothing left to train: {shown} already trained {epoch} epochs (num_epochs={num_epochs})."
+    if max_steps is not None and plan.num_update_steps_completed >= max_steps:
+        updates = f"{plan.num_update_steps_completed} optimizer updates"
+        return f"nothing left to train: {shown} already made {updates} (max_num_train_steps={max_steps})."
+    return ""
 
 
 def _say_if_restarted(trainer: "Trainer", resumed_from: Any, plan: Optional[ResumePlan] = None) -> None:

@@ -32,6 +32,7 @@ from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_p
 from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
 from pytorch_accel_trainer.state.parts import (
+    TENSOR_MARK,
     ModelState,
     OptimizerState,
     Processes,
@@ -220,6 +221,107 @@ def describe_changes(saved: dict, current: dict) -> list[str]:
     ]
 
 
+#: Parameter-group keys of how an optimizer computes, not of what it computes: a resume neither compares nor restores
+#: them (nor ``params``, the group's parameters, compared by the optimizer checks).
+IMPLEMENTATION_FLAGS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
+def _optimizers(trainer: "Trainer") -> list[tuple[str, str, torch.optim.Optimizer, bool]]:
+    """``(name, part, optimizer, scheduled)`` of the trainer's optimizer and of each extra model's (``part``: its
+    name in a state; ``scheduled``: the trainer's scheduler moves its ``lr``)."""
+    optimizers = []
+    if trainer.optimizer is not None:
+        optimizers.append(("optimizer", "optimizer", inner_optimizer(trainer.optimizer), trainer.scheduler is not None))
+    for name, optimizer in trainer.extra_optimizers.items():
+        part = f"{EXTRA_OPTIMIZER_PART}{name}"
+        optimizers.append((f"extra optimizer {name!r}", part, inner_optimizer(optimizer), False))
+    return optimizers
+
+
+def describe_hyperparameter_changes(saved_parts: dict, optimizers: list) -> list[str]:
+    """List each hyperparameter of the parameter groups of ``optimizers`` (``(name, part, optimizer, scheduled)``)
+    that differs from its group's in the state's ``saved_parts`` (a group count that differs is left to the optimizer
+    checks)."""
+    changes = []
+    for name, part, optimizer, scheduled in optimizers:
+        saved = saved_parts.get(part)
+        saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
+            continue
+        for index, (saved_group, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+            for key, (before, now) in differing_hyperparameters(saved_group, group, scheduled).items():
+                changes.append(f"{name} param_groups[{index}][{key!r}]: saved {before!r}, now {now!r}")
+    return changes
+
+
+def differing_hyperparameters(saved: Any, group: dict, scheduled: bool = False) -> dict:
+    """``{key: (saved value, value)}`` for each hyperparameter of the parameter group ``group`` that differs from the
+    ``saved`` group's. Not compared: the implementation flags, a key the saved group lacks (an older torch's), a
+    tensor, and what a scheduler moves during a run: ``lr`` when ``scheduled`` and each ``key`` beside an
+    ``initial_<key>`` (torch's schedulers but ``ReduceLROnPlateau``, and this package's, set ``initial_lr`` as they
+    are created: the ``initial_lr`` is compared instead), and ``momentum`` and ``betas`` when a scheduler cycles them
+    (``OneCycleLR``, ``CyclicLR``: ``base_momentum``)."""
+    if not isinstance(saved, dict):
+        return {}  # not an optimizer state: the optimizer checks refuse it
+    moved = {"lr"} if scheduled else set()
+    for key in (*saved, *group):
+        if isinstance(key, str) and key.startswith("initial_"):
+            moved.add(key[len("initial_") :])
+        elif key == "base_momentum":
+            moved |= {"momentum", "betas"}
+    differing = {}
+    for key, value in group.items():
+        if key in IMPLEMENTATION_FLAGS or key in moved or key not in saved:
+            continue
+        before = saved[key]
+        if _holds_tensor(before) or _holds_tensor(value):
+            continue  # a tensor learning rate (or its mark in a state's plain part) is not compared
+        if (list(before) if isinstance(before, tuple) else before) != (
+            list(value) if isinstance(value, tuple) else value
+        ):
+            differing[key] = (before, value)  # a tuple may be read back as a list
+    return differing
+
+
+def _holds_tensor(value: Any) -> bool:
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if isinstance(item, torch.Tensor) or (isinstance(item, str) and item == TENSOR_MARK):
+            return True
+    return False
+
+
+def _restore_hyperparameters(trainer: "Trainer", given: list[list[dict]]) -> None:
+    """Put this run's hyperparameters (``given``: each optimizer's groups, copied before the state was loaded) back
+    into the loaded groups, so that a resume with ``allow_resume_changes=True`` trains with the values given. A
+    scheduled key (``lr``) takes the new ``initial_<key>``, its current value scaled by new / old ``initial_<key>``,
+    and the trainer's scheduler its new base values."""
+    for (_, _, optimizer, scheduled), given_groups in zip(_optimizers(trainer), given):
+        for group, given_group in zip(optimizer.param_groups, given_groups):
+            for key, (loaded, value) in differing_hyperparameters(group, given_group, scheduled).items():
+                scheduled = key[len("initial_") :]  # "lr" for "initial_lr"; for another key, no key of the group
+                current = group.get(scheduled) if key.startswith("initial_") else None
+                if all(isinstance(number, (int, float)) for number in (current, loaded, value)):
+                    group[scheduled] = current * value / loaded if loaded else value  # the schedule so far, rescaled
+                group[key] = value
+    if trainer.optimizer is not None:
+        _rebase_scheduler(trainer.scheduler, inner_optimizer(trainer.optimizer))
+
+
+def _rebase_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Give ``scheduler`` the base values of ``optimizer``'s groups (their ``initial_<key>``), as it would have taken
+    them had it been created with them: torch's ``base_lrs``, this package's ``base_lr_values``."""
+    if scheduler is None:
+        return
+    groups = optimizer.param_groups
+    if isinstance(getattr(scheduler, "base_lrs", None), list) and all("initial_lr" in group for group in groups):
+        scheduler.base_lrs = [group["initial_lr"] for group in groups]
+        if isinstance(getattr(scheduler, "_last_lr", None), list):
+            scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() says until the next step
+    field = getattr(scheduler, "param_group_field", None)
+    if isinstance(getattr(scheduler, "base_lr_values", None), list) and all(f"initial_{field}" in g for g in groups):
+        scheduler.base_lr_values = [group[f"initial_{field}"] for group in groups]
+
+
 def extra_optimizer_classes(optimizers: dict) -> dict:
     """The class of each extra optimizer, saved with a state so that a resume can name a different one."""
     return {name: type(inner_optimizer(optimizer)).__qualname__ for name, optimizer in optimizers.items()}
@@ -275,12 +377,15 @@ def describe_optimizer_mismatch(
     return None
 
 
-def _check_settings(trainer: "Trainer", stored: StoredState, shared: dict, facts: Optional[dict], allow: bool) -> None:
-    """Refuse a state saved by a run set up differently (unless ``allow``), or that holds other parts than this
-    trainer has (extra models, optimizer class, scheduler), before anything is loaded."""
+def _check_settings(
+    trainer: "Trainer", stored: StoredState, shared: dict, facts: Optional[dict], allow: bool, hyperparameters: list
+) -> None:
+    """Refuse a state saved by a run set up differently (unless ``allow``): other ``facts``, other ``hyperparameters``
+    (:func:`describe_hyperparameter_changes`); or that holds other parts than this trainer has (extra models,
+    optimizer class, scheduler), before anything is loaded."""
     folder = stored.folder
     if facts is not None and not allow:
-        changes = describe_changes(shared["run_facts"], facts)
+        changes = describe_changes(shared["run_facts"], facts) + hyperparameters
         if changes:
             listed_changes = "\n  ".join(changes)
             raise CheckpointError(
@@ -387,7 +492,9 @@ def read_training_state(
     accelerator = trainer.accelerator
     validate_training_state_supported(accelerator)
     shared = load_trainer_file(stored)
-    _check_settings(trainer, stored, shared, facts, allow_changes)
+    optimizers = _optimizers(trainer)
+    changed = [] if facts is None else describe_hyperparameter_changes(shared.get("plain_parts") or {}, optimizers)
+    _check_settings(trainer, stored, shared, facts, allow_changes, changed)
     parts = sharded_parts(trainer)
     # the clearest error first: the optimizers' classes, then the tensors' names and shapes, then the groups
     _check_optimizers(trainer, stored, shared, groups=False)
@@ -395,9 +502,14 @@ def read_training_state(
     _check_optimizers(trainer, stored, shared, groups=True)
     processes = Processes.of_accelerator(accelerator)
     own = _own_state(stored, processes)
+    given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer, _ in optimizers] if changed else []
     load_sharded(stored, shared, parts, processes, live)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
+    if changed:  # allowed: the hyperparameters given win over the saved ones
+        _restore_hyperparameters(trainer, given)
+        listed = "\n  ".join(changed)
+        trainer.print(f"Resuming with this run's hyperparameters (allow_resume_changes=True):\n  {listed}")
     if shared["scaler"] is not None and accelerator.scaler is not None:
         accelerator.scaler.load_state_dict(shared["scaler"])
     trainer.run_history.load_state_dict(shared["run_history"])

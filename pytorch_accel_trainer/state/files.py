@@ -102,18 +102,20 @@ def default_state_name(num_update_steps_completed: int) -> str:
 
 
 def validate_state_name(name: str) -> None:
-    """Refuse a state folder name that is not one plain folder name (a path, a temporary's or ``latest``)."""
+    """Refuse a state folder name that is not one plain folder name, or that a folder of states keeps for itself:
+    blank, a path, ``latest``, the manifest's name (a folder holding it is one state, not a folder of them), or a
+    hidden name (its temporaries and writers' markers)."""
     if (
         not isinstance(name, str)
-        or not name
+        or not name.strip()
         or Path(name).name != name
-        or name in (".", "..", LATEST_NAME)
-        or name.startswith(TEMPORARY_PREFIX)
+        or name in (LATEST_NAME, MANIFEST_NAME)
+        or name.startswith(".")
     ):
         raise ValueError(
-            f"name={name!r} is not a training-state folder name: pass one plain folder name (no '/', not "
-            f"{LATEST_NAME!r}, not starting with {TEMPORARY_PREFIX!r}), e.g. 'epoch_5'; the folder is made under "
-            "output_dir."
+            f"name={name!r} is not a training-state folder name: pass one plain folder name (not blank, no '/', not "
+            f"{LATEST_NAME!r} or {MANIFEST_NAME!r}, not starting with '.': a folder of states keeps those names for "
+            "itself), e.g. 'epoch_5'; the folder is made under output_dir."
         )
 
 
@@ -358,15 +360,20 @@ def _validate_files(files) -> None:
         raise DamagedStateError(f"files lists no {missing[0]}, which every training state holds")
 
 
-def _validate_world_size(world_size, files: dict) -> None:
+def _validate_world_size(world_size, files: dict, run_facts: dict) -> None:
+    """A state holds one rank file per process that saved it, no more, no fewer; its run's settings name the same
+    number (an edited ``world_size`` would have a process read another's file)."""
     rank_files = sum(1 for name in files if _RANK_FILE.fullmatch(name))
-    if not _is_count(world_size) or not 1 <= world_size <= rank_files:
+    if not _is_count(world_size) or world_size != rank_files or world_size < 1:
         raise DamagedStateError(
-            f"world_size is {world_size!r}; it must be a whole number from 1 to the {rank_files} rank file(s) listed"
+            f"world_size is {world_size!r}; it must be the number of rank files listed ({rank_files})"
         )
     missing = [rank_file(rank) for rank in range(world_size) if rank_file(rank) not in files]
     if missing:
         raise DamagedStateError(f"the manifest lacks {missing[0]} for a world size of {world_size}")
+    saved_by = run_facts.get("world_size", world_size)  # outside train(), a save records no run settings
+    if saved_by != world_size:
+        raise DamagedStateError(f"world_size is {world_size!r}, but its run_facts say {saved_by!r}")
 
 
 def validate_manifest(manifest: dict) -> None:
@@ -388,7 +395,7 @@ def validate_manifest(manifest: dict) -> None:
     if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
         raise DamagedStateError(f"run_id is {run_id!r}; it must be 32 hex digits")
     _validate_files(manifest.get("files"))
-    _validate_world_size(manifest.get("world_size"), manifest["files"])
+    _validate_world_size(manifest.get("world_size"), manifest["files"], manifest["run_facts"])
 
 
 # ------------------------------------------------------------------------------------------------

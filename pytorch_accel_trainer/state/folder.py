@@ -371,6 +371,12 @@ def load_trainer_file(stored: StoredState) -> dict:
         raise CheckpointError(
             f"{path}: its position, update count or settings disagree with {MANIFEST_NAME}; it was altered."
         )
+    world_size = stored.manifest["world_size"]
+    if shared["run_facts"].get("world_size", world_size) != world_size:  # a save outside train() records none
+        raise CheckpointError(
+            f"{path}: saved by {shared['run_facts']['world_size']!r} process(es), but {MANIFEST_NAME} says "
+            f"{world_size!r}; it was altered."
+        )
     return shared
 
 
