@@ -10,6 +10,7 @@ from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.state.manager import validate_save_dir
+from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
 from pytorch_accel_trainer.state.storage import TRAINING_STATES, Destination, as_location, validate_location
 
@@ -114,7 +115,9 @@ class SaveTrainingStateCallback(TrainerCallback):
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         # before any step; the states of this callback's earlier train() calls (say, before unfreezing) are no
         # other run's
-        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids)
+        # and claimed for this job by its main process (released as the run ends)
+        processes = Processes.of_accelerator(trainer.accelerator)
+        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids, processes)
         self._run_ids.add(trainer.run_state.run_id)
         if self.watch_metric is not None:
             validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)

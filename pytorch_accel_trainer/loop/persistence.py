@@ -169,7 +169,9 @@ class PersistenceMixin:
                 "use save_checkpoint(save_path) or save_weights(save_path)."
             )
         parent = as_location(output_dir)
-        validate_save_dir(parent, self.run_state, allow_other_runs)
+        validate_save_dir(
+            parent, self.run_state, allow_other_runs, processes=Processes.of_accelerator(self.accelerator)
+        )
         if name is not None:
             validate_state_name(name)
         validate_training_state_supported(self.accelerator)
