@@ -226,11 +226,11 @@ def validate_save_dir(
     processes: Optional[Processes] = None,
 ) -> None:
     """Refuse to save the training states of the run of ``run_state`` (a ``RunState``: its ``run_id``,
-    ``is_new_run`` and ``checked_save_dirs``) into the local folder ``parent`` when it is a file, holds another
-    run's states (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs), or is claimed by another
-    live job; checked once per folder and run, by every process of ``processes`` (``None``: this one alone). The main
-    process claims the folder for the run (``claims.py``: the claim is released as the run ends) and every process
-    raises its refusal together. A resumed run is not refused for the states the folder holds: its pruning,
+    ``is_new_run``, ``in_training_run`` and ``checked_save_dirs``) into the local folder ``parent`` when it is a
+    file, holds another run's states (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs), or is
+    claimed by another live job; checked once per folder and run, by every process of ``processes`` (``None``: this
+    one alone). During the run the main process claims the folder for it (``claims.py``: released as the run ends),
+    and every process raises its refusal together. A resumed run is not refused for the states the folder holds: its pruning,
     ``latest`` and later resumes keep to its own states. A folder in object storage (a URL) is not checked (see
     docs/training_state.md).
 
@@ -252,7 +252,8 @@ def validate_save_dir(
         return
     if run_state.is_new_run and not allow_other_runs:
         validate_no_other_runs(parent, run_state.run_id, accepted)
-    _claim_for_every_process(parent, run_state.run_id, processes or Processes())
+    if run_state.in_training_run:  # a save outside the run claims the folder for itself alone (folder.py)
+        _claim_for_every_process(parent, run_state.run_id, processes or Processes())
     run_state.checked_save_dirs.add(key)
 
 
