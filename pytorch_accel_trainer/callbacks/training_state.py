@@ -32,7 +32,9 @@ class SaveTrainingStateCallback(TrainerCallback):
     Each state's manifest names its run (an identity made as a new run starts, kept by its resumes). A new run (one
     that resumed no state) whose ``save_dir`` holds another run's states refuses to start, before any step, unless
     ``allow_other_runs=True`` (the states of this callback's own earlier ``train()`` calls are not another run's);
-    pruning and ``latest`` only ever touch this run's states.
+    pruning and ``latest`` only ever touch this run's states. One job saves into ``save_dir`` at a time: as the run
+    starts its main process claims the folder (``save_dir/.claim``, removed as the run ends), and a run whose folder
+    another live job of this host holds is refused before any step (see "Run identity" in docs/training_state.md).
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to

@@ -159,7 +159,8 @@ class PersistenceMixin:
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
             ValueError: under DeepSpeed (its engine keeps its own checkpoint format).
-            CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``).
+            CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``), or another
+                live job saves into it (its claim: see "Run identity" in ``docs/training_state.md``).
             NotADirectoryError: ``output_dir`` is a file.
         """
         if self.run_state.options is None:
