@@ -230,9 +230,9 @@ def validate_save_dir(
     file, holds another run's states (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs), or is
     claimed by another live job; checked once per folder and run, by every process of ``processes`` (``None``: this
     one alone). During the run the main process claims the folder for it (``claims.py``: released as the run ends),
-    and every process raises its refusal together. A resumed run is not refused for the states the folder holds: its pruning,
-    ``latest`` and later resumes keep to its own states. A folder in object storage (a URL) is not checked (see
-    docs/training_state.md).
+    and every process raises its refusal together. A resumed run is not refused for the states the folder holds: its
+    pruning, ``latest`` and later resumes keep to its own states. A folder in object storage (a URL) is not checked
+    (see docs/training_state.md).
 
     Raises:
         CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`), or another live
