@@ -290,3 +290,71 @@ def test_rename_race_with_another_job_is_its_error(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"was taken over by another job \(run 1{32}, process 4242") as error:
         _train(_trainer(ck), num_epochs=1)
     assert isinstance(error.value.__context__, OSError)
+
+
+#: A 2-process job (argv: its folder of states): its first run finds the folder claimed by another live job, then,
+#: once that job's claim is gone, it trains one epoch; each process says what it saw.
+_TWO_PROCESSES = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    import torch
+    from torch import nn
+    from pytorch_accel_trainer import Trainer
+    from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
+    from pytorch_accel_trainer.errors import CheckpointError
+
+    save_dir = Path(sys.argv[1])
+
+    class ReadClaim(TrainerCallback):
+        def on_train_epoch_start(self, trainer, **kwargs):
+            claim = json.loads((save_dir / ".claim").read_text())
+            print(f"rank {trainer.accelerator.process_index} pid {os.getpid()} claim {claim['pid']}", flush=True)
+
+    def create_trainer():
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        callbacks = [SaveTrainingStateCallback(save_dir, save_every_n_epochs=1), ReadClaim()]
+        return Trainer(model, nn.MSELoss(), torch.optim.SGD(model.parameters(), lr=0.1), callbacks=callbacks)
+
+    data = torch.utils.data.TensorDataset(torch.ones(8, 1), torch.ones(8, 1))
+    refused = create_trainer()
+    try:
+        refused.train(data, num_epochs=1, per_device_batch_size=2)
+    except CheckpointError as error:
+        print(f"rank {refused.accelerator.process_index} refused: {error}", flush=True)
+    refused.accelerator.wait_for_everyone()
+    if refused.accelerator.is_main_process:
+        (save_dir / ".claim").unlink()  # the other job ended
+    refused.accelerator.wait_for_everyone()
+    trainer = create_trainer()
+    trainer.train(data, num_epochs=1, per_device_batch_size=2)
+    print(f"rank {trainer.accelerator.process_index} trained {trainer.num_update_steps_completed}", flush=True)
+    """
+)
+
+
+def test_main_process_claims_for_every_process(tmp_path):
+    """In a job of 2 processes the main process claims the folder; a claim of another live job refuses every process
+    together (none left waiting in a collective), each naming the other job."""
+    ck = tmp_path / "ck"
+    _write_claim(ck, socket.gethostname(), os.getpid(), "1" * 32)  # this test's process: a live job of this host
+    result = subprocess.run(
+        [*launcher(2), "-c", _TWO_PROCESSES, str(ck)],
+        env=CPU_PROCESSES_ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert (
+            f"rank {rank} refused: {ck} is the folder of training states of another job (run {'1' * 32}, process "
+            f"{os.getpid()} on host {socket.gethostname()}), which holds it"
+        ) in result.stdout
+        assert f"rank {rank} trained 2" in result.stdout
+    seen = {line.split()[1]: line.split() for line in result.stdout.splitlines() if " claim " in line}
+    assert seen["0"][3] == seen["0"][5]  # the main process's claim
+    assert seen["1"][5] == seen["0"][5] != seen["1"][3]  # not process 1's own
+    assert _states(ck) == ["epoch_1", "final"]
+    assert not (ck / CLAIM_NAME).exists()
