@@ -233,7 +233,12 @@ def _begin(parent: Path, final: Path, processes: Processes, node_local: bool, ru
         parent.mkdir(parents=True, exist_ok=True)
         if processes.is_main and run_id is not None:
             claimed_for_this_save = keep_claim(parent, run_id, final.name)
-        begin_save(final)
+        try:
+            begin_save(final)
+        except BaseException:
+            if claimed_for_this_save:
+                release_claims([parent])
+            raise
     return claimed_for_this_save
 
 
