@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -309,7 +310,8 @@ _TWO_PROCESSES = textwrap.dedent(
     class ReadClaim(TrainerCallback):
         def on_train_epoch_start(self, trainer, **kwargs):
             claim = json.loads((save_dir / ".claim").read_text())
-            print(f"rank {trainer.accelerator.process_index} pid {os.getpid()} claim {claim['pid']}", flush=True)
+            sys.stdout.write(f"rank {trainer.accelerator.process_index} pid {os.getpid()} claim {claim['pid']}\\n")
+            sys.stdout.flush()  # one write: the other process's lines never land inside it
 
     def create_trainer():
         torch.manual_seed(0)
@@ -353,8 +355,8 @@ def test_main_process_claims_for_every_process(tmp_path):
             f"{os.getpid()} on host {socket.gethostname()}), which holds it"
         ) in result.stdout
         assert f"rank {rank} trained 2" in result.stdout
-    seen = {line.split()[1]: line.split() for line in result.stdout.splitlines() if " claim " in line}
-    assert seen["0"][3] == seen["0"][5]  # the main process's claim
-    assert seen["1"][5] == seen["0"][5] != seen["1"][3]  # not process 1's own
+    seen = {rank: (pid, claim) for rank, pid, claim in re.findall(r"rank (\d) pid (\d+) claim (\d+)", result.stdout)}
+    assert seen["0"][0] == seen["0"][1]  # the main process's claim
+    assert seen["1"][1] == seen["0"][1] != seen["1"][0]  # not process 1's own
     assert _states(ck) == ["epoch_1", "final"]
     assert not (ck / CLAIM_NAME).exists()
