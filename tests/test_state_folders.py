@@ -459,19 +459,28 @@ _STOPPED_SAVE = textwrap.dedent(
 )
 
 
+def _claim_from_another_host(parent):
+    """Make the claim of ``parent`` that of a job on another node, whose process cannot be checked from here."""
+    claim = json.loads((parent / ".claim").read_text())
+    (parent / ".claim").write_text(json.dumps({**claim, "host": "another-node"}))
+
+
 def test_later_save_removes_killed_temporaries(tmp_path):
-    """A later save removes the temporary folders of killed saves, and never a live save's."""
+    """A later save removes the temporary folders of killed saves, and never a live save's: not even that of a job
+    whose claim of the folder was taken over from another host (whose liveness cannot be checked)."""
     parent = tmp_path / "states"
     live = subprocess.Popen(
         [sys.executable, "-c", _STOPPED_SAVE, str(parent), "live", "9"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert live.stdout.readline().strip() == "writing"
+        _claim_from_another_host(parent)  # a live job of this host would be refused: tests/test_state_claims.py
         killed = subprocess.run(
             [sys.executable, "-c", _STOPPED_SAVE, str(parent), "kill", "6"], capture_output=True, text=True
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-        assert {path.name for path in parent.iterdir()} == {".tmp-checkpoint-00000006", ".tmp-checkpoint-00000009"}
+        left = {path.name for path in parent.iterdir()}
+        assert left == {".claim", ".tmp-checkpoint-00000006", ".tmp-checkpoint-00000009"}  # .claim: the killed job's
         assert _run(parent).num_update_steps_completed == 4  # saves after updates 1 to 4
         left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-")}
         assert left == {".tmp-checkpoint-00000009"}  # the killed save's is gone, the live one's is untouched

@@ -10,6 +10,7 @@ from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.callbacks.monitor import validate_metric_can_be_recorded
 from pytorch_accel_trainer.errors import validate_positive_int
 from pytorch_accel_trainer.state.manager import validate_save_dir
+from pytorch_accel_trainer.state.parts import Processes
 from pytorch_accel_trainer.state.preemption import DEFAULT_PREEMPTION_SIGNALS
 from pytorch_accel_trainer.state.storage import TRAINING_STATES, Destination, as_location, validate_location
 
@@ -31,7 +32,9 @@ class SaveTrainingStateCallback(TrainerCallback):
     Each state's manifest names its run (an identity made as a new run starts, kept by its resumes). A new run (one
     that resumed no state) whose ``save_dir`` holds another run's states refuses to start, before any step, unless
     ``allow_other_runs=True`` (the states of this callback's own earlier ``train()`` calls are not another run's);
-    pruning and ``latest`` only ever touch this run's states.
+    pruning and ``latest`` only ever touch this run's states. One job saves into ``save_dir`` at a time: as the run
+    starts its main process claims the folder (``save_dir/.claim``, removed as the run ends), and a run whose folder
+    another live job of this host holds is refused before any step (see "Run identity" in docs/training_state.md).
 
     Args:
         save_dir: the folder of training states, created if needed; pass the same folder to
@@ -114,7 +117,9 @@ class SaveTrainingStateCallback(TrainerCallback):
     def on_training_run_start(self, trainer: "Trainer", **kwargs):
         # before any step; the states of this callback's earlier train() calls (say, before unfreezing) are no
         # other run's
-        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids)
+        # and claimed for this job by its main process (released as the run ends)
+        processes = Processes.of_accelerator(trainer.accelerator)
+        validate_save_dir(self.save_dir, trainer.run_state, self.allow_other_runs, self._run_ids, processes)
         self._run_ids.add(trainer.run_state.run_id)
         if self.watch_metric is not None:
             validate_metric_can_be_recorded(trainer, self.watch_metric, type(self).__name__)

@@ -160,7 +160,8 @@ class PersistenceMixin:
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
             ValueError: under DeepSpeed (its engine keeps its own checkpoint format), or a ``name`` the folder keeps.
-            CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``).
+            CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``), or another
+                live job saves into it (its claim: see "Run identity" in ``docs/training_state.md``).
             NotADirectoryError: ``output_dir`` is a file.
         """
         if self.run_state.options is None:
@@ -170,7 +171,9 @@ class PersistenceMixin:
                 "use save_checkpoint(save_path) or save_weights(save_path)."
             )
         parent = as_location(output_dir)
-        validate_save_dir(parent, self.run_state, allow_other_runs)
+        validate_save_dir(
+            parent, self.run_state, allow_other_runs, processes=Processes.of_accelerator(self.accelerator)
+        )
         if name is not None:
             validate_state_name(name)
         validate_training_state_supported(self.accelerator)

@@ -34,6 +34,7 @@ from pytorch_accel_trainer.loop.trainer_parts import read_training_state, restor
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.state import storage
+from pytorch_accel_trainer.state.claims import release_claims
 from pytorch_accel_trainer.state.files import StoredState, default_state_name
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition, TrainingStates
 from pytorch_accel_trainer.state.parts import Processes
@@ -289,8 +290,10 @@ def _agreed_preemption_signal(trainer: "Trainer") -> Optional[int]:
 
 
 def end_saves_and_preemption(trainer: "Trainer") -> None:
-    """As a run ends: wait for a save under way in the background, and put back the signal handlers."""
+    """As a run ends: wait for a save under way in the background, put back the signal handlers, and release the
+    claims of the run's folders of states (``state/claims.py``)."""
     try:
         TrainingStates.end_run()  # a save in the background is complete (or its error raised), host copies freed
     finally:
         trainer.run_state.end_preemption()  # the signal handlers enable_preemption replaced are put back
+        release_claims(trainer.run_state.checked_save_dirs)  # only this process's: another job's are left

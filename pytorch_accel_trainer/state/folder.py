@@ -30,6 +30,7 @@ import torch
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import files as state_files
 from pytorch_accel_trainer.state.checkpointing import describe_unreadable_torch_file, refused_by_weights_only
+from pytorch_accel_trainer.state.claims import keep_claim, release_claims
 from pytorch_accel_trainer.state.files import (
     CHECKSUM,
     FORMAT_VERSION,
@@ -182,10 +183,11 @@ def write_training_state(
     """
     # the main process chooses the name; each machine's folder is under its own parent (a mirror is per machine)
     final = parent / processes.broadcast(unused_folder_name(parent, name).name if processes.is_main else None)
-    if processes.is_main or (node_local and processes.is_local_main):
-        parent.mkdir(parents=True, exist_ok=True)
-        begin_save(final)
-    processes.barrier()
+    run_id = None if node_local else fields.get("run_id")  # a store's mirror has no claim: its prefix is the run's
+    # every process learns whether the main process may write there (its claim: claims.py), and none waits for it
+    (main_claimed_for_this_save, *_) = agreed(
+        processes, lambda: _begin(parent, final, processes, node_local, run_id), f"the training state {final.name}"
+    )
     temporary = temporary_folder(final)
     problem: Optional[Exception] = None
     try:
@@ -201,11 +203,14 @@ def write_training_state(
                 files = {file: pair for report in reports for file, pair in report.items()}
                 here = {file: pair for file, pair in files.items() if (temporary / file).is_file()}
                 elsewhere = {file: pair for file, pair in files.items() if file not in here}
-                finish_save(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere)
+                _seal(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere, run_id)
                 if max_rolling is not None or "best" in fields.get("kinds", ()):  # else no state became surplus
                     prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
     except Exception as error:
         problem = error
+    finally:
+        if processes.is_main and main_claimed_for_this_save:
+            release_claims([parent])
     # every process learns whether the main process sealed the state: none waits for one that failed
     sealing = processes.broadcast(None if problem is None else _describe(problem))
     if problem is not None:
@@ -216,6 +221,36 @@ def write_training_state(
             f"{parent} are unchanged."
         )
     return final
+
+
+def _begin(parent: Path, final: Path, processes: Processes, node_local: bool, run_id: Optional[str]) -> bool:
+    """Make the temporary folder of ``final`` (the main process, and under ``node_local`` each machine's), once the
+    main process has checked that it still holds the claim of ``parent`` for the run ``run_id`` (``None``: no claim);
+    return whether the folder was claimed for this save alone (:func:`~pytorch_accel_trainer.state.claims.
+    keep_claim`)."""
+    claimed_for_this_save = False
+    if processes.is_main or (node_local and processes.is_local_main):
+        parent.mkdir(parents=True, exist_ok=True)
+        if processes.is_main and run_id is not None:
+            claimed_for_this_save = keep_claim(parent, run_id, final.name)
+        try:
+            begin_save(final)
+        except BaseException:
+            if claimed_for_this_save:
+                release_claims([parent])
+            raise
+    return claimed_for_this_save
+
+
+def _seal(temporary: Path, final: Path, fields: dict, here: dict, elsewhere: dict, run_id: Optional[str]) -> None:
+    """:func:`finish_save`; a rename that fails because another job took the folder over (its state of the same
+    name, its ``latest``) is that job's ``CheckpointError``, not a raw ``OSError``."""
+    try:
+        finish_save(temporary, final, fields, here, elsewhere)
+    except OSError:
+        if run_id is not None:
+            keep_claim(final.parent, run_id, final.name)  # raises when the claim was taken over
+        raise
 
 
 def _describe(error: BaseException) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Optional
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import async_save
+from pytorch_accel_trainer.state.claims import take_claim
 from pytorch_accel_trainer.state.files import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -217,15 +218,25 @@ class ResumePlan:
     stream_state: Optional[dict] = None
 
 
-def validate_save_dir(parent: Any, run_state, allow_other_runs: bool = False, accepted: Iterable[str] = ()) -> None:
+def validate_save_dir(
+    parent: Any,
+    run_state,
+    allow_other_runs: bool = False,
+    accepted: Iterable[str] = (),
+    processes: Optional[Processes] = None,
+) -> None:
     """Refuse to save the training states of the run of ``run_state`` (a ``RunState``: its ``run_id``,
-    ``is_new_run`` and ``checked_save_dirs``) into the local folder ``parent`` when it is a file, or holds another
-    run's states (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs); checked once per folder
-    and run. A resumed run is not refused: its pruning, ``latest`` and later resumes keep to its own states. A folder
-    in object storage (a URL) is not checked (see docs/training_state.md).
+    ``is_new_run``, ``in_training_run`` and ``checked_save_dirs``) into the local folder ``parent`` when it is a
+    file, holds another run's states (unless ``allow_other_runs``; the runs of ``accepted`` are not other runs), or is
+    claimed by another live job; checked once per folder and run, by every process of ``processes`` (``None``: this
+    one alone). During the run the main process claims the folder for it (``claims.py``: released as the run ends),
+    and every process raises its refusal together. A resumed run is not refused for the states the folder holds: its
+    pruning, ``latest`` and later resumes keep to its own states. A folder in object storage (a URL) is not checked
+    (see docs/training_state.md).
 
     Raises:
-        CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`).
+        CheckpointError: ``parent`` holds another run's states (see :func:`validate_no_other_runs`), or another live
+            job of this host saves into it (:func:`~pytorch_accel_trainer.state.claims.take_claim`).
         NotADirectoryError: ``parent`` is a file.
     """
     if is_url(parent):
@@ -241,7 +252,25 @@ def validate_save_dir(parent: Any, run_state, allow_other_runs: bool = False, ac
         return
     if run_state.is_new_run and not allow_other_runs:
         validate_no_other_runs(parent, run_state.run_id, accepted)
+    if run_state.in_training_run:  # a save outside the run claims the folder for itself alone (folder.py)
+        _claim_for_every_process(parent, run_state.run_id, processes or Processes())
     run_state.checked_save_dirs.add(key)
+
+
+def _claim_for_every_process(parent: Path, run_id: str, processes: Processes) -> None:
+    """The main process claims ``parent`` for the run; its refusal reaches every process (one small collective)."""
+    problem: Optional[Exception] = None
+    if processes.is_main:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            take_claim(parent, run_id)
+        except (CheckpointError, OSError) as error:
+            problem = error
+    refusal = processes.broadcast(None if problem is None else str(problem))
+    if problem is not None:
+        raise problem
+    if refusal is not None:
+        raise CheckpointError(refusal)
 
 
 def validate_no_other_runs(parent: Path, run_id: str, accepted: Iterable[str] = ()) -> None:
