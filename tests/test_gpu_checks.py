@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECKS = REPO_ROOT / "benchmarks" / "gpu_checks"
@@ -127,7 +128,7 @@ print(json.dumps({"clean": clean, "syncing": checks.check_sync_free("no", smoke=
 def test_sync_check_names_syncing_steps():
     """The sync check passes a clean run, and names every step that synchronised."""
     completed = subprocess.run(
-        [sys.executable, "-c", SIMULATED_SYNC_DEBUG, str(GPU_CHECKS)],
+        [*launcher(1), "-c", SIMULATED_SYNC_DEBUG, str(GPU_CHECKS)],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
