@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import launcher
+from conftest import benchmark_environment, launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECKS = REPO_ROOT / "benchmarks" / "gpu_checks"
@@ -42,8 +42,10 @@ def _load(name: str):
 
 
 def _run(*arguments: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """run.py (which imports no torch) in a new interpreter; the checks' processes forked from the warm launcher."""
     command = [sys.executable, str(GPU_CHECKS / "run.py"), *arguments]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=timeout)
+    env = benchmark_environment()
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=timeout)
 
 
 @pytest.mark.slow
