@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,18 @@ def launcher(num_processes: int) -> list:
         _warm_server.update(server=server, socket=socket_path)
         atexit.register(_stop_warm_server, server, folder)
     return [sys.executable, "-S", str(WARM_LAUNCH_SCRIPT), _warm_server["socket"], str(num_processes)]
+
+
+def benchmark_environment() -> dict:
+    """The environment of a benchmark script's smoke run (tests/test_benchmarks.py, tests/test_gpu_checks.py): the
+    processes it starts are forked from the warm launcher (``BENCHMARK_LAUNCHER``, benchmarks/launch.py), as a smoke
+    run checks what they do, not their start-up. The scripts hide the GPU from what they measure, and so did the warm
+    launcher's imports, unless the suite runs with the GPU visible (``PYTORCH_ACCEL_TRAINER_TESTS_ON_GPU=1``), where
+    they start new interpreters."""
+    env = dict(os.environ)
+    if env.get("CUDA_VISIBLE_DEVICES") == "":
+        env["BENCHMARK_LAUNCHER"] = shlex.join(launcher(1)[:-1])  # its command, less the number of processes
+    return env
 
 
 def _stop_warm_server(server: subprocess.Popen, folder: str) -> None:

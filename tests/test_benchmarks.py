@@ -5,13 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import launcher
+from conftest import benchmark_environment, launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,14 +26,9 @@ def _quick_run(script: str, tmp_path, timeout: int) -> tuple:
     """Run ``benchmarks/<script> --quick`` writing into ``tmp_path``; return the process and its results.json. The
     script and the processes it measures are forked from the warm launcher (``BENCHMARK_LAUNCHER``,
     benchmarks/launch.py): a smoke run checks what every row does, not its start-up."""
-    env = dict(os.environ)
-    # the scripts hide the GPU from what they measure: so did the warm launcher's imports, unless the suite runs with
-    # the GPU visible (PYTORCH_ACCEL_TRAINER_TESTS_ON_GPU=1, tests/conftest.py), where they start new interpreters
-    if env.get("CUDA_VISIBLE_DEVICES") == "":
-        env["BENCHMARK_LAUNCHER"] = shlex.join(launcher(1)[:-1])  # its command, less the number of processes
     completed = subprocess.run(
         [*launcher(1), str(REPO_ROOT / "benchmarks" / script), "--quick", "--output-dir", str(tmp_path)],
-        env=env,
+        env=benchmark_environment(),
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

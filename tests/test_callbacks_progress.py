@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 import tqdm.std
-from conftest import linear_dataset, make_linear, make_trainer
+from conftest import launcher, linear_dataset, make_linear, make_trainer
 from sync_counter import make_sync_counting_trainer
 
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer, console
@@ -229,7 +228,7 @@ def test_script_bar_imports_no_notebook():
         "chosen = progress_bar_class()\n"
         "print(chosen.__module__, sorted(name for name in ('ipywidgets', 'IPython') if name in sys.modules))\n"
     )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    completed = subprocess.run([*launcher(1), "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert completed.stdout.split() == ["tqdm.std", "[]"]
 

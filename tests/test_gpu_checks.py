@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_environment, launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_CHECKS = REPO_ROOT / "benchmarks" / "gpu_checks"
@@ -41,8 +42,10 @@ def _load(name: str):
 
 
 def _run(*arguments: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """run.py (which imports no torch) in a new interpreter; the checks' processes forked from the warm launcher."""
     command = [sys.executable, str(GPU_CHECKS / "run.py"), *arguments]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=timeout)
+    env = benchmark_environment()
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -127,7 +130,7 @@ print(json.dumps({"clean": clean, "syncing": checks.check_sync_free("no", smoke=
 def test_sync_check_names_syncing_steps():
     """The sync check passes a clean run, and names every step that synchronised."""
     completed = subprocess.run(
-        [sys.executable, "-c", SIMULATED_SYNC_DEBUG, str(GPU_CHECKS)],
+        [*launcher(1), "-c", SIMULATED_SYNC_DEBUG, str(GPU_CHECKS)],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

@@ -4,7 +4,7 @@ The loss sums (the trainer's, the progress bar's, the trackers') and the step me
 tensor in place. Keeping references to them until a later sum held each step's loss storage, allocated among the
 step's activations, which kept the CPU allocator from reusing or returning that memory: a small GPT-2 grew by about
 2 MiB a step (benchmarks/memory_growth.py). Checked two ways: the live tensors counted across steps (quick, exact), and
-the resident memory of a real run of a few hundred steps in a fresh process.
+the resident memory of a real run of a few hundred steps in a process of its own.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 import gc
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import linear_dataset, make_linear
+from conftest import launcher, linear_dataset, make_linear
 from torch import nn
 
 from pytorch_accel_trainer import DEFAULT_CALLBACKS, Trainer
@@ -81,11 +80,12 @@ def test_steps_keep_no_tensor(no_gc, tmp_path, trainer_class):
 
 @pytest.mark.slow
 def test_long_run_memory_stays_flat():
-    """A small GPT-2 (vocabulary 1024) trained 160 steps by the Trainer with its default callbacks, in a fresh process:
-    its resident memory at the start of each step from step 20 on stays within 40 MiB of step 20's (it grew by 131
-    MiB by step 160, then by about 2 MiB a step; a hand-written loop stays within about 10)."""
+    """A small GPT-2 (vocabulary 1024) trained 160 steps by the Trainer with its default callbacks, in a process of
+    its own (forked from the warm launcher, as the benchmark's smoke run forks its rows): its resident memory at the
+    start of each step from step 20 on stays within 40 MiB of step 20's (it grew by 131 MiB by step 160, then by
+    about 2 MiB a step; a hand-written loop stays within about 10)."""
     completed = subprocess.run(
-        [sys.executable, "benchmarks/memory_growth.py", "--worker", "trainer_default", "--steps", "160"],
+        [*launcher(1), "benchmarks/memory_growth.py", "--worker", "trainer_default", "--steps", "160"],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,

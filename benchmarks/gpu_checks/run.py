@@ -8,7 +8,8 @@ Writes ``results.md`` (the table), ``results.json`` (every raw figure) and ``run
 output) to ``--output-dir`` (default ``benchmarks/results/gpu/``). Exits with status 1 if a check failed, 2 if the
 command cannot run (an unknown check; no CUDA device without ``--smoke``). What each check measures and its goal:
 benchmarks/README.md ("GPU checks"). This file imports no torch: a check that crashes or hangs takes only its own
-process down, and is reported as failed.
+process down, and is reported as failed. The checks' processes start as benchmarks/launch.py says (``python``, or
+``BENCHMARK_LAUNCHER``'s command, which the test suite's smoke run sets to its warm launcher).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from launch import LAUNCHER_VARIABLE, launcher  # noqa: E402  (benchmarks/launch.py)
+
 CHECKS_SCRIPT = HERE / "checks.py"
 DEFAULT_OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "gpu"
 #: The whole run on a GPU stays under 8 minutes: a check is given at most what is left of this, and is skipped
@@ -123,7 +127,8 @@ def _child_environment(smoke: bool) -> dict:
     the smoke run runs two at a time on the reference machine's two cores."""
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environment.get("PYTHONPATH")]))
-    environment["PYTHONUNBUFFERED"] = "1"
+    if not environment.get(LAUNCHER_VARIABLE):  # a forked process keeps its launcher's streams (benchmarks/launch.py)
+        environment["PYTHONUNBUFFERED"] = "1"
     if smoke:
         environment.setdefault("OMP_NUM_THREADS", "1")
     return environment
@@ -158,7 +163,7 @@ def run_check(check: Check, smoke: bool, output_dir: Path, deadline: float) -> d
     timeout = min(SMOKE_TIMEOUT_S if smoke else check.timeout_s, left)
     log, result_file = output_dir / "runs" / f"{check.name}.log", output_dir / "runs" / f"{check.name}.json"
     result_file.unlink(missing_ok=True)
-    command = [sys.executable, str(CHECKS_SCRIPT), check.name, "--result", str(result_file)] + ["--smoke"] * smoke
+    command = [*launcher(1), str(CHECKS_SCRIPT), check.name, "--result", str(result_file)] + ["--smoke"] * smoke
     start = time.monotonic()
     with open(log, "w") as handle:
         # a session of its own, so that a hung check is killed with the processes it started (launchers, compilers)
