@@ -102,6 +102,9 @@ def client(socket_path: str, num_processes: int, target: list) -> None:
                 sys.exit(f"warm_launch: no server at {socket_path} after 600 s; its log: {socket_path}.log")
             time.sleep(0.05)
     request = {"num_processes": num_processes, "target": target, "env": dict(os.environ), "cwd": os.getcwd()}
+    # a process started with SIGINT ignored (a shell's background job, nohup) hands that on to a script run by plain
+    # python; accelerate launch's workers get Python's handler whatever their launcher had
+    request["sigint_ignored"] = num_processes == 1 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     reply = b""
     while not reply.endswith(b"\n"):
@@ -317,7 +320,7 @@ def _run_process(request: dict, fds: list, rank: int, port, own_path: list) -> i
     np.random.seed()
     torch.seed()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request.get("sigint_ignored") else signal.default_int_handler)
     main_module = types.ModuleType("__main__")
     sys.modules["__main__"] = main_module
     try:
