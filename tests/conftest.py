@@ -71,15 +71,8 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=_start_rank)
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one test process per core, and one more. The tests of the launch itself (real launches, torchrun's
-    restarts, the exit tests) spend much of their time waiting, with a core idle: a third process on two cores took
-    the distributed tests from 8 min 25 s to 7 min 11 s at the same CPU time (CONTRIBUTING.md)."""
-    return (os.cpu_count() or 1) + 1
-
-
 # One intra-op thread per test process, and in the processes the tests start (unless OMP_NUM_THREADS is set): the
-# suite runs about one test process per core, so a second thread only waits for a core, spinning. The GAN example's
+# suite runs one test process per core, so a second thread only waits for a core, spinning. The GAN example's
 # test took 4 times longer with two threads on 2 cores, and up to 50 s while the other core ran a test.
 if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
