@@ -1,5 +1,5 @@
 """How the benchmarks start the processes they measure: ``python`` for one, ``accelerate launch`` on the CPU for
-several (as tests/conftest.py's ``real_launcher``).
+several (as tests/conftest.py's ``real_launcher`` and exit_stress/stress.py use).
 
 The environment variable ``BENCHMARK_LAUNCHER`` replaces both: a command that takes the number of processes, then the
 script and its arguments. The test suite's smoke runs (tests/test_benchmarks.py) set it to its warm launcher
@@ -19,10 +19,17 @@ LAUNCHER_VARIABLE = "BENCHMARK_LAUNCHER"
 
 
 def launcher(num_processes: int) -> list:
-    """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` new processes."""
+    """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` processes:
+    ``BENCHMARK_LAUNCHER``'s, else :func:`new_interpreters`."""
     launcher = os.environ.get(LAUNCHER_VARIABLE)
     if launcher:
         return [*shlex.split(launcher), str(num_processes)]
+    return new_interpreters(num_processes)
+
+
+def new_interpreters(num_processes: int) -> list:
+    """The start of a command that runs a script on ``num_processes`` new interpreters: plain ``python`` for one,
+    ``accelerate launch`` of one CPU job for several (tests/conftest.py's ``real_launcher``)."""
     if num_processes == 1:
         return [sys.executable]
     return [

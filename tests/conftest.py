@@ -87,24 +87,8 @@ def real_launcher(num_processes: int) -> list:
     ``accelerate launch`` for several, plain ``python`` for one. For the tests of the launch itself (the launcher's
     output and exit status, restarts, a rank's death that the launcher must handle, the environment a launch gives):
     the others use ``launcher``."""
-    if num_processes == 1:
-        return [sys.executable]
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        str(num_processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
-    ]
+    launch = load_module_from(pathlib.Path(__file__).parents[1] / "benchmarks" / "launch.py", "benchmark_launch")
+    return launch.new_interpreters(num_processes)
 
 
 #: Forks the suite's launches from an interpreter that already imported torch, Accelerate and the package.

@@ -24,6 +24,9 @@ import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from launch import new_interpreters  # noqa: E402  (benchmarks/launch.py)
+
 ABORT = "terminate called without an active exception"
 
 
@@ -37,22 +40,7 @@ def _shim() -> str:
 
 
 def launchers() -> dict:
-    accelerate = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
-    ]
+    accelerate = new_interpreters(2)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     return {"accelerate launch": accelerate, "torchrun": torchrun}
 
