@@ -220,6 +220,7 @@ def _update_count(state):
     return manifest["num_update_steps_completed"], state.name == "final"
 
 
+@pytest.mark.distributed
 def test_state_lookup_skips_a_manifest_whose_world_size_disagrees_with_its_rank_files(two_process_states, tmp_path):
     states, edited = _with_edited_manifest(two_process_states, tmp_path, world_size=1)
     config = {"save_dir": str(states), "out": str(tmp_path / "out.pt"), "epochs": 2, "size": 8}
@@ -230,6 +231,7 @@ def test_state_lookup_skips_a_manifest_whose_world_size_disagrees_with_its_rank_
     assert "Resuming from" in resumed.stdout and f"Resuming from {edited} " not in resumed.stdout
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("also", "problem"),
     [

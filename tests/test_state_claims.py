@@ -336,6 +336,7 @@ _TWO_PROCESSES = textwrap.dedent(
 )
 
 
+@pytest.mark.distributed
 def test_main_process_claims_for_every_process(tmp_path):
     """In a job of 2 processes the main process claims the folder; a claim of another live job refuses every process
     together (none left waiting in a collective), each naming the other job."""
