@@ -11,13 +11,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import warnings
 
 import pytest
 import torch
-from conftest import classification_dataset, make_mlp, make_trainer, regression_dataset
+from conftest import classification_dataset, launcher, make_mlp, make_trainer, regression_dataset
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
@@ -152,7 +151,7 @@ def test_weights_export_as_safetensors(tmp_path):
 
 _STOPPED_SAVE = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import os, signal, sys
     import torch
     from pytorch_accel_trainer.state.checkpointing import save_checkpoint_file
 
@@ -164,7 +163,8 @@ _STOPPED_SAVE = textwrap.dedent(
         if sys.argv[2] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         print("writing", flush=True)
-        time.sleep(120)
+        sys.stdin.read()  # alive until the test closes this pipe, then gone at once, the file never renamed
+        os._exit(0)
 
     torch.save = write_then_stop
     save_checkpoint_file({"model_state_dict": {"weight": torch.ones(3)}}, sys.argv[1])
@@ -180,21 +180,24 @@ def test_later_save_removes_stale_temporaries(tmp_path):
     """A later save removes the temporaries of killed saves, and never a live one's."""
     trainer = _trained_trainer()
     live = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "live.pt"), "live"], stdout=subprocess.PIPE, text=True
+        [*launcher(1), "-c", _STOPPED_SAVE, str(tmp_path / "live.pt"), "live"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert live.stdout.readline().strip() == "writing"
         killed = subprocess.run(
-            [sys.executable, "-c", _STOPPED_SAVE, str(tmp_path / "killed.pt"), "kill"], capture_output=True, text=True
+            [*launcher(1), "-c", _STOPPED_SAVE, str(tmp_path / "killed.pt"), "kill"], capture_output=True, text=True
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         (live_temporary,) = [name for name in _temporaries(tmp_path) if name.startswith(".live.pt.tmp-")]
         assert [name for name in _temporaries(tmp_path) if name.startswith(".killed.pt.tmp-")]
         trainer.save_checkpoint(tmp_path / "model.pt")
         assert _temporaries(tmp_path) == [live_temporary]  # the killed save's is gone, the live one's is untouched
-    finally:
-        live.kill()
-        live.wait()
+    finally:  # its launch (forked, tests/conftest.py's launcher) exits once the process is gone
+        live.stdin.close()
+        live.wait(timeout=60)
     trainer.save_checkpoint(tmp_path / "model.pt")
     assert _temporaries(tmp_path) == [] and sorted(os.listdir(tmp_path)) == ["model.pt"]
 

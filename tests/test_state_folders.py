@@ -11,13 +11,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import zlib
 
 import pytest
 import torch
-from conftest import regression_dataset
+from conftest import launcher, regression_dataset
 from torch import nn
 
 from pytorch_accel_trainer import Trainer
@@ -435,7 +434,7 @@ def test_other_format_versions_are_refused(states, version, problem):
 
 _STOPPED_SAVE = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import os, signal, sys
     import torch
     from torch import nn
     from pytorch_accel_trainer import Trainer
@@ -446,7 +445,8 @@ _STOPPED_SAVE = textwrap.dedent(
             if sys.argv[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             print("writing", flush=True)
-            time.sleep(120)
+            sys.stdin.read()  # alive until the test closes this pipe, then gone at once, the save unfinished
+            os._exit(0)
 
     files.crash_point = stop
     model = nn.Linear(1, 1)
@@ -470,13 +470,16 @@ def test_later_save_removes_killed_temporaries(tmp_path):
     whose claim of the folder was taken over from another host (whose liveness cannot be checked)."""
     parent = tmp_path / "states"
     live = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_SAVE, str(parent), "live", "9"], stdout=subprocess.PIPE, text=True
+        [*launcher(1), "-c", _STOPPED_SAVE, str(parent), "live", "9"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert live.stdout.readline().strip() == "writing"
         _claim_from_another_host(parent)  # a live job of this host would be refused: tests/test_state_claims.py
         killed = subprocess.run(
-            [sys.executable, "-c", _STOPPED_SAVE, str(parent), "kill", "6"], capture_output=True, text=True
+            [*launcher(1), "-c", _STOPPED_SAVE, str(parent), "kill", "6"], capture_output=True, text=True
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         left = {path.name for path in parent.iterdir()}
@@ -485,9 +488,9 @@ def test_later_save_removes_killed_temporaries(tmp_path):
         left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-")}
         assert left == {".tmp-checkpoint-00000009"}  # the killed save's is gone, the live one's is untouched
         assert {".metadata", "__0_0.distcp"} <= {path.name for path in (parent / ".tmp-checkpoint-00000009").iterdir()}
-    finally:
-        live.kill()
-        live.wait()
+    finally:  # its launch (forked, tests/conftest.py's launcher) exits once the process is gone
+        live.stdin.close()
+        live.wait(timeout=60)
     _run(parent, num_epochs=2)
     assert not [path for path in parent.iterdir() if path.name.startswith(".tmp-")]
 
