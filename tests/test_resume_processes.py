@@ -24,8 +24,8 @@ def _command(config, num_processes, launch=launcher):
 
 
 def _launch(config, num_processes=1, timeout=240, launch=launcher):
-    """The run of ``config``, forked from the warm launcher; ``launch=real_launcher`` where the launcher's handling of a
-    process's death is part of what a test checks (a rank that dies and the launcher that ends the others)."""
+    """The run of ``config``, forked from the warm launcher (which ends the other processes of a launch when one dies,
+    as torchrun does); ``launch=real_launcher`` for a run this test kills from outside."""
     return subprocess.run(
         _command(config, num_processes, launch), env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=timeout
     )
@@ -44,9 +44,7 @@ def _interrupted_then_resumed(
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
     # a process that stops itself stops as well forked; on several processes the launcher ends the others
-    stopped = _launch(
-        {**config, **interruption}, num_processes, launch=launcher if num_processes == 1 else real_launcher
-    )
+    stopped = _launch({**config, **interruption}, num_processes)
     assert stopped.returncode in expected_codes, (stopped.returncode, stopped.stderr[-3000:])
     assert not (folder / "out.pt").exists()
     reference_out = {"reference_out": str(tmp_path / "reference.pt")} if reference else {}

@@ -13,7 +13,7 @@ from pathlib import Path
 import fsspec
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal, launcher, real_launcher
+from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal, launcher
 from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -28,11 +28,11 @@ from pytorch_accel_trainer.state.training_state import list_complete_states, ver
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_state_run.py"
 
 
-def _launch(config: dict, env=None, launch=launcher) -> subprocess.CompletedProcess:
-    """The run of ``config`` on 2 processes, forked from the warm launcher; ``launch=real_launcher`` for a run whose
-    processes die (the launcher ends those that live on)."""
+def _launch(config: dict, env=None) -> subprocess.CompletedProcess:
+    """The run of ``config`` on 2 processes, forked from the warm launcher, which ends the other process when one dies
+    (SIGTERM, as torchrun does)."""
     return subprocess.run(
-        [*launch(2), str(SCRIPT), json.dumps(config)],
+        [*launcher(2), str(SCRIPT), json.dumps(config)],
         env=env or CPU_PROCESSES_ENV,
         capture_output=True,
         text=True,
@@ -42,7 +42,7 @@ def _launch(config: dict, env=None, launch=launcher) -> subprocess.CompletedProc
 
 def _killed_then_resumed(tmp_path: Path, config: dict, env=None) -> subprocess.CompletedProcess:
     """Launch the run with ``config`` (which kills it in a save), then again to its end with an uninterrupted run."""
-    killed = _launch({**config, "out": str(tmp_path)}, env, launch=real_launcher)
+    killed = _launch({**config, "out": str(tmp_path)}, env)
     assert killed.returncode != 0, "the crash point was never reached"
     assert not (tmp_path / "weights.safetensors").exists()
     resumed = _launch({**config, "crash_at": None, "out": str(tmp_path), "reference": True}, env)
