@@ -37,36 +37,49 @@ def pytest_report_header(config):
     return f"pytorch_accel_trainer tested with torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
-#: The longest tests on 2 CPU cores (30-200 s each with -n 2, busy), first: one that starts the shared launches of the
-#: multi-process tests' scenarios (``one_process_scenarios``, ``two_process_scenarios``), which the other tests that
-#: read them would wait for; then those of the files that take longest (the benchmark smoke runs, which start
-#: processes of their own, inductor's first compile, mypy), and the real launches (a rank killed, torchrun's
-#: restarts, the exit race).
-LONGEST_TESTS = (
-    "test_callbacks_distributed.py::test_two_processes_stop_together",
-    "test_benchmarks.py::test_quick_benchmark_runs_every_row",
-    "test_compile.py::test_empty_options_use_defaults",
-    "test_lint.py::test_mypy_reports_no_error_on_the_package",
-    "test_resume_processes.py::test_one_rank_killed_then_resume_bitwise",
-    "test_restarts.py::test_lost_process_restarts_and_resumes_bitwise",
-    "test_exit.py::test_quickstart_on_two_processes_exits_0",
+#: The test files that take longest on 2 CPU cores, longest first: pytest-xdist (--dist loadfile) hands out whole files
+#: in this order, then the other files with slow or distributed tests, then the rest, so that no long file starts last
+#: and keeps one core busy after the other ran out of work. First the file whose tests start the shared 2-process
+#: launch of the scenarios (``two_process_scenarios``), which the tests that read it wait for. Measured as the sum of
+#: a file's --durations with -n 2 on a busy machine (test_tune.py 129 s, test_streams.py 90 s, ... test_distributed.py
+#: 26 s); mypy and inductor's first compile as on a fresh clone, with no cache (about 40 s each). Refresh it when a
+#: file's time changes by much.
+LONGEST_FILES = (
+    "test_callbacks_distributed.py",
+    "test_tune.py",
+    "test_streams.py",
+    "test_restarts.py",
+    "test_resume_processes.py",
+    "test_notebooks.py",
+    "test_benchmarks.py",
+    "test_exit.py",
+    "test_docs_code.py",
+    "test_multi_node.py",
+    "test_async_save.py",
+    "test_sharded_state.py",
+    "test_training_state.py",
+    "test_lint.py",
+    "test_resume_resize.py",
+    "test_compile.py",
+    "test_resume_checks.py",
+    "test_cli.py",
+    "test_warm_launch.py",
+    "test_distributed.py",
 )
 
 
 def _start_rank(item) -> int:
-    """The longest tests first, in the order of LONGEST_TESTS, then the other slow or distributed ones, the rest."""
-    name = item.nodeid.rsplit("/", 1)[-1]
-    for rank, prefix in enumerate(LONGEST_TESTS):
-        if name.startswith(prefix):
-            return rank
-    return len(LONGEST_TESTS) + (0 if item.get_closest_marker("slow") or item.get_closest_marker("distributed") else 1)
+    """The files of LONGEST_FILES first, in its order, then those of the other slow or distributed tests, the rest."""
+    name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    if name in LONGEST_FILES:
+        return LONGEST_FILES.index(name)
+    return len(LONGEST_FILES) + (0 if item.get_closest_marker("slow") or item.get_closest_marker("distributed") else 1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n auto --dist loadfile``, set in pyproject.toml) the longest tests start first, then the
-    others marked slow or distributed, then the quick ones, so that no long test starts last and keeps one core busy
-    after the others ran out of work: xdist hands the files out in the order of their first test, and runs a file's
-    tests in this order. A run without workers keeps the order of the files."""
+    """Under pytest-xdist (``-n auto --dist loadfile``, set in pyproject.toml) the longest files start first (see
+    LONGEST_FILES): xdist hands the files out in the order of their first test. The sort is stable: a file's tests keep
+    their order. A run without workers keeps the order of the files."""
     if hasattr(config, "workerinput"):  # a worker's collection: the controller schedules in its order
         items.sort(key=_start_rank)
 
