@@ -141,17 +141,23 @@ def test_resume_continues_the_epoch(tmp_path):
         "write:rank_00000.pt",
         "write:shards",
         "write:trainer_state.pt",
-        "hash:.metadata",
-        "hash:__0_0.distcp",
+        "hash:parts.pt",
         "hash:trainer_state.pt",
         "manifest",
         "rename",
         "latest",
         "prune:step_5",
+        "sharded:write:shards",
+        "sharded:hash:.metadata",
+        "sharded:hash:__0_0.distcp",
     ],
 )
-def test_crash_during_save_resumes_exactly(tmp_path, references, monkeypatch, point):
-    """A crash at any point of a save leaves a loadable state, and resumes exactly."""
+def test_crash_during_save_resumes_exactly(tmp_path, references, monkeypatch, request, point):
+    """A crash at any point of a save leaves a loadable state, and resumes exactly (``sharded:``: of a sharded state,
+    DCP's shards and metadata)."""
+    if point.startswith("sharded:"):
+        request.getfixturevalue("sharded_layout")
+        point = point.removeprefix("sharded:")
     crashed = []
 
     def crash(name):  # once, when earlier states exist that the crash must not damage
@@ -186,9 +192,12 @@ def damage_file(path, damage: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("name", ["parts.pt", "trainer_state.pt", "rank_00000.pt", "__0_0.distcp", ".metadata"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
+def test_flipped_byte_or_truncation_detected(tmp_path, request, name, damage):
+    """A damaged file of a state (of a one-file state; DCP's files of a sharded one) is named, and no state resumed."""
+    if name in ("__0_0.distcp", ".metadata"):
+        request.getfixturevalue("sharded_layout")
     folder = _saved_state(tmp_path, max_checkpoints=1)
     damage_file(folder / name, damage)
     with pytest.raises(CheckpointError, match=rf"{name}: .*(XXH3-128 does not match|truncated)"):
@@ -200,7 +209,7 @@ def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-@pytest.mark.parametrize("name", ["trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("name", ["parts.pt", "trainer_state.pt", "rank_00000.pt"])
 def test_hostile_pickle_is_never_executed(tmp_path, name):
     """A hostile pickle in a torch file of the state is never executed, even with a forged manifest (DCP's files:
     test_state_folders.py)."""
@@ -211,7 +220,10 @@ def test_hostile_pickle_is_never_executed(tmp_path, name):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    (folder / name).write_bytes(pickle.dumps(Hostile()))
+    if name == "parts.pt":  # read memory-mapped: a torch file's zip format, whose pickle names the payload
+        torch.save(Hostile(), folder / name)
+    else:
+        (folder / name).write_bytes(pickle.dumps(Hostile()))
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     size, digest = file_digest(folder / name)
     manifest["files"][name] = {"size": size, CHECKSUM: digest}
