@@ -233,6 +233,38 @@ def test_hostile_pickle_is_never_executed(tmp_path, name):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("part, name", [("model", "0.bias"), ("optimizer", "0.bias")])
+def test_parts_file_of_another_shape_is_refused_before_loading(tmp_path, part, name):
+    """A one-file state whose parts file holds a tensor of another shape (its manifest forged to match) is refused by
+    the fit check, naming the tensor, before anything is loaded into the live model and optimizer."""
+    folder = _saved_state(tmp_path, max_checkpoints=1)
+    saved = torch.load(folder / "parts.pt", weights_only=True)
+    if part == "model":
+        saved["model"][name] = torch.zeros(3)
+        flat = f"model/{name}"
+    else:
+        saved["optimizer"]["state"][name]["exp_avg"] = torch.zeros(3)
+        flat = f"optimizer/state/{name}/exp_avg"
+    torch.save(saved, folder / "parts.pt")
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    size, digest = file_digest(folder / "parts.pt")
+    manifest["files"]["parts.pt"] = {"size": size, CHECKSUM: digest}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=())
+    with pytest.raises(
+        CheckpointError,
+        match=rf"does not fit this run's model, optimizer: other shapes \({flat}: saved \[3\], now \[16\]\)",
+    ):
+        trainer.load_training_state(folder)
+    assert_bitwise_equal(model.state_dict(), before)  # nothing was loaded
+    assert trainer.num_update_steps_completed == 0
+    moments = [value for state in trainer.optimizer.state_dict()["state"].values() for value in state.values()]
+    assert all(not value.any() for value in moments if value.dim() > 0)  # a fresh optimizer's zeros, none saved
+
+
 @pytest.mark.parametrize(
     "generator, edit, problem",
     [

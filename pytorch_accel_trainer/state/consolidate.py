@@ -74,11 +74,14 @@ def _read_weights(stored: StoredState, part: str) -> dict[str, torch.Tensor]:
         CheckpointError: the state holds no ``part``, or a file of it cannot be read.
     """
     where = stored.url or stored.folder
-    if stored.layout == ONE_FILE:
-        saved = read_parts_file(stored.folder)
+    if stored.layout == ONE_FILE:  # memory-mapped: the model's tensors alone are read, copied out of the file
+        saved = read_parts_file(stored.folder, mmap=True)
         if part not in saved:
             raise CheckpointError(f"{where} holds no {part!r} (it holds {', '.join(sorted(saved))}).")
-        return dict(saved[part])
+        weights = saved[part]
+        if not all(isinstance(tensor, torch.Tensor) for tensor in weights.values()):
+            raise CheckpointError(f"{where}: its {part!r} holds values that are no tensors; it was altered.")
+        return {name: tensor.clone() for name, tensor in weights.items()}
     prefix = f"{part}{SEPARATOR}"
     try:
         names = saved_shapes(read_metadata(stored.folder))

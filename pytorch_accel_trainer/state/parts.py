@@ -688,17 +688,19 @@ def agreed(processes: Processes, step, what: str) -> list:
 # ------------------------------------------------------------------------------------------------
 
 
-def read_parts_file(folder: Path) -> dict:
+def read_parts_file(folder: Path, mmap: bool = False) -> dict:
     """The sharded parts of a verified one-file state in ``folder``: their full state dicts, by part name, read with
-    ``torch.load(weights_only=True)``, memory-mapped (a tensor's bytes are read as it is used, from the page cache the
-    verification filled).
+    ``torch.load(weights_only=True)``. With ``mmap``, memory-mapped: a tensor's bytes are read only if it is used
+    (the fit check reads names and shapes alone); such tensors must not outlive the read (an optimizer that took
+    them would keep the file mapped, and its disk space taken after the state is pruned), so a load reads the file
+    whole.
 
     Raises:
         CheckpointError: the file is no torch file of plain values (see :func:`load_tensors_file`), or does not map
             part names to state dicts.
     """
     path = folder / PARTS_FILE
-    saved = load_tensors_file(path, mmap=True)
+    saved = load_tensors_file(path, mmap=mmap)
     if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
         raise CheckpointError(f"{path}: not the state dicts of a state's parts, by name; it was altered.")
     return saved
@@ -724,7 +726,7 @@ def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> 
         )
     live = StateContent(parts, {}, {}).split()
     if stored.layout == ONE_FILE:
-        saved = read_parts_file(folder)
+        saved = read_parts_file(folder, mmap=True)
         shapes = {
             name: tuple(tensor.shape)
             for part in parts
