@@ -20,8 +20,9 @@ The two layouts of the sharded parts:
 
 - **One file** (``one_file``: a state written by one process, the most common run). The parts' full state dicts,
   tensors and plain values together as ``state_dict()`` returns them, by part name, in ``parts.pt``: one
-  ``torch.save``, read back with ``torch.load(weights_only=True)``, memory-mapped. It resumes on any number of
-  processes: each loads the full tensors into its part (under FSDP, its shard of them: a full state dict).
+  ``torch.save``, read back with ``torch.load(weights_only=True)`` (memory-mapped for the fit check, which reads the
+  names and shapes alone). It resumes on any number of processes: each loads the full tensors into its part (under
+  FSDP, its shard of them: a full state dict).
 - **Sharded** (``sharded``: several processes). Each process writes the part of the tensors it holds (under FSDP its
   shard; under DDP DCP's planner spreads the replicated tensors over the processes), in parallel, straight from the
   live tensors, through DCP: no process gathers the full state. DCP's metadata (``.metadata``, written by the main
@@ -768,6 +769,10 @@ def load_sharded(
     if stored.layout == ONE_FILE:
         saved = read_parts_file(folder)
         for name, part in parts.items():
+            if name not in saved:
+                raise CheckpointError(
+                    f"{folder / PARTS_FILE}: holds no {name}, which its trainer file lists; it was altered."
+                )
             part.load_state_dict(saved[name])
         return
     live_tensors = live.tensors or {}
