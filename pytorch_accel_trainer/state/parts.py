@@ -691,10 +691,10 @@ def agreed(processes: Processes, step, what: str) -> list:
 
 def read_parts_file(folder: Path, mmap: bool = False) -> dict:
     """The sharded parts of a verified one-file state in ``folder``: their full state dicts, by part name, read with
-    ``torch.load(weights_only=True)``. With ``mmap``, memory-mapped: a tensor's bytes are read only if it is used
-    (the fit check reads names and shapes alone); such tensors must not outlive the read (an optimizer that took
-    them would keep the file mapped, and its disk space taken after the state is pruned), so a load reads the file
-    whole.
+    ``torch.load(weights_only=True)``. With ``mmap``, memory-mapped: a tensor's bytes are read only as it is used
+    (the fit check reads names and shapes alone), from the page cache the verification filled; such tensors must not
+    outlive the read (an optimizer that kept them would keep the file mapped, and its disk space taken once the state
+    is pruned).
 
     Raises:
         CheckpointError: the file is no torch file of plain values (see :func:`load_tensors_file`), or does not map
@@ -705,6 +705,12 @@ def read_parts_file(folder: Path, mmap: bool = False) -> dict:
     if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
         raise CheckpointError(f"{path}: not the state dicts of a state's parts, by name; it was altered.")
     return saved
+
+
+def _copied(state: dict, name: str) -> dict:
+    """``state`` (of the part ``name``) with each tensor copied into memory of its own."""
+    tensors, plain = split_tensors(state, name)
+    return join_tensors(plain, {flat: tensor.clone() for flat, tensor in tensors.items()}, name)
 
 
 def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> StateContent:
@@ -767,13 +773,14 @@ def load_sharded(
     folder = stored.folder
     live = live or check_fit(stored, shared, parts)
     if stored.layout == ONE_FILE:
-        saved = read_parts_file(folder)
+        saved = read_parts_file(folder, mmap=True)  # the verified file's pages, read as they are copied
         for name, part in parts.items():
             if name not in saved:
                 raise CheckpointError(
                     f"{folder / PARTS_FILE}: holds no {name}, which its trainer file lists; it was altered."
                 )
-            part.load_state_dict(saved[name])
+            # a model copies what it is given; an optimizer keeps it, so it is given copies, never the mapped file
+            part.load_state_dict(saved[name] if isinstance(part, ModelState) else _copied(saved[name], name))
         return
     live_tensors = live.tensors or {}
     try:
