@@ -38,6 +38,7 @@ Either way, :func:`check_fit` names the tensors whose names or shapes differ fro
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -707,12 +708,6 @@ def read_parts_file(folder: Path, mmap: bool = False) -> dict:
     return saved
 
 
-def _copied(state: dict, name: str) -> dict:
-    """``state`` (of the part ``name``) with each tensor copied into memory of its own."""
-    tensors, plain = split_tensors(state, name)
-    return join_tensors(plain, {flat: tensor.clone() for flat, tensor in tensors.items()}, name)
-
-
 def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> StateContent:
     """Check that a verified state (``shared``: its trainer file) holds each of the sharded ``parts`` with tensors of
     the live ones' names and shapes (read from its parts file, or its DCP metadata); return the live parts, split
@@ -780,7 +775,7 @@ def load_sharded(
                     f"{folder / PARTS_FILE}: holds no {name}, which its trainer file lists; it was altered."
                 )
             # a model copies what it is given; an optimizer keeps it, so it is given copies, never the mapped file
-            part.load_state_dict(saved[name] if isinstance(part, ModelState) else _copied(saved[name], name))
+            part.load_state_dict(saved[name] if isinstance(part, ModelState) else copy.deepcopy(saved[name]))
         return
     live_tensors = live.tensors or {}
     try:
