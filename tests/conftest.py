@@ -366,6 +366,16 @@ def recorder() -> RecordingCallback:
     return RecordingCallback()
 
 
+@pytest.fixture
+def sharded_layout(monkeypatch):
+    """States written in this test on one process are sharded ones (DCP's shards and ``.metadata``), as several
+    processes write them: the properties of that layout checked without launching processes."""
+    from pytorch_accel_trainer.state import parts
+    from pytorch_accel_trainer.state.files import SHARDED
+
+    monkeypatch.setattr(parts, "layout_of", lambda processes: SHARDED)
+
+
 #: What botocore needs to talk to a local S3 endpoint (moto accepts any credentials).
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

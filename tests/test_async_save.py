@@ -21,8 +21,8 @@ def reference(tmp_path_factory):
 
 
 def _state_files(folder):
-    """The bytes of every file of a state but its manifest and DCP's metadata (which records a save's own id and
-    folder: compared by :func:`_shards_layout`)."""
+    """The bytes of every file of a state but its manifest and DCP's metadata of a sharded state (which records a
+    save's own id and folder: compared by :func:`_shards_layout`)."""
     return {
         path.name: path.read_bytes() for path in folder.iterdir() if path.name not in (MANIFEST_NAME, METADATA_FILE)
     }
@@ -39,8 +39,11 @@ def _manifest_without_metadata(state):
     return {**state.manifest, "run_id": None, "files": files}  # two runs
 
 
-def test_async_save_equals_sync_save(tmp_path, reference):
-    """An asynchronous save writes the same state as a synchronous one."""
+@pytest.mark.parametrize("layout", ["one_file", "sharded"])
+def test_async_save_equals_sync_save(tmp_path, request, reference, layout):
+    """An asynchronous save writes the same state as a synchronous one, of either layout."""
+    if layout == "sharded":
+        request.getfixturevalue("sharded_layout")
     synchronous = _run(tmp_path / "sync", num_epochs=1)
     asynchronous = _run(tmp_path / "async", num_epochs=1, asynchronous=True)
     assert not async_save.saver.pending  # the end of train() waited for the last one
@@ -49,10 +52,12 @@ def test_async_save_equals_sync_save(tmp_path, reference):
     assert [state.folder.name for state in sync_states] == [state.folder.name for state in async_states]
     for sync_state, async_state in zip(sync_states, async_states):
         verify_folder(async_state.folder)
+        assert async_state.layout == layout
         assert _manifest_without_metadata(async_state) == _manifest_without_metadata(sync_state)
         # same files, sizes and XXH3-128: the same bytes, and the same shards layout
         assert _state_files(async_state.folder) == _state_files(sync_state.folder)
-        assert _shards_layout(async_state.folder) == _shards_layout(sync_state.folder)
+        if layout == "sharded":
+            assert _shards_layout(async_state.folder) == _shards_layout(sync_state.folder)
 
 
 def test_crash_then_async_resume_is_bitwise(tmp_path, reference):
@@ -64,9 +69,16 @@ def test_crash_then_async_resume_is_bitwise(tmp_path, reference):
     assert_bitwise_equal(_final_state(resumed), reference)
 
 
-@pytest.mark.parametrize("point", ["write:shards", "hash:__0_0.distcp", "manifest", "rename"])
-def test_background_failure_raised_next_save(tmp_path, reference, monkeypatch, point):
-    """A failure in the background is raised at the next save, and leaves the last good state."""
+@pytest.mark.parametrize(
+    "point",
+    ["write:shards", "hash:parts.pt", "manifest", "rename", "sharded:write:shards", "sharded:hash:__0_0.distcp"],
+)
+def test_background_failure_raised_next_save(tmp_path, request, reference, monkeypatch, point):
+    """A failure in the background is raised at the next save, and leaves the last good state (``sharded:``: of a
+    sharded state)."""
+    if point.startswith("sharded:"):
+        request.getfixturevalue("sharded_layout")
+        point = point.removeprefix("sharded:")
     failed = []
 
     def fail(name):  # once, in the background thread, when earlier states exist that it must not damage

@@ -277,15 +277,17 @@ def test_truncated_or_empty_file(tmp_path, damage):
         load_checkpoint_file(tmp_path / "model.pt")
 
 
-@pytest.mark.parametrize("full_file", ["trainer_state.pt", "__0_0.distcp"])
+@pytest.mark.parametrize("full_file", ["trainer_state.pt", "parts.pt", "__0_0.distcp"])
 @pytest.mark.parametrize("asynchronous", [False, True])
-def test_full_disk_during_state_save(tmp_path, monkeypatch, asynchronous, full_file):
-    """A full disk during a training-state save is an ENOSPC error, and the earlier states stay. The write of one of
-    its files (the shared torch file, or this process's shard, written through DCP) goes to /dev/full, so the kernel's
-    own ENOSPC reaches the save (synchronous, and the background writer of an asynchronous one, whose error the end of
-    train() raises); the partial state folder is removed, the earlier state resumes."""
+def test_full_disk_during_state_save(tmp_path, request, monkeypatch, asynchronous, full_file):
+    """A full disk during a training-state save is an ENOSPC error, and the earlier states stay. The write of one of its
+    files (the shared torch file, the parts file, or a sharded state's shard, written through DCP) goes to /dev/full, so
+    the kernel's own ENOSPC reaches the save (synchronous, and the background writer of an asynchronous one, whose error
+    the end of train() raises); the partial state folder is removed, the earlier state resumes."""
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
+    if full_file == "__0_0.distcp":
+        request.getfixturevalue("sharded_layout")
     import builtins
     from pathlib import Path
 

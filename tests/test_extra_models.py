@@ -303,25 +303,34 @@ def test_resumed_run_equals_uninterrupted(tmp_path, accumulation, asynchronous):
     newest = list_complete_states(tmp_path / "states")[-1]
     assert newest.folder.name == "final"  # saved as the run ended: the critic's final weights
     assert_bitwise_equal(full_weights(newest.folder, "extra_model:critic"), reference["extra_models"]["critic"])
-    saved = set(read_metadata(newest.folder).state_dict_metadata)
-    assert {f"extra_optimizer:critic/state/{name}/exp_avg" for name in ("0.weight", "0.bias", "3.weight")} <= saved
+    saved = torch.load(newest.folder / "parts.pt", weights_only=True)["extra_optimizer:critic"]["state"]
+    assert all("exp_avg" in saved[name] for name in ("0.weight", "0.bias", "3.weight"))
 
 
-def test_extras_files_verified_by_manifest(tmp_path):
-    """The bytes of the extra optimizer's state in the shards are verified by the manifest."""
+@pytest.mark.parametrize("layout", ["one_file", "sharded"])
+def test_extras_files_verified_by_manifest(tmp_path, request, layout):
+    """The bytes of the extra optimizer's state (in the parts file, or in DCP's shards) are verified by the manifest."""
+    if layout == "sharded":
+        request.getfixturevalue("sharded_layout")
     run_with_states(tmp_path)
     folder = list_complete_states(tmp_path)[-1].folder
-    (info,) = [
-        info
-        for index, info in read_metadata(folder).storage_data.items()
-        if index.fqn == "extra_optimizer:critic/state/0.weight/exp_avg"
-    ]
-    path = folder / info.relative_path
+    if layout == "sharded":
+        (info,) = [
+            info
+            for index, info in read_metadata(folder).storage_data.items()
+            if index.fqn == "extra_optimizer:critic/state/0.weight/exp_avg"
+        ]
+        path, offset, length = folder / info.relative_path, info.offset, info.length
+    else:
+        saved = torch.load(folder / "parts.pt", weights_only=True)
+        tensor_bytes = saved["extra_optimizer:critic"]["state"]["0.weight"]["exp_avg"].numpy().tobytes()
+        path = folder / "parts.pt"
+        offset, length = path.read_bytes().index(tensor_bytes), len(tensor_bytes)
     data = bytearray(path.read_bytes())
-    data[info.offset + info.length // 2] ^= 0xFF
+    data[offset + length // 2] ^= 0xFF
     path.write_bytes(bytes(data))
 
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: its XXH3-128 does not match the manifest"):
+    with pytest.raises(CheckpointError, match=rf"{path.name}: its XXH3-128 does not match the manifest"):
         verify_folder(folder)
 
 

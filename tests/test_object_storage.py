@@ -109,7 +109,7 @@ def test_a_partial_upload_is_never_resumed_from(tmp_path, memory_store, monkeypa
         _run(url, resume_from=url)
     monkeypatch.undo()
     assert not memory_store.exists("/bucket/partial/step_9/manifest.json") and memory_store.exists(
-        "/bucket/partial/step_9/__0_0.distcp"
+        "/bucket/partial/step_9/parts.pt"
     )
     resumed = _run(url, resume_from=url)  # from step_6, the newest complete state
     assert_bitwise_equal(_end_state(resumed), reference)
@@ -257,7 +257,7 @@ def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     script = Path(__file__).parent / "scripts" / "resume_run.py"
     env = {**CPU_PROCESSES_ENV, **S3_ENV, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
     config = {"save_dir": "s3://states-bucket/killed", "out": str(tmp_path / "out.pt"), "save_every": 2}
-    # SIGKILL while the third state's trainer_state.pt is uploaded: its shards are in the store, its manifest is not
+    # SIGKILL while the third state's trainer_state.pt is uploaded: its parts are in the store, its manifest is not
     killed = subprocess.run(
         [*launcher(1), str(script), json.dumps({**config, "crash_at": "upload:trainer_state.pt", "crash_on_hit": 3})],
         env=env,
@@ -267,8 +267,8 @@ def test_killed_mid_upload_to_s3_resumes(tmp_path, s3_endpoint):
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     store = fsspec.filesystem("s3", skip_instance_cache=True)
-    assert store.exists("states-bucket/killed/step_6/__0_0.distcp")
-    assert store.exists("states-bucket/killed/step_6/.metadata")
+    assert store.exists("states-bucket/killed/step_6/parts.pt")
+    assert store.exists("states-bucket/killed/step_6/rank_00000.pt")
     assert not store.exists("states-bucket/killed/step_6/manifest.json")
     resumed = subprocess.run(
         [*launcher(1), str(script), json.dumps({**config, "reference_out": str(tmp_path / "reference.pt")})],
@@ -331,7 +331,7 @@ def test_a_store_folder_with_files_but_no_state_is_an_error(memory_store):
     ):
         _run("memory://bucket/new", resume_from="memory://bucket/stray", num_epochs=1)
     assert not memory_store.exists("/bucket/new")
-    memory_store.pipe_file("/bucket/cut/step_3/__0_0.distcp", b"partial")
+    memory_store.pipe_file("/bucket/cut/step_3/parts.pt", b"partial")
     memory_store.pipe_file("/bucket/cut/latest", b"step_3\n")
     trainer = _run("memory://bucket/cut", resume_from="memory://bucket/cut", num_epochs=1)
     assert trainer.num_update_steps_completed == 8
@@ -377,7 +377,7 @@ def test_load_training_state_from_a_store(memory_store):
 def test_damaged_state_in_store_is_skipped(memory_store):
     """A damaged state in a store is skipped with a warning; a store with no good state is an error."""
     _run("memory://bucket/damaged", num_epochs=1)  # 8 updates: step_6 and final kept
-    memory_store.pipe_file("/bucket/damaged/final/__0_0.distcp", b"not the state's shard")
+    memory_store.pipe_file("/bucket/damaged/final/parts.pt", b"not the state's parts")
     with pytest.warns(
         UserWarning, match=r"Skipped a damaged training state \(resuming from memory://bucket/damaged/step_6"
     ):
@@ -385,6 +385,6 @@ def test_damaged_state_in_store_is_skipped(memory_store):
     assert resumed.num_update_steps_completed == 8  # the two updates after step_6 again
     for name in memory_store.ls("/bucket/damaged", detail=False):
         if memory_store.isdir(name):
-            memory_store.pipe_file(f"{name}/__0_0.distcp", b"damaged")
+            memory_store.pipe_file(f"{name}/parts.pt", b"damaged")
     with pytest.raises(CheckpointError, match=r"memory://bucket/damaged holds \d training state\(s\) and none can be"):
         _run("memory://bucket/damaged", resume_from="memory://bucket/damaged")

@@ -34,8 +34,12 @@ def _mode(path):
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-def test_written_files_follow_the_umask(tmp_path, umask_027):
-    """Weights, training states and the run folder's files follow the umask like every other file."""
+@pytest.mark.parametrize("layout", ["one_file", "sharded"])
+def test_written_files_follow_the_umask(tmp_path, request, umask_027, layout):
+    """Weights, training states (of either layout) and the run folder's files follow the umask like every other
+    file."""
+    if layout == "sharded":
+        request.getfixturevalue("sharded_layout")
     trainer = _trainer([SaveTrainingStateCallback(tmp_path / "states"), RunFolderCallback(tmp_path, "run")])
     trainer.train(regression_dataset(4), num_epochs=1, per_device_batch_size=2)
     trainer.save_weights(tmp_path / "weights.safetensors")
@@ -43,8 +47,7 @@ def test_written_files_follow_the_umask(tmp_path, umask_027):
     written = [
         tmp_path / "weights.safetensors",
         tmp_path / "run" / "model.safetensors",
-        state / "__0_0.distcp",  # the shard and metadata that DCP writes
-        state / ".metadata",
+        *([state / "parts.pt"] if layout == "one_file" else [state / "__0_0.distcp", state / ".metadata"]),
         state / "trainer_state.pt",
         state / "rank_00000.pt",
         state / "manifest.json",

@@ -10,6 +10,10 @@ batches on 1 and 2 processes (10 and 5 rounds), but not on 3 or 4 (12 and 16 sam
 the last batch of a process. Those repeats are the only samples allowed twice. One launch per number of processes
 (the first run, then one resume each); a resume on another number of processes first tries without
 ``allow_resume_changes``, which must be refused on every process alike.
+
+And the other way: a state saved by one process (one file, the plain model) resumed on 2 processes, under FSDP2 (each
+process takes its shard of the full tensors) and under DDP: the weights loaded bit for bit, and every remaining sample
+of the interrupted epoch trained once.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CPU_PROCESSES_ENV, launcher
+import torch
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, launcher
 
 from pytorch_accel_trainer.state.training_state import list_complete_states
 
@@ -40,8 +45,8 @@ RESIZED = [1, 3, 4]
 MISLEADING = ("does not fit this model", "holds no state for process")
 
 
-def _launch(folder: Path, phase: str, num_processes: int) -> subprocess.CompletedProcess:
-    command = [*launcher(num_processes), str(SCRIPT), str(folder), phase, str(num_processes)]
+def _launch(folder: Path, phase: str, num_processes: int, parallel: str = "fsdp2") -> subprocess.CompletedProcess:
+    command = [*launcher(num_processes), str(SCRIPT), str(folder), phase, str(num_processes), parallel]
     return subprocess.run(command, env=CPU_PROCESSES_ENV, capture_output=True, text=True, timeout=240)
 
 
@@ -139,9 +144,12 @@ def test_resume_on_other_process_count_trains_each_remaining_sample_once(first_r
     launch = resumed(num_processes)
     _check_launch(launch.completed, f"the resume on {num_processes} process(es)")
     assert "Resuming from" in launch.completed.stdout
-    after_by_rank = launch.ids("resume")
+    _assert_each_remaining_sample_trained_once(_trained_before_the_stop(first_run), launch.ids("resume"), num_processes)
+
+
+def _assert_each_remaining_sample_trained_once(before: list, after_by_rank: list, num_processes: int) -> None:
+    """``before``: the samples of epoch 2 trained before the stop; ``after_by_rank``: each resumed process's ids."""
     assert {epoch for ids in after_by_rank for epoch in ids} == {EPOCH}, "the resume trains the rest of epoch 2 only"
-    before = _trained_before_the_stop(first_run)
     after = [sample for ids in after_by_rank for sample in _flat(ids[EPOCH])]
     remaining = NUM_SAMPLES - len(before)
     # even_batches: the last round of batches is completed with repeated samples (8 on 3 or 4 processes, none on 1)
@@ -195,3 +203,34 @@ def test_resume_on_other_process_count_needs_allow_resume_changes(resumed, num_p
     assert "allow_resume_changes" in message and "world_size" in message, message
     assert not [phrase for phrase in MISLEADING if phrase in message], message
     assert "does not fit this model" not in launch.completed.stderr, _errors(launch.completed.stderr)
+
+
+@pytest.fixture(scope="module")
+def one_process_first_run(tmp_path_factory) -> Launch:
+    """The run stopped inside epoch 2 on one process (the plain model), with its state in ``states/``."""
+    folder = tmp_path_factory.mktemp("first-1")
+    completed = _launch(folder, "first", 1)
+    _check_launch(completed, "the first run (1 process)")
+    return Launch(folder, 1, completed)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", ["fsdp2", "ddp"])
+def test_one_process_state_resumes_on_two_processes(one_process_first_run, tmp_path_factory, parallel):
+    """A one-process state (its model and optimizer in one file) resumed on 2 processes: under FSDP2 each process
+    takes its shard of the full tensors, under DDP all of them; the weights the resume starts from are the saved
+    ones, bit for bit, and every remaining sample of the interrupted epoch is trained once."""
+    (state,) = list_complete_states(one_process_first_run.folder / "states")
+    assert state.layout == "one_file" and state.manifest["world_size"] == 1
+    folder = tmp_path_factory.mktemp(f"resume-one-file-{parallel}")
+    shutil.copytree(one_process_first_run.folder / "states", folder / "states")
+    launch = Launch(folder, 2, _launch(folder, "resume", 2, parallel))
+    _check_launch(launch.completed, f"the resume of a one-process state on 2 processes ({parallel})")
+    assert "Resuming from" in launch.completed.stdout
+    saved = torch.load(state.folder / "parts.pt", weights_only=True)["model"]
+    assert_bitwise_equal(torch.load(folder / "loaded.pt", weights_only=True), saved)
+    before = _trained_before_the_stop(one_process_first_run)
+    _assert_each_remaining_sample_trained_once(before, launch.ids("resume"), 2)
+    records = launch.strict()  # without allow_resume_changes: refused on both processes, naming the change
+    assert all(record["raised"] and "world_size" in record["message"] for record in records), records

@@ -104,7 +104,15 @@ def _tiny_state(tmp_path: Path) -> tuple[Trainer, Path]:
     return trainer, trainer.save_training_state(tmp_path / "states")
 
 
-def test_consolidate_writes_the_full_weights(tmp_path, capsys):
+@pytest.fixture(params=["one_file", "sharded"])
+def layout(request) -> str:
+    """The layout of the states the test writes on its one process: one file, or DCP's shards (as several write)."""
+    if request.param == "sharded":
+        request.getfixturevalue("sharded_layout")
+    return request.param
+
+
+def test_consolidate_writes_the_full_weights(tmp_path, capsys, layout):
     trainer, state = _tiny_state(tmp_path)
     expected = trainer.get_model().state_dict()
     assert console_main(["consolidate", str(tmp_path / "states"), str(tmp_path / "model.safetensors")]) == 0
@@ -116,15 +124,15 @@ def test_consolidate_writes_the_full_weights(tmp_path, capsys):
     assert_bitwise_equal(fresh.get_model().state_dict(), expected)
 
 
-def test_consolidate_refuses_bad_outputs_and_damaged_states(tmp_path, capsys):
+def test_consolidate_refuses_bad_outputs_and_damaged_states(tmp_path, capsys, layout):
     _, state = _tiny_state(tmp_path)
     assert console_main(["consolidate", str(state), str(tmp_path / "model.bin")]) == 2
     assert "is not a file name ending in one of .safetensors" in capsys.readouterr().err
-    shard = state / "__0_0.distcp"
+    shard = state / ("parts.pt" if layout == "one_file" else "__0_0.distcp")
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: its XXH3-128 does not match the manifest"):
+    with pytest.raises(CheckpointError, match=rf"{re.escape(shard.name)}: its XXH3-128 does not match the manifest"):
         full_weights(state)
     assert not (tmp_path / "model.safetensors").exists()
 
@@ -173,8 +181,9 @@ def test_consolidate_writes_models_only_never_an_optimizer(tmp_path):
     assert not (tmp_path / "opt.pt").exists()
 
 
-def test_consolidate_reads_the_model_tensors_alone(tmp_path, monkeypatch):
-    """The model's tensors are read, not the optimizer's; the docs that describe consolidate's memory say so."""
+def test_consolidate_reads_the_model_tensors_alone(tmp_path, monkeypatch, sharded_layout):
+    """The model's tensors are read from a sharded state, not the optimizer's (a one-file state's are memory-mapped:
+    only the model's are read); the docs that describe consolidate's memory say so."""
     import torch.distributed.checkpoint as dcp
 
     _, state = _tiny_state(tmp_path)
@@ -212,7 +221,7 @@ def test_consolidate_refuses_standard_input_files_and_folders_without_a_state(tm
     assert not (tmp_path / "m.safetensors").exists()
 
 
-def test_consolidate_reads_the_training_states_of_a_run_folder(tmp_path):
+def test_consolidate_reads_the_training_states_of_a_run_folder(tmp_path, layout):
     trainer, _ = _tiny_state(tmp_path / "run" / "ignored")
     run = tmp_path / "run"
     (run / "ignored" / "states").rename(run / "training_states")
@@ -233,7 +242,7 @@ def test_consolidate_refuses_a_folder_as_output_with_a_name_it_takes(tmp_path, c
     assert console_main(["consolidate", str(state), suggested.group(1)]) == 0
 
 
-def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path):
+def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path, sharded_layout):
     """DCP pickles its .metadata; the reader rebuilds DCP's own classes only, so a planted payload is refused."""
     import pickle
 
@@ -253,7 +262,7 @@ def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path):
     assert not marker.exists()
 
 
-def test_metadata_cannot_point_outside_the_state(tmp_path):
+def test_metadata_cannot_point_outside_the_state(tmp_path, sharded_layout):
     """A forged .metadata (its manifest entry forged too) that places the tensors in a file outside the state's folder
     is refused: nothing outside the folder is read."""
     import pickle

@@ -61,7 +61,8 @@ def _rehash(folder, name):
 
 @pytest.fixture
 def states(tmp_path):
-    """A folder of four good states (after updates 1 to 4) and a secret file beside it."""
+    """A folder of four good states (after updates 1 to 4; one process's: one file each) and a secret file beside
+    it."""
     parent = tmp_path / "states"
     _run(parent)
     (tmp_path / "secret").write_bytes(b"s" * SECRET_SIZE)
@@ -74,10 +75,10 @@ def _list_outside(manifest, secret, name):
 
 
 def _link_file(folder, secret):
-    outside = secret.parent / "shard-copy.distcp"  # the very bytes the manifest lists: the hash would check out
-    shutil.copyfile(folder / "__0_0.distcp", outside)
-    (folder / "__0_0.distcp").unlink()
-    (folder / "__0_0.distcp").symlink_to(outside)
+    outside = secret.parent / "parts-copy.pt"  # the very bytes the manifest lists: the hash would check out
+    shutil.copyfile(folder / "parts.pt", outside)
+    (folder / "parts.pt").unlink()
+    (folder / "parts.pt").symlink_to(outside)
 
 
 def _link_manifest(folder, secret):
@@ -112,7 +113,7 @@ DAMAGES = {
     ),
     "a linked file": (
         _link_file,
-        r"__0_0\.distcp: a symbolic link; a state's files must be regular files in its folder",
+        r"parts\.pt: a symbolic link; a state's files must be regular files in its folder",
     ),
     "a linked manifest": (_link_manifest, r"manifest\.json: a symbolic link"),
     "a linked state folder": (_link_folder, r"step_4: a symbolic link; states are read only from folders inside"),
@@ -185,7 +186,7 @@ BAD_FIELDS = [
         r"files\['__0_0\.distcp'\] is .*; it must be \{'size': a whole number >= 0, 'xxh3_128': 32 hex digits\}",
     ),
     ("files", {"__0_0.distcp": {"size": 1, "xxh3_128": "xyz"}}, r"files\['__0_0\.distcp'\] is .*'xyz'"),
-    (  # a CRC32 as format 2 listed it, in a manifest that claims format 4
+    (  # a CRC32 as format 2 listed it, in a manifest that claims format 5
         "files",
         {"__0_0.distcp": {"size": 1, "crc32": "0" * 8}},
         r"files\['__0_0\.distcp'\] is .*'crc32'.*; it must be \{'size': .*'xxh3_128': 32 hex digits\}",
@@ -193,13 +194,17 @@ BAD_FIELDS = [
     (
         "files",
         {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}, "trainer_state.pt": {"size": 1, "xxh3_128": "0" * 32}},
-        r"files lists no \.metadata, which every training state holds",
+        r"files lists no parts\.pt, which every training state of layout 'one_file' holds",
     ),
     (
         "files",
-        {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}, ".metadata": {"size": 1, "xxh3_128": "0" * 32}},
-        r"files lists no trainer_state\.pt, which every training state holds",
+        {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}, "parts.pt": {"size": 1, "xxh3_128": "0" * 32}},
+        r"files lists no trainer_state\.pt, which every training state of layout 'one_file' holds",
     ),
+    ("layout", "zip", r"layout is 'zip'; it must be one of \('one_file', 'sharded'\)"),
+    ("layout", ["one_file"], r"layout is \['one_file'\]; it must be one of"),
+    ("layout", None, r"layout is None; it must be one of"),  # a manifest that names no layout
+    ("layout", "sharded", r"files lists no \.metadata, which every training state of layout 'sharded' holds"),
 ]
 
 
@@ -223,8 +228,34 @@ class _Hostile:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_planted_pickle_never_runs(states):
+@pytest.fixture
+def sharded_states(sharded_layout, states):
+    """As ``states``, of the sharded layout (DCP's shards and metadata, as several processes write them)."""
+    return states
+
+
+def test_a_one_process_state_is_one_file_beside_its_own(states):
+    """One process's state holds its model and optimizer in one torch file, beside its trainer and rank files."""
+    state = list_complete_states(states)[-1]
+    assert state.manifest["layout"] == "one_file"
+    assert set(state.manifest["files"]) == {"parts.pt", "trainer_state.pt", "rank_00000.pt"}
+    saved = torch.load(state.folder / "parts.pt", weights_only=True)
+    assert set(saved) == {"model", "optimizer"} and set(saved["model"]) == {"weight", "bias"}
+
+
+def test_a_manifest_of_one_file_names_one_process(states):
+    """A one-file state is one process's: a manifest that says otherwise (rank files forged too) is damaged."""
+    folder = states / "step_4"
+    shutil.copyfile(folder / "rank_00000.pt", folder / "rank_00001.pt")
+    _rehash(folder, "rank_00001.pt")
+    _edit_manifest(folder, lambda manifest: manifest.update(world_size=2, run_facts={"world_size": 2}))
+    with pytest.raises(CheckpointError, match=r"world_size is 2, but a state of layout 'one_file' is one process's"):
+        verify_folder(folder)
+
+
+def test_planted_pickle_never_runs(sharded_states):
     """A pickle planted as DCP's metadata (which DCP itself would unpickle) is a CheckpointError and never runs."""
+    states = sharded_states
     folder, marker = states / "step_4", states.parent / "pwned"
     (folder / ".metadata").write_bytes(pickle.dumps(_Hostile(marker)))
     _rehash(folder, ".metadata")  # a forged manifest: the file checks out, so it is read
@@ -239,11 +270,12 @@ def test_planted_pickle_never_runs(states):
     assert not marker.exists()
 
 
-def test_planted_pickle_in_a_shard_never_runs(states):
+def test_planted_pickle_in_a_shard_never_runs(sharded_states):
     """A pickle planted in a shard file, where a forged DCP metadata (of DCP's own classes) places a tensor, is a
     CheckpointError and never runs."""
     import io
 
+    states = sharded_states
     from torch.distributed.checkpoint import FileSystemReader
 
     folder, marker = states / "step_4", states.parent / "pwned"
@@ -344,7 +376,7 @@ def _as_format_2(folder):
 def _format_2_refusal(folder) -> str:
     return (
         rf"{re.escape(str(folder))} is a training state of format version 2; this version of pytorch_accel_trainer "
-        r"reads format version 4 only\. Resume it with the version that wrote it, or start the run again without it "
+        r"reads format version 5 only\. Resume it with the version that wrote it, or start the run again without it "
         r"\(move the folder away, or pass another resume_from\)\. Nothing was loaded from it\."
     )
 
@@ -406,18 +438,23 @@ def test_folder_of_older_formats_only_stops(states):
     ("version", "problem"),
     [
         (
-            5,
-            r"step_4 is a training state of format version 5; this version of pytorch_accel_trainer reads format "
-            r"version 4 only\. Resume it with the version that wrote it, or start the run again without it",
+            6,
+            r"step_4 is a training state of format version 6; this version of pytorch_accel_trainer reads format "
+            r"version 5 only\. Resume it with the version that wrote it, or start the run again without it",
+        ),
+        (
+            4,  # the tensors one shard per process through DCP, for one process too
+            r"step_4 is a training state of format version 4; this version of pytorch_accel_trainer reads format "
+            r"version 5 only\. Resume it with the version that wrote it",
         ),
         (
             3,  # the whole model and optimizer in one file each
             r"step_4 is a training state of format version 3; this version of pytorch_accel_trainer reads format "
-            r"version 4 only\. Resume it with the version that wrote it",
+            r"version 5 only\. Resume it with the version that wrote it",
         ),
         (1, r"step_4 is a training state of format version 1; this version of pytorch_accel_trainer reads format"),
-        ("4", r"manifest\.json: damaged manifest: format_version is '4'; it must be 4\."),
-        (None, r"manifest\.json: damaged manifest: format_version is None; it must be 4\."),
+        ("5", r"manifest\.json: damaged manifest: format_version is '5'; it must be 5\."),
+        (None, r"manifest\.json: damaged manifest: format_version is None; it must be 5\."),
     ],
 )
 def test_other_format_versions_are_refused(states, version, problem):
@@ -441,7 +478,7 @@ _STOPPED_SAVE = textwrap.dedent(
     from pytorch_accel_trainer.state import files
 
     def stop(name):  # in the middle of a save: die, or stay alive writing
-        if name == "write:trainer_state.pt":  # its shards written
+        if name == "write:trainer_state.pt":  # its parts written
             if sys.argv[2] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             print("writing", flush=True)
@@ -487,7 +524,7 @@ def test_later_save_removes_killed_temporaries(tmp_path):
         assert _run(parent).num_update_steps_completed == 4  # saves after updates 1 to 4
         left = {path.name for path in parent.iterdir() if path.name.startswith(".tmp-")}
         assert left == {".tmp-checkpoint-00000009"}  # the killed save's is gone, the live one's is untouched
-        assert {".metadata", "__0_0.distcp"} <= {path.name for path in (parent / ".tmp-checkpoint-00000009").iterdir()}
+        assert "parts.pt" in {path.name for path in (parent / ".tmp-checkpoint-00000009").iterdir()}
     finally:  # its launch (forked, tests/conftest.py's launcher) exits once the process is gone
         live.stdin.close()
         live.wait(timeout=60)

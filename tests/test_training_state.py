@@ -141,17 +141,23 @@ def test_resume_continues_the_epoch(tmp_path):
         "write:rank_00000.pt",
         "write:shards",
         "write:trainer_state.pt",
-        "hash:.metadata",
-        "hash:__0_0.distcp",
+        "hash:parts.pt",
         "hash:trainer_state.pt",
         "manifest",
         "rename",
         "latest",
         "prune:step_5",
+        "sharded:write:shards",
+        "sharded:hash:.metadata",
+        "sharded:hash:__0_0.distcp",
     ],
 )
-def test_crash_during_save_resumes_exactly(tmp_path, references, monkeypatch, point):
-    """A crash at any point of a save leaves a loadable state, and resumes exactly."""
+def test_crash_during_save_resumes_exactly(tmp_path, references, monkeypatch, request, point):
+    """A crash at any point of a save leaves a loadable state, and resumes exactly (``sharded:``: of a sharded state,
+    DCP's shards and metadata)."""
+    if point.startswith("sharded:"):
+        request.getfixturevalue("sharded_layout")
+        point = point.removeprefix("sharded:")
     crashed = []
 
     def crash(name):  # once, when earlier states exist that the crash must not damage
@@ -186,9 +192,12 @@ def damage_file(path, damage: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("name", ["parts.pt", "trainer_state.pt", "rank_00000.pt", "__0_0.distcp", ".metadata"])
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
+def test_flipped_byte_or_truncation_detected(tmp_path, request, name, damage):
+    """A damaged file of a state (of a one-file state; DCP's files of a sharded one) is named, and no state resumed."""
+    if name in ("__0_0.distcp", ".metadata"):
+        request.getfixturevalue("sharded_layout")
     folder = _saved_state(tmp_path, max_checkpoints=1)
     damage_file(folder / name, damage)
     with pytest.raises(CheckpointError, match=rf"{name}: .*(XXH3-128 does not match|truncated)"):
@@ -200,7 +209,7 @@ def test_flipped_byte_or_truncation_detected(tmp_path, name, damage):
 
 
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol")
-@pytest.mark.parametrize("name", ["trainer_state.pt", "rank_00000.pt"])
+@pytest.mark.parametrize("name", ["parts.pt", "trainer_state.pt", "rank_00000.pt"])
 def test_hostile_pickle_is_never_executed(tmp_path, name):
     """A hostile pickle in a torch file of the state is never executed, even with a forged manifest (DCP's files:
     test_state_folders.py)."""
@@ -211,7 +220,10 @@ def test_hostile_pickle_is_never_executed(tmp_path, name):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    (folder / name).write_bytes(pickle.dumps(Hostile()))
+    if name == "parts.pt":  # read memory-mapped: a torch file's zip format, whose pickle names the payload
+        torch.save(Hostile(), folder / name)
+    else:
+        (folder / name).write_bytes(pickle.dumps(Hostile()))
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     size, digest = file_digest(folder / name)
     manifest["files"][name] = {"size": size, CHECKSUM: digest}
@@ -219,6 +231,38 @@ def test_hostile_pickle_is_never_executed(tmp_path, name):
     with pytest.raises(CheckpointError, match="only pickle can rebuild; refused"):
         _run(tmp_path, num_epochs=2)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("part, name", [("model", "0.bias"), ("optimizer", "0.bias")])
+def test_parts_file_of_another_shape_is_refused_before_loading(tmp_path, part, name):
+    """A one-file state whose parts file holds a tensor of another shape (its manifest forged to match) is refused by
+    the fit check, naming the tensor, before anything is loaded into the live model and optimizer."""
+    folder = _saved_state(tmp_path, max_checkpoints=1)
+    saved = torch.load(folder / "parts.pt", weights_only=True)
+    if part == "model":
+        saved["model"][name] = torch.zeros(3)
+        flat = f"model/{name}"
+    else:
+        saved["optimizer"]["state"][name]["exp_avg"] = torch.zeros(3)
+        flat = f"optimizer/state/{name}/exp_avg"
+    torch.save(saved, folder / "parts.pt")
+    manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    size, digest = file_digest(folder / "parts.pt")
+    manifest["files"]["parts.pt"] = {"size": size, CHECKSUM: digest}
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 1))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=())
+    with pytest.raises(
+        CheckpointError,
+        match=rf"does not fit this run's model, optimizer: other shapes \({flat}: saved \[3\], now \[16\]\)",
+    ):
+        trainer.load_training_state(folder)
+    assert_bitwise_equal(model.state_dict(), before)  # nothing was loaded
+    assert trainer.num_update_steps_completed == 0
+    moments = [value for state in trainer.optimizer.state_dict()["state"].values() for value in state.values()]
+    assert all(not value.any() for value in moments if value.dim() > 0)  # a fresh optimizer's zeros, none saved
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,18 @@
 """The trainer's training state as parts handed to ``state/``: what a state holds, and how a resume puts it back.
 
-``state/`` is given what it saves, never the trainer (``state/parts.py``): here the trainer's model, optimizer and
-extra models become sharded parts (each process its own shard, through ``torch.distributed.checkpoint``); its
-position, counters, run history, scheduler and scaler the shared plain values; its RNG states, loss sums and
-callbacks' states each process's own. A resume reads them back in the same three groups, checking each against
-this run before anything is loaded (the run's settings, the optimizers' classes and groups, the extra models).
+``state/`` is given what it saves, never the trainer (``state/parts.py``): here the trainer's model, optimizer and extra
+models become sharded parts (in one file written by one process, or each process its own shard through
+``torch.distributed.checkpoint``); its position, counters, run history, scheduler and scaler the shared plain values;
+its RNG states, loss sums and callbacks' states each process's own. A resume reads them back in the same three groups,
+checking each against this run before anything is loaded (the run's settings, the optimizers' classes and groups, the
+extra models).
 
-A resume on another number of processes (``allow_resume_changes=True``): the model and optimizer are resharded by
-DCP; the loss sums of the interrupted epoch of every saved process are added into process 0's (the epoch's loss is
-the same); process ``r`` takes the callbacks' states of saved process ``r`` (of process 0 beyond the saved count) and,
-where the saved run had a process ``r``, its RNG states; a new process keeps those the trainer's seed gave it. The
-data position is converted to samples by ``loop/safe_points.py``.
+A resume on another number of processes (``allow_resume_changes=True``): the model and optimizer are resharded (by DCP,
+or each process taking its part of a one-file state's full tensors); the loss sums of the interrupted epoch of every
+saved process are added into process 0's (the epoch's loss is the same); process ``r`` takes the callbacks' states of
+saved process ``r`` (of process 0 beyond the saved count) and, where the saved run had a process ``r``, its RNG states;
+a new process keeps those the trainer's seed gave it. The data position is converted to samples by
+``loop/safe_points.py``.
 """
 
 from __future__ import annotations

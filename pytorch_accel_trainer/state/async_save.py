@@ -7,10 +7,10 @@ thread. A background thread per process then writes the copy with the protocol o
 folder, each process its own files checksummed as written, the manifest last, rename, ``latest``, pruning), so a
 crash at any point still leaves the last good state and no state that looks complete.
 
-The background threads of the processes run the save's collectives (DCP's, the checksums' gather, the barriers) in a
-process group of their own, over gloo, created once: they never meet training's collectives (NCCL's or gloo's) on
-the default group. One save is under way at a time: the next save, the end of ``train()`` and the exit of the
-process wait for it, and an error it met is raised there, never lost.
+The background threads of the processes run the save's collectives (DCP's for a sharded state, the checksums' gather,
+the barriers) in a process group of their own, over gloo, created once: they never meet training's collectives (NCCL's
+or gloo's) on the default group. One save is under way at a time: the next save, the end of ``train()`` and the exit of
+the process wait for it, and an error it met is raised there, never lost.
 """
 
 from __future__ import annotations

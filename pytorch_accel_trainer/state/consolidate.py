@@ -1,12 +1,12 @@
 """A sharded training state made whole, on one machine, without a process group: ``pytorch-accel-trainer consolidate``.
 
-A training state holds the model's tensors one shard per process of the run that wrote it (``parts.py``). For an
-evaluation, an export or a serving job, :func:`consolidate` verifies the state (every file against its manifest)
-and writes the model's full weights as one plain file: safetensors (``.safetensors``), or a checkpoint that
-``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read (``.pt``, ``.pth``; the model's weights under
-``model_state_dict``). Only a model is written (the model, or an extra model of ``add_model``): an optimizer's state
-is no weights. The model's tensors alone are read into this process's memory (the optimizer's state is not read):
-the machine needs as much host memory as the weights take.
+A training state holds the model's tensors in one file (written by one process) or one shard per process of the run that
+wrote it (``parts.py``). For an evaluation, an export or a serving job, :func:`consolidate` verifies the state (every
+file against its manifest) and writes the model's full weights as one plain file: safetensors (``.safetensors``), or a
+checkpoint that ``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read (``.pt``, ``.pth``; the model's
+weights under ``model_state_dict``). Only a model is written (the model, or an extra model of ``add_model``): an
+optimizer's state is no weights. The model's tensors alone are read into this process's memory (the optimizer's state is
+not read): the machine needs as much host memory as the weights take.
 
 Both paths follow the library's rules for every path it takes (``state/storage.py``): ``~`` and ``$VARIABLES``
 expanded, an object-storage URL read or written through fsspec (never a local folder named ``s3:``). The output is
@@ -23,9 +23,16 @@ import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import storage
-from pytorch_accel_trainer.state.files import MANIFEST_NAME, DamagedStateError, StoredState
+from pytorch_accel_trainer.state.files import MANIFEST_NAME, ONE_FILE, DamagedStateError, StoredState
 from pytorch_accel_trainer.state.manager import RUN_FOLDER_STATES, TrainingStates, find_resumable_state, is_run_folder
-from pytorch_accel_trainer.state.parts import SEPARATOR, Processes, read_full_tensors, read_metadata
+from pytorch_accel_trainer.state.parts import (
+    SEPARATOR,
+    Processes,
+    read_full_tensors,
+    read_metadata,
+    read_parts_file,
+    saved_shapes,
+)
 from pytorch_accel_trainer.state.storage import Location, RemoteStates, as_location, validate_location
 
 #: The extensions of the outputs :func:`consolidate` writes, and what each one is.
@@ -53,17 +60,37 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
     _validate_part(part)
     stored = _find_state(state)
     try:
-        metadata = read_metadata(stored.folder)
-        prefix = f"{part}{SEPARATOR}"
-        if not any(name.startswith(prefix) for name in metadata.state_dict_metadata):
-            parts = sorted({name.split(SEPARATOR, 1)[0] for name in metadata.state_dict_metadata})
-            raise CheckpointError(f"{stored.url or stored.folder} holds no {part!r} (it holds {', '.join(parts)}).")
-        tensors = read_full_tensors(stored.folder, prefix, set(stored.manifest["files"]))
-    except DamagedStateError as error:
-        raise CheckpointError(f"{error}; the state was damaged or altered.") from error
+        return _read_weights(stored, part)
     finally:
         if stored.url is not None:  # a store's state: its downloaded copy goes, as after a resume
             RemoteStates(str(storage.parent(stored.url))).drop_downloads(stored.folder.name)
+
+
+def _read_weights(stored: StoredState, part: str) -> dict[str, torch.Tensor]:
+    """The full weights of ``part`` of the verified state ``stored``: its state dict in a one-file state's parts
+    file, or its tensors gathered from every process's shard of a sharded one.
+
+    Raises:
+        CheckpointError: the state holds no ``part``, or a file of it cannot be read.
+    """
+    where = stored.url or stored.folder
+    if stored.layout == ONE_FILE:  # memory-mapped: the model's tensors alone are read, copied out of the file
+        saved = read_parts_file(stored.folder, mmap=True)
+        if part not in saved:
+            raise CheckpointError(f"{where} holds no {part!r} (it holds {', '.join(sorted(saved))}).")
+        weights = saved[part]
+        if not all(isinstance(tensor, torch.Tensor) for tensor in weights.values()):
+            raise CheckpointError(f"{where}: its {part!r} holds values that are no tensors; it was altered.")
+        return {name: tensor.clone() for name, tensor in weights.items()}
+    prefix = f"{part}{SEPARATOR}"
+    try:
+        names = saved_shapes(read_metadata(stored.folder))
+        if not any(name.startswith(prefix) for name in names):
+            parts = sorted({name.split(SEPARATOR, 1)[0] for name in names})
+            raise CheckpointError(f"{where} holds no {part!r} (it holds {', '.join(parts)}).")
+        tensors = read_full_tensors(stored.folder, prefix, set(stored.manifest["files"]))
+    except DamagedStateError as error:
+        raise CheckpointError(f"{error}; the state was damaged or altered.") from error
     return {name[len(prefix) :]: tensor for name, tensor in tensors.items()}
 
 

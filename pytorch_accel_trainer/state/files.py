@@ -26,9 +26,10 @@ from typing import Any, Optional
 import torch
 import xxhash
 
-#: The one format of training states, written and read: the tensors one shard per process (DCP), each file listed as
-#: ``{"size", "xxh3_128"}``; a state of any other is refused (``folder.StateFormatError``).
-FORMAT_VERSION = 4
+#: The one format of training states, written and read: the sharded parts in the manifest's ``layout`` (one file
+#: written by one process, or one shard per process through DCP), each file listed as ``{"size", "xxh3_128"}``; a
+#: state of any other is refused (``folder.StateFormatError``).
+FORMAT_VERSION = 5
 #: The manifest's key for the checksum of each file: XXH3-128 (xxhash), which hashes at memory speed.
 CHECKSUM = "xxh3_128"
 _DIGEST = re.compile(r"[0-9a-f]{32}")  # an XXH3-128 digest in hex
@@ -37,9 +38,15 @@ LATEST_NAME = "latest"
 STATE_PREFIX = "checkpoint-"
 TEMPORARY_PREFIX = ".tmp-"
 TRAINER_FILE = "trainer_state.pt"
-#: DCP's metadata: where each piece of each tensor of the state lies (``parts.py``)
+#: A one-file state's sharded parts: their full state dicts, by part name (``parts.py``)
+PARTS_FILE = "parts.pt"
+#: DCP's metadata: where each piece of each tensor of a sharded state lies (``parts.py``)
 SHARDS_METADATA_FILE = ".metadata"
-REQUIRED_FILES = (SHARDS_METADATA_FILE, TRAINER_FILE)
+#: How a state holds its sharded parts (the manifest's ``layout``): ``one_file``, written by one process, holds
+#: their full state dicts in :data:`PARTS_FILE`; ``sharded``, written by several, holds one shard per process (DCP).
+ONE_FILE, SHARDED = "one_file", "sharded"
+#: The files every state of each layout holds.
+REQUIRED_FILES = {ONE_FILE: (PARTS_FILE, TRAINER_FILE), SHARDED: (SHARDS_METADATA_FILE, TRAINER_FILE)}
 RESTORE_POINTS = ("before_iterator", "after_iterator")
 KINDS = ("rolling", "permanent", "best")
 #: A run's identity in a manifest: a uuid4 in hex, made as a new run starts and adopted by each resume of it.
@@ -173,6 +180,11 @@ class StoredState:
             _save_rank(self.folder.name),  # of two states at one position, the one saved later
             self.folder.name,
         )
+
+    @property
+    def layout(self) -> str:
+        """How the state holds its sharded parts: :data:`ONE_FILE` or :data:`SHARDED`."""
+        return self.manifest["layout"]
 
     @property
     def kinds(self) -> set:
@@ -339,7 +351,7 @@ def validate_position(position) -> None:
         )
 
 
-def _validate_files(files) -> None:
+def _validate_files(files, layout: str) -> None:
     if not isinstance(files, dict):
         raise DamagedStateError(
             f"files is a {type(files).__name__}; it must map each file name to its size and {CHECKSUM}"
@@ -355,14 +367,14 @@ def _validate_files(files) -> None:
             raise DamagedStateError(
                 f"files[{name!r}] is {entry!r}; it must be {{'size': a whole number >= 0, '{CHECKSUM}': 32 hex digits}}"
             )
-    missing = [name for name in REQUIRED_FILES if name not in files]
+    missing = [name for name in REQUIRED_FILES[layout] if name not in files]
     if missing:
-        raise DamagedStateError(f"files lists no {missing[0]}, which every training state holds")
+        raise DamagedStateError(f"files lists no {missing[0]}, which every training state of layout {layout!r} holds")
 
 
-def _validate_world_size(world_size, files: dict, run_facts: dict) -> None:
+def _validate_world_size(world_size, files: dict, run_facts: dict, layout: str) -> None:
     """A state holds one rank file per process that saved it, no more, no fewer; its run's settings name the same
-    number (an edited ``world_size`` would have a process read another's file)."""
+    number (an edited ``world_size`` would have a process read another's file); a one-file state, one process's."""
     rank_files = sum(1 for name in files if _RANK_FILE.fullmatch(name))
     if not _is_count(world_size) or world_size != rank_files or world_size < 1:
         raise DamagedStateError(
@@ -374,6 +386,8 @@ def _validate_world_size(world_size, files: dict, run_facts: dict) -> None:
     saved_by = run_facts.get("world_size", world_size)  # outside train(), a save records no run settings
     if saved_by != world_size:
         raise DamagedStateError(f"world_size is {world_size!r}, but its run_facts say {saved_by!r}")
+    if layout == ONE_FILE and world_size != 1:
+        raise DamagedStateError(f"world_size is {world_size!r}, but a state of layout {ONE_FILE!r} is one process's")
 
 
 def validate_manifest(manifest: dict) -> None:
@@ -394,8 +408,11 @@ def validate_manifest(manifest: dict) -> None:
     run_id = manifest.get("run_id")
     if not (isinstance(run_id, str) and RUN_ID.fullmatch(run_id)):
         raise DamagedStateError(f"run_id is {run_id!r}; it must be 32 hex digits")
-    _validate_files(manifest.get("files"))
-    _validate_world_size(manifest.get("world_size"), manifest["files"], manifest["run_facts"])
+    layout = manifest.get("layout")
+    if not isinstance(layout, str) or layout not in REQUIRED_FILES:
+        raise DamagedStateError(f"layout is {layout!r}; it must be one of {tuple(REQUIRED_FILES)}")
+    _validate_files(manifest.get("files"), layout)
+    _validate_world_size(manifest.get("world_size"), manifest["files"], manifest["run_facts"], layout)
 
 
 # ------------------------------------------------------------------------------------------------

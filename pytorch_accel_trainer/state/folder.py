@@ -1,16 +1,17 @@
 """One training state's folder: written crash-safely, verified by its manifest, read back, pruned.
 
-A training state is written to a temporary folder by every process at once, each its own files (its shard of the
-tensors, through ``torch.distributed.checkpoint``, and its own plain values: ``parts.py``), flushed, given a manifest
-by the main process (format version, position, world size, every file of every process with its size and XXH3-128
-checksum, computed by its writer as it wrote it) and only then renamed into place; ``latest`` is updated after that,
-and old states are pruned last. A crash at any point leaves either the previous states or the new one, never a folder
-that loads with wrong or mixed contents: a loader trusts only a folder whose manifest checks out, and names the file
-that does not. A temporary folder left by a killed save is removed by a later save once its writer is gone.
+A training state is written to a temporary folder by every process at once, each its own files (the model's and
+optimizers' state in one file when one process writes it, else its shard of the tensors through
+``torch.distributed.checkpoint``; and its own plain values: ``parts.py``), flushed, given a manifest by the main process
+(format version, position, world size, the layout of the sharded parts, every file of every process with its size and
+XXH3-128 checksum, computed by its writer as it wrote it) and only then renamed into place; ``latest`` is updated after
+that, and old states are pruned last. A crash at any point leaves either the previous states or the new one, never a
+folder that loads with wrong or mixed contents: a loader trusts only a folder whose manifest checks out, and names the
+file that does not. A temporary folder left by a killed save is removed by a later save once its writer is gone.
 
 A state is input, and is read as such (``files.py``): the manifest's fields are checked for type and range, its file
 names never leave the folder, no file is read through a symbolic link. Everything is read back without arbitrary
-pickle: the shards through ``parts.py`` (DCP's metadata rebuilt from its own classes only), the rest with
+pickle: DCP's shards through ``parts.py`` (DCP's metadata rebuilt from its own classes only), every torch file with
 ``torch.load(weights_only=True)``. One format is read, the one written (:data:`~pytorch_accel_trainer.state.files.
 FORMAT_VERSION`); a state of any other is refused with :class:`StateFormatError` before anything is loaded.
 """
@@ -25,11 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import torch
-
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import files as state_files
-from pytorch_accel_trainer.state.checkpointing import describe_unreadable_torch_file, refused_by_weights_only
+from pytorch_accel_trainer.state import parts as state_parts
 from pytorch_accel_trainer.state.claims import keep_claim, release_claims
 from pytorch_accel_trainer.state.files import (
     CHECKSUM,
@@ -55,7 +54,7 @@ from pytorch_accel_trainer.state.files import (
     write_text_atomically,
     writer_tag,
 )
-from pytorch_accel_trainer.state.parts import Processes, StateContent, agreed, write_content
+from pytorch_accel_trainer.state.parts import Processes, StateContent, agreed, load_tensors_file, write_content
 
 
 class StateFormatError(CheckpointError):
@@ -189,6 +188,7 @@ def write_training_state(
         processes, lambda: _begin(parent, final, processes, node_local, run_id), f"the training state {final.name}"
     )
     temporary = temporary_folder(final)
+    layout = state_parts.layout_of(processes)  # looked up in its module: a test writes a sharded state on one process
     problem: Optional[Exception] = None
     try:
         with reporting_out_of_space(
@@ -196,14 +196,15 @@ def write_training_state(
         ):
             reports = agreed(
                 processes,
-                lambda: write_content(content, temporary, processes),
+                lambda: write_content(content, temporary, processes, layout),
                 f"its part of the training state {final.name}",
             )
             if processes.is_main:
                 files = {file: pair for report in reports for file, pair in report.items()}
                 here = {file: pair for file, pair in files.items() if (temporary / file).is_file()}
                 elsewhere = {file: pair for file, pair in files.items() if file not in here}
-                _seal(temporary, final, {**fields, "world_size": processes.count}, here, elsewhere, run_id)
+                manifest_fields = {**fields, "world_size": processes.count, "layout": layout}
+                _seal(temporary, final, manifest_fields, here, elsewhere, run_id)
                 if max_rolling is not None or "best" in fields.get("kinds", ()):  # else no state became surplus
                     prune_states(parent, max_rolling, keep=[final], run_id=fields.get("run_id"))
     except Exception as error:
@@ -362,23 +363,6 @@ def list_complete_states(parent: Path) -> list[StoredState]:
         except CheckpointError:
             continue
     return sorted(states, key=lambda state: state.order)
-
-
-def load_tensors_file(path: Path) -> Any:
-    """Load a file written by :func:`save_tensors_file`, never unpickling arbitrary objects."""
-    import pickle
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if not refused_by_weights_only(path):
-            message = describe_unreadable_torch_file(path, error)
-            raise CheckpointError(f"{message} The state was damaged or altered.") from error
-        raise CheckpointError(f"{path}: holds objects that only pickle can rebuild; refused ({error}).") from error
-    except (RuntimeError, EOFError, ValueError) as error:
-        raise CheckpointError(
-            f"{path}: not a readable torch file ({error}); the state was damaged or altered."
-        ) from error
 
 
 def load_trainer_file(stored: StoredState) -> dict:

@@ -1,41 +1,44 @@
-"""What a training state holds, as its owners hand it over, and how each process writes and reads its part, through
-``torch.distributed.checkpoint`` (DCP).
+"""What a training state holds, as its owners hand it over, and how each process writes and reads its part: in one
+torch file when one process writes it, through ``torch.distributed.checkpoint`` (DCP) when several do.
 
 The package is given what it saves, never the Trainer: a :class:`StateContent` of
 
 - ``sharded``: objects with ``state_dict()`` / ``load_state_dict()`` (the :class:`Stateful` protocol that
-  ``torch.distributed.checkpoint`` and torchtitan use) whose tensors are written one shard per process, in parallel,
-  through DCP: the model, the optimizer, the extra models and optimizers. Their plain values (an optimizer's
-  ``param_groups``) go to the shared file;
+  ``torch.distributed.checkpoint`` and torchtitan use): the model, the optimizer, the extra models and optimizers.
+  How a state holds them is its manifest's ``layout`` (:func:`layout_of`, below); their plain values (an optimizer's
+  ``param_groups``) also go to the shared file, where the checks before a resume read them;
 - ``shared``: plain values, the same on every process (position, counters, run history, scheduler, ...): written by
   the main process, to ``trainer_state.pt``;
 - ``own``: this process's plain values (RNG states, loss sums, callbacks' states), to ``rank_<r>.pt``.
 
 Which processes write together, and their collectives, is a :class:`Processes`: the run's (from its Accelerator) for
 a save on the training thread, or a group of their own for a save in the background. Every file is checksummed by
-the process that writes it, as it writes it; the checksums reach the main process, which writes the manifest last
-(``folder.py``).
+the process that writes it, as it writes it (:func:`save_tensors_file`: its size and XXH3-128 computed as the bytes
+pass, no second read); the checksums reach the main process, which writes the manifest last (``folder.py``).
 
-The tensors go one shard per process: each process writes the part of the model's and optimizer's tensors it holds
-(under FSDP its shard; under DDP DCP's planner spreads the replicated tensors over the processes), in parallel, straight
-from the live tensors: no process gathers the full state. DCP's metadata (``.metadata``, written by the main process
-after every process wrote its files) records which piece of which tensor lies where, so that a state loads into any
-number of processes, each reading only the bytes of its own shard.
+The two layouts of the sharded parts:
 
-What this module adds to DCP, which has no checksum and reads back with pickle:
+- **One file** (``one_file``: a state written by one process, the most common run). The parts' full state dicts,
+  tensors and plain values together as ``state_dict()`` returns them, by part name, in ``parts.pt``: one
+  ``torch.save``, read back with ``torch.load(weights_only=True)`` (memory-mapped for the fit check, which reads the
+  names and shapes alone). It resumes on any number of processes: each loads the full tensors into its part (under
+  FSDP, its shard of them: a full state dict).
+- **Sharded** (``sharded``: several processes). Each process writes the part of the tensors it holds (under FSDP its
+  shard; under DDP DCP's planner spreads the replicated tensors over the processes), in parallel, straight from the
+  live tensors, through DCP: no process gathers the full state. DCP's metadata (``.metadata``, written by the main
+  process after every process wrote its files) records which piece of which tensor lies where, so that a state loads
+  into any number of processes, each reading only the bytes of its own shard. What this module adds to DCP, which
+  has no checksum and reads back with pickle: each file is checksummed as written (:class:`ChecksummedWriter`); the
+  metadata is rebuilt with an unpickler that knows DCP's own few classes only (:func:`read_metadata`), and a "bytes"
+  entry (which DCP would unpickle) is refused: only tensors are ever written there.
 
-- **Checksums as written.** Every file a process writes goes through a stream that computes its size and XXH3-128
-  as the bytes pass (:class:`ChecksummedWriter`): no second read. The caller gathers them into the state's manifest,
-  which is written last (``folder.py``).
-- **No pickle on reading.** DCP pickles its metadata and would unpickle any "bytes" entry it finds; the reader here
-  rebuilds the metadata with an unpickler that knows DCP's own few classes only (:func:`read_metadata`), and refuses
-  a "bytes" entry (only tensors are ever written: the plain values of a state go to its torch files).
-- **A fit check before loading.** :func:`describe_misfit` names the tensors whose names or shapes differ from the
-  live ones, before anything is read into them.
+Either way, :func:`check_fit` names the tensors whose names or shapes differ from the live ones
+(:func:`describe_misfit`), before anything is read into them.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
@@ -57,7 +60,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import files as state_files
+from pytorch_accel_trainer.state.checkpointing import describe_unreadable_torch_file, refused_by_weights_only
 from pytorch_accel_trainer.state.files import (
+    ONE_FILE,
+    PARTS_FILE,
+    SHARDED,
     SHARDS_METADATA_FILE,
     TEMPORARY_PREFIX,
     TRAINER_FILE,
@@ -174,6 +181,26 @@ def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
         handle.flush()
         os.fsync(handle.fileno())
     return stream.size, stream.digest
+
+
+def load_tensors_file(path: Path, mmap: bool = False) -> Any:
+    """Load a file written by :func:`save_tensors_file`, never unpickling arbitrary objects; with ``mmap``, its
+    tensors memory-mapped (read as they are used).
+
+    Raises:
+        CheckpointError: the file is no torch file, or holds objects that only pickle can rebuild.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        if not refused_by_weights_only(path):
+            message = describe_unreadable_torch_file(path, error)
+            raise CheckpointError(f"{message} The state was damaged or altered.") from error
+        raise CheckpointError(f"{path}: holds objects that only pickle can rebuild; refused ({error}).") from error
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointError(
+            f"{path}: not a readable torch file ({error}); the state was damaged or altered."
+        ) from error
 
 
 class _ChecksummedFileSystem(FileSystem):
@@ -375,19 +402,15 @@ def _global_shape(tensor: torch.Tensor) -> tuple:
     return tuple(tensor.shape)  # a DTensor's shape is the global one
 
 
-def describe_misfit(metadata: Metadata, tensors: dict) -> Optional[str]:
-    """Why the shards of ``metadata`` do not fit the live ``tensors`` (flat names, shapes), or ``None``."""
-    saved = {
-        name: tuple(item.size)
-        for name, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
-    }
+def describe_misfit(saved: dict, tensors: dict) -> Optional[str]:
+    """Why the saved tensors (``saved``: flat names to shapes) do not fit the live ``tensors`` (flat names to
+    tensors or DTensors, whose global shapes count), or ``None``."""
     missing = sorted(set(tensors) - set(saved))
     unexpected = sorted(set(saved) - set(tensors))
     shapes = sorted(
         f"{name}: saved {list(saved[name])}, now {list(_global_shape(tensors[name]))}"
         for name in set(saved) & set(tensors)
-        if saved[name] != _global_shape(tensors[name])
+        if tuple(saved[name]) != _global_shape(tensors[name])
     )
     problems = []
     if shapes:
@@ -397,6 +420,15 @@ def describe_misfit(metadata: Metadata, tensors: dict) -> Optional[str]:
     if unexpected:
         problems.append(f"not in this run: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     return "; ".join(problems) or None
+
+
+def saved_shapes(metadata: Metadata) -> dict[str, tuple]:
+    """The flat names and global shapes of the tensors of a sharded state's DCP ``metadata``."""
+    return {
+        name: tuple(item.size)
+        for name, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
 
 
 def load_shards(tensors: dict, folder: Path, process_group=None, allowed: Optional[set] = None) -> None:
@@ -479,9 +511,11 @@ class ModelState:
         return get_model_state_dict(self.module)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Load ``state_dict``: the live tensors read in place (a sharded state), or whole tensors (a one-file
+        state), of which each process takes its shard."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(self.module, state_dict, options=StateDictOptions(strict=True))
+        set_model_state_dict(self.module, state_dict, options=_load_options(self.module, state_dict))
 
 
 class OptimizerState:
@@ -497,9 +531,24 @@ class OptimizerState:
         return get_optimizer_state_dict(self.module, self.optimizer)  # a fresh optimizer's state is made first
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load ``state_dict``, as :meth:`ModelState.load_state_dict` does."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+        options = _load_options(self.module, state_dict)
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict, options=options)
+
+
+def _load_options(module: torch.nn.Module, state_dict: dict):
+    """How ``torch.distributed.checkpoint.state_dict`` loads ``state_dict`` into ``module``'s part: strictly; and as
+    a full state dict (each process takes its shard of each whole tensor) when the module is sharded (FSDP's DTensors)
+    and ``state_dict`` holds whole tensors (a one-file state's) rather than the live DTensors read in place."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.tensor import DTensor
+
+    saved = split_tensors(state_dict, "")[0].values()
+    whole = any(tensor.dim() > 0 for tensor in saved) and not any(isinstance(tensor, DTensor) for tensor in saved)
+    sharded = any(isinstance(parameter, DTensor) for parameter in module.parameters())
+    return StateDictOptions(strict=True, full_state_dict=whole and sharded)
 
 
 @dataclass
@@ -572,9 +621,17 @@ class StateContent:
         return self
 
 
-def write_content(content: StateContent, folder: Path, processes: Processes) -> dict[str, tuple[int, str]]:
-    """Write this process's part of ``content`` into ``folder``: its shards (every process at once), its own file,
-    and on the main process the shared file. Return the files this process wrote with their sizes and checksums."""
+def layout_of(processes: Processes) -> str:
+    """How a state written by ``processes`` holds its sharded parts: in one file (:data:`~pytorch_accel_trainer.
+    state.files.ONE_FILE`) when one process writes it, else one shard per process through DCP
+    (:data:`~pytorch_accel_trainer.state.files.SHARDED`)."""
+    return ONE_FILE if processes.count == 1 else SHARDED
+
+
+def write_content(content: StateContent, folder: Path, processes: Processes, layout: str) -> dict[str, tuple[int, str]]:
+    """Write this process's part of ``content`` into ``folder``: its sharded parts in ``layout``
+    (:func:`layout_of`: one file, or its shard with every process at once), its own file, and on the main process the
+    shared file. Return the files this process wrote with their sizes and checksums."""
     if content.tensors is None:
         content.split()
     own_name = rank_file(processes.rank)
@@ -588,12 +645,27 @@ def write_content(content: StateContent, folder: Path, processes: Processes) -> 
     state_name = folder.name.removeprefix(TEMPORARY_PREFIX)
     checksums = agreed(processes, write_own, f"its part of the training state {state_name}")[processes.rank]
     state_files.crash_point("write:shards")
-    checksums.update(save_shards(content.tensors or {}, folder, processes.group))
+    if layout == ONE_FILE:
+        checksums[PARTS_FILE] = save_tensors_file(_full_state_dicts(content), folder / PARTS_FILE)
+    else:
+        checksums.update(save_shards(content.tensors or {}, folder, processes.group))
     if processes.is_main:
         state_files.crash_point(f"write:{TRAINER_FILE}")
         shared = {**content.shared, "plain_parts": content.plain}
         checksums[TRAINER_FILE] = save_tensors_file(shared, folder / TRAINER_FILE)
     return checksums
+
+
+def _full_state_dicts(content: StateContent) -> dict:
+    """The state dicts of ``content``'s sharded parts, by part name, each whole: its plain tree with its tensors back
+    (the live ones, or their staged copies), a DTensor as its full tensor (FSDP on one process: its only shard)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = {
+        name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        for name, tensor in (content.tensors or {}).items()
+    }
+    return {name: join_tensors(plain, tensors, name) for name, plain in (content.plain or {}).items()}
 
 
 def agreed(processes: Processes, step, what: str) -> list:
@@ -618,9 +690,28 @@ def agreed(processes: Processes, step, what: str) -> list:
 # ------------------------------------------------------------------------------------------------
 
 
+def read_parts_file(folder: Path, mmap: bool = False) -> dict:
+    """The sharded parts of a verified one-file state in ``folder``: their full state dicts, by part name, read with
+    ``torch.load(weights_only=True)``. With ``mmap``, memory-mapped: a tensor's bytes are read only as it is used
+    (the fit check reads names and shapes alone), from the page cache the verification filled; such tensors must not
+    outlive the read (an optimizer that kept them would keep the file mapped, and its disk space taken once the state
+    is pruned).
+
+    Raises:
+        CheckpointError: the file is no torch file of plain values (see :func:`load_tensors_file`), or does not map
+            part names to state dicts.
+    """
+    path = folder / PARTS_FILE
+    saved = load_tensors_file(path, mmap=mmap)
+    if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
+        raise CheckpointError(f"{path}: not the state dicts of a state's parts, by name; it was altered.")
+    return saved
+
+
 def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> StateContent:
     """Check that a verified state (``shared``: its trainer file) holds each of the sharded ``parts`` with tensors of
-    the live ones' names and shapes; return the live parts, split (their tensors are what a load reads into).
+    the live ones' names and shapes (read from its parts file, or its DCP metadata); return the live parts, split
+    (their tensors are what a sharded state loads into).
 
     Raises:
         CheckpointError: the state holds other parts, or tensors of other names or shapes (naming them).
@@ -636,12 +727,21 @@ def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> 
             "models and optimizers the state was saved with."
         )
     live = StateContent(parts, {}, {}).split()
-    try:
-        metadata = read_metadata(folder)
-    except DamagedStateError as error:
-        raise CheckpointError(f"{error}; the state was damaged or altered.") from error
-    saved_names = {name for name in metadata.state_dict_metadata if name.split(SEPARATOR, 1)[0] in parts}
-    misfit = describe_misfit(_only(metadata, saved_names), live.tensors or {})
+    if stored.layout == ONE_FILE:
+        saved = read_parts_file(folder, mmap=True)
+        shapes = {
+            name: tuple(tensor.shape)
+            for part in parts
+            for name, tensor in split_tensors(saved.get(part, {}), part)[0].items()
+        }
+    else:
+        try:
+            shapes = saved_shapes(read_metadata(folder))
+        except DamagedStateError as error:
+            raise CheckpointError(f"{error}; the state was damaged or altered.") from error
+    misfit = describe_misfit(
+        {name: shape for name, shape in shapes.items() if name.split(SEPARATOR, 1)[0] in parts}, live.tensors or {}
+    )
     if misfit is not None:
         raise CheckpointError(
             f"{folder} does not fit this run's {', '.join(parts)}: {misfit}. Resume with the model and optimizer the "
@@ -657,15 +757,26 @@ def load_sharded(
     processes: Processes,
     live: Optional[StateContent] = None,
 ) -> None:
-    """Load the sharded ``parts`` from a verified state (``shared``: its trainer file), each process reading only the
-    pieces of its own shard, whatever the number of processes that wrote them; every process must call this. Their
-    fit is checked first (:func:`check_fit`; ``live``: what it returned, when the caller checked already).
+    """Load the sharded ``parts`` from a verified state (``shared``: its trainer file); every process must call this.
+    A one-file state: each process loads the full state dicts into its parts (under FSDP, its shard of them); a
+    sharded one: each process reads only the pieces of its own shard, whatever the number of processes that wrote
+    them. Their fit is checked first (:func:`check_fit`; ``live``: what it returned, when the caller checked already).
 
     Raises:
-        CheckpointError: see :func:`check_fit`; or a shard cannot be read.
+        CheckpointError: see :func:`check_fit`; or a file cannot be read.
     """
     folder = stored.folder
     live = live or check_fit(stored, shared, parts)
+    if stored.layout == ONE_FILE:
+        saved = read_parts_file(folder, mmap=True)  # the verified file's pages, read as they are copied
+        for name, part in parts.items():
+            if name not in saved:
+                raise CheckpointError(
+                    f"{folder / PARTS_FILE}: holds no {name}, which its trainer file lists; it was altered."
+                )
+            # a model copies what it is given; an optimizer keeps it, so it is given copies, never the mapped file
+            part.load_state_dict(saved[name] if isinstance(part, ModelState) else copy.deepcopy(saved[name]))
+        return
     live_tensors = live.tensors or {}
     try:
         load_shards(live_tensors, folder, processes.group, set(stored.manifest["files"]))
@@ -677,14 +788,3 @@ def load_sharded(
         except DamagedStateError as error:
             raise CheckpointError(f"{folder}: {error}; the state was damaged or altered.") from error
         part.load_state_dict(state)
-
-
-def _only(metadata, names: set):
-    """``metadata`` restricted to the tensors ``names`` (the parts being loaded)."""
-    from copy import copy
-
-    restricted = copy(metadata)
-    restricted.state_dict_metadata = {
-        name: item for name, item in metadata.state_dict_metadata.items() if name in names
-    }
-    return restricted
