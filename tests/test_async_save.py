@@ -11,7 +11,7 @@ from test_training_state import Crash, CrashAt, _final_state, _run
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import async_save, files
 from pytorch_accel_trainer.state.files import MANIFEST_NAME
-from pytorch_accel_trainer.state.parts import METADATA_FILE, read_metadata
+from pytorch_accel_trainer.state.shards import METADATA_FILE, read_metadata
 from pytorch_accel_trainer.state.training_state import find_resumable_state, list_complete_states, verify_folder
 
 

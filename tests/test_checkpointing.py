@@ -292,7 +292,7 @@ def test_full_disk_during_state_save(tmp_path, request, monkeypatch, asynchronou
     from pathlib import Path
 
     from pytorch_accel_trainer.callbacks import TrainerCallback
-    from pytorch_accel_trainer.state import parts, training_state
+    from pytorch_accel_trainer.state import parts, shards, training_state
 
     def send_to_full_device():
         write = parts.save_tensors_file
@@ -303,11 +303,11 @@ def test_full_disk_during_state_save(tmp_path, request, monkeypatch, asynchronou
             with open("/dev/full", "wb") as full:
                 torch.save(obj, full)
 
-        def open_full_device(path, *args, **kwargs):  # the files DCP writes, through parts' file system
+        def open_full_device(path, *args, **kwargs):  # the files DCP writes, through shards' file system
             return builtins.open("/dev/full" if Path(path).name == full_file else path, *args, **kwargs)
 
         monkeypatch.setattr(parts, "save_tensors_file", save_to_full_device)
-        monkeypatch.setattr(parts, "open", open_full_device, raising=False)
+        monkeypatch.setattr(shards, "open", open_full_device, raising=False)
 
     if asynchronous:
 

@@ -14,7 +14,7 @@ from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import SaveTrainingStateCallback, TrainerCallback
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state.consolidate import full_weights
-from pytorch_accel_trainer.state.parts import read_metadata
+from pytorch_accel_trainer.state.shards import read_metadata
 from pytorch_accel_trainer.state.training_state import list_complete_states, verify_folder
 
 

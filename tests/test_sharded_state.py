@@ -247,7 +247,7 @@ def test_a_planted_pickle_in_the_metadata_never_runs(tmp_path, sharded_layout):
     import pickle
 
     from pytorch_accel_trainer.state.files import DamagedStateError
-    from pytorch_accel_trainer.state.parts import read_metadata
+    from pytorch_accel_trainer.state.shards import read_metadata
 
     _, state = _tiny_state(tmp_path)
     marker = tmp_path / "ran"
@@ -268,7 +268,7 @@ def test_metadata_cannot_point_outside_the_state(tmp_path, sharded_layout):
     import pickle
 
     from pytorch_accel_trainer.state.files import MANIFEST_NAME, file_digest
-    from pytorch_accel_trainer.state.parts import read_metadata
+    from pytorch_accel_trainer.state.shards import read_metadata
 
     _, state = _tiny_state(tmp_path)
     outside = tmp_path / "outside"

@@ -224,7 +224,9 @@ def test_docs_name_only_import_paths_that_exist():
             pytest.fail(f"the docs name {name}, which is no module")
 
 
-def test_importing_does_nothing_to_random_state():
+def test_importing_does_nothing_to_random_state_and_leaves_heavy_imports_to_their_use():
+    """Importing the package changes no random state, and imports neither pandas (the run history's tables) nor
+    torch.distributed.checkpoint (a sharded state's; about a second of start-up a one-process run never needs)."""
     code = (
         "import random, numpy, torch\n"
         "states = (random.getstate(), numpy.random.get_state()[1].tolist(), torch.random.get_rng_state())\n"
@@ -232,6 +234,7 @@ def test_importing_does_nothing_to_random_state():
         "after = (random.getstate(), numpy.random.get_state()[1].tolist(), torch.random.get_rng_state())\n"
         "assert states[0] == after[0] and states[1] == after[1] and torch.equal(states[2], after[2])\n"
         "assert 'pandas' not in __import__('sys').modules\n"
+        "assert 'torch.distributed.checkpoint' not in __import__('sys').modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

@@ -25,14 +25,8 @@ from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.files import MANIFEST_NAME, ONE_FILE, DamagedStateError, StoredState
 from pytorch_accel_trainer.state.manager import RUN_FOLDER_STATES, TrainingStates, find_resumable_state, is_run_folder
-from pytorch_accel_trainer.state.parts import (
-    SEPARATOR,
-    Processes,
-    read_full_tensors,
-    read_metadata,
-    read_parts_file,
-    saved_shapes,
-)
+from pytorch_accel_trainer.state.parts import SEPARATOR, Processes, read_parts_file
+from pytorch_accel_trainer.state.shards import read_full_tensors, read_metadata, saved_shapes
 from pytorch_accel_trainer.state.storage import Location, RemoteStates, as_location, validate_location
 
 #: The extensions of the outputs :func:`consolidate` writes, and what each one is.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import mmap
 import os
 import re
@@ -40,7 +41,7 @@ TEMPORARY_PREFIX = ".tmp-"
 TRAINER_FILE = "trainer_state.pt"
 #: A one-file state's sharded parts: their full state dicts, by part name (``parts.py``)
 PARTS_FILE = "parts.pt"
-#: DCP's metadata: where each piece of each tensor of a sharded state lies (``parts.py``)
+#: DCP's metadata: where each piece of each tensor of a sharded state lies (``shards.py``)
 SHARDS_METADATA_FILE = ".metadata"
 #: How a state holds its sharded parts (the manifest's ``layout``): ``one_file``, written by one process, holds
 #: their full state dicts in :data:`PARTS_FILE`; ``sharded``, written by several, holds one shard per process (DCP).
@@ -281,6 +282,41 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
 #: The part of a file mapped in memory at a time while it is hashed: what verifying a state adds to a process's
 #: resident memory, whatever the state's size (the pages are the page cache's; unmapped as the hash moves on).
 HASH_WINDOW = 64 * 1024 * 1024
+
+
+class HashingStream(io.RawIOBase):
+    """A write-only binary stream over a file that computes the size and XXH3-128 of what passes through it, so a
+    file's checksum costs no second read (the torch files of ``parts.py``, DCP's files of ``shards.py``)."""
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self._handle, self._hasher, self.size = handle, xxhash.xxh3_128(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        self.size += len(view)
+        self._handle.write(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def fileno(self) -> int:
+        return self._handle.fileno()
+
+    def close(self) -> None:  # DCP closes the streams it writes an item through; the file stays open for the next
+        pass
+
+    @property
+    def digest(self) -> str:
+        return self._hasher.hexdigest()
 
 
 def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, str]:

@@ -11,7 +11,7 @@ file that does not. A temporary folder left by a killed save is removed by a lat
 
 A state is input, and is read as such (``files.py``): the manifest's fields are checked for type and range, its file
 names never leave the folder, no file is read through a symbolic link. Everything is read back without arbitrary
-pickle: DCP's shards through ``parts.py`` (DCP's metadata rebuilt from its own classes only), every torch file with
+pickle: DCP's shards through ``shards.py`` (DCP's metadata rebuilt from its own classes only), every torch file with
 ``torch.load(weights_only=True)``. One format is read, the one written (:data:`~pytorch_accel_trainer.state.files.
 FORMAT_VERSION`); a state of any other is refused with :class:`StateFormatError` before anything is loaded.
 """
