@@ -212,7 +212,7 @@ def separate(name: str) -> None:
         torch.distributed.barrier()
     if int(os.environ.get("RANK", "0")) == 0:
         for stream in (sys.stdout, sys.stderr):
-            stream.write(f"RUN {name}\n")
+            stream.write(f"\nRUN {name}\n")  # on a line of its own, after a progress bar's last
             stream.flush()
     if connected:
         torch.distributed.barrier()
