@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -55,32 +56,80 @@ def _interrupted_then_resumed(
     return _result(folder / "out.pt"), uninterrupted, folder / "states", stopped
 
 
-CASES = [
-    ({"accumulation": 3, "shuffle": True, "num_workers": 2}, {"kill": {"event": "train_step", "epoch": 2, "step": 5}}),
-    ({"accumulation": 1, "shuffle": False}, {"kill": {"event": "eval_step", "epoch": 1, "step": 2}}),
-    ({"accumulation": 3, "shuffle": True}, {"crash_at": "rename"}),
-    ({"accumulation": 1, "shuffle": True}, {"crash_at": "write:shards"}),
-]
+class Interrupted(NamedTuple):
+    """A run stopped by an interruption (``stopped``: its launch), then resumed (``resumed``: the launch that resumed
+    it, with others), and its uninterrupted ``reference``."""
+
+    folder: Path
+    stopped: subprocess.CompletedProcess
+    stopped_wrote_out: bool
+    resumed: subprocess.CompletedProcess
+    result: dict
+    reference: dict
+
+    @property
+    def states(self) -> Path:
+        return self.folder / "states"
+
+    def assert_resumed(self) -> None:
+        assert f"Resuming from {self.states}" in self.resumed.stdout, self.resumed.stdout[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("config", "interruption"),
-    CASES,
-    ids=["sigkill-window-workers", "sigkill-eval", "sigkill-in-rename", "sigkill-in-write"],
-)
-def test_sigkill_then_resume_is_bitwise_equal(tmp_path, config, interruption):
-    resumed, reference, states, _ = _interrupted_then_resumed(tmp_path, config, interruption)
-    assert_bitwise_equal(resumed, reference)
-    assert all(verify_folder(state.folder) for state in list_complete_states(states))
-
-
-@pytest.mark.slow
-def test_random_sigkill_then_resume_bitwise(tmp_path):
-    config = {"accumulation": 3, "shuffle": True, "epochs": 6, "size": 40}
-    folder = tmp_path / "random"
+def _stop(folder: Path, config: dict, interruption: dict, num_processes: int = 1) -> tuple:
+    """The config of a run in ``folder`` and the launch of that run stopped by ``interruption``."""
     folder.mkdir()
     config = {**config, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
+    if "sample_log" in config:
+        config["sample_log"] = str(folder / config["sample_log"])
+    return config, _launch({**config, **interruption}, num_processes)
+
+
+def _resume(stops: dict, num_processes: int = 1) -> dict:
+    """Each stopped run of ``stops`` (name: its folder, config and stopped launch) resumed, then an uninterrupted run
+    of its config, in one launch (resume_run.py's ``then``): each resume reads its state from its folder, as a launch
+    of its own would."""
+    resumes = [{**config, "reference_out": str(folder / "reference.pt")} for folder, config, _ in stops.values()]
+    resumed = _launch({**resumes[0], "then": resumes[1:]}, num_processes)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return {
+        name: Interrupted(
+            folder,
+            stopped,
+            stopped_wrote_out,
+            resumed,
+            _result(folder / "out.pt"),
+            _result(folder / "reference.pt"),
+        )
+        for name, (folder, _, (stopped, stopped_wrote_out)) in stops.items()
+    }
+
+
+#: The runs of the tests below, each stopped in a launch of its own: its config and what stops it
+ONE_PROCESS_CASES = {
+    "sigkill-window-workers": (
+        {"accumulation": 3, "shuffle": True, "num_workers": 2},
+        {"kill": {"event": "train_step", "epoch": 2, "step": 5}},
+    ),
+    "sigkill-eval": ({"accumulation": 1, "shuffle": False}, {"kill": {"event": "eval_step", "epoch": 1, "step": 2}}),
+    "sigkill-in-rename": ({"accumulation": 3, "shuffle": True}, {"crash_at": "rename"}),
+    "sigkill-in-write": ({"accumulation": 1, "shuffle": True}, {"crash_at": "write:shards"}),
+    "sigterm": (  # only the preemption save
+        {"accumulation": 3, "shuffle": True, "save_every": 1000, "sample_log": "samples.log"},
+        {"kill": {"event": "train_step", "epoch": 2, "step": 4, "signal": "SIGTERM"}},
+    ),
+    "second-sigint": (
+        {"accumulation": 1, "shuffle": True},
+        {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}},
+    ),
+}
+RANDOM_KILL = {"accumulation": 3, "shuffle": True, "epochs": 6, "size": 40}
+
+
+def _random_kill(folder: Path) -> tuple:
+    """The config of a run in ``folder`` and its launch, killed by this test at a random time after its first
+    state."""
+    folder.mkdir()
+    config = {**RANDOM_KILL, "save_dir": str(folder / "states"), "out": str(folder / "out.pt")}
     process = subprocess.Popen(  # killed by this test: a real launch, which dies with the kill
         _command(config, 1, real_launcher),
         env=CPU_PROCESSES_ENV,
@@ -94,41 +143,66 @@ def test_random_sigkill_then_resume_bitwise(tmp_path):
         assert time.monotonic() - started < 120 and process.poll() is None, "the run never saved a state"
     time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))
     process.kill()
-    process.communicate()
-    resumed = _launch({**config, "reference_out": str(folder / "reference.pt")})  # then an uninterrupted run
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_bitwise_equal(_result(folder / "out.pt"), _result(folder / "reference.pt"))
+    stdout, stderr = process.communicate()
+    return config, subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory) -> dict:
+    """The runs of ONE_PROCESS_CASES and the randomly killed one, each stopped, then all resumed in one launch."""
+    base = tmp_path_factory.mktemp("interrupted")
+    stops = {}
+    for name, (config, interruption) in ONE_PROCESS_CASES.items():
+        config, stopped = _stop(base / name, config, interruption)
+        stops[name] = (base / name, config, (stopped, (base / name / "out.pt").exists()))
+    config, stopped = _random_kill(base / "random")
+    stops["random"] = (base / "random", config, (stopped, (base / "random" / "out.pt").exists()))
+    return _resume(stops)
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_143(tmp_path):
+@pytest.mark.parametrize("case", ["sigkill-window-workers", "sigkill-eval", "sigkill-in-rename", "sigkill-in-write"])
+def test_sigkill_then_resume_is_bitwise_equal(one_process_runs, case):
+    run = one_process_runs[case]
+    assert run.stopped.returncode == -signal.SIGKILL, (run.stopped.returncode, run.stopped.stderr[-3000:])
+    assert not run.stopped_wrote_out
+    run.assert_resumed()
+    assert_bitwise_equal(run.result, run.reference)
+    assert all(verify_folder(state.folder) for state in list_complete_states(run.states))
+
+
+@pytest.mark.slow
+def test_random_sigkill_then_resume_bitwise(one_process_runs):
+    run = one_process_runs["random"]
+    assert_bitwise_equal(run.result, run.reference)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_143(one_process_runs):
     """SIGTERM saves and exits 143, and every sample is seen exactly once."""
-    config = {"accumulation": 3, "shuffle": True, "save_every": 1000}  # only the preemption save
-    log = tmp_path / "samples.log"
-    interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 4, "signal": "SIGTERM"}, "sample_log": str(log)}
-    resumed, reference, states, stopped = _interrupted_then_resumed(
-        tmp_path, {**config, "sample_log": str(log)}, interruption, expected_codes=(128 + signal.SIGTERM,)
-    )
-    assert_bitwise_equal(resumed, reference)
-    (state,) = [s for s in list_complete_states(states) if s.manifest["position"]["batches_seen"] == 6]
+    run = one_process_runs["sigterm"]
+    assert run.stopped.returncode == 128 + signal.SIGTERM, run.stopped.stderr[-3000:]
+    assert not run.stopped_wrote_out
+    run.assert_resumed()
+    assert_bitwise_equal(run.result, run.reference)
+    (state,) = [s for s in list_complete_states(run.states) if s.manifest["position"]["batches_seen"] == 6]
     assert state.manifest["num_update_steps_completed"] == 4 + 2  # 4 updates in epoch 1, then steps 0-5 of epoch 2
     seen: dict = {}
-    for line in log.read_text().splitlines():
+    for line in (run.folder / "samples.log").read_text().splitlines():
         epoch, _, *ids = line.split()
         seen.setdefault(epoch, []).extend(int(i) for i in ids)
     assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {str(e): list(range(22)) for e in (1, 2, 3)}
 
 
 @pytest.mark.slow
-def test_second_sigint_exits_at_once(tmp_path):
+def test_second_sigint_exits_at_once(one_process_runs):
     """A second SIGINT exits at once and keeps the last good state."""
-    config = {"accumulation": 1, "shuffle": True}
-    interruption = {"kill": {"event": "train_step", "epoch": 2, "step": 3, "signal": "SIGINT", "times": 2}}
-    resumed, reference, _, stopped = _interrupted_then_resumed(
-        tmp_path, config, interruption, expected_codes=(1, -signal.SIGINT, 130)
-    )
-    assert "KeyboardInterrupt" in stopped.stderr
-    assert_bitwise_equal(resumed, reference)
+    run = one_process_runs["second-sigint"]
+    assert run.stopped.returncode in (1, -signal.SIGINT, 130), run.stopped.stderr[-3000:]
+    assert not run.stopped_wrote_out
+    assert "KeyboardInterrupt" in run.stopped.stderr
+    run.assert_resumed()
+    assert_bitwise_equal(run.result, run.reference)
 
 
 @pytest.mark.slow
@@ -137,17 +211,19 @@ def test_one_rank_killed_then_resume_bitwise(tmp_path):
     """Two processes: SIGKILL and SIGTERM to one rank, then a resume equal bit for bit."""
     config = {"accumulation": 1, "shuffle": True, "save_every": 2}
     kill = {"kill": {"event": "train_step", "epoch": 2, "step": 2, "rank": 1}}
-    (tmp_path / "kill").mkdir()
-    resumed, reference, _, _ = _interrupted_then_resumed(
-        tmp_path / "kill", config, kill, 2, expected_codes=tuple(range(1, 256)) + (-9,)
-    )
-    assert_bitwise_equal(resumed, reference)
     term = {"kill": {"event": "train_step", "epoch": 1, "step": 3, "signal": "SIGTERM", "rank": 1}}  # one rank only
-    (tmp_path / "term").mkdir()
-    resumed, _, _, stopped = _interrupted_then_resumed(
-        tmp_path / "term", config, term, 2, expected_codes=tuple(range(1, 256)), reference=False
-    )
-    assert_bitwise_equal(resumed, reference)
+    stops = {}
+    for name, interruption in {"kill": kill, "term": term}.items():
+        stopped_config, stopped = _stop(tmp_path / name, config, interruption, 2)
+        stops[name] = (tmp_path / name, stopped_config, (stopped, (tmp_path / name / "out.pt").exists()))
+    runs = _resume(stops, 2)
+    for run in runs.values():
+        assert run.stopped.returncode in range(1, 256) or run.stopped.returncode == -9, run.stopped.stderr[-3000:]
+        assert not run.stopped_wrote_out
+        run.assert_resumed()
+        assert_bitwise_equal(run.result, runs["kill"].reference)  # the same uninterrupted run
+    stopped = runs["term"].stopped
+    assert stopped.returncode != -9
     # both processes stopped at the next update boundary (step 4 of epoch 1: 4 updates), with one saved state
     assert "Stopped by signal 15" in stopped.stdout
     assert "step_4\n" in stopped.stdout and "step_4-2" not in stopped.stdout  # the step save, taken once

@@ -2,7 +2,7 @@
 
 Usage: python resume_run.py CONFIG_JSON. Writes the final model, optimizer, scheduler and history to
 CONFIG["out"] with torch.save, so the test can compare an interrupted-and-resumed run bit for bit with an
-uninterrupted one.
+uninterrupted one. CONFIG["then"]: a list of further configs, run after it in the same processes.
 """
 
 import functools
@@ -97,6 +97,8 @@ def main(config):
         run({**reference, "sample_log": None})
     if config.get("time_budget_out"):
         run_out_of_time(config["time_budget_out"])
+    for then in config.get("then", ()):  # then other configs in the same processes, one after the other
+        main(then)
 
 
 class SlowUpdates(TrainerCallback):

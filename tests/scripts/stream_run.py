@@ -12,6 +12,11 @@ The resumed run may differ: ``--resume-workers N``, ``--resume-split S``, ``--al
 of the three alone (``stopped``, then ``resumed`` from the states it left in OUT, e.g. on another number of
 processes). A run that raises prints ``REFUSED`` with the error and the samples its stream produced, instead of
 ``REPORT``. ``--hf-split-by-node`` only tries to train a Hugging Face stream split by node with ``--split``.
+
+``stream_run.py --runs JSON`` runs several command lines in the same processes, one after the other: ``JSON`` is a list
+of ``[name, [OUT, option, ...]]``; each run's lines on standard output and error follow a line ``RUN name`` (written
+once every process wrote all of the run before; what comes before the first such line is the first run's), and the
+last with ``RUN end``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import json
 import multiprocessing
 import os
 import sys
+import warnings
 
 import torch
 from torch.utils.data import IterableDataset
@@ -31,8 +37,6 @@ from pytorch_accel_trainer.errors import CheckpointError, StopTrainingError
 
 #: samples produced by the stream in this process and its workers (forked: the value is shared with them)
 PRODUCED = multiprocessing.Value("q", 0)
-#: --unsplit: the stream does not split itself between the processes, though told to
-UNSPLIT = "--unsplit" in sys.argv
 
 
 def print_line(line: str) -> None:
@@ -52,7 +56,7 @@ class Stream(IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        split = self.split and not UNSPLIT and torch.distributed.is_initialized()
+        split = self.split and torch.distributed.is_initialized()
         world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if split else (1, 0)
         end = self.num_samples - (self.short_by if rank == 1 else 0)
         while True:
@@ -109,7 +113,7 @@ def run(args, mode: str) -> dict:
     split = args.resume_split if resumed and args.resume_split else args.split
     workers = args.resume_workers if resumed and args.resume_workers is not None else args.workers
     trainer.train(
-        stream_class(args.samples, split == "dataset", short_by=args.uneven),
+        stream_class(args.samples, split == "dataset" and not args.unsplit, short_by=args.uneven),
         num_epochs=args.epochs,
         per_device_batch_size=4,
         train_dataloader_kwargs={"num_workers": workers},
@@ -152,7 +156,7 @@ def refuse_hf_split_by_node(args) -> None:
         )
 
 
-def main():
+def parse(argv: list) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--workers", type=int, default=0)
@@ -169,7 +173,13 @@ def main():
     parser.add_argument("--resume-split")
     parser.add_argument("--allow-changes", action="store_true")
     parser.add_argument("--modes", default="uninterrupted,stopped,resumed")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def run_all(args) -> None:
+    """The runs of one command line: print their ``REPORT``, or the ``REFUSED`` of the first that raises."""
+    PRODUCED.value = 0
+    rank = int(os.environ.get("RANK", "0"))
     if args.hf_split_by_node:
         refuse_hf_split_by_node(args)
         return
@@ -180,9 +190,8 @@ def main():
         try:
             trainer.train(Stream(args.samples, split=False), num_epochs=1, per_device_batch_size=4)
         except ValueError as error:
-            print_line("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value}))
+            print_line("REFUSED " + json.dumps({"error": str(error), "produced": PRODUCED.value, "rank": rank}))
         return
-    rank = int(os.environ.get("RANK", "0"))
     try:
         report = {mode: run(args, mode) for mode in args.modes.split(",")}
     except (ValueError, TypeError, CheckpointError) as error:
@@ -190,6 +199,34 @@ def main():
         return
     report["rank"] = rank
     print_line("REPORT " + json.dumps(report))
+
+
+def separate(name: str) -> None:
+    """Once every process wrote all it had, the main process starts the section ``name`` of both streams with the
+    line ``RUN name``; then every process goes on. Before the first trainer has set up the process group, the
+    processes cannot wait for each other: what they write before the first such line is the first run's."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    connected = torch.distributed.is_initialized()
+    if connected:
+        torch.distributed.barrier()
+    if int(os.environ.get("RANK", "0")) == 0:
+        for stream in (sys.stdout, sys.stderr):
+            stream.write(f"\nRUN {name}\n")  # on a line of its own, after a progress bar's last
+            stream.flush()
+    if connected:
+        torch.distributed.barrier()
+
+
+def main():
+    if sys.argv[1] != "--runs":
+        run_all(parse(sys.argv[1:]))
+        return
+    for name, argv in json.loads(sys.argv[2]):
+        separate(name)
+        with warnings.catch_warnings():  # each run's warnings shown as in a process of its own
+            run_all(parse(argv))
+    separate("end")
 
 
 if __name__ == "__main__":
