@@ -140,6 +140,10 @@ def serve(socket_path: str) -> int:
     import accelerate  # noqa: F401
     import numpy  # noqa: F401
     import torch  # noqa: F401
+
+    # Every run's first optimizer imports it (about 800 modules, sympy's included: 1 s of CPU per process). It sets
+    # TORCHINDUCTOR_CACHE_DIR here to its default, read when used; each launch has its client's environment.
+    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
 
     import pytorch_accel_trainer  # noqa: F401
