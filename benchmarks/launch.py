@@ -32,11 +32,17 @@ def new_interpreters(num_processes: int) -> list:
     ``accelerate launch`` of one CPU job for several (tests/conftest.py's ``real_launcher``)."""
     if num_processes == 1:
         return [sys.executable]
+    return accelerate_launch(num_processes, "--multi_gpu")
+
+
+def accelerate_launch(num_processes: int, *mode: str) -> list:
+    """``accelerate launch`` of ``num_processes`` processes of one machine, without mixed precision or dynamo, on a
+    free port; ``mode``: how Accelerate distributes them (``--multi_gpu``, or ``--use_deepspeed --zero_stage 2``)."""
     return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
-        "--multi_gpu",
+        *mode,
         "--num_processes",
         str(num_processes),
         "--num_machines",

@@ -95,13 +95,22 @@ if "OMP_NUM_THREADS" not in os.environ:
 CPU_PROCESSES_ENV = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 
 
+def _benchmark_launch():
+    return load_module_from(pathlib.Path(__file__).parents[1] / "benchmarks" / "launch.py", "benchmark_launch")
+
+
 def real_launcher(num_processes: int) -> list:
     """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` new interpreters:
     ``accelerate launch`` for several, plain ``python`` for one. For the tests of the launch itself (the launcher's
     output and exit status, restarts, a rank's death that the launcher must handle, the environment a launch gives):
     the others use ``launcher``."""
-    launch = load_module_from(pathlib.Path(__file__).parents[1] / "benchmarks" / "launch.py", "benchmark_launch")
-    return launch.new_interpreters(num_processes)
+    return _benchmark_launch().new_interpreters(num_processes)
+
+
+def accelerate_launch(num_processes: int, *mode: str) -> list:
+    """The real ``accelerate launch`` of ``num_processes`` CPU processes in ``mode`` (e.g. ``--use_deepspeed
+    --zero_stage 2``), as ``real_launcher`` spells it."""
+    return _benchmark_launch().accelerate_launch(num_processes, *mode)
 
 
 #: Forks the suite's launches from an interpreter that already imported torch, Accelerate and the package.

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import launcher
+from conftest import accelerate_launch, launcher
 from torch import nn
 
 from pytorch_accel_trainer.state.training_state import verify_folder
@@ -132,24 +132,7 @@ def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
 def test_deepspeed_steps_once_per_update(tmp_path):
     """DeepSpeed steps once per update, and refuses what it would ignore."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
-    launcher = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--use_deepspeed",
-        "--zero_stage",
-        "2",
-        "--num_processes",
-        "1",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        "0",
-    ]
+    launcher = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
     deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
     plain = _launch(tmp_path / "plain", "plain", [sys.executable])
 
