@@ -10,8 +10,9 @@ A map-style dataset resumes by sampler offset at no cost (``loop/data_position.p
   ``num_workers > 0``, as of each batch it hands out. :class:`StreamPositions` keeps the states of the last few
   batches the loop took (the loop looks one batch ahead, Accelerate another), and a training state holds, for each
   process, the state after the batches trained: a resume loads it and the stream goes on from there, bit for bit.
-  Only the batches in flight are produced again: none without workers; with workers, the one round they prefetch
-  when the dataloader is built (``num_workers * prefetch_factor`` batches).
+  Nothing trained on is produced again. With workers, at most one prefetch round (``num_workers * prefetch_factor``
+  batches from the stream's start) is produced and thrown away: Accelerate asks the dataloader for its state as it
+  builds it, which starts the workers once before the saved state replaces them.
 - **It cannot** (a plain generator), or the main process reads it for every process (Accelerate's dispatching, the
   default on several processes, whose look-ahead a saved state could not be matched to): the batches already
   trained on are produced again and thrown away. The resume says so in one line, with how many and how to avoid it,
