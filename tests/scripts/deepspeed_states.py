@@ -58,11 +58,12 @@ def make_trainer(seed, callbacks=()):
 
 
 def live_weights(trainer) -> dict:
-    """The full weights as a plain model has them (under ZeRO-3 gathered by the trainer's full state dict)."""
-    from pytorch_accel_trainer.parallel.sharded import get_full_model_state_dict
+    """The full weights as a plain model has them (under ZeRO-3 gathered from the partitions first)."""
+    import deepspeed
 
-    state = get_full_model_state_dict(trainer._accelerator, trainer.model)
-    return {name: tensor.detach().float().clone() for name, tensor in state.items()}
+    module = trainer._accelerator.deepspeed_engine_wrapped.engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):  # a no-op below stage 3
+        return {name: tensor.detach().float().clone() for name, tensor in module.state_dict().items()}
 
 
 def error_of(call) -> str:
