@@ -1,4 +1,5 @@
-"""FSDP2 (2 gloo processes on the CPU) and DeepSpeed (1 process) train like DDP / a plain run, and export plain weights.
+"""FSDP2 (2 gloo processes on the CPU) and DeepSpeed (1 process) train like DDP / a plain run, and export plain weights;
+DeepSpeed ZeRO 1, 2 and 3 training states resume bit for bit (``tests/scripts/deepspeed_states.py``, one launch).
 
 Accelerate 1.15 never selects FSDP on a CPU, so ``tests/scripts/fsdp_train.py`` switches its state to FSDP after
 creating it; everything after that (sharding, clipping, state dicts) is Accelerate's and torch's real FSDP2 code.
@@ -21,6 +22,7 @@ from torch import nn
 from pytorch_accel_trainer.state.training_state import verify_folder
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
+DEEPSPEED_STATES_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "deepspeed_states.py"
 TIMEOUT_S = 240
 
 
@@ -148,6 +150,42 @@ def test_deepspeed_steps_once_per_update(tmp_path):
         "gradient_clipping=1.0" in errors["clip_norm_unset"] and "gradient_clip_norm=None" in errors["clip_norm_unset"]
     )
     assert "gradient_clip_value=0.5 cannot be applied under DeepSpeed" in errors["clip_value"]
-    assert "not supported under DeepSpeed" in errors["training_state"]
     assert "save_optimizer=False" in errors["checkpoint_with_optimizer"]
     assert "prepares its model and optimizer once" in errors["second_train"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeed_training_states_resume_bit_for_bit(tmp_path):
+    """ZeRO 1, 2 and 3 (one launch, one process): a run resumed from a state saved after 3 of 8 updates ends with the
+    uninterrupted run's weights, bit for bit; consolidate gives the live weights; a damaged file, another ZeRO stage
+    are refused; a background save is written at once, warned once."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
+    completed = subprocess.run(
+        [*launch, str(DEEPSPEED_STATES_SCRIPT), str(tmp_path), "1,2,3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+
+    for stage, run in result.items():
+        assert run["resume_bit_equal"], (stage, run["resume_max_difference"])
+        assert run["consolidated_bit_equal"], stage
+        assert run["consolidated_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: its XXH3-128 does not match" in run["damaged_error"]
+        assert run["background_states"] == 1
+    model_file = {"1": "mp_rank_00_model_states.pt", "2": "mp_rank_00_model_states.pt"}
+    for stage, name in {**model_file, "3": "zero_pp_rank_0_mp_rank_00_model_states.pt"}.items():
+        assert name in result[stage]["files"] and "manifest.json" in result[stage]["files"]
+    assert result["1"]["other_stage_error"] is None  # the first stage has no earlier state
+    for stage, earlier in (("2", 1), ("3", 2)):
+        error = result[stage]["other_stage_error"]
+        assert f"saved under DeepSpeed ZeRO stage {earlier} on 1 process(es)" in error
+        assert f"this run uses ZeRO stage {stage} on 1" in error and "ds_to_universal" in error
+    warned = [message for run in result.values() for message in run["background_warnings"]]
+    assert len(warned) == 1 and "written synchronously" in warned[0]  # once per process
