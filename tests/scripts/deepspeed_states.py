@@ -1,6 +1,6 @@
-"""Training states under DeepSpeed ZeRO 1, 2 and 3, one process; writes what tests/test_fsdp.py checks.
+"""Training states under DeepSpeed ZeRO 1, 2 and 3 (1 or 2 processes); writes what tests/test_fsdp.py checks.
 
-Usage (under accelerate launch --use_deepspeed --zero_stage S, 1 process): deepspeed_states.py OUTPUT_DIR STAGES
+Usage (under accelerate launch --use_deepspeed --zero_stage S, 1 or 2 processes): deepspeed_states.py OUTPUT_DIR STAGES
 (``1,2,3``). DeepSpeed's engine can be created again in one process: each stage resets Accelerate's state and runs
 with ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` set to it, so one launch (one DeepSpeed import) covers every stage. For each:
 
@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -30,7 +30,9 @@ from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.state.consolidate import full_weights
 
-ARGUMENTS = {"num_epochs": 2, "per_device_batch_size": 8, "gradient_clip_norm": 1.0}  # 2 x 4 = 8 updates
+#: 2 epochs of 4 updates of 8 samples (on 2 processes, 4 samples each)
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))  # not PartialState(): the trainer sets the processes up
+ARGUMENTS = {"num_epochs": 2, "per_device_batch_size": 8 // WORLD_SIZE, "gradient_clip_norm": 1.0}
 
 
 class SaveAt(TrainerCallback):
@@ -92,11 +94,13 @@ def run_stage(output: Path, stage: int, previous_states) -> dict:
     got = live_weights(resumed)
 
     damaged = output / f"stage{stage}" / "damaged"
-    shutil.copytree(mid_state, damaged / mid_state.name)
-    optimizer_file = next((damaged / mid_state.name).glob("*optim_states.pt"))
-    data_bytes = bytearray(optimizer_file.read_bytes())
-    data_bytes[len(data_bytes) // 2] ^= 0xFF
-    optimizer_file.write_bytes(bytes(data_bytes))
+    if PartialState().is_main_process:
+        shutil.copytree(mid_state, damaged / mid_state.name)
+        optimizer_file = sorted((damaged / mid_state.name).glob("*optim_states.pt"))[-1]  # the last process's
+        data_bytes = bytearray(optimizer_file.read_bytes())
+        data_bytes[len(data_bytes) // 2] ^= 0xFF
+        optimizer_file.write_bytes(bytes(data_bytes))
+    PartialState().wait_for_everyone()
     damaged_error = error_of(lambda: make_trainer(2).train(data, resume_from=damaged, **ARGUMENTS))
     other_stage_error = (
         None
@@ -126,7 +130,9 @@ def main(output: Path, stages: list) -> None:
     result, previous = {}, None
     for stage in stages:
         result[stage], previous = run_stage(output, stage, previous)
-    (output / "result.json").write_text(json.dumps(result, indent=1))
+    result["num_processes"] = PartialState().num_processes
+    if PartialState().is_main_process:
+        (output / "result.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
