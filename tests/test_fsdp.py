@@ -154,38 +154,51 @@ def test_deepspeed_steps_once_per_update(tmp_path):
     assert "prepares its model and optimizer once" in errors["second_train"]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_deepspeed_training_states_resume_bit_for_bit(tmp_path):
-    """ZeRO 1, 2 and 3 (one launch, one process): a run resumed from a state saved after 3 of 8 updates ends with the
-    uninterrupted run's weights, bit for bit; consolidate gives the live weights; a damaged file, another ZeRO stage
-    are refused; a background save is written at once, warned once."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
+def _launch_deepspeed_states(output: pathlib.Path, num_processes: int, stages: str) -> dict:
+    output.mkdir(parents=True)
     completed = subprocess.run(
-        [*launch, str(DEEPSPEED_STATES_SCRIPT), str(tmp_path), "1,2,3"],
-        env=env,
+        [*accelerate_launch(num_processes, "--use_deepspeed", "--zero_stage", "2"), str(DEEPSPEED_STATES_SCRIPT)]
+        + [str(output), stages],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    return json.loads((output / "result.json").read_text())
 
-    for stage, run in result.items():
-        assert run["resume_bit_equal"], (stage, run["resume_max_difference"])
-        assert run["consolidated_bit_equal"], stage
-        assert run["consolidated_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
-        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt: its XXH3-128 does not match" in run["damaged_error"]
-        assert run["background_states"] == 1
-    model_file = {"1": "mp_rank_00_model_states.pt", "2": "mp_rank_00_model_states.pt"}
-    for stage, name in {**model_file, "3": "zero_pp_rank_0_mp_rank_00_model_states.pt"}.items():
-        assert name in result[stage]["files"] and "manifest.json" in result[stage]["files"]
-    assert result["1"]["other_stage_error"] is None  # the first stage has no earlier state
-    for stage, earlier in (("2", 1), ("3", 2)):
-        error = result[stage]["other_stage_error"]
-        assert f"saved under DeepSpeed ZeRO stage {earlier} on 1 process(es)" in error
-        assert f"this run uses ZeRO stage {stage} on 1" in error and "ds_to_universal" in error
-    warned = [message for run in result.values() for message in run["background_warnings"]]
-    assert len(warned) == 1 and "written synchronously" in warned[0]  # once per process
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeed_training_states_resume_bit_for_bit(tmp_path):
+    """ZeRO 1, 2 and 3 on one process (one launch), ZeRO 2 and 3 on two over gloo (another): a run resumed from a
+    state saved after 3 of 8 updates ends with the uninterrupted run's weights, bit for bit; consolidate gives the
+    live weights; a damaged file and another ZeRO stage are refused; a background save is written at once, warned
+    once; two processes train what one does."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
+    one = _launch_deepspeed_states(tmp_path / "one", 1, "1,2,3")
+    two = _launch_deepspeed_states(tmp_path / "two", 2, "2,3")
+    assert (one.pop("num_processes"), two.pop("num_processes")) == (1, 2)
+
+    for count, result in ((1, one), (2, two)):
+        for stage, run in result.items():
+            assert run["resume_bit_equal"], (count, stage, run["resume_max_difference"])
+            assert run["consolidated_bit_equal"], (count, stage)
+            assert run["consolidated_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+            damaged = f"zero_pp_rank_{count - 1}_mp_rank_00_optim_states.pt: its XXH3-128 does not match"
+            assert damaged in run["damaged_error"]
+            assert run["background_states"] == 1
+            model_files = ["mp_rank_00_model_states.pt"] if stage != "3" else []
+            model_files += [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(count) if stage == "3"]
+            optimizer_files = [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(count)]
+            assert set(model_files + optimizer_files + ["manifest.json", "trainer_state.pt"]) <= set(run["files"])
+        first, *later = sorted(result)
+        assert result[first]["other_stage_error"] is None  # the first stage of a launch has no earlier state
+        for stage in later:
+            error, earlier = result[stage]["other_stage_error"], int(stage) - 1
+            assert f"saved under DeepSpeed ZeRO stage {earlier} on {count} process(es)" in error
+            assert f"this run uses ZeRO stage {stage} on {count}" in error and "ds_to_universal" in error
+        warned = [message for run in result.values() for message in run["background_warnings"]]
+        assert len(warned) == 1 and "written synchronously" in warned[0]  # once per process
+    for stage in ("2", "3"):  # the same global batches of 8: the same training, up to summation order
+        torch.testing.assert_close(torch.tensor(two[stage]["weights"]), torch.tensor(one[stage]["weights"]))

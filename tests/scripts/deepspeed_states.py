@@ -123,6 +123,7 @@ def run_stage(output: Path, stage: int, previous_states) -> dict:
         "background_warnings": [str(w.message) for w in caught if "synchronously" in str(w.message)],
         "background_states": len(list(background.glob("checkpoint-*"))),
         "train_loss": full.run_history.get_metric_values("train_loss_epoch"),
+        "weights": torch.cat([expected[name].flatten() for name in sorted(expected)]).tolist(),
     }, mid_state
 
 
