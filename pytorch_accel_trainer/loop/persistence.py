@@ -158,8 +158,7 @@ class PersistenceMixin:
 
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
-            ValueError: a ``name`` the folder keeps; under DeepSpeed, extra models of ``add_model`` (its engine, which
-                writes the model and optimizer in its own format, holds one model: see ``docs/fsdp_deepspeed.md``).
+            ValueError: a ``name`` the folder keeps.
             CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``), or another
                 live job saves into it (its claim: see "Run identity" in ``docs/training_state.md``).
             NotADirectoryError: ``output_dir`` is a file.

@@ -111,21 +111,10 @@ def _stream_state(trainer: "Trainer", position: ResumePosition) -> Optional[dict
 
 
 def engine_state(trainer: "Trainer") -> Optional[DeepSpeedEngineState]:
-    """DeepSpeed's engine as the model and optimizer of the trainer's training state, or ``None`` outside DeepSpeed.
-
-    Raises:
-        ValueError: under DeepSpeed, with extra models of ``add_model`` (DeepSpeed's engine holds one model).
-    """
+    """DeepSpeed's engine as the model and optimizer of the trainer's training state (its only model: ``add_model``
+    is refused under DeepSpeed), or ``None`` outside DeepSpeed."""
     engine = deepspeed_engine(trainer.accelerator)
-    if engine is None:
-        return None
-    if trainer.extra_models:
-        raise ValueError(
-            f"A training state under DeepSpeed holds DeepSpeed's engine, one model, but this trainer has the extra "
-            f"models {', '.join(sorted(trainer.extra_models))} (add_model). Train them without DeepSpeed, or save "
-            "them with save_checkpoint."
-        )
-    return DeepSpeedEngineState(engine, trainer.accelerator.num_processes)
+    return None if engine is None else DeepSpeedEngineState(engine, trainer.accelerator.num_processes)
 
 
 def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwargs: Optional[dict]) -> StateContent:
