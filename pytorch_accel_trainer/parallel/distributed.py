@@ -100,11 +100,11 @@ def _deepspeed_asked(kwargs: dict) -> bool:
 def _with_gloo_backend(handlers: Optional[list]) -> list:
     """``handlers`` with an ``InitProcessGroupKwargs(backend="gloo")`` unless they hold one: several DeepSpeed
     processes on a machine without an accelerator then form one gloo job (without it Accelerate sets each up as a
-    single process, while DeepSpeed's group spans them all, and every process trains the same batches); one
-    without a backend gets gloo."""
+    single process, while DeepSpeed's group spans them all, and every process trains the same batches). One without
+    a backend, or with its default ``nccl`` (which needs GPUs), gets gloo; another backend is kept."""
     handlers = [
         dataclasses.replace(handler, backend="gloo")
-        if isinstance(handler, InitProcessGroupKwargs) and handler.backend is None
+        if isinstance(handler, InitProcessGroupKwargs) and handler.backend in (None, "nccl")
         else handler
         for handler in handlers or []
     ]
