@@ -2,12 +2,12 @@
 
 A training state holds the model's tensors in one file (written by one process), one shard per process of the run that
 wrote it (``parts.py``), or DeepSpeed's partitions (``deepspeed_engine.py``: gathered by DeepSpeed's own reader, which
-needs DeepSpeed installed but no process group). For an evaluation, an export or a serving job, :func:`consolidate` verifies the state (every
-file against its manifest) and writes the model's full weights as one plain file: safetensors (``.safetensors``), or a
-checkpoint that ``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read (``.pt``, ``.pth``; the model's
-weights under ``model_state_dict``). Only a model is written (the model, or an extra model of ``add_model``): an
-optimizer's state is no weights. The model's tensors alone are read into this process's memory (the optimizer's state is
-not read): the machine needs as much host memory as the weights take.
+needs DeepSpeed installed but no process group). For an evaluation, an export or a serving job, :func:`consolidate`
+verifies the state (every file against its manifest) and writes the model's full weights as one plain file: safetensors
+(``.safetensors``), or a checkpoint that ``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read
+(``.pt``, ``.pth``; the model's weights under ``model_state_dict``). Only a model is written (the model, or an extra
+model of ``add_model``): an optimizer's state is no weights. The model's tensors alone are read into this process's
+memory (the optimizer's state is not read): the machine needs as much host memory as the weights take.
 
 Both paths follow the library's rules for every path it takes (``state/storage.py``): ``~`` and ``$VARIABLES``
 expanded, an object-storage URL read or written through fsspec (never a local folder named ``s3:``). The output is
@@ -23,8 +23,7 @@ from typing import Optional, Union
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import storage
-from pytorch_accel_trainer.state import deepspeed_engine
+from pytorch_accel_trainer.state import deepspeed_engine, storage
 from pytorch_accel_trainer.state.files import DEEPSPEED, MANIFEST_NAME, ONE_FILE, DamagedStateError, StoredState
 from pytorch_accel_trainer.state.manager import RUN_FOLDER_STATES, TrainingStates, find_resumable_state, is_run_folder
 from pytorch_accel_trainer.state.parts import SEPARATOR, Processes, read_parts_file

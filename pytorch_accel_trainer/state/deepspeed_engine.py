@@ -118,8 +118,9 @@ def check_engine_fits(stored: StoredState, saved_facts: Any, engine: Optional[De
         if saved_by_deepspeed:
             raise CheckpointError(
                 f"{folder} was saved under DeepSpeed ZeRO stage {saved_facts.get('zero_stage')} (DeepSpeed's own "
-                "format), but this run does not use DeepSpeed. Resume it under DeepSpeed with the same stage and number "
-                "of processes, or write its weights with pytorch-accel-trainer consolidate and start from those."
+                "format), but this run does not use DeepSpeed. Resume it under DeepSpeed with the same stage and "
+                "number of processes, or write its weights with pytorch-accel-trainer consolidate and start from "
+                "those."
             )
         return
     if not saved_by_deepspeed:

@@ -88,8 +88,8 @@ class TrainingStates:
 
         A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
         tensors are copied to host memory and the state is written on a background thread; the folder it will have
-        is returned (a content with an ``engine``, DeepSpeed's, is written at once, warned once). Under an object-storage URL the state is written to each machine's mirror and uploaded, its
-        manifest last.
+        is returned (a content with an ``engine``, DeepSpeed's, is written at once, warned once). Under an
+        object-storage URL the state is written to each machine's mirror and uploaded, its manifest last.
         """
         async_save.saver.wait()
         remote = self._remote_for_saving(parent) if isinstance(parent, str) else None
