@@ -133,7 +133,10 @@ def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_steps_once_per_update(tmp_path):
     """DeepSpeed steps once per update, and refuses what it would ignore."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
+    pytest.importorskip(
+        "deepspeed",
+        reason="DeepSpeed is optional: sh tests/scripts/deepspeed_tests.sh installs it aside and runs these",
+    )
     launcher = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
     deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
     plain = _launch(tmp_path / "plain", "plain", [sys.executable])
@@ -175,7 +178,10 @@ def test_deepspeed_training_states_resume_bit_for_bit(tmp_path):
     state saved after 3 of 8 updates ends with the uninterrupted run's weights, bit for bit; consolidate gives the
     live weights; a damaged file and another ZeRO stage are refused; a background save is written at once, warned
     once; two processes train what one does."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
+    pytest.importorskip(
+        "deepspeed",
+        reason="DeepSpeed is optional: sh tests/scripts/deepspeed_tests.sh installs it aside and runs these",
+    )
     one = _launch_deepspeed_states(tmp_path / "one", 1, "1,2,3")
     two = _launch_deepspeed_states(tmp_path / "two", 2, "2,3")
     assert (one.pop("num_processes"), two.pop("num_processes")) == (1, 2)
