@@ -382,7 +382,7 @@ def sharded_layout(monkeypatch):
     from pytorch_accel_trainer.state import parts
     from pytorch_accel_trainer.state.files import SHARDED
 
-    monkeypatch.setattr(parts, "layout_of", lambda processes: SHARDED)
+    monkeypatch.setattr(parts, "layout_of", lambda processes, content=None: SHARDED)
 
 
 #: What botocore needs to talk to a local S3 endpoint (moto accepts any credentials).

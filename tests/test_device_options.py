@@ -119,3 +119,20 @@ def test_full_precision_and_unknown_name():
         r"\(or a name of another trainer for them: \[.*'full'",
     ):
         make_trainer(make_linear(), mixed_precision="tf32")
+
+
+def test_deepspeed_on_cpu_processes_gets_the_gloo_backend(monkeypatch):
+    """Under DeepSpeed on a machine without an accelerator, Accelerate is given the gloo backend (not cpu=True, which
+    runs DDP); a handler with its default backend (nccl, GPUs only) gets gloo, one with another backend is kept."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from pytorch_accel_trainer.parallel.distributed import _deepspeed_asked, _with_gloo_backend
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert _deepspeed_asked({})
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    assert not _deepspeed_asked({})  # Accelerate runs DDP there: the CPU backend as for any launch
+    assert [handler.backend for handler in _with_gloo_backend(None)] == ["gloo"]
+    assert [handler.backend for handler in _with_gloo_backend([InitProcessGroupKwargs(timeout=None)])] == ["gloo"]
+    assert [handler.backend for handler in _with_gloo_backend([InitProcessGroupKwargs(backend="ccl")])] == ["ccl"]

@@ -1,4 +1,5 @@
-"""FSDP2 (2 gloo processes on the CPU) and DeepSpeed (1 process) train like DDP / a plain run, and export plain weights.
+"""FSDP2 (2 gloo processes on the CPU) and DeepSpeed (1 process) train like DDP / a plain run, and export plain weights;
+DeepSpeed ZeRO 1, 2 and 3 training states resume bit for bit (``tests/scripts/deepspeed_states.py``, one launch).
 
 Accelerate 1.15 never selects FSDP on a CPU, so ``tests/scripts/fsdp_train.py`` switches its state to FSDP after
 creating it; everything after that (sharding, clipping, state dicts) is Accelerate's and torch's real FSDP2 code.
@@ -21,6 +22,7 @@ from torch import nn
 from pytorch_accel_trainer.state.training_state import verify_folder
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
+DEEPSPEED_STATES_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "deepspeed_states.py"
 TIMEOUT_S = 240
 
 
@@ -131,7 +133,10 @@ def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_steps_once_per_update(tmp_path):
     """DeepSpeed steps once per update, and refuses what it would ignore."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is optional: pip install -c constraints.txt deepspeed")
+    pytest.importorskip(
+        "deepspeed",
+        reason="DeepSpeed is optional: sh tests/scripts/deepspeed_tests.sh installs it aside and runs these",
+    )
     launcher = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
     deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
     plain = _launch(tmp_path / "plain", "plain", [sys.executable])
@@ -148,6 +153,58 @@ def test_deepspeed_steps_once_per_update(tmp_path):
         "gradient_clipping=1.0" in errors["clip_norm_unset"] and "gradient_clip_norm=None" in errors["clip_norm_unset"]
     )
     assert "gradient_clip_value=0.5 cannot be applied under DeepSpeed" in errors["clip_value"]
-    assert "not supported under DeepSpeed" in errors["training_state"]
     assert "save_optimizer=False" in errors["checkpoint_with_optimizer"]
     assert "prepares its model and optimizer once" in errors["second_train"]
+
+
+def _launch_deepspeed_states(output: pathlib.Path, num_processes: int, stages: str) -> dict:
+    output.mkdir(parents=True)
+    completed = subprocess.run(
+        [*accelerate_launch(num_processes, "--use_deepspeed", "--zero_stage", "2"), str(DEEPSPEED_STATES_SCRIPT)]
+        + [str(output), stages],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads((output / "result.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeed_training_states_resume_bit_for_bit(tmp_path):
+    """ZeRO 1, 2 and 3 on one process (one launch), ZeRO 2 and 3 on two over gloo (another): a run resumed from a
+    state saved after 3 of 8 updates ends with the uninterrupted run's weights, bit for bit; consolidate gives the
+    live weights; a damaged file and another ZeRO stage are refused; a background save is written at once, warned
+    once; two processes train what one does."""
+    pytest.importorskip(
+        "deepspeed",
+        reason="DeepSpeed is optional: sh tests/scripts/deepspeed_tests.sh installs it aside and runs these",
+    )
+    one = _launch_deepspeed_states(tmp_path / "one", 1, "1,2,3")
+    two = _launch_deepspeed_states(tmp_path / "two", 2, "2,3")
+    assert (one.pop("num_processes"), two.pop("num_processes")) == (1, 2)
+
+    for count, result in ((1, one), (2, two)):
+        for stage, run in result.items():
+            assert run["resume_bit_equal"], (count, stage, run["resume_max_difference"])
+            assert run["consolidated_bit_equal"], (count, stage)
+            assert run["consolidated_names"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+            damaged = f"zero_pp_rank_{count - 1}_mp_rank_00_optim_states.pt: its XXH3-128 does not match"
+            assert damaged in run["damaged_error"]
+            assert run["background_states"] == 1
+            model_files = ["mp_rank_00_model_states.pt"] if stage != "3" else []
+            model_files += [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(count) if stage == "3"]
+            optimizer_files = [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" for rank in range(count)]
+            assert set(model_files + optimizer_files + ["manifest.json", "trainer_state.pt"]) <= set(run["files"])
+        first, *later = sorted(result)
+        assert result[first]["other_stage_error"] is None  # the first stage of a launch has no earlier state
+        for stage in later:
+            error, earlier = result[stage]["other_stage_error"], int(stage) - 1
+            assert f"saved under DeepSpeed ZeRO stage {earlier} on {count} process(es)" in error
+            assert f"this run uses ZeRO stage {stage} on {count}" in error and "ds_to_universal" in error
+        warned = [message for run in result.values() for message in run["background_warnings"]]
+        assert len(warned) == 1 and "written synchronously" in warned[0]  # once per process
+    for stage in ("2", "3"):  # the same global batches of 8: the same training, up to summation order
+        torch.testing.assert_close(torch.tensor(two[stage]["weights"]), torch.tensor(one[stage]["weights"]))

@@ -284,3 +284,89 @@ def test_metadata_cannot_point_outside_the_state(tmp_path, sharded_layout):
     (state / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"places a tensor in '\.\./outside/__0_0\.distcp', which is not a shard"):
         full_weights(state)
+
+
+# ------------------------------------------------------------------------------------------------
+# DeepSpeed's layout, with a stand-in engine (DeepSpeed itself: tests/test_fsdp.py)
+# ------------------------------------------------------------------------------------------------
+
+
+class _StandInCheckpointEngine:
+    """DeepSpeed's torch checkpoint engine, as far as a training state uses it."""
+
+    def is_decoupled(self):
+        return False
+
+    def save(self, state_dict, path):
+        torch.save(state_dict, path)
+
+
+class _StandInEngine:
+    """Writes one optimizer file through its checkpoint engine, as ``DeepSpeedEngine.save_checkpoint`` does."""
+
+    def __init__(self, stage=2):
+        self.checkpoint_engine, self.stage, self.loaded = _StandInCheckpointEngine(), stage, []
+
+    def zero_optimization_stage(self):
+        return self.stage
+
+    def save_checkpoint(self, save_dir, tag, save_latest):
+        path = os.path.join(save_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        self.checkpoint_engine.save({"partition": torch.arange(4.0)}, path)
+
+    def load_checkpoint(self, load_dir, tag, **kwargs):
+        self.loaded.append(torch.load(os.path.join(load_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")))
+        return load_dir, {}
+
+
+def _write_engine_state(parent: Path, engine) -> Path:
+    from pytorch_accel_trainer.state.deepspeed_engine import FACTS_KEY, DeepSpeedEngineState
+    from pytorch_accel_trainer.state.folder import write_training_state
+    from pytorch_accel_trainer.state.parts import Processes, StateContent
+
+    engine_state = DeepSpeedEngineState(engine, world_size=1)
+    position = {"loop_epoch": 0, "batches_seen": 1, "epoch_samples": 8, "rng_restore_point": "after_iterator"}
+    fields = {"num_update_steps_completed": 1, "position": position, "kinds": ["rolling"], "run_facts": {}}
+    content = StateContent({}, {FACTS_KEY: engine_state.facts()}, {}, engine_state)
+    return write_training_state(parent, content, {**fields, "run_id": "0" * 32}, Processes(), "checkpoint-1")
+
+
+def test_an_engine_writes_its_own_checksummed_files_into_the_state(tmp_path):
+    """The engine's files lie in the state's folder, listed in the manifest (layout ``deepspeed``) with the checksum
+    computed as they were written; a changed byte is refused; the engine loads only from a verified folder."""
+    from pytorch_accel_trainer.state.deepspeed_engine import DeepSpeedEngineState
+
+    engine = _StandInEngine()
+    folder = _write_engine_state(tmp_path / "states", engine)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["layout"] == "deepspeed"
+    assert set(manifest["files"]) == {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "trainer_state.pt", "rank_00000.pt"}
+    assert "save" not in vars(engine.checkpoint_engine)  # its own writer again after the save
+    DeepSpeedEngineState(engine, 1).load(verify_folder(folder).folder)
+    assert torch.equal(engine.loaded[0]["partition"], torch.arange(4.0))
+
+    optimizer_file = folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    damaged = bytearray(optimizer_file.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    optimizer_file.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt: its XXH3-128 does not"):
+        verify_folder(folder)
+
+
+def test_an_engine_state_resumes_on_its_stage_and_processes_only(tmp_path):
+    """Another ZeRO stage or number of processes, no DeepSpeed, or DeepSpeed for another layout's state: refused."""
+    from pytorch_accel_trainer.state.deepspeed_engine import DeepSpeedEngineState, check_engine_fits
+
+    stored = verify_folder(_write_engine_state(tmp_path / "states", _StandInEngine(stage=2)))
+    saved = {"zero_stage": 2, "world_size": 1}
+    check_engine_fits(stored, saved, DeepSpeedEngineState(_StandInEngine(stage=2), 1))
+    with pytest.raises(CheckpointError, match=r"ZeRO stage 2 on 1 process\(es\), but this run uses ZeRO stage 3 on 1"):
+        check_engine_fits(stored, saved, DeepSpeedEngineState(_StandInEngine(stage=3), 1))
+    with pytest.raises(CheckpointError, match="ds_to_universal"):
+        check_engine_fits(stored, saved, DeepSpeedEngineState(_StandInEngine(stage=2), 2))
+    with pytest.raises(CheckpointError, match="this run does not use DeepSpeed"):
+        check_engine_fits(stored, saved, None)
+
+    other = stored.__class__(stored.folder, {**stored.manifest, "layout": "one_file"})  # another layout's state
+    with pytest.raises(CheckpointError, match="was not saved under DeepSpeed"):
+        check_engine_fits(other, None, DeepSpeedEngineState(_StandInEngine(), 1))

@@ -201,7 +201,7 @@ BAD_FIELDS = [
         {"rank_00000.pt": {"size": 1, "xxh3_128": "0" * 32}, "parts.pt": {"size": 1, "xxh3_128": "0" * 32}},
         r"files lists no trainer_state\.pt, which every training state of layout 'one_file' holds",
     ),
-    ("layout", "zip", r"layout is 'zip'; it must be one of \('one_file', 'sharded'\)"),
+    ("layout", "zip", r"layout is 'zip'; it must be one of \('one_file', 'sharded', 'deepspeed'\)"),
     ("layout", ["one_file"], r"layout is \['one_file'\]; it must be one of"),
     ("layout", None, r"layout is None; it must be one of"),  # a manifest that names no layout
     ("layout", "sharded", r"files lists no \.metadata, which every training state of layout 'sharded' holds"),

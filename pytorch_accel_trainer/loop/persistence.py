@@ -32,7 +32,6 @@ from pytorch_accel_trainer.parallel.sharded import (
     holds_sharded_parameters,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
-    validate_training_state_supported,
     writes_on_this_process,
 )
 from pytorch_accel_trainer.state.checkpointing import (
@@ -148,7 +147,7 @@ class PersistenceMixin:
             asynchronous: during a run, stall the loop only while each process copies its part of the state to host
                 memory, and write it on a background thread of each process (any number of processes, FSDP
                 included); the next save and the end of ``train()`` wait for it and raise its error. Outside a run
-                the save is synchronous.
+                the save is synchronous, and under DeepSpeed too (its engine writes its own files; warned once).
             allow_other_runs: save even though ``output_dir`` holds the states of another run (by default an
                 error: see "Run identity" in ``docs/training_state.md``); this run's pruning and ``latest`` keep to
                 its own states.
@@ -159,7 +158,7 @@ class PersistenceMixin:
 
         Raises:
             RuntimeError: no ``train()`` has started yet, so there is no run to continue.
-            ValueError: under DeepSpeed (its engine keeps its own checkpoint format), or a ``name`` the folder keeps.
+            ValueError: a ``name`` the folder keeps.
             CheckpointError: ``output_dir`` holds another run's states (and not ``allow_other_runs``), or another
                 live job saves into it (its claim: see "Run identity" in ``docs/training_state.md``).
             NotADirectoryError: ``output_dir`` is a file.
@@ -176,7 +175,6 @@ class PersistenceMixin:
         )
         if name is not None:
             validate_state_name(name)
-        validate_training_state_supported(self.accelerator)
         if not self.run_state.in_training_run:
             return write_state(
                 cast("Trainer", self),

@@ -246,7 +246,7 @@ def write_state(
     (see :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.save`: a save in the background waited for
     first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned."""
     started = time.monotonic()
-    content = state_content(trainer, position, checkpoint_kwargs)  # refuses a run under DeepSpeed
+    content = state_content(trainer, position, checkpoint_kwargs)
     fields = {
         "num_update_steps_completed": trainer.num_update_steps_completed,
         "position": asdict(position),
@@ -257,7 +257,7 @@ def write_state(
     name = name or default_state_name(trainer.num_update_steps_completed)
     states = TrainingStates(Processes.of_accelerator(trainer.accelerator))
     location = states.save(parent, content, fields, name, max_rolling, asynchronous)
-    if asynchronous:
+    if asynchronous and content.engine is None:  # DeepSpeed's engine wrote its state at once
         trainer.print(f"Saving training state {location} in the background")
         return location
     if trainer.run_state.time_budget is not None:  # the state saved at a stop must fit in the budget too

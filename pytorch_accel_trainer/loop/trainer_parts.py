@@ -5,7 +5,8 @@ models become sharded parts (in one file written by one process, or each process
 ``torch.distributed.checkpoint``); its position, counters, run history, scheduler and scaler the shared plain values;
 its RNG states, loss sums and callbacks' states each process's own. A resume reads them back in the same three groups,
 checking each against this run before anything is loaded (the run's settings, the optimizers' classes and groups, the
-extra models).
+extra models). Under DeepSpeed the model and optimizer are its engine's, written and read by the engine itself
+(``state/deepspeed_engine.py``); the rest is the same.
 
 A resume on another number of processes (``allow_resume_changes=True``): the model and optimizer are resharded (by DCP,
 or each process taking its part of a one-file state's full tensors); the loss sums of the interrupted epoch of every
@@ -29,7 +30,8 @@ from accelerate.utils import send_to_device
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream_state_name
-from pytorch_accel_trainer.parallel.sharded import inner_optimizer, state_module, validate_training_state_supported
+from pytorch_accel_trainer.parallel.sharded import deepspeed_engine, inner_optimizer, state_module
+from pytorch_accel_trainer.state.deepspeed_engine import FACTS_KEY, DeepSpeedEngineState, check_engine_fits
 from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
 from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
@@ -108,9 +110,17 @@ def _stream_state(trainer: "Trainer", position: ResumePosition) -> Optional[dict
     return stream_state
 
 
+def engine_state(trainer: "Trainer") -> Optional[DeepSpeedEngineState]:
+    """DeepSpeed's engine as the model and optimizer of the trainer's training state (its only model: ``add_model``
+    is refused under DeepSpeed), or ``None`` outside DeepSpeed."""
+    engine = deepspeed_engine(trainer.accelerator)
+    return None if engine is None else DeepSpeedEngineState(engine, trainer.accelerator.num_processes)
+
+
 def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwargs: Optional[dict]) -> StateContent:
-    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/parts.py``."""
-    validate_training_state_supported(trainer.accelerator)
+    """Everything the trainer's training state at ``position`` holds, in the three groups of ``state/parts.py``
+    (under DeepSpeed the model and optimizer as its engine, :func:`engine_state`)."""
+    engine = engine_state(trainer)
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
     validate_plain(checkpoint_kwargs, "checkpoint_kwargs")
     scheduler_state = None if trainer.scheduler is None else trainer.scheduler.state_dict()
@@ -128,6 +138,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "extra_optimizer_classes": extra_optimizer_classes(trainer.extra_optimizers),
         "scheduler": scheduler_state,
         "scaler": None if scaler is None else scaler.state_dict(),
+        FACTS_KEY: None if engine is None else engine.facts(),
     }
     own = {
         "rng": capture_rng_state(),
@@ -136,7 +147,7 @@ def state_content(trainer: "Trainer", position: ResumePosition, checkpoint_kwarg
         "callbacks": _callback_states(trainer.callback_handler.callbacks),
         "stream_position": _stream_state(trainer, position),
     }
-    return StateContent(sharded_parts(trainer), shared, own)
+    return StateContent({} if engine is not None else sharded_parts(trainer), shared, own, engine)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -492,20 +503,25 @@ def read_training_state(
         allow_changes: resume even when a setting differs.
     """
     accelerator = trainer.accelerator
-    validate_training_state_supported(accelerator)
+    engine = engine_state(trainer)
     shared = load_trainer_file(stored)
+    check_engine_fits(stored, shared.get(FACTS_KEY), engine)
     optimizers = _optimizers(trainer)
     changed = [] if facts is None else describe_hyperparameter_changes(shared.get("plain_parts") or {}, optimizers)
     _check_settings(trainer, stored, shared, facts, allow_changes, changed)
-    parts = sharded_parts(trainer)
-    # the clearest error first: the optimizers' classes, then the tensors' names and shapes, then the groups
-    _check_optimizers(trainer, stored, shared, groups=False)
-    live = check_fit(stored, shared, parts)
-    _check_optimizers(trainer, stored, shared, groups=True)
     processes = Processes.of_accelerator(accelerator)
+    if engine is None:
+        parts = sharded_parts(trainer)
+        # the clearest error first: the optimizers' classes, then the tensors' names and shapes, then the groups
+        _check_optimizers(trainer, stored, shared, groups=False)
+        live = check_fit(stored, shared, parts)
+        _check_optimizers(trainer, stored, shared, groups=True)
     own = _own_state(stored, processes)
     given = [[dict(group) for group in optimizer.param_groups] for _, _, optimizer, _ in optimizers] if changed else []
-    load_sharded(stored, shared, parts, processes, live)
+    if engine is None:
+        load_sharded(stored, shared, parts, processes, live)
+    else:  # DeepSpeed's model, optimizer and partitions, by its engine (its stage and processes checked above)
+        engine.load(stored.folder)
     if shared["scheduler"] is not None and trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(shared["scheduler"])
     if changed:  # allowed: the hyperparameters given win over the saved ones

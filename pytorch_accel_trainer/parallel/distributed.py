@@ -5,6 +5,7 @@ engine between runs."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import inspect
 import os
 import platform
@@ -16,6 +17,7 @@ from typing import Any, Optional, cast
 import torch
 from accelerate import Accelerator, DistributedType
 from accelerate.state import AcceleratorState, PartialState, is_initialized
+from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
 
 from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.parallel.accelerate_internals import (
@@ -59,7 +61,11 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             asks for the CPU, or ``"fp16"`` was asked for on the CPU (where Accelerate would silently train in
             float32).
     """
-    cpu = bool(kwargs.pop("cpu", False)) or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
+    cpu = bool(kwargs.pop("cpu", False))
+    if needs_cpu_backend() and not cpu and _deepspeed_asked(kwargs):  # DeepSpeed over gloo, not Accelerate's CPU DDP
+        kwargs["kwargs_handlers"] = _with_gloo_backend(kwargs.get("kwargs_handlers"))
+    else:
+        cpu = cpu or needs_cpu_backend()  # asked for, or needed by a launch without GPUs
     already_set_up = process_state_is_set_up()
     precision_set_up = is_initialized()  # whether an Accelerator fixed the mixed precision of this process
     prepare_restarted_attempt(cpu, kwargs.get("kwargs_handlers"))  # torchrun --max-restarts: this attempt's own keys
@@ -82,6 +88,29 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             "(no GPU) or pass --cpu to accelerate launch, and create the Trainer before any other Accelerator."
         )
     return accelerator
+
+
+def _deepspeed_asked(kwargs: dict) -> bool:
+    """Whether this Accelerator is to run DeepSpeed: a ``deepspeed_plugin``, or ``accelerate launch --use_deepspeed``
+    (``ACCELERATE_USE_DEEPSPEED``), and not the CPU asked for by ``ACCELERATE_USE_CPU`` (where Accelerate runs DDP)."""
+    asked = kwargs.get("deepspeed_plugin") is not None or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    return asked and not parse_flag_from_env("ACCELERATE_USE_CPU")
+
+
+def _with_gloo_backend(handlers: Optional[list]) -> list:
+    """``handlers`` with an ``InitProcessGroupKwargs(backend="gloo")`` unless they hold one: several DeepSpeed
+    processes on a machine without an accelerator then form one gloo job (without it Accelerate sets each up as a
+    single process, while DeepSpeed's group spans them all, and every process trains the same batches). One without
+    a backend, or with its default ``nccl`` (which needs GPUs), gets gloo; another backend is kept."""
+    handlers = [
+        dataclasses.replace(handler, backend="gloo")
+        if isinstance(handler, InitProcessGroupKwargs) and handler.backend in (None, "nccl")
+        else handler
+        for handler in handlers or []
+    ]
+    if not any(isinstance(handler, InitProcessGroupKwargs) for handler in handlers):
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    return handlers
 
 
 def _validate_mixed_precision_device(accelerator: Accelerator, mixed_precision: Optional[str]) -> None:

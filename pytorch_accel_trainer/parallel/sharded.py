@@ -33,7 +33,8 @@ def is_deepspeed(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
-def _deepspeed_engine(accelerator: Accelerator) -> Any:
+def deepspeed_engine(accelerator: Accelerator) -> Any:
+    """DeepSpeed's engine of the prepared model, or ``None`` (outside DeepSpeed, or before ``prepare``)."""
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     return None if wrapped is None else wrapped.engine
 
@@ -97,7 +98,7 @@ def validate_sharded_run(accelerator: Accelerator, run_config) -> None:
     """
     if not is_deepspeed(accelerator):
         return  # FSDP: clipping (see clip_gradients_by_value) and accumulation stay the trainer's own
-    engine = _deepspeed_engine(accelerator)
+    engine = deepspeed_engine(accelerator)
     if engine is None:
         return  # an evaluation run: no optimizer, nothing is stepped
     if run_config.gradient_clip_value is not None:
@@ -289,7 +290,7 @@ def unwrap_distributed_model(
 def _prepared_model(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """The model as Accelerate prepared it, even after the trainer unwrapped it: DeepSpeed's engine, else the model
     without the trainer's ``torch.compile`` wrapper (the trainer keeps an FSDP1 root; FSDP2 shards in place)."""
-    engine = _deepspeed_engine(accelerator)
+    engine = deepspeed_engine(accelerator)
     if engine is not None:
         target = accelerator.unwrap_model(model, keep_torch_compile=False)
         unwrapped_engine = accelerator.unwrap_model(engine, keep_torch_compile=False)
@@ -338,7 +339,7 @@ def get_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module) 
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(_prepared_model(accelerator, model), options=_full_options(cpu_offload=True))
-    if is_deepspeed(accelerator) and _deepspeed_engine(accelerator) is not None:
+    if is_deepspeed(accelerator) and deepspeed_engine(accelerator) is not None:
         # ZeRO-3: consolidated on the main process (a collective); else copies of views into the engine's buffers
         state = accelerator.get_state_dict(_prepared_model(accelerator, model))
         return state if accelerator.is_main_process or not holds_sharded_parameters(accelerator) else {}
@@ -439,21 +440,6 @@ def load_full_optimizer_state_dict(
         ],
     }
     set_optimizer_state_dict(prepared, inner, optim_state_dict=by_name, options=_full_options())
-
-
-def validate_training_state_supported(accelerator: Accelerator) -> None:
-    """Refuse a training state (exact resume) under DeepSpeed, before anything is written or loaded.
-
-    Raises:
-        ValueError: under DeepSpeed, naming what to use instead.
-    """
-    if is_deepspeed(accelerator):
-        raise ValueError(
-            "Training states (save_training_state, SaveTrainingStateCallback, train(resume_from=...)) are not "
-            "supported under DeepSpeed, whose engine keeps the optimizer, loss scaler and ZeRO partitions in its own "
-            "checkpoint format. Save and restore the run with trainer._accelerator.save_state(folder) / "
-            "load_state(folder) instead, or train with FSDP or DDP."
-        )
 
 
 def state_module(accelerator: Accelerator, prepared: torch.nn.Module, unwrapped: torch.nn.Module) -> torch.nn.Module:

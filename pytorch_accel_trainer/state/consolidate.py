@@ -1,12 +1,13 @@
 """A sharded training state made whole, on one machine, without a process group: ``pytorch-accel-trainer consolidate``.
 
-A training state holds the model's tensors in one file (written by one process) or one shard per process of the run that
-wrote it (``parts.py``). For an evaluation, an export or a serving job, :func:`consolidate` verifies the state (every
-file against its manifest) and writes the model's full weights as one plain file: safetensors (``.safetensors``), or a
-checkpoint that ``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read (``.pt``, ``.pth``; the model's
-weights under ``model_state_dict``). Only a model is written (the model, or an extra model of ``add_model``): an
-optimizer's state is no weights. The model's tensors alone are read into this process's memory (the optimizer's state is
-not read): the machine needs as much host memory as the weights take.
+A training state holds the model's tensors in one file (written by one process), one shard per process of the run that
+wrote it (``parts.py``), or DeepSpeed's partitions (``deepspeed_engine.py``: gathered by DeepSpeed's own reader, which
+needs DeepSpeed installed but no process group). For an evaluation, an export or a serving job, :func:`consolidate`
+verifies the state (every file against its manifest) and writes the model's full weights as one plain file: safetensors
+(``.safetensors``), or a checkpoint that ``Trainer.load_checkpoint`` and ``torch.load(weights_only=True)`` read
+(``.pt``, ``.pth``; the model's weights under ``model_state_dict``). Only a model is written (the model, or an extra
+model of ``add_model``): an optimizer's state is no weights. The model's tensors alone are read into this process's
+memory (the optimizer's state is not read): the machine needs as much host memory as the weights take.
 
 Both paths follow the library's rules for every path it takes (``state/storage.py``): ``~`` and ``$VARIABLES``
 expanded, an object-storage URL read or written through fsspec (never a local folder named ``s3:``). The output is
@@ -22,8 +23,8 @@ from typing import Optional, Union
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
-from pytorch_accel_trainer.state import storage
-from pytorch_accel_trainer.state.files import MANIFEST_NAME, ONE_FILE, DamagedStateError, StoredState
+from pytorch_accel_trainer.state import deepspeed_engine, storage
+from pytorch_accel_trainer.state.files import DEEPSPEED, MANIFEST_NAME, ONE_FILE, DamagedStateError, StoredState
 from pytorch_accel_trainer.state.manager import RUN_FOLDER_STATES, TrainingStates, find_resumable_state, is_run_folder
 from pytorch_accel_trainer.state.parts import SEPARATOR, Processes, read_parts_file
 from pytorch_accel_trainer.state.shards import read_full_tensors, read_metadata, saved_shapes
@@ -62,12 +63,16 @@ def full_weights(state: Union[str, os.PathLike], part: str = "model") -> dict[st
 
 def _read_weights(stored: StoredState, part: str) -> dict[str, torch.Tensor]:
     """The full weights of ``part`` of the verified state ``stored``: its state dict in a one-file state's parts
-    file, or its tensors gathered from every process's shard of a sharded one.
+    file, its tensors gathered from every process's shard of a sharded one, or DeepSpeed's fp32 weights.
 
     Raises:
         CheckpointError: the state holds no ``part``, or a file of it cannot be read.
     """
     where = stored.url or stored.folder
+    if stored.layout == DEEPSPEED:  # DeepSpeed's engine holds one model
+        if part != "model":
+            raise CheckpointError(f"{where} holds no {part!r}: a DeepSpeed state holds one model, 'model'.")
+        return deepspeed_engine.full_weights(stored)
     if stored.layout == ONE_FILE:  # memory-mapped: the model's tensors alone are read, copied out of the file
         saved = read_parts_file(stored.folder, mmap=True)
         if part not in saved:

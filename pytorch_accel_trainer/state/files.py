@@ -44,10 +44,16 @@ PARTS_FILE = "parts.pt"
 #: DCP's metadata: where each piece of each tensor of a sharded state lies (``shards.py``)
 SHARDS_METADATA_FILE = ".metadata"
 #: How a state holds its sharded parts (the manifest's ``layout``): ``one_file``, written by one process, holds
-#: their full state dicts in :data:`PARTS_FILE`; ``sharded``, written by several, holds one shard per process (DCP).
-ONE_FILE, SHARDED = "one_file", "sharded"
+#: their full state dicts in :data:`PARTS_FILE`; ``sharded``, written by several, holds one shard per process (DCP);
+#: ``deepspeed`` holds the files DeepSpeed's engine wrote itself (``save_checkpoint``: model, optimizer and ZeRO
+#: partitions, each process its own), beside the trainer's own files.
+ONE_FILE, SHARDED, DEEPSPEED = "one_file", "sharded", "deepspeed"
 #: The files every state of each layout holds.
-REQUIRED_FILES = {ONE_FILE: (PARTS_FILE, TRAINER_FILE), SHARDED: (SHARDS_METADATA_FILE, TRAINER_FILE)}
+REQUIRED_FILES = {
+    ONE_FILE: (PARTS_FILE, TRAINER_FILE),
+    SHARDED: (SHARDS_METADATA_FILE, TRAINER_FILE),
+    DEEPSPEED: (TRAINER_FILE,),
+}
 RESTORE_POINTS = ("before_iterator", "after_iterator")
 KINDS = ("rolling", "permanent", "best")
 #: A run's identity in a manifest: a uuid4 in hex, made as a new run starts and adopted by each resume of it.
@@ -184,7 +190,7 @@ class StoredState:
 
     @property
     def layout(self) -> str:
-        """How the state holds its sharded parts: :data:`ONE_FILE` or :data:`SHARDED`."""
+        """How the state holds its sharded parts: :data:`ONE_FILE`, :data:`SHARDED` or :data:`DEEPSPEED`."""
         return self.manifest["layout"]
 
     @property

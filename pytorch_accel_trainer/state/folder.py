@@ -188,7 +188,8 @@ def write_training_state(
         processes, lambda: _begin(parent, final, processes, node_local, run_id), f"the training state {final.name}"
     )
     temporary = temporary_folder(final)
-    layout = state_parts.layout_of(processes)  # looked up in its module: a test writes a sharded state on one process
+    # looked up in its module: a test writes a sharded state on one process
+    layout = state_parts.layout_of(processes, content)
     problem: Optional[Exception] = None
     try:
         with reporting_out_of_space(

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import async_save
 from pytorch_accel_trainer.state.claims import take_claim
+from pytorch_accel_trainer.state.deepspeed_engine import warn_background_save_is_synchronous
 from pytorch_accel_trainer.state.files import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -87,13 +88,15 @@ class TrainingStates:
 
         A save under way in the background is waited for first (its error raised here). With ``asynchronous`` the
         tensors are copied to host memory and the state is written on a background thread; the folder it will have
-        is returned. Under an object-storage URL the state is written to each machine's mirror and uploaded, its
-        manifest last.
+        is returned (a content with an ``engine``, DeepSpeed's, is written at once, warned once). Under an
+        object-storage URL the state is written to each machine's mirror and uploaded, its manifest last.
         """
         async_save.saver.wait()
         remote = self._remote_for_saving(parent) if isinstance(parent, str) else None
         local_parent = Path(parent) if remote is None else remote.mirror
-        if asynchronous:
+        if asynchronous and content.engine is not None:
+            warn_background_save_is_synchronous()  # DeepSpeed's engine writes its own files, on this thread
+        if asynchronous and content.engine is None:
             folder = async_save.save_in_background(
                 local_parent, content, fields, self.processes, name, max_rolling, remote
             )

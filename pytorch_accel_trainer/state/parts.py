@@ -9,7 +9,9 @@ The package is given what it saves, never the Trainer: a :class:`StateContent` o
   ``param_groups``) also go to the shared file, where the checks before a resume read them;
 - ``shared``: plain values, the same on every process (position, counters, run history, scheduler, ...): written by
   the main process, to ``trainer_state.pt``;
-- ``own``: this process's plain values (RNG states, loss sums, callbacks' states), to ``rank_<r>.pt``.
+- ``own``: this process's plain values (RNG states, loss sums, callbacks' states), to ``rank_<r>.pt``;
+- ``engine`` (DeepSpeed's, else ``None``): an :class:`EngineState` that writes the model and optimizer in its own
+  format, each process its own files, in place of ``sharded`` parts (the manifest's layout ``deepspeed``).
 
 Which processes write together, and their collectives, is a :class:`Processes`: the run's (from its Accelerator) for
 a save on the training thread, or a group of their own for a save in the background. Every file is checksummed by
@@ -49,6 +51,7 @@ from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state import files as state_files
 from pytorch_accel_trainer.state.checkpointing import describe_unreadable_torch_file, refused_by_weights_only
 from pytorch_accel_trainer.state.files import (
+    DEEPSPEED,
     ONE_FILE,
     PARTS_FILE,
     SHARDED,
@@ -235,6 +238,21 @@ def _load_options(module: torch.nn.Module, state_dict: dict):
     return StateDictOptions(strict=True, full_state_dict=whole and sharded)
 
 
+class EngineState(Protocol):
+    """A training engine that writes its model and optimizer state itself (DeepSpeed's ``save_checkpoint``): every
+    process writes its own files into the state's folder, as plain files of it, and reads them back after the folder
+    was verified."""
+
+    def save(self, folder: Path) -> dict[str, tuple[int, str]]:
+        """Write this process's files into ``folder`` (every process calls this at once); return each file it wrote
+        with its size and XXH3-128 checksum."""
+        ...
+
+    def load(self, folder: Path) -> None:
+        """Load the engine's state from the verified ``folder`` (every process calls this at once)."""
+        ...
+
+
 @dataclass
 class Processes:
     """The processes that write or read a state together: this one's rank, how many, which is the main process (of
@@ -286,11 +304,12 @@ class Processes:
 @dataclass
 class StateContent:
     """A training state in memory: ``sharded`` parts (live objects, or their tensors split out by :meth:`split`),
-    the ``shared`` plain values and this process's ``own``."""
+    the ``shared`` plain values, this process's ``own``, and an ``engine`` that writes its own files (DeepSpeed's)."""
 
     sharded: dict[str, Stateful]
     shared: dict
     own: dict
+    engine: Optional[EngineState] = None
     #: the flat tensors of the sharded parts and their plain trees, once split (:meth:`split`)
     tensors: Optional[dict] = field(default=None, repr=False)
     plain: Optional[dict] = field(default=None, repr=False)
@@ -305,10 +324,13 @@ class StateContent:
         return self
 
 
-def layout_of(processes: Processes) -> str:
-    """How a state written by ``processes`` holds its sharded parts: in one file (:data:`~pytorch_accel_trainer.
-    state.files.ONE_FILE`) when one process writes it, else one shard per process through DCP
-    (:data:`~pytorch_accel_trainer.state.files.SHARDED`)."""
+def layout_of(processes: Processes, content: Optional[StateContent] = None) -> str:
+    """How a state written by ``processes`` holds its sharded parts: the engine's own files
+    (:data:`~pytorch_accel_trainer.state.files.DEEPSPEED`) when ``content`` has an engine; in one file
+    (:data:`~pytorch_accel_trainer.state.files.ONE_FILE`) when one process writes it, else one shard per process
+    through DCP (:data:`~pytorch_accel_trainer.state.files.SHARDED`)."""
+    if content is not None and content.engine is not None:
+        return DEEPSPEED
     return ONE_FILE if processes.count == 1 else SHARDED
 
 
@@ -329,7 +351,11 @@ def write_content(content: StateContent, folder: Path, processes: Processes, lay
     state_name = folder.name.removeprefix(TEMPORARY_PREFIX)
     checksums = agreed(processes, write_own, f"its part of the training state {state_name}")[processes.rank]
     state_files.crash_point("write:shards")
-    if layout == ONE_FILE:
+    if layout == DEEPSPEED:
+        if content.engine is None:
+            raise ValueError(f"A state of layout {DEEPSPEED!r} is written by an engine, but its content has none.")
+        checksums.update(content.engine.save(folder))
+    elif layout == ONE_FILE:
         checksums[PARTS_FILE] = save_tensors_file(_full_state_dicts(content), folder / PARTS_FILE)
     else:
         from pytorch_accel_trainer.state.shards import save_shards

@@ -179,7 +179,6 @@ def run_deepspeed_or_plain(output: Path) -> dict:
         trainer = make_trainer(Trainer, seed=0)
         trainer.train(make_data(), num_epochs=1, per_device_batch_size=8, gradient_clip_norm=1.0)
         for name, call in {
-            "training_state": lambda: trainer.save_training_state(output / "states"),
             "checkpoint_with_optimizer": lambda: trainer.save_checkpoint(output / "model.pt"),
             "second_train": lambda: trainer.train(make_data(), num_epochs=1, per_device_batch_size=8),
         }.items():
