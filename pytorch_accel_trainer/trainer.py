@@ -106,9 +106,14 @@ from pytorch_accel_trainer.parallel.distributed import (
     release_prepared,
     wrappers_only_call_torch,
 )
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.sharded import (
+    apply_transformers_tensor_parallel_plan,
+    holds_dtensor_parameters,
+    parameter_names_by_id,
     prepare_components,
     set_deepspeed_gradient_sync,
+    swap_optimizer_parameters,
     unwrap_distributed_model,
     validate_sharded_run,
     warn_if_sharding_was_ignored,
@@ -550,6 +555,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
             if isinstance(self.optimizer, AcceleratedOptimizer):
                 self.optimizer = self.optimizer.optimizer
+            if self._needs_tensor_parallel_plan():
+                self._apply_tensor_parallel_plan()
         components: list[Any] = [self.model, self.optimizer] if model_and_optimizer else [None, None]
         components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
@@ -587,6 +594,47 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         if self.torch_compile is not False:  # True or a dict, even {}; compiled after the DDP wrapper, as torch advises
             options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
             self.model = cast(torch.nn.Module, torch.compile(self.model, **options))
+
+    def parallelize_model(self, model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+        """Split ``model`` across the tensor-parallel processes of ``device_mesh`` and return it; override it for a
+        model that is not a transformers model.
+
+        Runs once per Trainer, before the first preparation (in ``train()``, ``evaluate()`` or ``predict()``), only
+        under a ``ParallelismConfig`` with ``tp_size > 1``, and only when no parameter of the model is a ``DTensor``
+        yet (a model split before the Trainer is kept as it is). The default applies a transformers model's own
+        tensor-parallel plan (``model.tp_plan``) on ``device_mesh["tp"]`` and raises a ``ValueError`` for any other
+        model. The trainer then points the optimizer at the new parameters, by name; FSDP2 shards the result over
+        the data-parallel dimensions.
+
+        Args:
+            model: the model, not yet prepared.
+            device_mesh: Accelerate's device mesh (``accelerator.torch_device_mesh``), with a ``"tp"`` dimension.
+
+        Returns:
+            The model, its split layers holding ``DTensor`` parameters.
+
+        Example::
+
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            class MlpTrainer(Trainer):
+                def parallelize_model(self, model, device_mesh):
+                    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+                    return parallelize_module(model, device_mesh["tp"], plan)
+        """
+        return apply_transformers_tensor_parallel_plan(model, device_mesh)
+
+    def _needs_tensor_parallel_plan(self) -> bool:
+        """Whether the layout splits layers (``tp_size > 1``) and the model is not split yet."""
+        return layout_of(self._accelerator).tp > 1 and not holds_dtensor_parameters(self.model)
+
+    def _apply_tensor_parallel_plan(self) -> None:
+        """Run :meth:`parallelize_model`, then point the optimizers at the parameters it replaced, by name."""
+        names_by_id = parameter_names_by_id(self.model)
+        self.model = self.parallelize_model(self.model, self._accelerator.torch_device_mesh)
+        swap_optimizer_parameters([self.optimizer], names_by_id, self.model)
+        if not self._accelerator.is_fsdp2:  # tensor parallel alone: Accelerate's prepare asks the model its tp size
+            self.model.tp_size = layout_of(self._accelerator).tp
 
     def _validate_train_stream(self, stateful: bool) -> None:
         """Refuse, before the training stream is read, a stream read the wrong way for how it splits itself, or
