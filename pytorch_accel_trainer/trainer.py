@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union, cast
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DataLoaderConfiguration, set_seed, slice_tensors
 from torch.utils.data import DataLoader
@@ -106,7 +106,7 @@ from pytorch_accel_trainer.parallel.distributed import (
     release_prepared,
     wrappers_only_call_torch,
 )
-from pytorch_accel_trainer.parallel.layout import layout_of
+from pytorch_accel_trainer.parallel.layout import gather_for_metrics_by_rank, keep_model_group_leaders, layout_of
 from pytorch_accel_trainer.parallel.sharded import (
     apply_transformers_tensor_parallel_plan,
     holds_dtensor_parameters,
@@ -458,8 +458,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.create_scheduler_fn, self.collate_fn = options.create_scheduler_fn, options.collate_fn
         if options.reset_run_history:
             self.run_history.reset()
-        if self.seed is not None:  # Accelerate's device_specific=True, from the process state
-            set_seed(self.seed + PartialState().process_index)
+        if self.seed is not None:  # Accelerate's device_specific=True, by data-parallel rank: a tensor-parallel
+            set_seed(self.seed + layout_of(self._accelerator).dp_rank)  # group draws the same numbers
         batch_size = options.per_device_batch_size
         self._train_dl_kwargs = None  # an earlier run's: set again by the default create_train_dataloader only
         self.train_dataloader = self.create_train_dataloader(batch_size, options.train_dataloader_kwargs)
@@ -641,7 +641,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         (``stateful``: its position is kept in training states) whose ``state_dict()`` a state could not keep."""
         options = self.run_state.options
         split = None if options is None else options.stream_split
-        validate_stream_split(self.train_dataloader, split, self.accelerator.num_processes)
+        validate_stream_split(self.train_dataloader, split, layout_of(self.accelerator).dp_size)
         if stateful:
             validate_stream_state(cast(Any, self.train_dataloader).dataset)
 
@@ -1103,7 +1103,9 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             validate_prediction_output(batch_output)
             first_structure = first_structure or prediction_structure(batch_output)
             validate_same_structure(first_structure, batch_output, step)  # here, not in the join after every batch
-            batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
+            batch_output = to_cpu(
+                gather_for_metrics_by_rank(self._accelerator, batch_output)
+            )  # a collective, host copy
             collector.add(batch_output)
             self._call_event("on_predict_step_end", batch=batch, batch_output=batch_output, step=step)
             del batch, batch_output  # one step's outputs on the device at a time
@@ -1308,7 +1310,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Whether each process reads its own part of the training stream (``train(stream_split="dataset")``)."""
         options = self.run_state.options
         split = None if options is None else options.stream_split
-        return reads_own_part(dataloader, split, self._accelerator.num_processes)
+        return reads_own_part(dataloader, split, layout_of(self._accelerator).dp_size)
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
@@ -1457,16 +1459,20 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             The gathered tensor, on every process.
         """
         if padding_value is None:
-            return self._accelerator.gather_for_metrics(tensor)
+            return gather_for_metrics_by_rank(self._accelerator, tensor)
         if self.eval_batch_real_rows is not None:  # the last evaluation batch: the rows after these repeat samples
             tensor = tensor[: self.eval_batch_real_rows]
         tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
-        return remove_padding(self._accelerator.gather(tensor), padding_value)
+        gathered = keep_model_group_leaders(self._accelerator, self._accelerator.gather(tensor))
+        return remove_padding(gathered, padding_value)
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (tensors or picklable objects) from every process for metrics: over an evaluation epoch,
-        exactly the dataset's rows, in order. A collective: every process must call it at the same step."""
-        return self._accelerator.gather_for_metrics(data)
+        exactly the dataset's rows, in order. A collective: every process must call it at the same step.
+
+        Under tensor parallelism each sample is counted once, from its data-parallel rank (the processes of one
+        tensor-parallel group hold the same rows)."""
+        return gather_for_metrics_by_rank(self._accelerator, data)
 
     def run_extra_eval_epoch(
         self, model: Optional[torch.nn.Module] = None, callbacks=None, metric_name_prefix: str = ""

@@ -29,6 +29,7 @@ from accelerate.utils import send_to_device
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream_state_name
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.sharded import inner_optimizer, state_module, validate_training_state_supported
 from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
 from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
@@ -63,7 +64,7 @@ def run_facts(trainer: "Trainer") -> dict:
     }
     options = trainer.run_state.options
     split = None if options is None else options.stream_split
-    stream_split = stream_split_fact(trainer.train_dataloader, split, trainer.accelerator.num_processes)
+    stream_split = stream_split_fact(trainer.train_dataloader, split, layout_of(trainer.accelerator).dp_size)
     if stream_split is not None:  # a stream on several processes: who reads it places the saved position
         facts["stream_split"] = stream_split
     return facts

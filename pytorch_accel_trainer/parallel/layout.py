@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import gather_object, recursively_apply
 
 #: What ``accelerate launch --parallelism_config_*`` and an ``accelerate config`` file set (Accelerate reads them in
 #: ``ParallelismConfig.__post_init__`` when ``ACCELERATE_USE_PARALLELISM_CONFIG`` is true).
@@ -62,8 +64,9 @@ class Layout:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "cp": self.cp}
 
 
-def layout_of(accelerator: Accelerator) -> Layout:
-    """The :class:`Layout` of ``accelerator``'s run; cheap (no collective), so call it where needed.
+def layout_of(accelerator: Union[Accelerator, AcceleratorState]) -> Layout:
+    """The :class:`Layout` of ``accelerator``'s run (or of the process's ``AcceleratorState``); cheap (no
+    collective), so call it where needed.
 
     Accelerate's mesh puts tensor, sequence and context parallelism innermost (``dp_replicate, dp_shard, cp, sp,
     tp``), so the processes of one model group are consecutive and the data-parallel rank is ``process_index //
@@ -106,6 +109,38 @@ def keep_model_group_leaders(accelerator: Accelerator, gathered: Any) -> Any:
         blocks = gathered.reshape(layout.dp_size, layout.model_group_size, -1, *gathered.shape[1:])
         return blocks[:, 0].reshape(-1, *gathered.shape[1:])
     return list(gathered)[:: layout.model_group_size]
+
+
+def gather_for_metrics_by_rank(accelerator: Accelerator, data: Any) -> Any:
+    """``Accelerator.gather_for_metrics`` counting each sample once: over the data-parallel ranks, not the processes.
+
+    Accelerate gathers from every process, so under tensor (or context) parallelism each batch would come back once
+    per process of its group, and its trimming of the last batch's repeated rows would cut the wrong ones. Here the
+    rows of each group's leader are kept, then the last batch trimmed to the dataset's remainder. Without tensor or
+    context parallelism it is ``gather_for_metrics`` itself. A collective: every process must call it.
+    """
+    layout = layout_of(accelerator)
+    if layout.model_group_size == 1:
+        return accelerator.gather_for_metrics(data)
+    tensors = _holds_only_tensors(data)
+    if tensors:
+        everyone = accelerator.gather(data)
+        gathered = recursively_apply(lambda tensor: keep_model_group_leaders(accelerator, tensor), everyone)
+    else:  # objects: each leader's list, in rank order
+        gathered = gather_object(data if layout.leads_model_group else [])
+    state = accelerator.gradient_state
+    if not state.end_of_dataloader or state.remainder <= 0:
+        return gathered
+    remainder = state.remainder  # the last global batch's real rows, counted by data-parallel rank
+    return recursively_apply(lambda tensor: tensor[:remainder], gathered) if tensors else gathered[:remainder]
+
+
+def _holds_only_tensors(data: Any) -> bool:
+    try:
+        recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
 
 
 def parallelism_config_from(accelerator_kwargs: dict) -> Optional[Any]:
