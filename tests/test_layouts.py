@@ -1,8 +1,9 @@
 """Layouts of Accelerate's ParallelismConfig (docs/scaling.md, "Layouts"): FSDP2 x tensor parallel and HSDP train like
 one process, each tensor-parallel group reads one batch, each sample is trained, evaluated and predicted once.
 
-The layout runs share one 4-process CPU launch (``tests/scripts/layouts_run.py``: about 35 s on 2 cores); the
-layout object and the errors are checked in this process.
+The layout runs share one 4-process CPU launch and one of 2 processes for tensor parallelism alone
+(``tests/scripts/layouts_run.py``: about 20 s and 10 s on 2 cores); the layout object and the errors are checked in
+this process.
 """
 
 from __future__ import annotations
@@ -32,19 +33,22 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "layouts_run.py"
 TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory) -> dict:
-    """``{run: [result of process 0, 1, 2, 3]}`` of the one launch."""
-    output = tmp_path_factory.mktemp("layouts")
+def _launch(output: pathlib.Path, processes: int, runs: tuple) -> dict:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
-        [*launcher(4), str(SCRIPT), str(output)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        [*launcher(processes), str(SCRIPT), str(output)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return {
-        run: [json.loads((output / f"{run}.rank{rank}.json").read_text()) for rank in range(4)]
-        for run in ("fsdp_tp", "hsdp")
+        run: [json.loads((output / f"{run}.rank{rank}.json").read_text()) for rank in range(processes)] for run in runs
     }
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory) -> dict:
+    """``{run: [result of each process]}``: fsdp_tp and hsdp of one 4-process launch, tp of a 2-process one."""
+    output = tmp_path_factory.mktemp("layouts")
+    return {**_launch(output, 4, ("fsdp_tp", "hsdp")), **_launch(output, 2, ("tp",))}
 
 
 def _trained_ids_by_data_parallel_rank(results: list) -> dict:
@@ -56,10 +60,10 @@ def _trained_ids_by_data_parallel_rank(results: list) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["fsdp_tp", "hsdp"])
-def test_layout_trains_like_one_process(layout_runs, run):
+@pytest.mark.parametrize(("run", "distributed_type"), [("fsdp_tp", "FSDP"), ("hsdp", "FSDP"), ("tp", "MULTI_CPU")])
+def test_layout_trains_like_one_process(layout_runs, run, distributed_type):
     results = layout_runs[run]
-    assert {result["distributed_type"] for result in results} == {"DistributedType.FSDP"}
+    assert {result["distributed_type"] for result in results} == {f"DistributedType.{distributed_type}"}
     assert {tuple(result["param_types"]) for result in results} == {("DTensor",)}
     for result in results:  # 3 AdamW updates with clipping, the weights gathered in full on every process
         assert result["max_weight_diff"] < 1e-6, result
@@ -69,7 +73,7 @@ def test_layout_trains_like_one_process(layout_runs, run):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(("run", "dp_size"), [("fsdp_tp", 2), ("hsdp", 4)])
+@pytest.mark.parametrize(("run", "dp_size"), [("fsdp_tp", 2), ("hsdp", 4), ("tp", 1)])
 def test_each_data_parallel_rank_reads_its_own_batches(layout_runs, run, dp_size):
     by_rank = _trained_ids_by_data_parallel_rank(layout_runs[run])
     assert sorted(by_rank) == list(range(dp_size))
@@ -81,10 +85,13 @@ def test_each_data_parallel_rank_reads_its_own_batches(layout_runs, run, dp_size
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_evaluation_and_predict_count_each_sample_once_under_tensor_parallel(layout_runs):
-    for result in layout_runs["fsdp_tp"]:
-        assert result["eval_ids"] == [list(range(8)), [8, 9]]  # gather_for_metrics: no copy from the tp ranks
-        assert result["eval_ids_padded"] == [list(range(8)), [8, 9]]  # gather(padding_value=...)
+@pytest.mark.parametrize(
+    ("run", "batches"), [("fsdp_tp", [list(range(8)), [8, 9]]), ("tp", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]])]
+)
+def test_evaluation_and_predict_count_each_sample_once_under_tensor_parallel(layout_runs, run, batches):
+    for result in layout_runs[run]:
+        assert result["eval_ids"] == batches  # gather_for_metrics: no copy from the tp ranks
+        assert result["eval_ids_padded"] == batches  # gather(padding_value=...)
         assert result["eval_loss_diff"] < 1e-6
         assert result["predict_rows"] == 10
         assert result["predict_max_diff"] < 1e-6

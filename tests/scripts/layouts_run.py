@@ -1,8 +1,11 @@
 """Trains a tiny MLP under two layouts of Accelerate's ParallelismConfig in one 4-process CPU launch (gloo), and
 compares each with the same training on one process; every process writes what tests/test_layouts.py checks.
 
-Usage: layouts_run.py OUTPUT_DIR, launched on 4 processes with ACCELERATE_USE_CPU=1. The runs, one after the other:
+Usage: layouts_run.py OUTPUT_DIR, launched with ACCELERATE_USE_CPU=1 on 4 processes (the runs fsdp_tp then hsdp) or
+2 (the run tp):
 
+  tp       tp 2 alone (a plain multi-process run: Accelerate allows no FSDP without a dimension to shard), with
+           evaluate() and predict() as fsdp_tp.
   fsdp_tp  dp_shard 2 x tp 2 (FSDP2 x tensor parallel; the MLP split by torch's parallelize_module in the Trainer's
            parallelize_model hook), 3 AdamW updates with clipping, then evaluate() and predict() of 10 samples.
   hsdp     dp_replicate 2 x dp_shard 2 (HSDP), 3 AdamW updates; the same Trainer code, no hook.
@@ -12,6 +15,7 @@ the parameter types, and (rank 0) the largest differences from the one-process r
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -120,11 +124,14 @@ def run(name, trainer_class, config, folder):
     (folder / f"{name}.rank{index}.json").write_text(json.dumps(result))
 
 
-def main(folder: Path) -> None:
+def main(folder: Path, processes: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
+    if processes == 2:
+        run("tp", SplitMlpTrainer, ParallelismConfig(tp_size=2), folder)
+        return
     run("fsdp_tp", SplitMlpTrainer, ParallelismConfig(dp_shard_size=2, tp_size=2), folder)
     run("hsdp", Trainer, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), folder)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(os.environ["WORLD_SIZE"]))
