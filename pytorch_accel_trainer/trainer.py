@@ -556,7 +556,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             if isinstance(self.optimizer, AcceleratedOptimizer):
                 self.optimizer = self.optimizer.optimizer
             if self._needs_tensor_parallel_plan():
-                self._apply_tensor_parallel_plan()
+                self.model = self._model_split_for_tensor_parallel()
         components: list[Any] = [self.model, self.optimizer] if model_and_optimizer else [None, None]
         components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
@@ -628,13 +628,14 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Whether the layout splits layers (``tp_size > 1``) and the model is not split yet."""
         return layout_of(self._accelerator).tp > 1 and not holds_dtensor_parameters(self.model)
 
-    def _apply_tensor_parallel_plan(self) -> None:
-        """Run :meth:`parallelize_model`, then point the optimizers at the parameters it replaced, by name."""
+    def _model_split_for_tensor_parallel(self) -> torch.nn.Module:
+        """Return the model split by :meth:`parallelize_model`, the optimizer pointed at its new parameters by name."""
         names_by_id = parameter_names_by_id(self.model)
-        self.model = self.parallelize_model(self.model, self._accelerator.torch_device_mesh)
-        swap_optimizer_parameters([self.optimizer], names_by_id, self.model)
+        model = self.parallelize_model(self.model, self._accelerator.torch_device_mesh)
+        swap_optimizer_parameters([self.optimizer], names_by_id, model)
         if not self._accelerator.is_fsdp2:  # tensor parallel alone: Accelerate's prepare asks the model its tp size
-            self.model.tp_size = layout_of(self._accelerator).tp
+            model.tp_size = layout_of(self._accelerator).tp  # type: ignore[assignment]
+        return model
 
     def _validate_train_stream(self, stateful: bool) -> None:
         """Refuse, before the training stream is read, a stream read the wrong way for how it splits itself, or

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import accelerate
 import torch
@@ -143,7 +143,7 @@ def switch_to_fsdp2(accelerator: Accelerator, plugin: Any) -> None:
         raise _missing("PartialState._shared_state", "FSDP2 on the CPU")
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
-    shared["distributed_type"] = DistributedType.FSDP
+    cast(dict, shared)["distributed_type"] = DistributedType.FSDP  # AcceleratorState re-reads it
 
 
 def attach_parallelism_config(accelerator: Accelerator, config: Any, device_type: str) -> None:
