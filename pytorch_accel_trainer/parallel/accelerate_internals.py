@@ -17,8 +17,9 @@ renames one never stops a run with an ``AttributeError`` from deep inside; it do
 - :func:`switch_to_fsdp2` (``PartialState._shared_state``) and :func:`attach_parallelism_config`
   (``ParallelismConfig._validate_accelerator``): run FSDP2 and a ``ParallelismConfig`` on the CPU, which Accelerate
   selects only on GPUs; without them it raises, naming the Accelerate release (there is no public way).
-- :func:`mark_prepared` (the ``_is_accelerate_prepared`` flag Accelerate sets on what it prepared): without it,
-  ``prepare_model`` would wrap a model the trainer sharded itself once more; raises, naming the release.
+- :func:`mark_prepared` (the ``_is_accelerate_prepared`` flag Accelerate sets on what it prepared): a release that
+  reads another flag would wrap the model the trainer sharded itself once more, which
+  ``sharded.prepare_components`` refuses with a ``RuntimeError`` naming the release.
 
 :func:`missing_internals` lists what the installed Accelerate lacks, naming its version; the test suite asserts
 that the list is empty on the tested releases, so that CI notices a rename before users do.
