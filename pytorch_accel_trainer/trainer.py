@@ -1104,9 +1104,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             validate_prediction_output(batch_output)
             first_structure = first_structure or prediction_structure(batch_output)
             validate_same_structure(first_structure, batch_output, step)  # here, not in the join after every batch
-            batch_output = to_cpu(
-                gather_for_metrics_by_rank(self._accelerator, batch_output)
-            )  # a collective, host copy
+            # a collective, then a host copy
+            batch_output = to_cpu(gather_for_metrics_by_rank(self._accelerator, batch_output))
             collector.add(batch_output)
             self._call_event("on_predict_step_end", batch=batch, batch_output=batch_output, step=step)
             del batch, batch_output  # one step's outputs on the device at a time

@@ -137,8 +137,10 @@ def real_rows_in_batch(dataloader: Any, batch: Any, accelerator: Any) -> Optiona
     the start of the data; the real ones are the first ``remainder`` rows of all processes' batches in
     process order (what ``gather_for_metrics`` keeps). Reading it costs no collective.
     """
+    if accelerator.num_processes == 1 or not getattr(dataloader, "end_of_dataloader", False):
+        return None
     layout = layout_of(accelerator)  # by data-parallel rank: a tensor-parallel group reads one batch
-    if layout.dp_size == 1 or not getattr(dataloader, "end_of_dataloader", False):
+    if layout.dp_size == 1:
         return None
     remainder = getattr(dataloader, "remainder", -1)
     if remainder <= 0:
