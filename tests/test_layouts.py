@@ -33,8 +33,8 @@ SCRIPT = pathlib.Path(__file__).parent / "scripts" / "layouts_run.py"
 TIMEOUT_S = 300
 
 
-def _launch(output: pathlib.Path, processes: int, runs: tuple) -> dict:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+def _launch(output: pathlib.Path, processes: int, runs: tuple, **variables: str) -> dict:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **variables}
     completed = subprocess.run(
         [*launcher(processes), str(SCRIPT), str(output)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
     )
@@ -46,9 +46,11 @@ def _launch(output: pathlib.Path, processes: int, runs: tuple) -> dict:
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory) -> dict:
-    """``{run: [result of each process]}``: fsdp_tp and hsdp of one 4-process launch, tp of a 2-process one."""
+    """``{run: [result of each process]}``: fsdp_tp and hsdp of one 4-process launch (the ParallelismConfig given in
+    accelerator_kwargs), tp of a 2-process one (given as ``accelerate launch --parallelism_config_tp_size 2`` does)."""
     output = tmp_path_factory.mktemp("layouts")
-    return {**_launch(output, 4, ("fsdp_tp", "hsdp")), **_launch(output, 2, ("tp",))}
+    from_launcher = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    return {**_launch(output, 4, ("fsdp_tp", "hsdp")), **_launch(output, 2, ("tp",), **from_launcher)}
 
 
 def _trained_ids_by_data_parallel_rank(results: list) -> dict:

@@ -5,7 +5,8 @@ Usage: layouts_run.py OUTPUT_DIR, launched with ACCELERATE_USE_CPU=1 on 4 proces
 2 (the run tp):
 
   tp       tp 2 alone (a plain multi-process run: Accelerate allows no FSDP without a dimension to shard), with
-           evaluate() and predict() as fsdp_tp.
+           evaluate() and predict() as fsdp_tp; the sizes from the environment that accelerate launch
+           --parallelism_config_tp_size 2 sets (ACCELERATE_USE_PARALLELISM_CONFIG=true, PARALLELISM_CONFIG_TP_SIZE=2).
   fsdp_tp  dp_shard 2 x tp 2 (FSDP2 x tensor parallel; the MLP split by torch's parallelize_module in the Trainer's
            parallelize_model hook), 3 AdamW updates with clipping, then evaluate() and predict() of 10 samples.
   hsdp     dp_replicate 2 x dp_shard 2 (HSDP), 3 AdamW updates; the same Trainer code, no hook.
@@ -92,7 +93,7 @@ def run(name, trainer_class, config, folder):
         nn.functional.mse_loss,
         torch.optim.AdamW(model.parameters(), lr=LR),
         callbacks=[recorder],
-        accelerator_kwargs={"parallelism_config": config},
+        accelerator_kwargs=None if config is None else {"parallelism_config": config},
     )
     layout = layout_of(trainer.accelerator)
     per_rank = GLOBAL_BATCH // layout.dp_size
@@ -127,7 +128,7 @@ def run(name, trainer_class, config, folder):
 def main(folder: Path, processes: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if processes == 2:
-        run("tp", SplitMlpTrainer, ParallelismConfig(tp_size=2), folder)
+        run("tp", SplitMlpTrainer, None, folder)  # from the environment, as accelerate launch --parallelism_config_*
         return
     run("fsdp_tp", SplitMlpTrainer, ParallelismConfig(dp_shard_size=2, tp_size=2), folder)
     run("hsdp", Trainer, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), folder)
