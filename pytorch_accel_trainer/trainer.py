@@ -112,6 +112,7 @@ from pytorch_accel_trainer.parallel.sharded import (
     holds_dtensor_parameters,
     parameter_names_by_id,
     prepare_components,
+    record_tensor_parallel_size,
     set_deepspeed_gradient_sync,
     swap_optimizer_parameters,
     unwrap_distributed_model,
@@ -634,7 +635,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         model = self.parallelize_model(self.model, self._accelerator.torch_device_mesh)
         swap_optimizer_parameters([self.optimizer], names_by_id, model)
         if not self._accelerator.is_fsdp2:  # tensor parallel alone: Accelerate's prepare asks the model its tp size
-            model.tp_size = layout_of(self._accelerator).tp  # type: ignore[assignment]
+            record_tensor_parallel_size(model, layout_of(self._accelerator).tp)
         return model
 
     def _validate_train_stream(self, stateful: bool) -> None:

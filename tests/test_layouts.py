@@ -8,6 +8,7 @@ this process.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -50,7 +51,8 @@ def layout_runs(tmp_path_factory) -> dict:
     accelerator_kwargs), tp of a 2-process one (given as ``accelerate launch --parallelism_config_tp_size 2`` does)."""
     output = tmp_path_factory.mktemp("layouts")
     from_launcher = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
-    return {**_launch(output, 4, ("fsdp_tp", "hsdp")), **_launch(output, 2, ("tp",), **from_launcher)}
+    runs = ("tp", "llama_tp") if importlib.util.find_spec("transformers.distributed") else ("tp",)
+    return {**_launch(output, 4, ("fsdp_tp", "hsdp")), **_launch(output, 2, runs, **from_launcher)}
 
 
 def _trained_ids_by_data_parallel_rank(results: list) -> dict:
@@ -71,6 +73,15 @@ def test_layout_trains_like_one_process(layout_runs, run, distributed_type):
         assert result["max_weight_diff"] < 1e-6, result
         assert result["train_loss_diff"] < 1e-6, result
         assert result["total_batch"] == 8  # per data-parallel rank x data-parallel ranks, not x processes
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_transformers_model_is_split_by_its_own_plan(layout_runs):
+    pytest.importorskip("transformers.distributed", reason="transformers 5 applies a plan to an existing model")
+    for result in layout_runs["llama_tp"]:
+        assert result["param_types"] == ["DTensor", "Parameter"]  # the norm weights, left out by the plan
+        assert result["max_weight_diff"] < 1e-5, result
 
 
 @pytest.mark.distributed

@@ -82,6 +82,8 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
     layout_on_cpu = parallelism_config_from(kwargs) if cpu else None
     if layout_on_cpu is not None:
         kwargs.pop("parallelism_config", None)
+        if precision_set_up:  # an earlier Trainer's config, which Accelerator() would validate (and refuse) again
+            AcceleratorState().parallelism_config, AcceleratorState().device_mesh = None, None
     try:
         with _parallelism_config_switch_off(layout_on_cpu is not None):
             accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)

@@ -266,9 +266,20 @@ def apply_transformers_tensor_parallel_plan(model: torch.nn.Module, device_mesh:
             f"The installed transformers has no {type(model).__name__}._resolve_parallel_plans, which applying its "
             f"tensor-parallel plan to an existing model needs: {override}"
         )
-    plan, _, _ = resolve(DistributedConfig(tp_size=tp_size))
+    distributed_config = DistributedConfig(tp_size=tp_size)
+    plan, _, _ = resolve(distributed_config)
     apply_tensor_parallelism(model, device_mesh["tp"], plan)
+    model.config.distributed_config = distributed_config  # as from_pretrained(tp_plan=...) records it
     return model
+
+
+def record_tensor_parallel_size(model: torch.nn.Module, tp_size: int) -> None:
+    """Say on ``model`` that it is split across ``tp_size`` processes, where Accelerate's ``prepare`` asks
+    (tensor parallelism alone: ``model.tp_size``, or a transformers model's ``config.distributed_config``, which
+    :func:`apply_transformers_tensor_parallel_plan` sets)."""
+    if isinstance(getattr(type(model), "tp_size", None), property):
+        return  # a transformers model: read from its config.distributed_config
+    model.tp_size = tp_size  # type: ignore[assignment]
 
 
 def swap_optimizer_parameters(optimizers: list, names_by_id: dict, model: torch.nn.Module) -> None:

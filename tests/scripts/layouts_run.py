@@ -6,7 +6,8 @@ Usage: layouts_run.py OUTPUT_DIR, launched with ACCELERATE_USE_CPU=1 on 4 proces
 
   tp       tp 2 alone (a plain multi-process run: Accelerate allows no FSDP without a dimension to shard), with
            evaluate() and predict() as fsdp_tp; the sizes from the environment that accelerate launch
-           --parallelism_config_tp_size 2 sets (ACCELERATE_USE_PARALLELISM_CONFIG=true, PARALLELISM_CONFIG_TP_SIZE=2).
+           --parallelism_config_tp_size 2 sets (ACCELERATE_USE_PARALLELISM_CONFIG=true, PARALLELISM_CONFIG_TP_SIZE=2);
+           then, with transformers 5, llama_tp: a tiny LlamaForCausalLM split by the default parallelize_model.
   fsdp_tp  dp_shard 2 x tp 2 (FSDP2 x tensor parallel; the MLP split by torch's parallelize_module in the Trainer's
            parallelize_model hook), 3 AdamW updates with clipping, then evaluate() and predict() of 10 samples.
   hsdp     dp_replicate 2 x dp_shard 2 (HSDP), 3 AdamW updates; the same Trainer code, no hook.
@@ -15,6 +16,7 @@ Each writes ``OUTPUT_DIR/<run>.rank<i>.json``: the sample ids of each training b
 the parameter types, and (rank 0) the largest differences from the one-process reference.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -125,10 +127,52 @@ def run(name, trainer_class, config, folder):
     (folder / f"{name}.rank{index}.json").write_text(json.dumps(result))
 
 
+def make_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def run_llama(folder):
+    """A tiny LlamaForCausalLM split by the default parallelize_model (its own plan), 3 AdamW updates with clipping
+    (its norm weights stay plain tensors), against one process: AdamW's first steps amplify float noise, hence the
+    test's 1e-5."""
+    tokens = torch.randint(0, 64, (12, 16), generator=torch.Generator().manual_seed(1))
+    reference_model = make_llama()
+    optimizer = torch.optim.AdamW(reference_model.parameters(), lr=1e-3)
+    for start in range(0, 12, 4):
+        reference_model(input_ids=tokens[start : start + 4], labels=tokens[start : start + 4]).loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference_model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    model = make_llama()
+    trainer = Trainer(model, None, torch.optim.AdamW(model.parameters(), lr=1e-3), callbacks=[])
+    rows = [{"input_ids": row, "labels": row} for row in tokens]
+    trainer.train(DataLoader(rows, batch_size=4, shuffle=False), num_epochs=1, gradient_clip_norm=CLIP)
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    weights = reference_model.state_dict()
+    result = {"max_weight_diff": max((full[key] - weights[key]).abs().max().item() for key in weights)}
+    result["param_types"] = sorted({type(parameter).__name__ for parameter in trainer.model.parameters()})
+    (folder / f"llama_tp.rank{trainer.accelerator.process_index}.json").write_text(json.dumps(result))
+
+
 def main(folder: Path, processes: int) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if processes == 2:
         run("tp", SplitMlpTrainer, None, folder)  # from the environment, as accelerate launch --parallelism_config_*
+        if importlib.util.find_spec("transformers") and importlib.util.find_spec("transformers.distributed"):
+            run_llama(folder)  # transformers 5: a plan it applies to an existing model
         return
     run("fsdp_tp", SplitMlpTrainer, ParallelismConfig(dp_shard_size=2, tp_size=2), folder)
     run("hsdp", Trainer, ParallelismConfig(dp_replicate_size=2, dp_shard_size=2), folder)
