@@ -269,7 +269,7 @@ def apply_transformers_tensor_parallel_plan(model: torch.nn.Module, device_mesh:
     distributed_config = DistributedConfig(tp_size=tp_size)
     plan, _, _ = resolve(distributed_config)
     apply_tensor_parallelism(model, device_mesh["tp"], plan)
-    model.config.distributed_config = distributed_config  # as from_pretrained(tp_plan=...) records it
+    cast(Any, model).config.distributed_config = distributed_config  # as from_pretrained(tp_plan=...) records it
     return model
 
 
