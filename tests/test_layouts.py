@@ -73,6 +73,8 @@ def test_layout_trains_like_one_process(layout_runs, run, distributed_type):
         assert result["max_weight_diff"] < 1e-6, result
         assert result["train_loss_diff"] < 1e-6, result
         assert result["total_batch"] == 8  # per data-parallel rank x data-parallel ranks, not x processes
+        sharding = "tensor parallel" if run == "tp" else "FSDP"
+        assert f"this trainer runs under {sharding}" in result["add_model_refused"]
 
 
 @pytest.mark.distributed

@@ -98,6 +98,11 @@ def run(name, trainer_class, config, folder):
         accelerator_kwargs=None if config is None else {"parallelism_config": config},
     )
     layout = layout_of(trainer.accelerator)
+    try:
+        trainer.add_model("extra", nn.Linear(2, 2))
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
     per_rank = GLOBAL_BATCH // layout.dp_size
     train_dl = DataLoader(make_data(SAMPLES, 0), batch_size=per_rank, shuffle=False)
     eval_data = make_data(EVAL_SAMPLES, 1)
@@ -111,6 +116,7 @@ def run(name, trainer_class, config, folder):
         "param_types": sorted({type(parameter).__name__ for parameter in trainer.model.parameters()}),
         "train_ids": recorder.train_ids,
         "total_batch": trainer.run_config.train_total_batch_size,
+        "add_model_refused": refused,
     }
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
     weights, mean_loss, eval_loss, outputs = reference()
