@@ -15,6 +15,7 @@ from accelerate import Accelerator, DistributedType
 
 from pytorch_accel_trainer.data import dataloader_length, dataset_length, validate_dataloader_kwargs, validate_dataset
 from pytorch_accel_trainer.errors import validate_positive_number, validate_positive_option
+from pytorch_accel_trainer.parallel.layout import layout_of
 
 #: An optional positive number; ``Union[int, float]`` rather than ``numbers.Number``, which parsers cannot build.
 OptionalNumber = Optional[Union[int, float]]
@@ -195,9 +196,10 @@ def max_time_seconds(max_time: Any) -> Optional[float]:
 class TrainerRunConfig:
     """An immutable record of how the current training or evaluation run is set up.
 
-    The fields are those of pytorch-accelerated's ``TrainerRunConfig``, plus ``gradient_clip_norm`` and
-    ``seed``. Step counts are optimizer updates; ``None`` means "unknown", as for a dataset without
-    ``__len__``.
+    The fields are those of pytorch-accelerated's ``TrainerRunConfig``, plus ``gradient_clip_norm``, ``seed`` and
+    ``data_parallel_size`` (the processes that read different batches: ``num_processes`` divided by the tensor- and
+    context-parallel sizes of a ``ParallelismConfig``; the total batch sizes count it). Step counts are optimizer
+    updates; ``None`` means "unknown", as for a dataset without ``__len__``.
     """
 
     num_epochs: Optional[int]
@@ -219,6 +221,7 @@ class TrainerRunConfig:
     gradient_clip_value: OptionalNumber = None
     gradient_clip_norm: OptionalNumber = None
     seed: Optional[int] = None
+    data_parallel_size: Optional[int] = None  # None: num_processes (a run config built by hand)
 
     def __getitem__(self, name: str) -> Any:
         """Allow ``run_config["num_epochs"]``, as older pytorch-accelerated code does."""
@@ -252,6 +255,13 @@ def get_run_config(trainer: _HasRunConfig) -> TrainerRunConfig:
             "on_training_run_start or on_evaluation_run_start onwards, not before the first run."
         )
     return config
+
+
+def data_parallel_size(trainer: _HasRunConfig) -> int:
+    """The processes of the trainer's current (or last) run that read different batches (``num_processes`` without
+    tensor or context parallelism): what sample counts and rates multiply by."""
+    config = get_run_config(trainer)
+    return config.data_parallel_size or config.num_processes
 
 
 def count_update_steps(num_batches: Optional[int], gradient_accumulation_steps: int) -> Optional[int]:
@@ -310,6 +320,7 @@ def build_run_config(
     train_batch_size: Optional[int] = dataloader_batch_size(train_dataloader, train_dl_kwargs, per_device_batch_size)
     eval_batch_size = dataloader_batch_size(eval_dataloader, eval_dl_kwargs, per_device_batch_size)
     num_processes = accelerator.num_processes
+    data_parallel = layout_of(accelerator).dp_size  # the processes of a tensor-parallel group read the same batches
     updates_per_epoch: Optional[int]
     if train_dataloader is None:
         train_batch_size, updates_per_epoch = None, 0
@@ -337,8 +348,8 @@ def build_run_config(
         eval_per_device_batch_size=eval_batch_size,
         eval_dl_kwargs=eval_dl_kwargs,
         gradient_accumulation_steps=accumulation,
-        train_total_batch_size=None if train_batch_size is None else train_batch_size * num_processes * accumulation,
-        eval_total_batch_size=None if eval_batch_size is None else eval_batch_size * num_processes,
+        train_total_batch_size=None if train_batch_size is None else train_batch_size * data_parallel * accumulation,
+        eval_total_batch_size=None if eval_batch_size is None else eval_batch_size * data_parallel,
         num_update_steps_per_epoch=updates_per_epoch,
         num_local_update_steps_per_epoch=updates_per_epoch,
         max_num_train_steps=max_num_train_steps,
@@ -350,4 +361,5 @@ def build_run_config(
         gradient_clip_value=options.gradient_clip_value,
         gradient_clip_norm=options.gradient_clip_norm,
         seed=seed,
+        data_parallel_size=data_parallel,
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union, cast
 
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DataLoaderConfiguration, set_seed, slice_tensors
 from torch.utils.data import DataLoader
@@ -106,9 +106,15 @@ from pytorch_accel_trainer.parallel.distributed import (
     release_prepared,
     wrappers_only_call_torch,
 )
+from pytorch_accel_trainer.parallel.layout import gather_for_metrics_by_rank, keep_model_group_leaders, layout_of
 from pytorch_accel_trainer.parallel.sharded import (
+    apply_transformers_tensor_parallel_plan,
+    holds_dtensor_parameters,
+    parameter_names_by_id,
     prepare_components,
+    record_tensor_parallel_size,
     set_deepspeed_gradient_sync,
+    swap_optimizer_parameters,
     unwrap_distributed_model,
     validate_sharded_run,
     warn_if_sharding_was_ignored,
@@ -453,8 +459,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         self.create_scheduler_fn, self.collate_fn = options.create_scheduler_fn, options.collate_fn
         if options.reset_run_history:
             self.run_history.reset()
-        if self.seed is not None:  # Accelerate's device_specific=True, from the process state
-            set_seed(self.seed + PartialState().process_index)
+        if self.seed is not None:  # Accelerate's device_specific=True, by data-parallel rank: a tensor-parallel
+            set_seed(self.seed + layout_of(self._accelerator).dp_rank)  # group draws the same numbers
         batch_size = options.per_device_batch_size
         self._train_dl_kwargs = None  # an earlier run's: set again by the default create_train_dataloader only
         self.train_dataloader = self.create_train_dataloader(batch_size, options.train_dataloader_kwargs)
@@ -550,6 +556,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             self.model = self._unwrap_distributed_model()  # a model left wrapped by an earlier run is wrapped once
             if isinstance(self.optimizer, AcceleratedOptimizer):
                 self.optimizer = self.optimizer.optimizer
+            if self._needs_tensor_parallel_plan():
+                self.model = self._model_split_for_tensor_parallel()
         components: list[Any] = [self.model, self.optimizer] if model_and_optimizer else [None, None]
         components += [self.train_dataloader, self.eval_dataloader] if dataloaders else [None, None]
         placement = [None, None, *(batches_need_placing(dl, self.device) for dl in components[2:])]
@@ -588,12 +596,54 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             options = self.torch_compile if isinstance(self.torch_compile, Mapping) else {}
             self.model = cast(torch.nn.Module, torch.compile(self.model, **options))
 
+    def parallelize_model(self, model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+        """Split ``model`` across the tensor-parallel processes of ``device_mesh`` and return it; override it for a
+        model that is not a transformers model.
+
+        Runs once per Trainer, before the first preparation (in ``train()``, ``evaluate()`` or ``predict()``), only
+        under a ``ParallelismConfig`` with ``tp_size > 1``, and only when no parameter of the model is a ``DTensor``
+        yet (a model split before the Trainer is kept as it is). The default applies a transformers model's own
+        tensor-parallel plan (``model.tp_plan``) on ``device_mesh["tp"]`` and raises a ``ValueError`` for any other
+        model. The trainer then points the optimizer at the new parameters, by name; FSDP2 shards the result over
+        the data-parallel dimensions.
+
+        Args:
+            model: the model, not yet prepared.
+            device_mesh: Accelerate's device mesh (``accelerator.torch_device_mesh``), with a ``"tp"`` dimension.
+
+        Returns:
+            The model, its split layers holding ``DTensor`` parameters.
+
+        Example::
+
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            class MlpTrainer(Trainer):
+                def parallelize_model(self, model, device_mesh):
+                    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+                    return parallelize_module(model, device_mesh["tp"], plan)
+        """
+        return apply_transformers_tensor_parallel_plan(model, device_mesh)
+
+    def _needs_tensor_parallel_plan(self) -> bool:
+        """Whether the layout splits layers (``tp_size > 1``) and the model is not split yet."""
+        return layout_of(self._accelerator).tp > 1 and not holds_dtensor_parameters(self.model)
+
+    def _model_split_for_tensor_parallel(self) -> torch.nn.Module:
+        """Return the model split by :meth:`parallelize_model`, the optimizer pointed at its new parameters by name."""
+        names_by_id = parameter_names_by_id(self.model)
+        model = self.parallelize_model(self.model, self._accelerator.torch_device_mesh)
+        swap_optimizer_parameters([self.optimizer], names_by_id, model)
+        if not self._accelerator.is_fsdp2:  # tensor parallel alone: Accelerate's prepare asks the model its tp size
+            record_tensor_parallel_size(model, layout_of(self._accelerator).tp)
+        return model
+
     def _validate_train_stream(self, stateful: bool) -> None:
         """Refuse, before the training stream is read, a stream read the wrong way for how it splits itself, or
         (``stateful``: its position is kept in training states) whose ``state_dict()`` a state could not keep."""
         options = self.run_state.options
         split = None if options is None else options.stream_split
-        validate_stream_split(self.train_dataloader, split, self.accelerator.num_processes)
+        validate_stream_split(self.train_dataloader, split, layout_of(self.accelerator).dp_size)
         if stateful:
             validate_stream_state(cast(Any, self.train_dataloader).dataset)
 
@@ -1055,7 +1105,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             validate_prediction_output(batch_output)
             first_structure = first_structure or prediction_structure(batch_output)
             validate_same_structure(first_structure, batch_output, step)  # here, not in the join after every batch
-            batch_output = to_cpu(self._accelerator.gather_for_metrics(batch_output))  # a collective, a host copy
+            # a collective, then a host copy
+            batch_output = to_cpu(gather_for_metrics_by_rank(self._accelerator, batch_output))
             collector.add(batch_output)
             self._call_event("on_predict_step_end", batch=batch, batch_output=batch_output, step=step)
             del batch, batch_output  # one step's outputs on the device at a time
@@ -1260,7 +1311,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """Whether each process reads its own part of the training stream (``train(stream_split="dataset")``)."""
         options = self.run_state.options
         split = None if options is None else options.stream_split
-        return reads_own_part(dataloader, split, self._accelerator.num_processes)
+        return reads_own_part(dataloader, split, layout_of(self._accelerator).dp_size)
 
     def _is_update_step(self, step: int, is_last_batch: bool) -> bool:
         """Whether the micro-batch ``step`` closes an accumulation window (or the epoch)."""
@@ -1409,16 +1460,20 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             The gathered tensor, on every process.
         """
         if padding_value is None:
-            return self._accelerator.gather_for_metrics(tensor)
+            return gather_for_metrics_by_rank(self._accelerator, tensor)
         if self.eval_batch_real_rows is not None:  # the last evaluation batch: the rows after these repeat samples
             tensor = tensor[: self.eval_batch_real_rows]
         tensor = self._accelerator.pad_across_processes(tensor, dim=0, pad_index=padding_value)
-        return remove_padding(self._accelerator.gather(tensor), padding_value)
+        gathered = keep_model_group_leaders(self._accelerator, self._accelerator.gather(tensor))
+        return remove_padding(gathered, padding_value)
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Gather ``data`` (tensors or picklable objects) from every process for metrics: over an evaluation epoch,
-        exactly the dataset's rows, in order. A collective: every process must call it at the same step."""
-        return self._accelerator.gather_for_metrics(data)
+        exactly the dataset's rows, in order. A collective: every process must call it at the same step.
+
+        Under tensor parallelism each sample is counted once, from its data-parallel rank (the processes of one
+        tensor-parallel group hold the same rows)."""
+        return gather_for_metrics_by_rank(self._accelerator, data)
 
     def run_extra_eval_epoch(
         self, model: Optional[torch.nn.Module] = None, callbacks=None, metric_name_prefix: str = ""

@@ -71,8 +71,8 @@ HOOKS = tuple(
 #: The most lines the skeleton may have: a skeleton, not a second copy of the loop (which grew to 175 lines). 74 for
 #: training and evaluation (the update and the point between two updates are procedures of their own, as in the
 #: code; the check of the first evaluation batch is a step of its own, since a user can switch it off), and the 7
-#: lines of a prediction run.
-MAX_SKELETON_LINES = 81
+#: lines of a prediction run, and the tensor-parallel plan of each of the three (a hook of its own, before preparing).
+MAX_SKELETON_LINES = 84
 
 # the runs: 3 training batches (an odd number, so the second accumulation window of 2 is partial), 2 eval batches
 TRAIN_SAMPLES, EVAL_SAMPLES, BATCH_SIZE, ACCUMULATION = 6, 4, 2, 2
@@ -240,6 +240,7 @@ class Expansion:
             "stop_requested": lambda: self.stop_requested,
             "reached_max_steps": lambda: lambda: False,  # no max_num_train_steps in these runs
             "epoch_cut_short": lambda: False,  # so no epoch the step limit cuts short
+            "tensor_parallel": lambda: False,  # one process: no ParallelismConfig (tests/scripts/layouts_run.py)
         }
         if name not in values:
             raise KeyError(name)

@@ -274,7 +274,9 @@ def test_pseudocode_names_existing_functions():
 #: The only places that assign ``trainer.model`` / ``self.model``, by file and function, each with its reason.
 MODEL_ASSIGNMENTS = {
     ("trainer.py", "Trainer.__init__"): "the model the trainer is given",
-    ("trainer.py", "Trainer._prepare"): "preparation: unwrapped from an earlier run, prepared by Accelerate, compiled",
+    ("trainer.py", "Trainer._prepare"): (
+        "preparation: unwrapped from an earlier run, split by parallelize_model, prepared by Accelerate, compiled"
+    ),
     ("trainer.py", "Trainer._unwrap_models"): "unwrapping at the end of a training, evaluation or prediction run",
     ("trainer.py", "Trainer.run_extra_eval_epoch"): "its swap: the model evaluated, then the trainer's put back",
     ("callbacks/ema.py", "ModelEmaCallback._ema_weights_in"): "its swap: the EMA weights saved and evaluated, put back",

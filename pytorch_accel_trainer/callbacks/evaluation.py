@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytorch_accel_trainer.callbacks.base import TrainerCallback
 from pytorch_accel_trainer.errors import validate_positive_int
-from pytorch_accel_trainer.run_config import get_run_config
+from pytorch_accel_trainer.run_config import data_parallel_size
 from pytorch_accel_trainer.utils import DataLoaderSlice
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class LimitEvalStepsCallback(TrainerCallback):
         # the start of the run, and switched on or off for each epoch (pytorch-accelerated swaps the dataloader then).
         if trainer.eval_dataloader is None:
             return
-        steps_per_process = max(1, self.num_eval_steps // get_run_config(trainer).num_processes)
+        steps_per_process = max(1, self.num_eval_steps // data_parallel_size(trainer))
         self._original_eval_dataloader = trainer.eval_dataloader
         trainer.eval_dataloader = DataLoaderSlice(trainer.eval_dataloader, steps_per_process, lambda: self._is_limiting)
 

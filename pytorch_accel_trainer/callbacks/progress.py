@@ -18,7 +18,7 @@ from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.console import progress_bar_class
 from pytorch_accel_trainer.data import dataloader_length
 from pytorch_accel_trainer.errors import validate_positive_int
-from pytorch_accel_trainer.run_config import get_run_config
+from pytorch_accel_trainer.run_config import data_parallel_size, get_run_config
 from pytorch_accel_trainer.tracking import metric_counts, metrics_recorded_since
 from pytorch_accel_trainer.utils import model_summary_line, model_summary_table
 
@@ -259,7 +259,7 @@ class ProgressBarCallback(TrainerCallback):
         elapsed = time.perf_counter() - self._epoch_start_time
         samples = trainer.run_state.samples_seen - self._samples_before_epoch
         if isinstance(samples, int) and samples and elapsed > 0:  # a tensor size (a hook's) would need a sync to read
-            self._postfix["samples/s"] = f"{samples * get_run_config(trainer).num_processes / elapsed:.1f}"
+            self._postfix["samples/s"] = f"{samples * data_parallel_size(trainer) / elapsed:.1f}"
         self.pbar.set_postfix(self._postfix, refresh=False)
 
     def _show_arrived_loss(self, host_copy: HostCopy, epoch: int) -> None:
@@ -388,7 +388,7 @@ class LogMetricsCallback(TrainerCallback):
         samples = trainer.run_state.samples_seen - self._samples_before_epoch
         speed = ""
         if isinstance(samples, int) and samples and seconds > 0:  # a tensor size (a hook's) would need a sync to read
-            speed = f" · {samples * get_run_config(trainer).num_processes / seconds:.0f} samples/s"
+            speed = f" · {samples * data_parallel_size(trainer) / seconds:.0f} samples/s"
         metrics = f" · {format_metrics(self._pending)}" if self._pending else ""
         _print(trainer, f"{epoch_label(trainer)} · {seconds:.2g}s{speed}{metrics}")
         self._pending = {}

@@ -19,7 +19,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from pytorch_accel_trainer.callbacks.base import TrainerCallback, overrides
 from pytorch_accel_trainer.callbacks.readback import HostCopy, RunningSum
 from pytorch_accel_trainer.errors import validate_positive_int
-from pytorch_accel_trainer.run_config import get_run_config
+from pytorch_accel_trainer.run_config import data_parallel_size, get_run_config
 from pytorch_accel_trainer.state.storage import local_path
 from pytorch_accel_trainer.tracking import BATCH_OUTPUT_KEYS, is_scalar_metric, metric_counts
 
@@ -433,7 +433,7 @@ class ExperimentTrackingCallback(TrainerCallback):
             values = {name: value for name, value in values.items() if isinstance(value, numbers.Real)}
             elapsed = time.perf_counter() - self._interval_start
             if self._samples and elapsed > 0:
-                values["samples_per_second"] = self._samples * num_processes / elapsed
+                values["samples_per_second"] = self._samples * data_parallel_size(trainer) / elapsed
             values["_num_processes"] = num_processes
             host_copy.start(totals, tag=(step, values, names))
         self._reset_sums()

@@ -13,6 +13,7 @@ from accelerate.utils import find_batch_size
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from pytorch_accel_trainer.data import dataloader_batch_size
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.utils import seed_worker
 
 NO_TRAIN_BATCH = (
@@ -138,11 +139,14 @@ def real_rows_in_batch(dataloader: Any, batch: Any, accelerator: Any) -> Optiona
     """
     if accelerator.num_processes == 1 or not getattr(dataloader, "end_of_dataloader", False):
         return None
+    layout = layout_of(accelerator)  # by data-parallel rank: a tensor-parallel group reads one batch
+    if layout.dp_size == 1:
+        return None
     remainder = getattr(dataloader, "remainder", -1)
     if remainder <= 0:
         return None  # a whole number of global batches, or a dataloader that does not say
     rows = find_batch_size(batch)
-    real_rows = min(max(remainder - accelerator.process_index * rows, 0), rows)
+    real_rows = min(max(remainder - layout.dp_rank * rows, 0), rows)
     return None if real_rows == rows else real_rows
 
 

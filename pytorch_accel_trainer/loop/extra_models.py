@@ -18,6 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from pytorch_accel_trainer.loop.trainer_parts import describe_extras_difference
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.sharded import inner_optimizer, is_deepspeed, is_fsdp
 from pytorch_accel_trainer.run_config import get_run_config
 from pytorch_accel_trainer.state.checkpointing import EXTRA_MODELS_KEY, EXTRA_OPTIMIZERS_KEY, OPTIMIZER_KEY
@@ -67,7 +68,8 @@ class ExtraModelsMixin:
           ``train(resume_from=...)``) include the model and the optimizer state, and a resume restores them exactly.
 
         The trainer never calls the model itself and leaves its train/eval mode to you (``model.train()`` in
-        ``train_epoch_start``, for instance). Not under FSDP or DeepSpeed, where Accelerate prepares one model.
+        ``train_epoch_start``, for instance). Not under FSDP, DeepSpeed or tensor parallelism, where the trainer
+        prepares one model.
 
         Args:
             name: a Python identifier other than ``"model"``, unique in this trainer: the key in ``extra_models``,
@@ -80,7 +82,8 @@ class ExtraModelsMixin:
             TypeError: ``name`` is not a string, ``model`` not a module or ``optimizer`` not an optimizer.
             ValueError: the name is taken or not an identifier, the model or optimizer is already the trainer's, or
                 the optimizer holds parameters of another model.
-            RuntimeError: a training run is under way, or the trainer runs under FSDP or DeepSpeed.
+            RuntimeError: a training run is under way, or the trainer runs under FSDP, DeepSpeed or tensor
+                parallelism.
 
         Example::
 
@@ -209,8 +212,13 @@ class ExtraModelsMixin:
                 f"add_model({name!r}, ...) was called during a training run, after the trainer prepared its models. "
                 "Register extra models before train() or evaluate(), e.g. in your Trainer subclass's __init__."
             )
-        if is_fsdp(self.accelerator) or is_deepspeed(self.accelerator):
-            sharding = "FSDP" if is_fsdp(self.accelerator) else "DeepSpeed"
+        kinds = (
+            ("FSDP", is_fsdp(self.accelerator)),
+            ("DeepSpeed", is_deepspeed(self.accelerator)),
+            ("tensor parallel", layout_of(self.accelerator).tp > 1),
+        )
+        sharding = next((kind for kind, applies in kinds if applies), None)
+        if sharding is not None:
             raise RuntimeError(
                 f"add_model({name!r}, ...): this trainer runs under {sharding}, "
                 "where the trainer prepares, gathers and saves one model; extra models are supported with one process "

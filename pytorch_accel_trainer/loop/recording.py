@@ -58,7 +58,8 @@ def create_train_result(
     """Return the summary of the training run that just ended (one host read if a hook gave tensor sizes); its best
     metric is ``watched_metric``, ``(name, best value)``: the callbacks' (``CallbackHandler.watched_metric``)."""
     wall_time = time.perf_counter() - (state.started_at or 0.0)
-    num_samples = int(state.samples_seen) * run_config.num_processes  # the processes run the same steps
+    # every data-parallel rank runs the same steps (the processes of a tensor-parallel group read the same batches)
+    num_samples = int(state.samples_seen) * (run_config.data_parallel_size or run_config.num_processes)
     epochs = metric_counts(run_history).get("train_loss_epoch", 0) - state.metric_counts_at_start.get(
         "train_loss_epoch", 0
     )

@@ -19,6 +19,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Iterable, Optional, cast
 
 from accelerate import PartialState, skip_first_batches
+from accelerate.state import AcceleratorState
 from accelerate.utils import broadcast_object_list
 
 from pytorch_accel_trainer.errors import CheckpointError
@@ -32,6 +33,7 @@ from pytorch_accel_trainer.loop.stream_position import (
 )
 from pytorch_accel_trainer.loop.trainer_parts import read_training_state, restore_rng_state, state_content
 from pytorch_accel_trainer.parallel.distributed import print_on_node
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
 from pytorch_accel_trainer.state import storage
 from pytorch_accel_trainer.state.claims import release_claims
@@ -169,7 +171,8 @@ def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, I
     options = state.options
     per_device = None if options is None else options.per_device_batch_size
     process = PartialState()
-    state.start_epoch_data(samples_per_step(train_dl, per_device, process.num_processes))
+    data_parallel = layout_of(AcceleratorState()).dp_size  # a tensor-parallel group reads one batch
+    state.start_epoch_data(samples_per_step(train_dl, per_device, data_parallel))
     resume = state.resume
     first_step = 0
     if resume is not None and resume.position.loop_epoch == state.epoch:
@@ -183,7 +186,7 @@ def skip_to_resume_position(state: RunState, train_dl: Iterable) -> tuple[int, I
         elif first_step and state.stream_positions is not None and resume.stream_state is not None:
             cast(Any, train_dl).load_state_dict(resume.stream_state)  # the stream goes on where it stopped
         elif first_step and is_stream(train_dl):
-            print_on_node(replay_message(first_step, process.num_processes, state.epoch_samples_per_step, train_dl))
+            print_on_node(replay_message(first_step, data_parallel, state.epoch_samples_per_step, train_dl))
             train_dl = replay_batches(train_dl, first_step, show_progress=process.is_main_process)
         elif first_step:
             train_dl = skip_first_batches(train_dl, first_step)

@@ -30,6 +30,7 @@ from accelerate.utils import send_to_device
 from pytorch_accel_trainer.data import dataset_length
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream_state_name
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.sharded import deepspeed_engine, inner_optimizer, state_module
 from pytorch_accel_trainer.state.deepspeed_engine import FACTS_KEY, DeepSpeedEngineState, check_engine_fits
 from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
@@ -65,7 +66,7 @@ def run_facts(trainer: "Trainer") -> dict:
     }
     options = trainer.run_state.options
     split = None if options is None else options.stream_split
-    stream_split = stream_split_fact(trainer.train_dataloader, split, trainer.accelerator.num_processes)
+    stream_split = stream_split_fact(trainer.train_dataloader, split, layout_of(trainer.accelerator).dp_size)
     if stream_split is not None:  # a stream on several processes: who reads it places the saved position
         facts["stream_split"] = stream_split
     return facts

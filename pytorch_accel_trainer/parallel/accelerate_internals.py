@@ -14,6 +14,12 @@ renames one never stops a run with an ``AttributeError`` from deep inside; it do
   (a bare ``PartialState()`` then goes unseen: an error message is less precise).
 - :func:`undo_failed_set_up` (``AcceleratorState._reset_state``): warns that the process keeps the mixed precision
   of the ``Accelerator`` that failed.
+- :func:`switch_to_fsdp2` (``PartialState._shared_state``) and :func:`attach_parallelism_config`
+  (``ParallelismConfig._validate_accelerator``): run FSDP2 and a ``ParallelismConfig`` on the CPU, which Accelerate
+  selects only on GPUs; without them it raises, naming the Accelerate release (there is no public way).
+- :func:`mark_prepared` (the ``_is_accelerate_prepared`` flag Accelerate sets on what it prepared): a release that
+  reads another flag would wrap the model the trainer sharded itself once more, which
+  ``sharded.prepare_components`` refuses with a ``RuntimeError`` naming the release.
 
 :func:`missing_internals` lists what the installed Accelerate lacks, naming its version; the test suite asserts
 that the list is empty on the tested releases, so that CI notices a rename before users do.
@@ -23,10 +29,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional, cast
 
 import accelerate
-from accelerate import Accelerator, PartialState
+import torch
+from accelerate import Accelerator, DistributedType, PartialState
 from accelerate.state import AcceleratorState, is_initialized
 
 #: Where ``Accelerator.prepare`` lists what it prepared (``save_state``, ``clip_grad_norm_`` and
@@ -48,6 +55,8 @@ def missing_internals(accelerator: Accelerator) -> list[str]:
         missing.append("PartialState._shared_state")
     if not callable(getattr(AcceleratorState, "_reset_state", None)):
         missing.append("AcceleratorState._reset_state")
+    if not callable(getattr(_parallelism_config_class(), "_validate_accelerator", None)):
+        missing.append("ParallelismConfig._validate_accelerator")
     return [f"accelerate {accelerate.__version__}: {name}" for name in missing]
 
 
@@ -105,3 +114,60 @@ def undo_failed_set_up() -> None:
         "use another one, or install an Accelerate release that docs/versions.md lists as tested.",
         stacklevel=3,
     )
+
+
+def _parallelism_config_class() -> Any:
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig
+
+
+def _missing(name: str, purpose: str) -> RuntimeError:
+    return RuntimeError(
+        f"accelerate {accelerate.__version__} has no {name}, which {purpose} needs. Install an Accelerate release "
+        "that docs/versions.md lists as tested, or launch on GPUs, where Accelerate selects it itself."
+    )
+
+
+def switch_to_fsdp2(accelerator: Accelerator, plugin: Any) -> None:
+    """Make ``accelerator`` (created on the CPU, where Accelerate falls back to DDP) run FSDP2 with ``plugin``.
+
+    Accelerate 1.15 selects FSDP only for GPU-like devices (``AcceleratorState.__init__``); the process state keeps
+    the distributed type in ``PartialState._shared_state``, which ``AcceleratorState`` re-reads, so both are set.
+    ``prepare``, ``backward``, clipping and the state-dict calls are then Accelerate's and torch's real FSDP2 code.
+
+    Raises:
+        RuntimeError: the installed Accelerate keeps the process state elsewhere.
+    """
+    shared = _process_shared_state()
+    if shared is None:
+        raise _missing("PartialState._shared_state", "FSDP2 on the CPU")
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    cast(dict, shared)["distributed_type"] = DistributedType.FSDP  # AcceleratorState re-reads it
+
+
+def attach_parallelism_config(accelerator: Accelerator, config: Any, device_type: str) -> None:
+    """Give ``accelerator`` the ``ParallelismConfig`` ``config`` and its device mesh, as ``Accelerator.__init__``
+    does on GPUs, then let Accelerate validate it where Accelerate runs that layout (FSDP2: ``dp_shard_size > 1``).
+
+    Tensor parallelism alone stays a plain multi-process run, which Accelerate's check refuses off GPUs
+    (``ParallelismConfig is only compatible DistributedType.FSDP (version 2) or ... MULTI_CPU``): it is attached
+    without that check (the trainer checked the sizes).
+
+    Raises:
+        RuntimeError: the installed Accelerate has no ``ParallelismConfig._validate_accelerator``.
+    """
+    validate = getattr(config, "_validate_accelerator", None)
+    if not callable(validate):
+        raise _missing("ParallelismConfig._validate_accelerator", "a ParallelismConfig on the CPU")
+    accelerator.state.parallelism_config = config
+    accelerator.state.device_mesh = config.get_device_mesh(device_type)
+    if accelerator.is_fsdp2:
+        validate(accelerator)
+
+
+def mark_prepared(model: torch.nn.Module) -> None:
+    """Flag ``model`` as prepared (Accelerate's ``_is_accelerate_prepared``), so that ``Accelerator.prepare_model``
+    registers it as it is: for a model the trainer sharded itself (tensor parallel x FSDP2)."""
+    model._is_accelerate_prepared = True  # type: ignore[assignment]

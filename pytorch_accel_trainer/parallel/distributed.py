@@ -5,13 +5,14 @@ engine between runs."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import inspect
 import os
 import platform
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional, cast
 
 import torch
@@ -21,9 +22,16 @@ from accelerate.utils import InitProcessGroupKwargs, parse_flag_from_env
 
 from pytorch_accel_trainer.errors import StopTrainingError, TimeBudgetExceeded
 from pytorch_accel_trainer.parallel.accelerate_internals import (
+    attach_parallelism_config,
     forget_prepared,
     process_state_is_set_up,
+    switch_to_fsdp2,
     undo_failed_set_up,
+)
+from pytorch_accel_trainer.parallel.layout import (
+    PARALLELISM_CONFIG_SWITCH,
+    parallelism_config_from,
+    validate_layout_on_cpu,
 )
 from pytorch_accel_trainer.parallel.processes import launched_world_size, needs_cpu_backend
 from pytorch_accel_trainer.parallel.restarts import prepare_restarted_attempt
@@ -54,12 +62,19 @@ def already_set_up_error(accelerate_message: str, mixed_precision: Any) -> Value
 def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accelerator:
     """Return an :class:`~accelerate.Accelerator` that runs every launched process as one job.
 
+    A ``ParallelismConfig`` (``kwargs["parallelism_config"]``, or ``ACCELERATE_USE_PARALLELISM_CONFIG=true`` with
+    the ``PARALLELISM_CONFIG_*`` sizes that ``accelerate launch --parallelism_config_*`` sets) goes to Accelerate
+    unchanged on GPUs. On the CPU, where Accelerate refuses it, the Accelerator is created without it and the trainer
+    attaches it: FSDP2 over ``dp_shard`` when ``dp_shard_size > 1``, and the device mesh (``docs/scaling.md``,
+    "Layouts").
+
     Raises:
         RuntimeError: Accelerate was already set up in this process for a single process while the launcher
             started several (it can then no longer be changed), naming what to set.
         ValueError: another ``mixed_precision`` was already set up in this process, or the GPU when ``cpu=True``
             asks for the CPU, or ``"fp16"`` was asked for on the CPU (where Accelerate would silently train in
-            float32).
+            float32), or a ParallelismConfig on the CPU whose sizes do not multiply to the number of processes or
+            that asks for context parallelism (GPU only).
     """
     cpu = bool(kwargs.pop("cpu", False))
     if needs_cpu_backend() and not cpu and _deepspeed_asked(kwargs):  # DeepSpeed over gloo, not Accelerate's CPU DDP
@@ -69,8 +84,15 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
     already_set_up = process_state_is_set_up()
     precision_set_up = is_initialized()  # whether an Accelerator fixed the mixed precision of this process
     prepare_restarted_attempt(cpu, kwargs.get("kwargs_handlers"))  # torchrun --max-restarts: this attempt's own keys
+    # on the CPU, Accelerate refuses a ParallelismConfig: the trainer attaches it itself once the processes are set up
+    layout_on_cpu = parallelism_config_from(kwargs) if cpu else None
+    if layout_on_cpu is not None:
+        kwargs.pop("parallelism_config", None)
+        if precision_set_up:  # an earlier Trainer's config, which Accelerator() would validate (and refuse) again
+            AcceleratorState().parallelism_config, AcceleratorState().device_mesh = None, None
     try:
-        accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
+        with _parallelism_config_switch_off(layout_on_cpu is not None):
+            accelerator = Accelerator(mixed_precision=mixed_precision, cpu=cpu, **kwargs)
         _validate_mixed_precision_device(accelerator, mixed_precision)
     except ValueError as error:
         if not precision_set_up:  # a failed set-up must not fix the precision of this process (Accelerate would)
@@ -87,6 +109,8 @@ def create_accelerator(mixed_precision: Optional[str] = None, **kwargs) -> Accel
             f"{accelerator.num_processes}, so each process would train on its own. Set ACCELERATE_USE_CPU=1 "
             "(no GPU) or pass --cpu to accelerate launch, and create the Trainer before any other Accelerator."
         )
+    if layout_on_cpu is not None and layout_on_cpu.total_size > 1:  # sizes all 1: plain processes, as Accelerate
+        _set_up_layout_on_cpu(accelerator, layout_on_cpu, kwargs.get("fsdp_plugin"))
     return accelerator
 
 
@@ -111,6 +135,29 @@ def _with_gloo_backend(handlers: Optional[list]) -> list:
     if not any(isinstance(handler, InitProcessGroupKwargs) for handler in handlers):
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
     return handlers
+
+
+@contextlib.contextmanager
+def _parallelism_config_switch_off(off: bool) -> Iterator[None]:
+    """Hide ``ACCELERATE_USE_PARALLELISM_CONFIG`` while ``off``: with it, ``Accelerator()`` would build and refuse
+    the ParallelismConfig on the CPU itself."""
+    saved = os.environ.pop(PARALLELISM_CONFIG_SWITCH, None) if off else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[PARALLELISM_CONFIG_SWITCH] = saved
+
+
+def _set_up_layout_on_cpu(accelerator: Accelerator, config: Any, fsdp_plugin: Any) -> None:
+    """Run ``config`` on the CPU processes (gloo) as Accelerate runs it on GPUs: FSDP2 over ``dp_shard`` (with the
+    user's ``fsdp_plugin`` or FSDP2's defaults) when ``dp_shard_size > 1``, and the config's device mesh attached."""
+    validate_layout_on_cpu(config, accelerator.num_processes)
+    if config.dp_shard_size > 1:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        switch_to_fsdp2(accelerator, fsdp_plugin or FullyShardedDataParallelPlugin(fsdp_version=2))
+    attach_parallelism_config(accelerator, config, accelerator.device.type)
 
 
 def _validate_mixed_precision_device(accelerator: Accelerator, mixed_precision: Optional[str]) -> None:

@@ -19,6 +19,8 @@ import accelerate
 import torch
 from accelerate import Accelerator, DistributedType
 
+from pytorch_accel_trainer.parallel.accelerate_internals import mark_prepared
+
 # Where Accelerate.prepare refuses a device_placement argument.
 _OWN_PLACEMENT_TYPES = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
 
@@ -214,6 +216,130 @@ def _validate_not_prepared_by_deepspeed(accelerator: Accelerator, components: li
             )
 
 
+# ------------------------------------------------------------------------------------------------
+# Tensor parallelism (a ParallelismConfig with tp_size > 1)
+# ------------------------------------------------------------------------------------------------
+
+
+def holds_dtensor_parameters(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a ``DTensor`` (split by a tensor-parallel plan, or sharded by FSDP2)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def apply_transformers_tensor_parallel_plan(model: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+    """Split a transformers model on ``device_mesh["tp"]`` by its own tensor-parallel plan (``model.tp_plan``);
+    the default of ``Trainer.parallelize_model``.
+
+    transformers 5 applies the plan at load time only (``from_pretrained(..., tp_plan="auto")``, on a mesh of its
+    own); on an existing model it takes ``model._resolve_parallel_plans`` (private: it expands the plan's ``*``
+    wildcards) and ``transformers.distributed.tensor_parallel.apply_tensor_parallelism``. The parameters the plan
+    leaves out (norm weights) stay plain tensors: transformers' styles return local tensors, so they must.
+
+    Raises:
+        ValueError: ``model`` has no tensor-parallel plan, or the installed transformers cannot apply one to an
+            existing model; the message says to override ``Trainer.parallelize_model``.
+    """
+    tp_size = device_mesh["tp"].size()
+    override = (
+        "override Trainer.parallelize_model(model, device_mesh) to split it, e.g. with torch's "
+        "parallelize_module(model, device_mesh['tp'], {'fc1': ColwiseParallel(), 'fc2': RowwiseParallel()}) "
+        "(torch.distributed.tensor.parallel), and return the model."
+    )
+    if not getattr(model, "tp_plan", None):
+        raise ValueError(
+            f"ParallelismConfig(tp_size={tp_size}) splits every layer across {tp_size} processes, but "
+            f"{type(model).__name__} has no tensor-parallel plan (only transformers models carry one): {override}"
+        )
+    try:
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError as error:
+        raise ValueError(
+            f"The installed transformers cannot apply a tensor-parallel plan here ({error}): {override}"
+        ) from error
+    resolve = getattr(model, "_resolve_parallel_plans", None)
+    if not callable(resolve):
+        raise ValueError(
+            f"The installed transformers has no {type(model).__name__}._resolve_parallel_plans, which applying its "
+            f"tensor-parallel plan to an existing model needs: {override}"
+        )
+    distributed_config = DistributedConfig(tp_size=tp_size)
+    plan, _, _ = resolve(distributed_config)
+    apply_tensor_parallelism(model, device_mesh["tp"], plan)
+    cast(Any, model).config.distributed_config = distributed_config  # as from_pretrained(tp_plan=...) records it
+    return model
+
+
+def record_tensor_parallel_size(model: torch.nn.Module, tp_size: int) -> None:
+    """Say on ``model`` that it is split across ``tp_size`` processes, where Accelerate's ``prepare`` asks
+    (tensor parallelism alone: ``model.tp_size``, or a transformers model's ``config.distributed_config``, which
+    :func:`apply_transformers_tensor_parallel_plan` sets)."""
+    if isinstance(getattr(type(model), "tp_size", None), property):
+        return  # a transformers model: read from its config.distributed_config
+    model.tp_size = tp_size  # type: ignore[assignment]
+
+
+def swap_optimizer_parameters(optimizers: list, names_by_id: dict, model: torch.nn.Module) -> None:
+    """Point each optimizer at ``model``'s parameters of the same names, after torch replaced them.
+
+    ``parallelize_module`` and ``fully_shard`` replace a module's ``nn.Parameter``s with new ``DTensor`` ones; an
+    optimizer made before (the trainer's case: the user makes it before the Trainer, so before the device mesh)
+    would keep the old tensors and train nothing. ``names_by_id`` maps ``id()`` of each old parameter to its name.
+
+    Raises:
+        ValueError: an optimizer already has state (a loaded ``state_dict``), which cannot follow the swap.
+    """
+    parameters = dict(model.named_parameters())
+    for optimizer in optimizers:
+        if optimizer is None:
+            continue
+        optimizer = _torch_optimizer(optimizer)
+        if optimizer.state:
+            raise ValueError(
+                f"The {type(optimizer).__name__} already has state for {len(optimizer.state)} parameters, which "
+                "cannot follow the model's parameters into their tensor-parallel (DTensor) form. Create the optimizer "
+                "without loading a state_dict; resume with train(resume_from=...) instead."
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [parameters[names_by_id[id(p)]] if id(p) in names_by_id else p for p in group["params"]]
+
+
+def parameter_names_by_id(model: torch.nn.Module) -> dict:
+    """``id()`` of each parameter of ``model`` -> its name, for :func:`swap_optimizer_parameters`."""
+    return {id(parameter): name for name, parameter in model.named_parameters()}
+
+
+def _shard_tensor_parallel_models(accelerator: Accelerator, components: list) -> None:
+    """Shard each model of ``components`` with FSDP2 over the data-parallel dims, for a layout with tensor parallelism
+    (FSDP2 x TP), and point the optimizers of ``components`` at the sharded parameters.
+
+    Accelerate 1.15's ``prepare`` fails here: its ``_prepare_tp`` imports ``ReplicateParallel`` from
+    ``transformers.integrations.tensor_parallel``, which transformers 5 no longer has (an ``ImportError`` on GPUs
+    too). Accelerate's public ``fsdp2_prepare_model`` shards as ``prepare`` would (the plugin's wrap policy,
+    resharding, mixed precision, the mesh's FSDP dims); the models are then registered as already prepared.
+    """
+    from accelerate.utils import fsdp2_prepare_model
+
+    optimizers = [component for component in components if isinstance(component, torch.optim.Optimizer)]
+    for index, component in enumerate(components):
+        if not isinstance(component, torch.nn.Module) or _is_sharded_by_fsdp2(accelerator, component):
+            continue
+        names_by_id = parameter_names_by_id(component)
+        components[index] = fsdp2_prepare_model(accelerator, component)
+        swap_optimizer_parameters(optimizers, names_by_id, components[index])
+        mark_prepared(components[index])
+
+
+def _needs_own_fsdp2_sharding(accelerator: Accelerator, components: list) -> bool:
+    config = getattr(accelerator, "parallelism_config", None)
+    has_optimizer = any(isinstance(component, torch.optim.Optimizer) for component in components)
+    return accelerator.is_fsdp2 and config is not None and config.tp_enabled and has_optimizer
+
+
 def prepare_components(accelerator: Accelerator, components: list, device_placement: Optional[list] = None) -> list:
     """Return ``components`` with each one that is not ``None`` replaced by what ``accelerator.prepare`` made of it.
 
@@ -224,10 +350,13 @@ def prepare_components(accelerator: Accelerator, components: list, device_placem
     kept as it is and its optimizer only registered again: Accelerate 1.15 cannot shard a model twice (on the
     third ``prepare`` its swap of the optimizer's parameters fails with a ``KeyError``). FSDP2 also needs a model
     and an optimizer together: a model without one (an evaluation-only trainer) is left unsharded, whole on each
-    process, which evaluation needs no collective for.
+    process, which evaluation needs no collective for. Under FSDP2 x tensor parallelism the models are sharded here
+    (:func:`_shard_tensor_parallel_models`: Accelerate's own ``prepare`` fails on them), then kept as sharded ones.
     """
     components = list(components)
     _validate_not_prepared_by_deepspeed(accelerator, components)
+    if _needs_own_fsdp2_sharding(accelerator, components):
+        _shard_tensor_parallel_models(accelerator, components)  # then registered as sharded, below
     keep_sharded = any(_is_sharded_by_fsdp2(accelerator, component) for component in components)
     has_optimizer = any(isinstance(component, torch.optim.Optimizer) for component in components)
     keep_whole = accelerator.is_fsdp2 and not keep_sharded and not has_optimizer

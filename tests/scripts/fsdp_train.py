@@ -25,6 +25,7 @@ from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
+from pytorch_accel_trainer.parallel.accelerate_internals import switch_to_fsdp2
 from pytorch_accel_trainer.parallel.distributed import create_accelerator
 
 NUM_EPOCHS = 3
@@ -35,9 +36,7 @@ class CpuFSDP2Trainer(Trainer):
 
     def _create_accelerator(self):
         accelerator = super()._create_accelerator()
-        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-        accelerator.state.distributed_type = DistributedType.FSDP
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # AcceleratorState re-reads it
+        switch_to_fsdp2(accelerator, FullyShardedDataParallelPlugin(fsdp_version=2))
         return accelerator
 
 
