@@ -46,6 +46,7 @@ def pytest_report_header(config):
 #: file's time changes by much.
 LONGEST_FILES = (
     "test_callbacks_distributed.py",
+    "test_fsdp.py",  # three DeepSpeed launches (about 100 s), new interpreters: DeepSpeed is not in the warm launcher
     "test_tune.py",
     "test_streams.py",
     "test_restarts.py",

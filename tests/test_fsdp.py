@@ -24,10 +24,24 @@ from pytorch_accel_trainer.state.training_state import verify_folder
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
 DEEPSPEED_STATES_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "deepspeed_states.py"
 TIMEOUT_S = 240
+#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first)
+DEEPSPEED_ASIDE = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed"
+
+
+def _deepspeed_environment() -> dict:
+    """The environment of a DeepSpeed launch: DeepSpeed's side folder first on the path (skips the test, naming the
+    script that installs it, where neither it nor an importable DeepSpeed is there)."""
+    if (DEEPSPEED_ASIDE / "deepspeed").is_dir():
+        path = os.pathsep.join(filter(None, [str(DEEPSPEED_ASIDE), os.environ.get("PYTHONPATH")]))
+        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    pytest.importorskip(
+        "deepspeed", reason="DeepSpeed is optional: sh tests/scripts/install_deepspeed_aside.sh installs it aside"
+    )
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _launch(output: pathlib.Path, mode: str, launcher: list) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = _deepspeed_environment() if mode == "deepspeed" else {**os.environ, "OMP_NUM_THREADS": "1"}
     if mode in ("fsdp2", "ddp", "plugin_on_cpu"):
         env["ACCELERATE_USE_CPU"] = "1"
     output.mkdir(parents=True)
@@ -133,10 +147,6 @@ def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_steps_once_per_update(tmp_path):
     """DeepSpeed steps once per update, and refuses what it would ignore."""
-    pytest.importorskip(
-        "deepspeed",
-        reason="DeepSpeed is optional: sh tests/scripts/deepspeed_tests.sh installs it aside and runs these",
-    )
     launcher = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
     deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
     plain = _launch(tmp_path / "plain", "plain", [sys.executable])
@@ -162,7 +172,7 @@ def _launch_deepspeed_states(output: pathlib.Path, num_processes: int, stages: s
     completed = subprocess.run(
         [*accelerate_launch(num_processes, "--use_deepspeed", "--zero_stage", "2"), str(DEEPSPEED_STATES_SCRIPT)]
         + [str(output), stages],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=_deepspeed_environment(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -178,10 +188,6 @@ def test_deepspeed_training_states_resume_bit_for_bit(tmp_path):
     state saved after 3 of 8 updates ends with the uninterrupted run's weights, bit for bit; consolidate gives the
     live weights; a damaged file and another ZeRO stage are refused; a background save is written at once, warned
     once; two processes train what one does."""
-    pytest.importorskip(
-        "deepspeed",
-        reason="DeepSpeed is optional: sh tests/scripts/deepspeed_tests.sh installs it aside and runs these",
-    )
     one = _launch_deepspeed_states(tmp_path / "one", 1, "1,2,3")
     two = _launch_deepspeed_states(tmp_path / "two", 2, "2,3")
     assert (one.pop("num_processes"), two.pop("num_processes")) == (1, 2)

@@ -1,0 +1,22 @@
+#!/bin/sh
+# DeepSpeed, at the version of setup.cfg's `deepspeed` extra, installed in a side folder (.venv/deepspeed) that
+# tests/test_fsdp.py puts on the path of its DeepSpeed launches only (they skip, naming this script, without it).
+# Not in .venv itself: with DeepSpeed importable, Accelerate imports it in every run (accelerator.unwrap_model ->
+# extract_model_from_parallel imports DeepSpeedEngine whenever DeepSpeed is installed), which costs each training
+# process of the suite 3.5 to 8 s more on 2 busy cores and prints DeepSpeed's "Setting accelerator to CPU" warning
+# to stdout. The README's test command runs this before the suite (about 3 s with pip's cache, 16 s building
+# DeepSpeed's wheel without it).
+#
+# Usage: sh tests/scripts/install_deepspeed_aside.sh
+set -eu
+cd "$(dirname "$0")/../.."
+
+version=$(sed -n 's/^ *deepspeed==\([0-9][0-9.]*\).*/\1/p' setup.cfg)
+if [ -z "$version" ]; then
+    echo "setup.cfg has no 'deepspeed==X' line (its deepspeed extra) to take DeepSpeed's version from" >&2
+    exit 1
+fi
+# inside .venv's folder, which git, ruff and tests/test_lint.py's walk of the checkout skip; DeepSpeed's own
+# dependencies that .venv lacks (torch, numpy, pydantic, psutil, packaging, tqdm are there)
+.venv/bin/pip install -q --no-compile --no-deps --upgrade --target "$PWD/.venv/deepspeed" -c constraints.txt \
+    "deepspeed==$version" hjson ninja py-cpuinfo msgpack einops
