@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal
+from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal, torchrun_with_warm_processes
 
 from pytorch_accel_trainer.state.training_state import list_complete_states
 
@@ -39,19 +38,10 @@ def _launch_two_nodes(config: dict, folders: list, timeout: int = 240, env: Opti
     nodes = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(rank),
-                "--nproc_per_node",
-                "1",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
+                *torchrun_with_warm_processes(
+                    *("--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1"),
+                    *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+                ),
                 str(SCRIPT),
                 json.dumps(config),
             ],

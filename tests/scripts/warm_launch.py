@@ -82,6 +82,10 @@ ACCELERATE_ENV = {
 #: How long a failed process's siblings have to end after SIGTERM before SIGKILL (torchrun's default).
 TERMINATE_GRACE_S = 30
 
+#: The signals a client hands on to the processes of its launch, as if sent to them: those torchrun's agent sends its
+#: processes (SIGTERM as it stops them for a restart) or handles, and the trainer's preemption signals.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
 #: How often a launch looks at its processes (accelerate launch's --monitor_interval, passed to torchrun's agent).
 MONITOR_INTERVAL_S = 0.1
 
@@ -105,15 +109,30 @@ def client(socket_path: str, num_processes: int, target: list) -> None:
     # a process started with SIGINT ignored (a shell's background job, nohup) hands that on to a script run by plain
     # python; accelerate launch's workers get Python's handler whatever their launcher had
     request["sigint_ignored"] = num_processes == 1 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    processes: list = []  # the pids of the launch's processes, once the server sent them
+    received: list = []  # the signals received before that
+
+    def forward(signum, frame):
+        for pid in processes:
+            _kill(pid, signum)
+        if not processes:
+            received.append(signum)
+
+    for signum in FORWARDED_SIGNALS:
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, forward)
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-    reply = b""
-    while not reply.endswith(b"\n"):
-        chunk = connection.recv(4096)
-        if not chunk:
-            log = _tail(f"{socket_path}.log")
-            sys.exit(f"warm_launch: the server ended during the launch; the end of its log:\n{log}")
-        reply += chunk
-    ended = json.loads(reply)
+    replies = b""
+    while True:
+        while b"\n" not in replies:
+            replies += _receive(connection, socket_path)
+        line, replies = replies.split(b"\n", 1)
+        ended = json.loads(line)
+        if "pids" not in ended:
+            break  # the last reply: how the launch ended
+        processes.extend(ended["pids"])
+        for signum in received:
+            forward(signum, None)
     if ended.get("refused"):
         sys.exit(f"warm_launch: {ended['refused']}")
     if ended.get("signal"):
@@ -121,6 +140,21 @@ def client(socket_path: str, num_processes: int, target: list) -> None:
             signal.signal(ended["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), ended["signal"])
     sys.exit(ended["returncode"])
+
+
+def _receive(connection: socket.socket, socket_path: str) -> bytes:
+    chunk = connection.recv(4096)
+    if not chunk:
+        log = _tail(f"{socket_path}.log")
+        sys.exit(f"warm_launch: the server ended during the launch; the end of its log:\n{log}")
+    return chunk
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # it ended: its launch reports how
 
 
 def _tail(path: str) -> str:
@@ -210,6 +244,10 @@ def _launch(connection: socket.socket, imported_env: dict, own_path: list) -> in
         children[pid] = rank
     for fd in fds:
         os.close(fd)
+    try:
+        connection.sendall(json.dumps({"pids": list(children)}).encode() + b"\n")  # for the client to signal them
+    except OSError:
+        pass  # the client was killed: _wait kills them
     store = None
     if port_pipes:
         from torch.distributed import TCPStore
@@ -260,10 +298,7 @@ def _wait(children: dict, connection: socket.socket) -> dict:
 def _signal_all(children: dict, statuses: dict, signum: int) -> None:
     for pid in children:
         if pid not in statuses:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+            _kill(pid, signum)
 
 
 def _process_environment(request: dict, rank: int, port) -> dict:
