@@ -25,12 +25,18 @@ What each process has, as under the real launch (``real_launcher`` of tests/conf
 How it ends, as under the real launch: one process's exit status is the launch's (a process killed by a signal: the
 client kills itself with it); on several processes, 0 if every process exited 0, otherwise 1, once the first failed
 process's siblings were ended (SIGTERM, then SIGKILL 30 s later, as torchrun does). The client killed (a test's
-timeout, ``process.kill()``) kills every process of its launch at once.
+timeout, ``process.kill()``) kills every process of its launch at once; a signal of FORWARDED_SIGNALS sent to the
+client goes to every process of its launch, as if sent to it.
+
+A one-process launch can be the process of a real torchrun agent (``torchrun --no-python python -S warm_launch.py
+SOCKET 1 SCRIPT ...``, tests/conftest.py's ``torchrun_with_warm_processes``): the agent's rendezvous, restarts
+(``--max_restarts``: each attempt's processes are new clients), signals and exit statuses are torchrun's own, and
+each process has the environment the agent gives it. Its processes are not the agent's children (``os.getppid()``),
+and their output is buffered as ``python``'s, where torchrun runs ``python -u``.
 
 Not the same, so a test of these keeps ``real_launcher``: the launcher's own output and exit statuses (torchrun's
-error report), its handling of signals sent to it, restarts (``--max_restarts``), and a variable that torch, Python
-or a library reads when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with
-that message).
+error report), its handling of signals sent to it, restarts, and a variable that torch, Python or a library reads
+when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with that message).
 """
 
 from __future__ import annotations
