@@ -36,6 +36,7 @@ def _assert_produced_once(produced: int, left: int, workers: int) -> None:
     prefetch besides: never the samples trained before the stop (those would be ``left + 124``)."""
     assert left <= produced <= left + (PREFETCHED if workers else 0), (produced, left)
 
+
 #: The split stream's training states, the last taken 3 updates into its epoch of 8 (2 processes), then resumed from.
 SPLIT_STATES = ("--split", "dataset", "--samples", "64", "--epochs", "1")
 #: ... resumed with the default stream_split
