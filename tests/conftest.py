@@ -151,9 +151,8 @@ def torchrun_with_warm_processes(*options: str) -> list:
     hands on the environment the agent gives it (``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...),
     forwards the signals the agent sends it (SIGTERM as it stops a failed attempt) and ends as its forked process
     ended, signal included. A worker's environment that changes a variable read at import (``OMP_NUM_THREADS`` other
-    than this suite's 1, ...) is refused, naming it. Unlike torchrun's ``python -u``, a process's output is buffered
-    as ``python``'s: what it printed just before a SIGKILL may be lost."""
-    return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", *launcher(1)]
+    than this suite's 1, ...) is refused, naming it. Its output is unbuffered, as under torchrun's ``python -u``."""
+    return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", *launcher(1), "-u"]
 
 
 def benchmark_environment() -> dict:

@@ -103,6 +103,19 @@ def test_a_signal_to_the_client_goes_to_its_process(tmp_path):
     assert client.wait(timeout=30) == 128 + signal.SIGTERM
 
 
+def test_unbuffered_streams_as_python_u():
+    """``-u`` (torchrun runs ``python -u``: torchrun_with_warm_processes) gives the unbuffered standard streams of
+    ``python -u``, whose output is out before a SIGKILL; without it, the streams are ``python``'s."""
+    code = "import sys; print([(type(s.buffer).__name__, s.write_through) for s in (sys.stdout, sys.stderr)])"
+    for option in (["-u"], []):
+        warm, real = (
+            subprocess.run([*launch(1), *option, "-c", code], env=CPU_PROCESSES_ENV, capture_output=True, text=True)
+            for launch in (launcher, real_launcher)
+        )
+        assert warm.returncode == 0 and warm.stdout == real.stdout, (option, warm.stdout, warm.stderr, real.stdout)
+    assert real.stdout  # the streams were printed
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -4,13 +4,14 @@ cores), and a 2-process ``accelerate launch`` three times that (the launcher and
 multi-process test took.
 
     python tests/scripts/warm_launch.py serve SOCKET                     # the server (tests/conftest.py starts it)
-    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
+    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES [-u] (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
 
 The second command is a launch, and tests/conftest.py's ``launcher(n)`` its start: the suite's
 ``subprocess.run([*launcher(n), script, ...], env=..., cwd=...)`` calls run unchanged. The client (no imports but the
 standard library's) hands its standard streams, environment, working folder and arguments to the server over the
 Unix socket ``SOCKET``; the server forks a launch for it, which forks ``NUM_PROCESSES`` processes that each run the
-target as ``__main__`` with what a new interpreter would have had; the client then exits as the launch ended.
+target as ``__main__`` with what a new interpreter would have had (``-u``: unbuffered standard streams, as ``python
+-u``); the client then exits as the launch ended.
 
 What each process has, as under the real launch (``real_launcher`` of tests/conftest.py):
 
@@ -31,8 +32,8 @@ client goes to every process of its launch, as if sent to it.
 A one-process launch can be the process of a real torchrun agent (``torchrun --no-python python -S warm_launch.py
 SOCKET 1 SCRIPT ...``, tests/conftest.py's ``torchrun_with_warm_processes``): the agent's rendezvous, restarts
 (``--max_restarts``: each attempt's processes are new clients), signals and exit statuses are torchrun's own, and
-each process has the environment the agent gives it. Its processes are not the agent's children (``os.getppid()``),
-and their output is buffered as ``python``'s, where torchrun runs ``python -u``.
+each process has the environment the agent gives it and, with ``-u``, the unbuffered output of torchrun's ``python
+-u``. Its processes are not the agent's children (``os.getppid()``).
 
 Not the same, so a test of these keeps ``real_launcher``: the launcher's own output and exit statuses (torchrun's
 error report), its handling of signals sent to it, restarts, and a variable that torch, Python or a library reads
@@ -42,6 +43,7 @@ when it is imported (a launch whose environment changes one of READ_AT_IMPORT is
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import select
@@ -357,6 +359,12 @@ def _run_process(request: dict, fds: list, rank: int, port, own_path: list) -> i
     os.environ.update(_process_environment(request, rank, port))
     os.chdir(request["cwd"])
     target = request["target"]
+    if target[0] == "-u":  # as python -u: what a process writes goes out at once, also just before a SIGKILL
+        target = target[1:]
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), sys.stdout.encoding, write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), sys.stderr.encoding, "backslashreplace", write_through=True
+        )
     option = target[0] if target[0] in ("-m", "-c") else None
     first = os.path.dirname(os.path.abspath(target[0])) if option is None else os.getcwd() if option == "-m" else ""
     sys.path[:] = [first, *(path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path), *own_path]
