@@ -2,7 +2,8 @@
 
 From two working folders (two machines with local disks) a run that keeps training states is refused on every node
 before the first batch, naming the folder and the fixes; from one shared folder it trains, survives a SIGKILL of one
-node's process and resumes to the weights of an uninterrupted run, bit for bit.
+node's process and resumes to the weights of an uninterrupted run, bit for bit. The agents are torchrun's own; their
+processes are forked warm with the environment each agent gives them (``torchrun_with_warm_processes``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each job is ``torchrun --nproc_per_node 2 --max-restarts 2`` with nothing in the
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, no ``TORCHELASTIC_USE_AGENT_STORE``): one process dies in the first attempt,
 torchrun restarts both, and the restarted attempt must connect (pytorch issue #135712: with torch's defaults it often
 fails, "Gloo connectFullMesh failed ... Connection refused", or hangs), resume from the last training state and end
-with the weights of an uninterrupted run.
+with the weights of an uninterrupted run. The agents are torchrun's own; the processes they start, restarted ones
+included, are forked warm with the environment each agent gives them (``torchrun_with_warm_processes``).
 """
 
 from __future__ import annotations
