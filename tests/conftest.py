@@ -144,6 +144,18 @@ def launcher(num_processes: int) -> list:
     return [sys.executable, "-S", str(WARM_LAUNCH_SCRIPT), _warm_server["socket"], str(num_processes)]
 
 
+def torchrun_with_warm_processes(*options: str) -> list:
+    """The start of a command that runs a script (appended, with its arguments) under a real torchrun agent,
+    ``python -m torch.distributed.run`` with ``options``, whose processes are warm launches (``launcher(1)``): the
+    agent is the real one (its rendezvous, restarts, signals and exit status, what the tests of restarts and of
+    several agents test), and each process it starts, first or restarted, is a client of the warm launcher that
+    hands on the environment the agent gives it (``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``, ...),
+    forwards the signals the agent sends it (SIGTERM as it stops a failed attempt) and ends as its forked process
+    ended, signal included. A worker's environment that changes a variable read at import (``OMP_NUM_THREADS`` other
+    than this suite's 1, ...) is refused, naming it. Its output is unbuffered, as under torchrun's ``python -u``."""
+    return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", *launcher(1), "-u"]
+
+
 def benchmark_environment() -> dict:
     """The environment of a benchmark script's smoke run (tests/test_benchmarks.py, tests/test_gpu_checks.py): the
     processes it starts are forked from the warm launcher (``BENCHMARK_LAUNCHER``, benchmarks/launch.py), as a smoke

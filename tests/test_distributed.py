@@ -6,11 +6,10 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import launcher, real_launcher
+from conftest import CPU_PROCESSES_ENV, launcher, real_launcher, torchrun_with_warm_processes
 
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "distributed_train.py"
 
@@ -89,13 +88,12 @@ def test_token_losses_independent_of_split(one_process_scenarios, two_process_sc
 def test_launch_without_gpus_is_one_job(tmp_path, launcher, single):
     """A multi-process launch without GPUs is one job, even without use_cpu. Accelerate alone would run two independent
     trainings here: the trainer runs one 2-process job on gloo."""
-    env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_USE_CPU"}
-    env["OMP_NUM_THREADS"] = "1"
+    env = {key: value for key, value in CPU_PROCESSES_ENV.items() if key != "ACCELERATE_USE_CPU"}
     if launcher == "accelerate":
         double = _launch(tmp_path, "double", 2, per_device_batch_size=4, env=env)
-    else:
+    else:  # torchrun's agent, whose processes are forked warm with the environment it gives them
         output = tmp_path / "torchrun.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
+        command = [*torchrun_with_warm_processes("--standalone", "--nproc_per_node", "2"), str(SCRIPT)]
         completed = subprocess.run(
             [*command, str(output), "4", "1"], env=env, capture_output=True, text=True, timeout=240
         )

@@ -2,7 +2,8 @@
 
 From two working folders (two machines with local disks) a run that keeps training states is refused on every node
 before the first batch, naming the folder and the fixes; from one shared folder it trains, survives a SIGKILL of one
-node's process and resumes to the weights of an uninterrupted run, bit for bit.
+node's process and resumes to the weights of an uninterrupted run, bit for bit. The agents are torchrun's own; their
+processes are forked warm with the environment each agent gives them (``torchrun_with_warm_processes``).
 """
 
 from __future__ import annotations
@@ -10,13 +11,12 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal
+from conftest import CPU_PROCESSES_ENV, S3_ENV, assert_bitwise_equal, torchrun_with_warm_processes
 
 from pytorch_accel_trainer.state.training_state import list_complete_states
 
@@ -39,19 +39,10 @@ def _launch_two_nodes(config: dict, folders: list, timeout: int = 240, env: Opti
     nodes = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(rank),
-                "--nproc_per_node",
-                "1",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
+                *torchrun_with_warm_processes(
+                    *("--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1"),
+                    *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+                ),
                 str(SCRIPT),
                 json.dumps(config),
             ],

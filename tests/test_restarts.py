@@ -4,7 +4,8 @@ Each job is ``torchrun --nproc_per_node 2 --max-restarts 2`` with nothing in the
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, no ``TORCHELASTIC_USE_AGENT_STORE``): one process dies in the first attempt,
 torchrun restarts both, and the restarted attempt must connect (pytorch issue #135712: with torch's defaults it often
 fails, "Gloo connectFullMesh failed ... Connection refused", or hangs), resume from the last training state and end
-with the weights of an uninterrupted run.
+with the weights of an uninterrupted run. The agents are torchrun's own; the processes they start, restarted ones
+included, are forked warm with the environment each agent gives them (``torchrun_with_warm_processes``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal
+from conftest import CPU_PROCESSES_ENV, assert_bitwise_equal, torchrun_with_warm_processes
 
 from pytorch_accel_trainer.parallel import restarts
 
@@ -54,8 +54,7 @@ JOBS = {
 def _torchrun(launch: list, config: dict) -> subprocess.CompletedProcess:
     launch = [str(_free_port()) if argument == "FREE" else argument for argument in launch]
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "2"),
-        *launch,
+        *torchrun_with_warm_processes("--nproc_per_node", "2", "--max-restarts", "2", *launch),
         str(SCRIPT),
         json.dumps(config),
     ]
@@ -176,15 +175,20 @@ def _elastic_agent(node: str, port: int, config: dict, is_host: bool) -> subproc
     """One torchrun agent (a "machine") of an elastic job of 1 to 2 nodes with one process each, on localhost."""
     rendezvous = f"is_host={str(is_host).lower()},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "1"),
-        *("--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
-        *("--rdzv-id", "elastic-test", "--rdzv-conf", rendezvous, str(SCRIPT), json.dumps(config)),
+        *torchrun_with_warm_processes(
+            *("--nnodes", "1:2", "--nproc_per_node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d"),
+            *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--rdzv-conf", rendezvous),
+        ),
+        *(str(SCRIPT), json.dumps(config)),
     ]
     env = {name: value for name, value in CPU_PROCESSES_ENV.items() if name not in WORKAROUNDS}
     env["RESTART_RUN_NODE"] = node
-    return subprocess.Popen(
+    agent = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    if config["kill"].get("node") == node:
+        Path(config["kill"]["agent_pid_file"]).write_text(str(agent.pid))  # the node's process kills its agent
+    return agent
 
 
 @pytest.mark.slow
@@ -196,7 +200,7 @@ def test_elastic_job_goes_on_with_the_node_left(tmp_path):
         "save_dir": str(tmp_path / "states"),
         "out": str(tmp_path / "out.pt"),
         "allow_resume_changes": True,
-        "kill": {"node": "b", "epoch": 2, "step": 3, "how": "node"},
+        "kill": {"node": "b", "epoch": 2, "step": 3, "how": "node", "agent_pid_file": str(tmp_path / "agent_b.pid")},
     }
     port = _free_port()
     # node a hosts the rendezvous (a store that must outlive node b), on the endpoint's port

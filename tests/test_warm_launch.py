@@ -84,6 +84,38 @@ def test_a_killed_warm_launch_ends_its_processes(tmp_path):
         time.sleep(0.05)
 
 
+def test_a_signal_to_the_client_goes_to_its_process(tmp_path):
+    """SIGTERM to the client (torchrun's agent stopping an attempt, torchrun_with_warm_processes) reaches its process,
+    whose handler runs (the trainer's saves on SIGTERM), and the client ends with that process's exit status."""
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, sys, time, pathlib\n"
+        "signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(600)\n"
+    )
+    client = subprocess.Popen([*launcher(1), "-c", code], env=CPU_PROCESSES_ENV)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert time.monotonic() < deadline and client.poll() is None, "the launch never started its process"
+        time.sleep(0.05)
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def test_unbuffered_streams_as_python_u():
+    """``-u`` (torchrun runs ``python -u``: torchrun_with_warm_processes) gives the unbuffered standard streams of
+    ``python -u``, whose output is out before a SIGKILL; without it, the streams are ``python``'s."""
+    code = "import sys; print([(type(s.buffer).__name__, s.write_through) for s in (sys.stdout, sys.stderr)])"
+    for option in (["-u"], []):
+        warm, real = (
+            subprocess.run([*launch(1), *option, "-c", code], env=CPU_PROCESSES_ENV, capture_output=True, text=True)
+            for launch in (launcher, real_launcher)
+        )
+        assert warm.returncode == 0 and warm.stdout == real.stdout, (option, warm.stdout, warm.stderr, real.stdout)
+    assert real.stdout  # the streams were printed
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -9,7 +9,8 @@ CONFIG:
 - ``out``: the final weights and optimizer state and the number of updates, written by the main process;
 - ``kill``: in the first attempt only, ``{"epoch", "step", "how"}`` and either ``"rank"`` (that process) or
   ``"node"`` (the processes whose environment has ``RESTART_RUN_NODE`` set to it). ``how``: ``"sigkill"``,
-  ``"exit"`` (``os._exit(1)``) or ``"node"`` (SIGKILL to torchrun's agent, then to the process: a machine lost);
+  ``"exit"`` (``os._exit(1)``) or ``"node"`` (SIGKILL to torchrun's agent, then to the process: a machine lost;
+  the agent's pid is read from the file ``agent_pid_file``, as the agent of a warm process is not its parent);
 - ``allow_resume_changes``: passed to ``train()``, to resume on fewer processes;
 - ``reference_out``: after its run, the attempt that finishes trains again from scratch in the same processes,
   uninterrupted, and writes that run's result there, to compare with.
@@ -51,7 +52,8 @@ class LoseProcess(TrainerCallback):
         if point["how"] == "exit":
             os._exit(1)
         if point["how"] == "node":
-            os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent: it started this process
+            with open(point["agent_pid_file"]) as agent_pid:
+                os.kill(int(agent_pid.read()), signal.SIGKILL)  # torchrun's agent: it started this process
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -4,13 +4,14 @@ cores), and a 2-process ``accelerate launch`` three times that (the launcher and
 multi-process test took.
 
     python tests/scripts/warm_launch.py serve SOCKET                     # the server (tests/conftest.py starts it)
-    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
+    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES [-u] (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
 
 The second command is a launch, and tests/conftest.py's ``launcher(n)`` its start: the suite's
 ``subprocess.run([*launcher(n), script, ...], env=..., cwd=...)`` calls run unchanged. The client (no imports but the
 standard library's) hands its standard streams, environment, working folder and arguments to the server over the
 Unix socket ``SOCKET``; the server forks a launch for it, which forks ``NUM_PROCESSES`` processes that each run the
-target as ``__main__`` with what a new interpreter would have had; the client then exits as the launch ended.
+target as ``__main__`` with what a new interpreter would have had (``-u``: unbuffered standard streams, as ``python
+-u``); the client then exits as the launch ended.
 
 What each process has, as under the real launch (``real_launcher`` of tests/conftest.py):
 
@@ -25,17 +26,24 @@ What each process has, as under the real launch (``real_launcher`` of tests/conf
 How it ends, as under the real launch: one process's exit status is the launch's (a process killed by a signal: the
 client kills itself with it); on several processes, 0 if every process exited 0, otherwise 1, once the first failed
 process's siblings were ended (SIGTERM, then SIGKILL 30 s later, as torchrun does). The client killed (a test's
-timeout, ``process.kill()``) kills every process of its launch at once.
+timeout, ``process.kill()``) kills every process of its launch at once; a signal of FORWARDED_SIGNALS sent to the
+client goes to every process of its launch, as if sent to it.
+
+A one-process launch can be the process of a real torchrun agent (``torchrun --no-python python -S warm_launch.py
+SOCKET 1 SCRIPT ...``, tests/conftest.py's ``torchrun_with_warm_processes``): the agent's rendezvous, restarts
+(``--max_restarts``: each attempt's processes are new clients), signals and exit statuses are torchrun's own, and
+each process has the environment the agent gives it and, with ``-u``, the unbuffered output of torchrun's ``python
+-u``. Its processes are not the agent's children (``os.getppid()``).
 
 Not the same, so a test of these keeps ``real_launcher``: the launcher's own output and exit statuses (torchrun's
-error report), its handling of signals sent to it, restarts (``--max_restarts``), and a variable that torch, Python
-or a library reads when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with
-that message).
+error report), its handling of signals sent to it, restarts, and a variable that torch, Python or a library reads
+when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with that message).
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import json
 import os
 import select
@@ -82,6 +90,10 @@ ACCELERATE_ENV = {
 #: How long a failed process's siblings have to end after SIGTERM before SIGKILL (torchrun's default).
 TERMINATE_GRACE_S = 30
 
+#: The signals a client hands on to the processes of its launch, as if sent to them: those torchrun's agent sends its
+#: processes (SIGTERM as it stops them for a restart) or handles, and the trainer's preemption signals.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
 #: How often a launch looks at its processes (accelerate launch's --monitor_interval, passed to torchrun's agent).
 MONITOR_INTERVAL_S = 0.1
 
@@ -105,15 +117,30 @@ def client(socket_path: str, num_processes: int, target: list) -> None:
     # a process started with SIGINT ignored (a shell's background job, nohup) hands that on to a script run by plain
     # python; accelerate launch's workers get Python's handler whatever their launcher had
     request["sigint_ignored"] = num_processes == 1 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    processes: list = []  # the pids of the launch's processes, once the server sent them
+    received: list = []  # the signals received before that
+
+    def forward(signum, frame):
+        for pid in processes:
+            _kill(pid, signum)
+        if not processes:
+            received.append(signum)
+
+    for signum in FORWARDED_SIGNALS:
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, forward)
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-    reply = b""
-    while not reply.endswith(b"\n"):
-        chunk = connection.recv(4096)
-        if not chunk:
-            log = _tail(f"{socket_path}.log")
-            sys.exit(f"warm_launch: the server ended during the launch; the end of its log:\n{log}")
-        reply += chunk
-    ended = json.loads(reply)
+    replies = b""
+    while True:
+        while b"\n" not in replies:
+            replies += _receive(connection, socket_path)
+        line, replies = replies.split(b"\n", 1)
+        ended = json.loads(line)
+        if "pids" not in ended:
+            break  # the last reply: how the launch ended
+        processes.extend(ended["pids"])
+        for signum in received:
+            forward(signum, None)
     if ended.get("refused"):
         sys.exit(f"warm_launch: {ended['refused']}")
     if ended.get("signal"):
@@ -121,6 +148,21 @@ def client(socket_path: str, num_processes: int, target: list) -> None:
             signal.signal(ended["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), ended["signal"])
     sys.exit(ended["returncode"])
+
+
+def _receive(connection: socket.socket, socket_path: str) -> bytes:
+    chunk = connection.recv(4096)
+    if not chunk:
+        log = _tail(f"{socket_path}.log")
+        sys.exit(f"warm_launch: the server ended during the launch; the end of its log:\n{log}")
+    return chunk
+
+
+def _kill(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # it ended: its launch reports how
 
 
 def _tail(path: str) -> str:
@@ -210,6 +252,10 @@ def _launch(connection: socket.socket, imported_env: dict, own_path: list) -> in
         children[pid] = rank
     for fd in fds:
         os.close(fd)
+    try:
+        connection.sendall(json.dumps({"pids": list(children)}).encode() + b"\n")  # for the client to signal them
+    except OSError:
+        pass  # the client was killed: _wait kills them
     store = None
     if port_pipes:
         from torch.distributed import TCPStore
@@ -260,10 +306,7 @@ def _wait(children: dict, connection: socket.socket) -> dict:
 def _signal_all(children: dict, statuses: dict, signum: int) -> None:
     for pid in children:
         if pid not in statuses:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+            _kill(pid, signum)
 
 
 def _process_environment(request: dict, rank: int, port) -> dict:
@@ -316,6 +359,12 @@ def _run_process(request: dict, fds: list, rank: int, port, own_path: list) -> i
     os.environ.update(_process_environment(request, rank, port))
     os.chdir(request["cwd"])
     target = request["target"]
+    if target[0] == "-u":  # as python -u: what a process writes goes out at once, also just before a SIGKILL
+        target = target[1:]
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), sys.stdout.encoding, write_through=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), sys.stderr.encoding, "backslashreplace", write_through=True
+        )
     option = target[0] if target[0] in ("-m", "-c") else None
     first = os.path.dirname(os.path.abspath(target[0])) if option is None else os.getcwd() if option == "-m" else ""
     sys.path[:] = [first, *(path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path), *own_path]
