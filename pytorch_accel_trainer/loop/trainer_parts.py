@@ -33,7 +33,7 @@ from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream
 from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.sharded import deepspeed_engine, inner_optimizer, state_module
 from pytorch_accel_trainer.state.deepspeed_engine import FACTS_KEY, DeepSpeedEngineState, check_engine_fits
-from pytorch_accel_trainer.state.files import StoredState, rank_file, validate_plain
+from pytorch_accel_trainer.state.files import DEEPSPEED, StoredState, rank_file, validate_plain
 from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
 from pytorch_accel_trainer.state.manager import ResumePlan, ResumePosition
 from pytorch_accel_trainer.state.parts import (
@@ -506,7 +506,8 @@ def read_training_state(
     accelerator = trainer.accelerator
     engine = engine_state(trainer)
     shared = load_trainer_file(stored)
-    check_engine_fits(stored, shared.get(FACTS_KEY), engine)
+    if engine is not None or stored.layout == DEEPSPEED:  # a run or a state under DeepSpeed: its own format
+        check_engine_fits(stored, shared.get(FACTS_KEY), engine)
     optimizers = _optimizers(trainer)
     changed = [] if facts is None else describe_hyperparameter_changes(shared.get("plain_parts") or {}, optimizers)
     _check_settings(trainer, stored, shared, facts, allow_changes, changed)
