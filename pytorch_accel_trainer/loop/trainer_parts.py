@@ -411,8 +411,8 @@ def _check_settings(
                 f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:"
                 f"\n  {listed_changes}\n"
                 "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway (on another "
-                "number of processes, every remaining sample of the epoch is still trained once, in another order: "
-                "see docs/training_state.md, 'Another number of processes')."
+                "number of processes or layout, every remaining sample of the epoch is still trained once, in another "
+                "order: see docs/training_state.md, 'Another number of processes')."
             )
     saved_parts = set(shared.get("plain_parts") or {})
     for kind, prefix, registered in (
