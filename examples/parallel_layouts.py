@@ -104,7 +104,10 @@ def accelerator_kwargs(args) -> dict:
         from accelerate.utils import DeepSpeedPlugin
 
         os.environ.pop("ACCELERATE_USE_CPU", None)  # with it Accelerate runs plain DDP, not DeepSpeed
-        return {"deepspeed_plugin": DeepSpeedPlugin(zero_stage=args.deepspeed_stage, gradient_clipping=CLIP)}
+        # ZeRO-3 gathers the full weights for weights_sha256 only with zero3_save_16bit_model (float32 here: the
+        # model's own dtype)
+        plugin = DeepSpeedPlugin(zero_stage=args.deepspeed_stage, gradient_clipping=CLIP, zero3_save_16bit_model=True)
+        return {"deepspeed_plugin": plugin}
     from accelerate.parallelism_config import ParallelismConfig
 
     sizes = {"dp_replicate_size": args.dp_replicate, "dp_shard_size": args.dp_shard, "tp_size": args.tp}
