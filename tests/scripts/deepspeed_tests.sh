@@ -1,6 +1,6 @@
 #!/bin/sh
 # The DeepSpeed tests (tests/test_fsdp.py -k deepspeed: training, and training states under ZeRO 1, 2 and 3 on 1 and 2
-# CPU processes) with DeepSpeed installed in a side folder, at the version of setup.cfg's `deepspeed` extra. Not in
+# CPU processes; tests/test_layout_states.py -k deepspeed: examples/parallel_layouts.py under ZeRO 2 and 3) with DeepSpeed installed in a side folder, at the version of setup.cfg's `deepspeed` extra. Not in
 # .venv itself: with DeepSpeed importable, Accelerate imports it in every run (accelerator.unwrap_model ->
 # extract_model_from_parallel imports DeepSpeedEngine whenever DeepSpeed is installed), which costs each training
 # process of the main suite 3.5 to 8 s more on 2 busy cores and prints DeepSpeed's "Setting accelerator to CPU"
@@ -21,4 +21,5 @@ fi
 target="$PWD/.venv/deepspeed"
 .venv/bin/pip install -q --no-compile --no-deps --upgrade --target "$target" -c constraints.txt \
     "deepspeed==$version" hjson ninja py-cpuinfo msgpack einops
-PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE= .venv/bin/python -m pytest -n 0 tests/test_fsdp.py -k deepspeed "$@"
+PYTHONPATH="$target" PYTHONDONTWRITEBYTECODE= .venv/bin/python -m pytest -n 0 tests/test_fsdp.py \
+    tests/test_layout_states.py -k deepspeed "$@"
