@@ -7,6 +7,8 @@ sequences whose samples carry their ids. Layouts (docs/scaling.md, "Layouts"):
   parallel alone, plain FSDP2); ``R x S x T`` processes. The model is split by its own tensor-parallel plan.
 - ``--deepspeed-stage Z``: DeepSpeed ZeRO stage 1, 2 or 3 (DeepSpeed installed).
 
+It needs transformers 5 (``pip install "transformers>=5"``: it applies a model's own plan to an existing model).
+
 On the CPU (gloo)::
 
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 4 examples/parallel_layouts.py --dp-shard 2 --tp 2 \\
