@@ -77,7 +77,8 @@ def runs(tmp_path_factory) -> dict:
     results["resumed"] = _result(_run(4, *fsdp_tp, "--save-dir", stopped, "--resume"))
     refused = _run(4, "--dp-shard", 4, "--save-dir", changed, "--resume", check=False)
     results["refused"] = {"returncode": refused.returncode, "stderr": refused.stderr}
-    results["dp_shard_4"] = _result(_run(4, "--dp-shard", 4, "--save-dir", changed, "--resume", "--allow-changes"))
+    dp_shard_4 = _run(4, "--dp-shard", 4, "--save-dir", changed, "--resume", "--allow-changes")
+    results["dp_shard_4"], results["dp_shard_4_stdout"] = _result(dp_shard_4), dp_shard_4.stdout
     results["hsdp"] = _result(_run(4, *hsdp, "--save-dir", folder / "hsdp", "--save-every", STOP))
     hsdp_state = _state_after_four_updates(folder / "hsdp", folder / "hsdp_resumed")
     results["hsdp_resumed"] = _result(_run(4, *hsdp, "--save-dir", hsdp_state, "--resume"))
@@ -108,6 +109,8 @@ def test_fsdp_by_tp_stopped_and_resumed_is_bit_for_bit(runs):
 def test_fsdp_by_tp_state_resumes_on_dp_shard_4_with_every_remaining_sample_once(runs):
     remaining = sorted(set(SAMPLES) - set(runs["stopped"]["samples"]))
     assert sorted(runs["dp_shard_4"]["samples"]) == remaining
+    said = "The state was saved by 4 process(es) with the layout dp_shard 2 x tp 2 and resumes on 4 with the layout "
+    assert f"{said}dp_shard 4: the model and optimizer are resharded" in runs["dp_shard_4_stdout"]
 
 
 def test_another_layout_is_refused_without_allow_changes(runs):
