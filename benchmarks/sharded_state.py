@@ -1,10 +1,14 @@
-"""Training-state save and resume of a 2-process FSDP2 run on the CPU (gloo), against torch.distributed.checkpoint.
+"""Training-state save and resume of a sharded run on the CPU (gloo), against torch.distributed.checkpoint: FSDP2 on 2
+processes, or FSDP2 x tensor parallel (``--layout fsdp_tp``: Accelerate's ``ParallelismConfig(dp_shard_size=2,
+tp_size=2)``, each process holding a 2-D ``DTensor`` shard) on 4.
 
     python benchmarks/sharded_state.py                  # 18 x Linear(2048, 2048) (75.5 M parameters), 3 repeats
     python benchmarks/sharded_state.py --quick          # a smoke run: 4 x Linear(256, 256), one repeat
+    python benchmarks/sharded_state.py --layout fsdp_tp # the same model on 4 processes, dp_shard 2 x tp 2
     python benchmarks/sharded_state.py --layers 6 --width 1024 --repeats 5 --output-dir /tmp/sharded
 
-Without ``--worker`` this is the driver: it starts one ``accelerate launch`` of 2 CPU processes running this file with
+Without ``--worker`` this is the driver: it starts one ``accelerate launch`` of the layout's CPU processes running this
+file with
 ``--worker``, which measures every row ``--repeats`` times in a fixed order, on the same trained model; then it prints
 markdown tables (figures, files written, goals) and writes ``results.md`` and ``results.json`` to ``--output-dir``
 (default ``benchmarks/results/sharded_state/``). It exits with status 1 if the launch failed or a row raised an error;
@@ -42,16 +46,28 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
 from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.loop import safe_points
+from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.state import async_save
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUTPUT_DIR = REPO_ROOT / "benchmarks" / "results" / "sharded_state"
-NUM_PROCESSES = 2
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+#: The layouts measured: their processes, the title of the tables, the ParallelismConfig sizes (``None``: FSDP2
+#: alone, switched on by ``CpuFSDP2Trainer``) and the default output folder.
+LAYOUTS = {
+    "fsdp": {"processes": 2, "title": "FSDP2", "sizes": None, "output": RESULTS_DIR / "sharded_state"},
+    "fsdp_tp": {
+        "processes": 4,
+        "title": "FSDP2 x tensor parallel (dp_shard 2 x tp 2)",
+        "sizes": {"dp_shard_size": 2, "tp_size": 2},
+        "output": RESULTS_DIR / "sharded_state_fsdp_tp",
+    },
+}
 MIB = 2**20
 
 #: The rows, in the order each repeat measures them, and what the table calls them.
@@ -151,6 +167,14 @@ class CpuFSDP2Trainer(Trainer):
         return accelerator
 
 
+class TensorParallelTrainer(Trainer):
+    """Splits the Linear layers in pairs across the tensor-parallel processes: column-wise, then row-wise."""
+
+    def parallelize_model(self, model, device_mesh):
+        plan = {str(index): RowwiseParallel() if index % 2 else ColwiseParallel() for index in range(len(model))}
+        return parallelize_module(model, device_mesh["tp"], plan)
+
+
 class TimedSaveRun(TrainerCallback):
     """In a run it is armed for: times every training step and asks for one training state at a chosen step.
 
@@ -203,12 +227,20 @@ def make_trainer(args, seed: int, callbacks) -> Trainer:
     torch.manual_seed(seed)
     model = make_model(args.layers, args.width)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    return CpuFSDP2Trainer(model, nn.MSELoss(), optimizer, callbacks=callbacks, seed=seed)
+    sizes = LAYOUTS[args.layout]["sizes"]
+    if sizes is None:
+        return CpuFSDP2Trainer(model, nn.MSELoss(), optimizer, callbacks=callbacks, seed=seed)
+    from accelerate.parallelism_config import ParallelismConfig
+
+    layout = {"parallelism_config": ParallelismConfig(**sizes)}
+    return TensorParallelTrainer(
+        model, nn.MSELoss(), optimizer, callbacks=callbacks, seed=seed, accelerator_kwargs=layout
+    )
 
 
 def train_updates(trainer: Trainer, args, num_updates: int) -> None:
     """One epoch of exactly ``num_updates`` optimizer updates (one micro-batch each) on every process."""
-    num_samples = num_updates * args.batch_size * trainer.accelerator.num_processes
+    num_samples = num_updates * args.batch_size * layout_of(trainer.accelerator).dp_size  # tp ranks share a batch
     trainer.train(make_data(num_samples, args.width), num_epochs=1, per_device_batch_size=args.batch_size)
 
 
@@ -334,9 +366,9 @@ def run_worker(args) -> None:
 
 
 def launch_command(args, work_dir: Path, raw: Path) -> list:
-    """``accelerate launch`` of this file's worker on 2 CPU processes (benchmarks/launch.py)."""
+    """``accelerate launch`` of this file's worker on the layout's CPU processes (benchmarks/launch.py)."""
     return [
-        *launcher(NUM_PROCESSES),
+        *launcher(LAYOUTS[args.layout]["processes"]),
         str(Path(__file__).resolve()),
         "--worker",
         "--raw",
@@ -353,6 +385,8 @@ def launch_command(args, work_dir: Path, raw: Path) -> list:
         str(args.steps),
         "--batch-size",
         str(args.batch_size),
+        "--layout",
+        args.layout,
     ]
 
 
@@ -476,9 +510,10 @@ def short(message: str, length: int = 160) -> str:
 
 def markdown(result: dict) -> str:
     rows, setup = result["summary"]["rows"], result["setup"]
+    processes, title = setup["num_processes"], LAYOUTS[setup["layout"]]["title"]
     state_bytes = median_of(rows, "state_save", "state_bytes")
     lines = [
-        f"# Training-state save and resume, FSDP2 on {NUM_PROCESSES} CPU processes (gloo)",
+        f"# Training-state save and resume, {title} on {processes} CPU processes (gloo)",
         "",
         f"Model: {setup['layers']} x Linear({setup['width']}, {setup['width']}), {setup['parameters'] / 1e6:.1f} M "
         f"parameters ({setup['parameters'] * 4 / MIB:.0f} MiB of weights), Adam; {setup['repeats']} repeat(s), "
@@ -520,17 +555,17 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "| state written by | MiB in all | "
-        + " | ".join(f"rank {rank} MiB" for rank in range(NUM_PROCESSES))
+        + " | ".join(f"rank {rank} MiB" for rank in range(processes))
         + " | not named by rank MiB |",
-        "|---|---|" + "---|" * NUM_PROCESSES + "---|",
+        "|---|---|" + "---|" * processes + "---|",
     ]
     for row in SAVE_ROWS:
         summary = rows[row]
         if "state_bytes" not in summary:
-            lines.append(f"| {ROWS[row]} | no state | " + " | " * NUM_PROCESSES + "|")
+            lines.append(f"| {ROWS[row]} | no state | " + " | " * processes + "|")
             continue
         by_writer = summary["bytes_by_writer"]
-        per_rank = " | ".join(f"{by_writer.get(f'rank {rank}', 0) / MIB:.1f}" for rank in range(NUM_PROCESSES))
+        per_rank = " | ".join(f"{by_writer.get(f'rank {rank}', 0) / MIB:.1f}" for rank in range(processes))
         lines.append(
             f"| {ROWS[row]} | {summary['state_bytes'] / MIB:.1f} | {per_rank} | {by_writer['unnamed'] / MIB:.1f} |"
         )
@@ -541,14 +576,15 @@ def markdown(result: dict) -> str:
 
 def run_driver(args) -> int:
     """Launch the worker, summarise its figures, print and write them; 1 if the launch or a row failed."""
-    output_dir = Path(args.output_dir)
+    output_dir = Path(args.output_dir or LAYOUTS[args.layout]["output"])
     output_dir.mkdir(parents=True, exist_ok=True)
     work_dir = Path(tempfile.mkdtemp(prefix="sharded-state-", dir=args.work_dir))
     raw_path = work_dir / "raw.json"
     command = launch_command(args, work_dir, raw_path)
     environment = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     load_average = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(f"launching {NUM_PROCESSES} processes: {' '.join(command)}", flush=True)
+    processes = LAYOUTS[args.layout]["processes"]
+    print(f"launching {processes} processes: {' '.join(command)}", flush=True)
     started = time.perf_counter()
     try:
         completed = subprocess.run(
@@ -571,7 +607,8 @@ def run_driver(args) -> int:
             "repeats": args.repeats,
             "steps": args.steps,
             "per_device_batch_size": args.batch_size,
-            "num_processes": NUM_PROCESSES,
+            "num_processes": processes,
+            "layout": args.layout,
             "torch": torch.__version__,
             "accelerate": accelerate.__version__,
             "python": platform.python_version(),
@@ -600,7 +637,13 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="updates of each in-run row's training run (>= 6)")
     parser.add_argument("--batch-size", type=int, default=2, help="per-device batch size (default 2)")
     parser.add_argument("--quick", action="store_true", help="4 x Linear(256, 256), one repeat, 6 steps: a smoke run")
-    parser.add_argument("--output-dir", default=str(DEFAULT_OUTPUT_DIR))
+    parser.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="fsdp",
+        help="fsdp: 2 processes (default); fsdp_tp: 4, dp_shard 2 x tp 2",
+    )
+    parser.add_argument("--output-dir", default=None, help="default benchmarks/results/sharded_state[_fsdp_tp]")
     parser.add_argument("--work-dir", default=None, help="where the states are written (default: a temporary folder)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds the launch may take (default 1800)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -610,6 +653,8 @@ def parse_args(argv=None):
         args.layers, args.width, args.repeats, args.steps = 4, 256, 1, 6
     if args.steps < 6:
         parser.error("--steps must be at least 6 (the save is asked for at step steps - 3, after steps 2 and up)")
+    if args.layout == "fsdp_tp" and args.layers % 2:
+        parser.error(f"--layers {args.layers}: --layout fsdp_tp splits the layers in pairs; pass an even number")
     return args
 
 

@@ -156,6 +156,22 @@ def torchrun_with_warm_processes(*options: str) -> list:
     return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", *launcher(1), "-u"]
 
 
+#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first)
+DEEPSPEED_ASIDE = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed"
+
+
+def deepspeed_environment() -> dict:
+    """The environment of a DeepSpeed launch: DeepSpeed's side folder first on the path (skips the test, naming the
+    script that installs it, where neither it nor an importable DeepSpeed is there)."""
+    if (DEEPSPEED_ASIDE / "deepspeed").is_dir():
+        path = os.pathsep.join(filter(None, [str(DEEPSPEED_ASIDE), os.environ.get("PYTHONPATH")]))
+        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    pytest.importorskip(
+        "deepspeed", reason="DeepSpeed is optional: sh tests/scripts/install_deepspeed_aside.sh installs it aside"
+    )
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
 def benchmark_environment() -> dict:
     """The environment of a benchmark script's smoke run (tests/test_benchmarks.py, tests/test_gpu_checks.py): the
     processes it starts are forked from the warm launcher (``BENCHMARK_LAUNCHER``, benchmarks/launch.py), as a smoke

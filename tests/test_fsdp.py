@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import accelerate_launch, launcher
+from conftest import accelerate_launch, deepspeed_environment, launcher
 from torch import nn
 
 from pytorch_accel_trainer.state.training_state import verify_folder
@@ -24,24 +24,10 @@ from pytorch_accel_trainer.state.training_state import verify_folder
 SCRIPT = pathlib.Path(__file__).parent / "scripts" / "fsdp_train.py"
 DEEPSPEED_STATES_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "deepspeed_states.py"
 TIMEOUT_S = 240
-#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first)
-DEEPSPEED_ASIDE = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed"
-
-
-def _deepspeed_environment() -> dict:
-    """The environment of a DeepSpeed launch: DeepSpeed's side folder first on the path (skips the test, naming the
-    script that installs it, where neither it nor an importable DeepSpeed is there)."""
-    if (DEEPSPEED_ASIDE / "deepspeed").is_dir():
-        path = os.pathsep.join(filter(None, [str(DEEPSPEED_ASIDE), os.environ.get("PYTHONPATH")]))
-        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    pytest.importorskip(
-        "deepspeed", reason="DeepSpeed is optional: sh tests/scripts/install_deepspeed_aside.sh installs it aside"
-    )
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _launch(output: pathlib.Path, mode: str, launcher: list) -> dict:
-    env = _deepspeed_environment() if mode == "deepspeed" else {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = deepspeed_environment() if mode == "deepspeed" else {**os.environ, "OMP_NUM_THREADS": "1"}
     if mode in ("fsdp2", "ddp", "plugin_on_cpu"):
         env["ACCELERATE_USE_CPU"] = "1"
     output.mkdir(parents=True)
@@ -172,7 +158,7 @@ def _launch_deepspeed_states(output: pathlib.Path, num_processes: int, stages: s
     completed = subprocess.run(
         [*accelerate_launch(num_processes, "--use_deepspeed", "--zero_stage", "2"), str(DEEPSPEED_STATES_SCRIPT)]
         + [str(output), stages],
-        env=_deepspeed_environment(),
+        env=deepspeed_environment(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,

@@ -79,6 +79,18 @@ def test_layout_trains_like_one_process(layout_runs, run, distributed_type):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("run", ["fsdp_tp", "hsdp", "tp"])
+def test_exports_gather_the_full_weights_in_every_layout(layout_runs, run):
+    """save_weights and save_checkpoint hold the full weights and optimizer state (tensor parallel alone too, where
+    no FSDP gathers them); load_checkpoint puts them back into the shards."""
+    for result in layout_runs[run]:
+        exports = {key: result[key] for key in ("weights_file_equal", "checkpoint_equal", "reloaded_equal")}
+        assert exports == {"weights_file_equal": True, "checkpoint_equal": True, "reloaded_equal": True}
+        assert result["optimizer_full_shapes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_transformers_model_is_split_by_its_own_plan(layout_runs):
     pytest.importorskip("transformers.distributed", reason="transformers 5 applies a plan to an existing model")
     for result in layout_runs["llama_tp"]:

@@ -373,9 +373,9 @@ class PersistenceMixin:
         if holds_sharded_parameters(self.accelerator):  # every process loads the full weights into its shard
             if not strict:
                 raise NotImplementedError(
-                    "load_checkpoint(..., strict=False) is not supported under FSDP or DeepSpeed ZeRO-3, where each "
-                    "process holds a shard of the model. Load the weights that fit into the plain model before "
-                    "Trainer(...): state = torch.load(path, weights_only=True)['model_state_dict'], then "
+                    "load_checkpoint(..., strict=False) is not supported under FSDP, tensor parallelism or DeepSpeed "
+                    "ZeRO-3, where each process holds a shard of the model. Load the weights that fit into the plain "
+                    "model before Trainer(...): state = torch.load(path, weights_only=True)['model_state_dict'], then "
                     "model.load_state_dict(<the entries of state whose shapes fit>, strict=False)."
                 )
             load_full_model_state_dict(self.accelerator, self.model, file_state)

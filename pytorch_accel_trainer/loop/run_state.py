@@ -82,8 +82,8 @@ class RunState:
             from the state a resumed run continues (a new one for a state saved before runs had one).
         is_new_run: whether the run started afresh (no state resumed).
         run_facts: the settings a resumed run must share with the saved one to continue it exactly (world size,
-            batch size, accumulation, dataset length: ``loop/trainer_parts.py``'s ``run_facts``), taken once as the
-            run starts and written in each of its training states.
+            layout, batch size, accumulation, dataset length: ``loop/trainer_parts.py``'s ``run_facts``), taken once
+            as the run starts and written in each of its training states.
         checked_save_dirs: the folders of training states checked to hold no other run's states.
         history_epoch_offset: the run history's epoch minus ``epoch`` as the epochs start (the history may count
             earlier runs' epochs too); the history's epoch of any position of the run is its epoch plus this.

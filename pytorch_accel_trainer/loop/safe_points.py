@@ -79,13 +79,24 @@ def load_resume_plan(
         if nothing_left:
             trainer.print(nothing_left)
     saved_processes, processes = stored.manifest["world_size"], trainer.accelerator.num_processes
-    if saved_processes != processes:
+    saved_layout, layout = plan.saved_run_facts.get("layout"), facts.get("layout")
+    if saved_processes != processes or ("layout" in plan.saved_run_facts and saved_layout != layout):
+        differ = saved_layout != layout  # the layouts are named when they differ
+        saved_as, now_as = (_sizes(saved_layout), _sizes(layout)) if differ else ("", "")
         trainer.print(
-            f"The state was saved by {saved_processes} process(es) and resumes on {processes}: the model and optimizer "
-            f"are resharded, and the {plan.position.epoch_samples} samples of its epoch trained so far are skipped, "
-            "the rest split between the processes (each trained once, in another order)."
+            f"The state was saved by {saved_processes} process(es){saved_as} and resumes on {processes}{now_as}: "
+            f"the model and optimizer are resharded, and the {plan.position.epoch_samples} samples of its epoch "
+            "trained so far are skipped, the rest split between the data-parallel ranks (each trained once, in "
+            "another order)."
         )
     return plan
+
+
+def _sizes(layout: Optional[dict]) -> str:
+    """A run fact's layout as `` with the layout dp_shard 2 x tp 2`` (the sizes above 1); ``""`` without one."""
+    if layout is None:
+        return ""
+    return " with the layout " + (" x ".join(f"{name} {size}" for name, size in layout.items() if size > 1) or "1")
 
 
 def validate_resume_target(stored: Optional[StoredState], num_epochs: Optional[int], max_steps: Optional[int]) -> None:

@@ -56,17 +56,22 @@ EXTRA_MODEL_PART, EXTRA_OPTIMIZER_PART = "extra_model:", "extra_optimizer:"
 
 
 def run_facts(trainer: "Trainer") -> dict:
-    """The settings a resumed run must share with the saved one to continue it exactly."""
+    """The settings a resumed run must share with the saved one to continue it exactly: the world size and the layout
+    of a ``ParallelismConfig`` (``dp_replicate``, ``dp_shard``, ``tp``, ``cp``), the batch size, accumulation and
+    dataset length, and who reads a stream."""
     config = trainer.run_config
+    layout = layout_of(trainer.accelerator)
     facts = {
         "world_size": trainer.accelerator.num_processes,
+        # a ParallelismConfig's sizes (None without one): who holds which part of the model, who reads which batch
+        "layout": layout.as_fact() if layout.has_parallelism_config else None,
         "per_device_batch_size": None if config is None else config.train_per_device_batch_size,
         "gradient_accumulation_steps": None if config is None else config.gradient_accumulation_steps,
         "train_dataset_length": None if trainer.train_dataset is None else dataset_length(trainer.train_dataset),
     }
     options = trainer.run_state.options
     split = None if options is None else options.stream_split
-    stream_split = stream_split_fact(trainer.train_dataloader, split, layout_of(trainer.accelerator).dp_size)
+    stream_split = stream_split_fact(trainer.train_dataloader, split, layout.dp_size)
     if stream_split is not None:  # a stream on several processes: who reads it places the saved position
         facts["stream_split"] = stream_split
     return facts
@@ -406,8 +411,8 @@ def _check_settings(
                 f"{folder} was saved by a run set up differently, so resuming would not continue it exactly:"
                 f"\n  {listed_changes}\n"
                 "Restore those settings, or pass allow_resume_changes=True to train() to resume anyway (on another "
-                "number of processes, every remaining sample of the epoch is still trained once, in another order: "
-                "see docs/training_state.md, 'Another number of processes')."
+                "number of processes or layout, every remaining sample of the epoch is still trained once, in another "
+                "order: see docs/training_state.md, 'Another number of processes')."
             )
     saved_parts = set(shared.get("plain_parts") or {})
     for kind, prefix, registered in (

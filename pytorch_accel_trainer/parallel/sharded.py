@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator, DistributedType
 
 from pytorch_accel_trainer.parallel.accelerate_internals import mark_prepared
+from pytorch_accel_trainer.parallel.layout import layout_of
 
 # Where Accelerate.prepare refuses a device_placement argument.
 _OWN_PLACEMENT_TYPES = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
@@ -45,15 +46,21 @@ def _zero_stage(accelerator: Accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage or 0)
 
 
+def holds_distributed_tensors(accelerator: Accelerator) -> bool:
+    """Whether the model's parameters are ``DTensor``s, each process holding a part of them: FSDP, or the tensor (or
+    context) parallelism of a ``ParallelismConfig`` (alone too, where Accelerate runs no FSDP)."""
+    return is_fsdp(accelerator) or layout_of(accelerator).model_group_size > 1
+
+
 def holds_sharded_parameters(accelerator: Accelerator) -> bool:
-    """Whether no single process holds the full parameters: FSDP, or DeepSpeed ZeRO stage 3."""
-    return is_fsdp(accelerator) or (is_deepspeed(accelerator) and _zero_stage(accelerator) == 3)
+    """Whether no single process holds the full parameters: FSDP, tensor parallelism, or DeepSpeed ZeRO stage 3."""
+    return holds_distributed_tensors(accelerator) or (is_deepspeed(accelerator) and _zero_stage(accelerator) == 3)
 
 
 def gathers_model_state(accelerator: Accelerator) -> bool:
-    """Whether the model's state must be gathered (FSDP, ZeRO-3) or copied out of the engine's flat buffers
-    (DeepSpeed, whose parameters share storage) for export, rather than read from the unwrapped model."""
-    return is_fsdp(accelerator) or is_deepspeed(accelerator)
+    """Whether the model's state must be gathered (FSDP, tensor parallelism, ZeRO-3) or copied out of the engine's
+    flat buffers (DeepSpeed, whose parameters share storage) for export, rather than read from the unwrapped model."""
+    return holds_distributed_tensors(accelerator) or is_deepspeed(accelerator)
 
 
 def warn_if_sharding_was_ignored(accelerator: Accelerator) -> None:
@@ -461,10 +468,10 @@ def get_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module) 
     """Return the model's full state dict, with the names and shapes of the plain model, on the CPU.
 
     Under FSDP or DeepSpeed ZeRO-3 this gathers the shards: a collective that every process must call, and only
-    the main process receives the weights (the others get ``{}``). Otherwise it is the unwrapped model's
-    ``state_dict()`` on every process.
+    the main process receives the weights (the others get ``{}``); under tensor parallelism too (its ``DTensor``
+    parameters gathered whole). Otherwise it is the unwrapped model's ``state_dict()`` on every process.
     """
-    if is_fsdp(accelerator):
+    if holds_distributed_tensors(accelerator):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return get_model_state_dict(_prepared_model(accelerator, model), options=_full_options(cpu_offload=True))
@@ -478,12 +485,13 @@ def get_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module) 
 def load_full_model_state_dict(accelerator: Accelerator, model: torch.nn.Module, state_dict: dict) -> None:
     """Load a full state dict (as :func:`get_full_model_state_dict` returns) into the model, strictly.
 
-    Under FSDP every process must call it, each with the full state dict; each keeps its own shard.
+    Under FSDP or tensor parallelism every process must call it, each with the full state dict; each keeps its own
+    shard.
 
     Raises:
         RuntimeError: the keys or shapes do not fit the model.
     """
-    if is_fsdp(accelerator):
+    if holds_distributed_tensors(accelerator):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         incompatible = set_model_state_dict(
@@ -506,8 +514,8 @@ def get_full_optimizer_state_dict(accelerator: Accelerator, model: torch.nn.Modu
     """Return the optimizer's full state dict in torch's plain format (parameters numbered in order).
 
     The numbering is that of ``optimizer.state_dict()`` for the same optimizer over the unsharded model, so the
-    result loads into a plain optimizer. Under FSDP this gathers the shards: every process must call it, and only
-    the main process receives the state (the others get ``{}``).
+    result loads into a plain optimizer. Under FSDP or tensor parallelism this gathers the shards: every process must
+    call it, and only the main process receives the state (the others get ``{}``).
 
     Raises:
         ValueError: under DeepSpeed, whose optimizer state is partitioned in its own format.
@@ -518,7 +526,7 @@ def get_full_optimizer_state_dict(accelerator: Accelerator, model: torch.nn.Modu
             "checkpoints do not hold: save without it (save_checkpoint(..., save_optimizer=False)), or save the "
             "whole run with trainer._accelerator.save_state(folder) (DeepSpeed's checkpoint)."
         )
-    if not is_fsdp(accelerator):
+    if not holds_distributed_tensors(accelerator):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -544,7 +552,8 @@ def load_full_optimizer_state_dict(
 ) -> None:
     """Load a state dict in torch's plain format (as :func:`get_full_optimizer_state_dict` returns).
 
-    Under FSDP every process must call it, each with the full state dict; each keeps its own shard.
+    Under FSDP or tensor parallelism every process must call it, each with the full state dict; each keeps its own
+    shard.
     """
     if is_deepspeed(accelerator):
         raise ValueError(
@@ -552,7 +561,7 @@ def load_full_optimizer_state_dict(
             "checkpoints cannot be loaded into it: pass load_optimizer=False, or restore the whole run with "
             "trainer._accelerator.load_state(folder) from a folder written by save_state."
         )
-    if not is_fsdp(accelerator):
+    if not holds_distributed_tensors(accelerator):
         optimizer.load_state_dict(state_dict)
         return
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict

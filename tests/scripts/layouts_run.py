@@ -119,6 +119,7 @@ def run(name, trainer_class, config, folder):
         "add_model_refused": refused,
     }
     full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    result.update(exports_round_trip(trainer, full, folder / name))
     weights, mean_loss, eval_loss, outputs = reference()
     result["max_weight_diff"] = max((full[key] - weights[key]).abs().max().item() for key in weights)
     result["train_loss_diff"] = abs(train_loss - mean_loss)
@@ -131,6 +132,31 @@ def run(name, trainer_class, config, folder):
         result["predict_max_diff"] = (predictions - outputs).abs().max().item()
     index = trainer.accelerator.process_index
     (folder / f"{name}.rank{index}.json").write_text(json.dumps(result))
+
+
+def exports_round_trip(trainer, full: dict, stem: Path) -> dict:
+    """save_weights and save_checkpoint write the full weights (and the optimizer state of the full shapes), gathered
+    from the DTensors; load_checkpoint puts them back into each process's shards."""
+    from safetensors.torch import load_file
+
+    trainer.save_weights(stem.with_suffix(".safetensors"))
+    trainer.save_checkpoint(stem.with_suffix(".pt"))
+    checkpoint = torch.load(stem.with_suffix(".pt"), weights_only=True)
+    saved = load_file(stem.with_suffix(".safetensors"))
+    moments = checkpoint["optimizer_state_dict"]["state"]
+    shapes = [list(tensor.shape) for tensor in full.values()]
+    exports = {
+        "weights_file_equal": sorted(saved) == sorted(full) and all(torch.equal(saved[k], full[k]) for k in full),
+        "checkpoint_equal": all(torch.equal(checkpoint["model_state_dict"][k], full[k]) for k in full),
+        "optimizer_full_shapes": [list(moments[i]["exp_avg"].shape) for i in sorted(moments)] == shapes,
+    }
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.zero_()
+    trainer.load_checkpoint(stem.with_suffix(".pt"))
+    reloaded = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    exports["reloaded_equal"] = all(torch.equal(reloaded[k], full[k]) for k in full)
+    return exports
 
 
 def make_llama():
