@@ -160,27 +160,19 @@ def exports_round_trip(trainer, full: dict, stem: Path) -> dict:
 
 
 def make_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    """The tiny LlamaForCausalLM of examples/parallel_layouts.py (a config made there, no download)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "parallel_layouts.py"
+    spec = importlib.util.spec_from_file_location("parallel_layouts", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.make_model()
 
 
 def run_llama(folder):
     """A tiny LlamaForCausalLM split by the default parallelize_model (its own plan), 3 AdamW updates with clipping
     (its norm weights stay plain tensors), against one process: AdamW's first steps amplify float noise, hence the
     test's 1e-5."""
-    tokens = torch.randint(0, 64, (12, 16), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 64, (12, 8), generator=torch.Generator().manual_seed(1))  # the example holds 8
     reference_model = make_llama()
     optimizer = torch.optim.AdamW(reference_model.parameters(), lr=1e-3)
     for start in range(0, 12, 4):
