@@ -161,11 +161,13 @@ DEEPSPEED_ASIDE = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deeps
 
 
 def deepspeed_environment() -> dict:
-    """The environment of a DeepSpeed launch: DeepSpeed's side folder first on the path (skips the test, naming the
-    script that installs it, where neither it nor an importable DeepSpeed is there)."""
+    """The environment of a DeepSpeed launch: DeepSpeed's side folder first on the path, and the CPU op the install
+    script built there (skips the test, naming the script that installs it, where neither it nor an importable
+    DeepSpeed is there)."""
     if (DEEPSPEED_ASIDE / "deepspeed").is_dir():
         path = os.pathsep.join(filter(None, [str(DEEPSPEED_ASIDE), os.environ.get("PYTHONPATH")]))
-        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+        extensions = str(DEEPSPEED_ASIDE / "torch_extensions")
+        return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": extensions}
     pytest.importorskip(
         "deepspeed", reason="DeepSpeed is optional: sh tests/scripts/install_deepspeed_aside.sh installs it aside"
     )

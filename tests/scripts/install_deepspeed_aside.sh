@@ -5,7 +5,7 @@
 # extract_model_from_parallel imports DeepSpeedEngine whenever DeepSpeed is installed), which costs each training
 # process of the suite 3.5 to 8 s more on 2 busy cores and prints DeepSpeed's "Setting accelerator to CPU" warning
 # to stdout. The README's test command runs this before the suite (about 3 s with pip's cache, 16 s building
-# DeepSpeed's wheel without it).
+# DeepSpeed's wheel without it, and the build of DeepSpeed's CPU op below).
 #
 # Usage: sh tests/scripts/install_deepspeed_aside.sh
 set -eu
@@ -20,3 +20,14 @@ fi
 # dependencies that .venv lacks (torch, numpy, pydantic, psutil, packaging, tqdm are there)
 .venv/bin/pip install -q --no-compile --no-deps --upgrade --target "$PWD/.venv/deepspeed" -c constraints.txt \
     "deepspeed==$version" hjson ninja py-cpuinfo msgpack einops
+
+# DeepSpeed on the CPU builds its shared-memory collectives (the C++ op deepspeed_shm_comm, against this torch, with
+# the machine's C++ compiler and ninja) the first time a process sets up its communication: about 60 s of CPU, which
+# every other DeepSpeed process of the suite waited on under torch's build lock (one test took 100 s of a 10-minute
+# run). Built here, once per install, into the side folder, where conftest's deepspeed_environment points DeepSpeed's
+# launches (TORCH_EXTENSIONS_DIR). Where this fails, so would DeepSpeed's launches.
+TORCH_EXTENSIONS_DIR="$PWD/.venv/deepspeed/torch_extensions" PYTHONPATH="$PWD/.venv/deepspeed" .venv/bin/python -c '
+from deepspeed.comm.torch import build_shm_op
+if build_shm_op() is None:
+    print("DeepSpeed has no shared-memory op to build on this machine")
+'

@@ -1,7 +1,7 @@
-"""Launches of the suite's scripts forked from an interpreter that already imported torch, Accelerate and the package,
-instead of new interpreters: a new one pays about 4.5 s of CPU to import them (10 to 13 s of wall time on 2 busy
-cores), and a 2-process ``accelerate launch`` three times that (the launcher and each process), most of what a
-multi-process test took.
+"""Launches of the suite's scripts forked from an interpreter that already imported torch, Accelerate and the package
+(and torchmetrics and transformers' models, OPTIONAL_IMPORTS), instead of new interpreters: a new one pays about 4.5 s
+of CPU to import the first three (10 to 13 s of wall time on 2 busy cores), and a 2-process ``accelerate launch``
+three times that (the launcher and each process), most of what a multi-process test took.
 
     python tests/scripts/warm_launch.py serve SOCKET                     # the server (tests/conftest.py starts it)
     python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES [-u] (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
@@ -71,6 +71,8 @@ READ_AT_IMPORT = (
     "CUDA_VISIBLE_DEVICES",
     "LD_PRELOAD",
     "LD_LIBRARY_PATH",
+    "HF_",
+    "TRANSFORMERS_",
 )
 #: Those of them read when used: ``sys.path`` is made from ``PYTHONPATH`` for each process, and torch sets its
 #: compiler's cache folder in the environment of the test process as it first compiles.
@@ -190,6 +192,8 @@ def serve(socket_path: str) -> int:
 
     import pytorch_accel_trainer  # noqa: F401
 
+    _import_optional_libraries()
+
     gc.freeze()  # the launches share these objects unchanged: their collector leaves them be (fewer copied pages)
     imported_env = dict(os.environ)
     imported_pythonpath = os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -209,6 +213,29 @@ def serve(socket_path: str) -> int:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 return _launch(connection, imported_env, own_path)
             connection.close()
+
+
+#: What the suite's launched scripts import besides torch, Accelerate and the package, where installed (the test extra
+#: has them): torchmetrics (the metric callbacks' scripts and examples: about 3 s of CPU per process on its own), and
+#: transformers' Llama, GPT-2 and tensor-parallel plan (examples/parallel_layouts.py's 4-process launches,
+#: benchmarks/memory_growth.py's rows: about 1.8 s per process). transformers reads HF_* and TRANSFORMERS_* as it is
+#: imported (READ_AT_IMPORT).
+OPTIONAL_IMPORTS = (
+    "torchmetrics",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.distributed.tensor_parallel",
+)
+
+
+def _import_optional_libraries() -> None:
+    import importlib
+
+    for name in OPTIONAL_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed (or transformers 4, without transformers.distributed): imported when used
+            pass
 
 
 def _launch(connection: socket.socket, imported_env: dict, own_path: list) -> int:
