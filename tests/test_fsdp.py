@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -133,9 +132,9 @@ def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_steps_once_per_update(tmp_path):
     """DeepSpeed steps once per update, and refuses what it would ignore."""
-    launcher = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
-    deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", launcher)
-    plain = _launch(tmp_path / "plain", "plain", [sys.executable])
+    deepspeed_launch = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
+    deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", deepspeed_launch)
+    plain = _launch(tmp_path / "plain", "plain", launcher(1))  # the reference: one plain process, no DeepSpeed
 
     for ds_run, plain_run in zip(deepspeed["runs"], plain["runs"], strict=True):  # accumulation 1, then 2 (8 = 4 x 2)
         assert ds_run["distributed_type"] == "DEEPSPEED"
