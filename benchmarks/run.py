@@ -294,6 +294,7 @@ def summarize_paired(paired_runs: dict) -> dict:
             continue
         summaries[row] = {
             "ratio": _spread(result["ratios"]),
+            "cpu_ratio": _spread(result["cpu_ratios"]) if "cpu_ratios" in result else None,
             "row_us_per_step": _spread(result["row_us_per_step"]),
             "baseline_us_per_step": _spread(result["baseline_us_per_step"]),
             "pairs": result["pairs"],
@@ -304,22 +305,29 @@ def summarize_paired(paired_runs: dict) -> dict:
 
 def paired_table(summaries: dict) -> str:
     lines = [
-        "| row (same process as torch_loop) | × torch_loop, median of pairs | min–max "
-        "| row µs/step | torch_loop µs/step | trained |",
-        "|---|---:|---:|---:|---:|:---:|",
+        "| row (same process as torch_loop) | × torch_loop, median of pairs | quartiles | min–max "
+        "| CPU time × torch_loop (quartiles) | row µs/step | torch_loop µs/step | trained |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for row, summary in summaries.items():
         if "error" in summary:
-            lines.append(f"| {row} | ERROR | | | | no |")
+            lines.append(f"| {row} | ERROR | | | | | | no |")
             continue
         ratio, ours, base = summary["ratio"], summary["row_us_per_step"], summary["baseline_us_per_step"]
+        cpu_ratio = summary.get("cpu_ratio")
+        cpu_text = "n/a" if cpu_ratio is None else f"{cpu_ratio['median']:.3f} ({_quartiles(cpu_ratio)})"
         digits = _step_digits(base["median"])
         lines.append(
-            f"| {row} | **{ratio['median']:.3f}** | {ratio['min']:.2f}–{ratio['max']:.2f} "
-            f"| {_fmt(ours['median'], digits)} | {_fmt(base['median'], digits)} "
+            f"| {row} | **{ratio['median']:.3f}** | {_quartiles(ratio)} | {ratio['min']:.2f}–{ratio['max']:.2f} "
+            f"| {cpu_text} | {_fmt(ours['median'], digits)} | {_fmt(base['median'], digits)} "
             f"| {'yes' if summary['trained'] else 'FAIL'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _quartiles(spread: dict) -> str:
+    """The first and third quartiles of a spread of ratios; ``–`` with fewer than 4 values."""
+    return f"{spread['q1']:.2f}–{spread['q3']:.2f}" if "q1" in spread else "–"
 
 
 def _processes_text(quick: bool) -> str:
@@ -372,7 +380,9 @@ def render_markdown(results: dict) -> str:
             parts.append(
                 f"Same process, alternating: {pairs} pairs of runs (row, then torch_loop, order swapped each pair), "
                 "each run timed as above; the ratio of each pair, then the median. Host drift cancels out here, so "
-                "these are the ratios to read for per-step overhead.\n"
+                "these are the ratios to read for per-step overhead. CPU time: the same ratios of the time the "
+                "process ran on a core (`time.process_time`), which leaves out the time it waited for one: on a busy "
+                "machine (load average above the cores) the steadier of the two.\n"
             )
             parts.append(paired_table(workload["paired"]))
     parts.append("## Import time\n")

@@ -495,26 +495,31 @@ def measure_paired(row: str, workload: str, quick: bool, pairs: int) -> dict:
     datasets = make_datasets(spec)
 
     def timed_run(name: str) -> tuple:
+        """The run's wall and CPU µs per timed step, and its epoch losses."""
         with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
             marks, train_losses = ROW_FUNCTIONS[name](spec, *datasets)
-        seconds = marks["timed_end"][0] - marks["timed_start"][0]
-        return seconds / spec["timed_steps"] * 1e6, train_losses
+        (wall_start, cpu_start), (wall_end, cpu_end) = marks["timed_start"], marks["timed_end"]
+        steps = spec["timed_steps"]
+        return (wall_end - wall_start) / steps * 1e6, (cpu_end - cpu_start) / steps * 1e6, train_losses
 
     timed_run(BASELINE_ROW), timed_run(row)  # warm-up: lazy initialisation, caches, first-call costs
-    baseline_us, row_us, trained = [], [], True
+    runs: dict[str, list] = {BASELINE_ROW: [], row: []}
+    trained = True
     for index in range(pairs):
         order = (BASELINE_ROW, row) if index % 2 == 0 else (row, BASELINE_ROW)
-        results = {name: timed_run(name) for name in order}
-        baseline_us.append(results[BASELINE_ROW][0])
-        row_us.append(results[row][0])
-        losses = results[row][1]
+        for name in order:
+            runs[name].append(timed_run(name))
+        losses = runs[row][-1][2]
         trained = trained and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    ours, base = runs[row], runs[BASELINE_ROW]
     return {
         "row": row,
         "workload": workload,
         "pairs": pairs,
-        "ratios": [ours / base for ours, base in zip(row_us, baseline_us)],
-        "row_us_per_step": row_us,
-        "baseline_us_per_step": baseline_us,
+        "ratios": [run[0] / base_run[0] for run, base_run in zip(ours, base)],
+        # the time this process ran on a core: without the time it waited for one, which a busy machine adds
+        "cpu_ratios": [run[1] / base_run[1] for run, base_run in zip(ours, base)],
+        "row_us_per_step": [run[0] for run in ours],
+        "baseline_us_per_step": [run[0] for run in base],
         "trained": trained,
     }
