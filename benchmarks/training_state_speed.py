@@ -1,7 +1,8 @@
 """How fast is a training state saved and loaded, next to torch.save / torch.load of the same tensors, and how
-long does an asynchronous save stall training? See benchmarks/README.md.
+long does an asynchronous save stall training, and how much training time does a save cost? See benchmarks/README.md.
 
     python benchmarks/training_state_speed.py [--width 2048] [--layers 3] [--repeats 5]
+    python benchmarks/training_state_speed.py --time-lost [--rounds 5] [--threads 1] [--dir /dev/shm]
 
 Prints a markdown table and one JSON line; ``asynchronous`` rows show ``n/a`` on versions without it.
 """
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from pytorch_accel_trainer import Trainer
+from pytorch_accel_trainer.callbacks import TrainerCallback
 from pytorch_accel_trainer.loop import safe_points
 
 
@@ -107,14 +109,140 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------------------------
+# Training time lost per save: runs with saves against the same run without, interleaved in one process
+# ------------------------------------------------------------------------------------------------
+
+#: The run: 12 x Linear(1024, 1024) with AdamW (140 MiB of weights and moments), batches of 8.
+LOST_WIDTH, LOST_LAYERS, LOST_BATCH = 1024, 12, 8
+LOST_MODES = ("none", "sync", "async")
+
+
+class SaveEvery(TrainerCallback):
+    """Asks for a training state after every ``every`` updates but the last (whose save the end of the run would
+    wait for: it could not overlap training)."""
+
+    def __init__(self, folder: Path, every: int, last: int, asynchronous: bool) -> None:
+        self.folder, self.every, self.last, self.asynchronous = folder, every, last, asynchronous
+
+    def on_optimizer_step_end(self, trainer, num_update_steps_completed: int = 0, **kwargs):
+        if num_update_steps_completed % self.every == 0 and num_update_steps_completed < self.last:
+            trainer.save_training_state(self.folder, asynchronous=self.asynchronous, max_checkpoints=2)
+
+
+def train_once(mode: str, folder: Path, updates: int, every: int, starts: list) -> float:
+    """The wall time of one ``train()`` of ``updates`` updates (which waits for the last background save) with a
+    save every ``every`` updates, synchronous or asynchronous, or none (``mode``). An asynchronous run's writer
+    process, if this version has one, is started and ready before it (its start-up appended to ``starts``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(LOST_WIDTH, LOST_WIDTH) for _ in range(LOST_LAYERS)))
+    callbacks: list = [] if mode == "none" else [SaveEvery(folder, every, updates, mode == "async")]
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=1e-4), callbacks=callbacks)
+    data = TensorDataset(torch.randn(updates * LOST_BATCH, LOST_WIDTH), torch.randn(updates * LOST_BATCH, LOST_WIDTH))
+    if mode == "async":
+        _start_writer(starts)
+    start = time.perf_counter()
+    trainer.train(data, num_epochs=1, per_device_batch_size=LOST_BATCH)
+    seconds = time.perf_counter() - start
+    shutil.rmtree(folder, ignore_errors=True)
+    return seconds
+
+
+def _start_writer(starts: list) -> None:
+    """Start the background saves' writer process, if this version has one (a once-per-run cost, paid before the
+    timed run and reported apart), and append the seconds until it is ready to ``starts``."""
+    from pytorch_accel_trainer.state import async_save
+
+    if hasattr(async_save, "start_writer"):
+        start = time.perf_counter()
+        async_save.start_writer(wait=True)
+        starts.append(time.perf_counter() - start)
+
+
+def measure_time_lost(rounds: int, threads: int, updates: int, every: int, root: Path) -> dict:
+    """``rounds`` rounds of the three modes in this process (torch on ``threads`` threads), the order rotated from
+    round to round, after a warm-up run; per round, what each save mode lost per save against the round's run
+    without saves (host drift between rounds cancels out)."""
+    torch.set_num_threads(threads)
+    saves = len([update for update in range(every, updates, every)])
+    starts: list = []
+    train_once("async", root / "warm-up", updates, every, [])  # warm-up: imports, allocator, page cache
+    runs: dict = {mode: [] for mode in LOST_MODES}
+    for round_index in range(rounds):
+        order = LOST_MODES[round_index % 3 :] + LOST_MODES[: round_index % 3]
+        for mode in order:
+            runs[mode].append(train_once(mode, root / mode, updates, every, starts))
+    lost = {mode: [(run - none) / saves for run, none in zip(runs[mode], runs["none"])] for mode in ("sync", "async")}
+    return {
+        "rounds": rounds,
+        "threads": threads,
+        "updates": updates,
+        "saves": saves,
+        "writer_start_s": starts,
+        "train_s": runs,
+        "lost_per_save_s": lost,
+    }
+
+
+def _quartiles(values: list) -> tuple:
+    if len(values) < 2:
+        return values[0], values[0]
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[0], quartiles[2]
+
+
+def print_time_lost(result: dict) -> None:
+    lost = result["lost_per_save_s"]
+    median = {mode: statistics.median(values) for mode, values in lost.items()}
+    print(
+        f"training time lost per save: {result['rounds']} rounds in one process, {result['threads']} torch "
+        f"thread(s), {result['updates']} updates, {result['saves']} saves a run\n"
+    )
+    print("| save | median ms | quartiles ms | min - max ms | ratio |\n|---|---|---|---|---|")
+    for mode in ("sync", "async"):
+        low, high = _quartiles(lost[mode])
+        spread = f"{min(lost[mode]) * 1000:.0f} - {max(lost[mode]) * 1000:.0f}"
+        ratio = median[mode] / median["sync"]
+        print(
+            f"| {mode} | {median[mode] * 1000:.0f} | {low * 1000:.0f} - {high * 1000:.0f} | {spread} | "
+            f"{ratio:.2f}x synchronous |"
+        )
+    runs, saves = result["train_s"], result["saves"]
+    fastest = {mode: (min(runs[mode]) - min(runs["none"])) / saves for mode in ("sync", "async")}
+    print(
+        f"\nfrom the fastest run of each mode (the least disturbed by other jobs): sync {fastest['sync'] * 1000:.0f} "
+        f"ms, async {fastest['async'] * 1000:.0f} ms a save ({fastest['async'] / fastest['sync']:.2f}x)"
+    )
+    none = runs["none"]
+    print(f"run without saves: median {statistics.median(none):.2f} s, {min(none):.2f} - {max(none):.2f} s")
+    if result["writer_start_s"]:
+        starts = result["writer_start_s"]
+        print(
+            f"writer process start-up (once per run, before each timed asynchronous run): median "
+            f"{statistics.median(starts):.2f} s, {min(starts):.2f} - {max(starts):.2f} s"
+        )
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary folder)")
+    parser.add_argument("--time-lost", action="store_true", help="training time lost per save, sync and async")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of --time-lost")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of --time-lost")
+    parser.add_argument("--updates", type=int, default=90, help="updates of each --time-lost run")
+    parser.add_argument("--every", type=int, default=15, help="updates between saves of --time-lost")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="state-speed-", dir=args.dir))
+    if args.time_lost:
+        try:
+            print_time_lost(measure_time_lost(args.rounds, args.threads, args.updates, args.every, root))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     try:
         result = measure(args.width, args.layers, args.repeats, root)
     finally:
