@@ -463,7 +463,8 @@ def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> O
     whose trainer file disagrees with its manifest (an edited manifest) is a damaged one.
 
     With ``processes`` (every one of which must call this), each state is verified by them together, each hashing
-    its share of the files (:func:`verify_folder`).
+    its share of the files (:func:`verify_folder`). The parts file of the one-file state returned is read as it is
+    verified, and kept on it for its load (``StoredState.parts``): a resume reads it once.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -486,7 +487,7 @@ def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> O
             "SaveTrainingStateCallback)."
         )
     if os.path.lexists(path / MANIFEST_NAME):
-        return verify_folder(path, processes)
+        return verify_folder(path, processes, read_parts=True)
     readable = {folder: _readable_state(folder) for folder in state_folders(path)}
     run_id = _run_to_resume(path, [state for state in readable.values() if state is not None])
     other_runs = [state for state in readable.values() if state is not None and state.run_id != run_id]
@@ -517,7 +518,7 @@ def _verify_state_in(folder: Path, processes: Optional[Processes] = None) -> Sto
     edited manifest must not make an older state look like the newest, and then stop the resume)."""
     if not is_real_directory(folder):
         raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
-    stored = verify_folder(folder, processes)
+    stored = verify_folder(folder, processes, read_parts=True)
     load_trainer_file(stored)
     return stored
 

@@ -58,6 +58,7 @@ from pytorch_accel_trainer.state.files import (
     TEMPORARY_PREFIX,
     TRAINER_FILE,
     DamagedStateError,
+    HashingReader,
     HashingStream,
     StoredState,
     rank_file,
@@ -415,9 +416,36 @@ def read_parts_file(folder: Path, mmap: bool = False) -> dict:
     """
     path = folder / PARTS_FILE
     saved = load_tensors_file(path, mmap=mmap)
-    if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
+    if not _holds_parts(saved):
         raise CheckpointError(f"{path}: not the state dicts of a state's parts, by name; it was altered.")
     return saved
+
+
+def _holds_parts(saved: Any) -> bool:
+    return isinstance(saved, dict) and all(isinstance(state, dict) for state in saved.values())
+
+
+def read_parts_file_hashed(path: Path, expected_size: int) -> tuple[int, str, Optional[dict]]:
+    """Read a one-file state's parts file ``path`` as :func:`read_parts_file` does, while computing its size and
+    XXH3-128 from the very bytes read (:class:`~pytorch_accel_trainer.state.files.HashingReader`: each tensor's bytes
+    hashed as they land in it, no second read); return the size, the digest (``""``, the file left unread, when its
+    size is not ``expected_size``) and the parts, ``None`` when the file is no torch file of parts (a damaged one, whose
+    digest tells; an intact one is refused, saying why, by :func:`read_parts_file` when the state is loaded). The
+    parts are unverified until the digest matched the manifest: nothing may use them before.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        DamagedStateError: ``path`` is a symbolic link or not a regular file.
+    """
+    with HashingReader(path) as reader:
+        if reader.size != expected_size:
+            return reader.size, "", None
+        try:
+            saved = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
+        except Exception:  # unverified bytes: whatever torch raised, the digest (or read_parts_file) tells why
+            saved = None
+        size, digest = reader.finish()
+    return size, digest, saved if _holds_parts(saved) else None
 
 
 def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> StateContent:
@@ -440,7 +468,7 @@ def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> 
         )
     live = StateContent(parts, {}, {}).split()
     if stored.layout == ONE_FILE:
-        saved = read_parts_file(folder, mmap=True)
+        saved = stored.parts if stored.parts is not None else read_parts_file(folder, mmap=True)
         shapes = {
             name: tuple(tensor.shape)
             for part in parts
@@ -482,14 +510,17 @@ def load_sharded(
     folder = stored.folder
     live = live or check_fit(stored, shared, parts)
     if stored.layout == ONE_FILE:
-        saved = read_parts_file(folder, mmap=True)  # the verified file's pages, read as they are copied
+        # read as the file was verified (fresh tensors, handed over), else the verified file's pages, as they are copied
+        verified = stored.take_parts()
+        saved = verified if verified is not None else read_parts_file(folder, mmap=True)
         for name, part in parts.items():
             if name not in saved:
                 raise CheckpointError(
                     f"{folder / PARTS_FILE}: holds no {name}, which its trainer file lists; it was altered."
                 )
             # a model copies what it is given; an optimizer keeps it, so it is given copies, never the mapped file
-            part.load_state_dict(saved[name] if isinstance(part, ModelState) else copy.deepcopy(saved[name]))
+            mapped = verified is None and not isinstance(part, ModelState)
+            part.load_state_dict(copy.deepcopy(saved[name]) if mapped else saved[name])
         return
     from pytorch_accel_trainer.state.shards import load_shards
 
