@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -46,9 +47,13 @@ def _fsynced_torch_save(obj, path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _timed(function) -> float:
-    start = time.perf_counter()
+def _timed(function, cpu_times: Optional[list] = None) -> float:
+    """The wall time of ``function()``; with ``cpu_times``, its CPU time (every thread of the process) is appended
+    there: on a machine shared with other jobs, what the call itself cost, without the waits for a core."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     function()
+    if cpu_times is not None:
+        cpu_times.append(time.process_time() - start_cpu)
     return time.perf_counter() - start
 
 
@@ -74,6 +79,7 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         name: []
         for name in ("torch_save", "torch_load", "state_save", "state_load", "sync_stall", "async_stall", "async_total")
     }
+    cpu: dict = {name: [] for name in ("torch_save", "torch_load", "state_save", "state_load")}
     has_async = "asynchronous" in safe_points.write_state.__code__.co_varnames
     for repeat in range(repeats):
         plain, folder = root / f"plain-{repeat}.pt", root / f"states-{repeat}"
@@ -92,7 +98,7 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         ]
         for pair in pairs:
             for name, function in pair if repeat % 2 == 0 else reversed(pair):
-                times[name].append(_timed(function))
+                times[name].append(_timed(function, cpu[name]))
         position = trainer.run_state.position(None)
         times["sync_stall"].append(_timed(lambda: safe_points.write_state(trainer, root / f"sync-{repeat}", position)))
         if has_async:
@@ -108,6 +114,8 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
     ratios = {
         "save": [ours / base for ours, base in zip(times["state_save"], times["torch_save"])],
         "load": [ours / base for ours, base in zip(times["state_load"], times["torch_load"])],
+        "save_cpu": [ours / base for ours, base in zip(cpu["state_save"], cpu["torch_save"])],
+        "load_cpu": [ours / base for ours, base in zip(cpu["state_load"], cpu["torch_load"])],
     }
     if times["async_stall"]:
         ratios["async_stall"] = [ours / base for ours, base in zip(times["async_stall"], times["sync_stall"])]
@@ -119,6 +127,7 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         "median_s": {name: statistics.median(values) for name, values in times.items() if values},
         "median_ratio": {name: statistics.median(values) for name, values in ratios.items()},
         "raw_s": times,
+        "raw_cpu_s": cpu,
         "raw_ratio": ratios,
     }
 
@@ -138,20 +147,24 @@ def main() -> None:
     raw, ratios = result["raw_s"], result["raw_ratio"]
     print(f"state: {result['state_mib']:.0f} MiB (params + Adam moments), {args.repeats} repeats in {root.parent}")
     print("seconds and ratios: median (lower-upper quartile); a ratio is taken within each repeat\n")
-    print("| measure | seconds | ratio (goal) |\n|---|---|---|")
-    print(f"| torch.save + fsync | {_spread(raw['torch_save'])} | 1 |")
-    print(f"| save_training_state | {_spread(raw['state_save'])} | {_spread(ratios['save'])} (<= 1.05) |")
-    print(f"| torch.load + load_state_dict | {_spread(raw['torch_load'])} | 1 |")
-    print(
-        f"| load_training_state (verify + load) | {_spread(raw['state_load'])} | {_spread(ratios['load'])} (<= 1.1) |"
-    )
-    print(f"| stall of a synchronous save | {_spread(raw['sync_stall'])} | 1 |")
+    cpu = result["raw_cpu_s"]
+    print("| measure | seconds | ratio (goal) | CPU seconds | CPU-time ratio |\n|---|---|---|---|---|")
+    for label, name, ratio, goal in (
+        ("torch.save + fsync", "torch_save", "", ""),
+        ("save_training_state", "state_save", "save", " (<= 1.05)"),
+        ("torch.load + load_state_dict", "torch_load", "", ""),
+        ("load_training_state (verify + load)", "state_load", "load", " (<= 1.1)"),
+    ):
+        wall_ratio, cpu_ratio = (_spread(ratios[ratio]), _spread(ratios[f"{ratio}_cpu"])) if ratio else ("1", "1")
+        print(f"| {label} | {_spread(raw[name])} | {wall_ratio}{goal} | {_spread(cpu[name])} | {cpu_ratio} |")
+    print(f"| stall of a synchronous save | {_spread(raw['sync_stall'])} | 1 | | |")
     if "async_stall" in ratios:
         total = [ours / base for ours, base in zip(raw["async_total"], raw["sync_stall"])]
-        print(f"| stall of an asynchronous save | {_spread(raw['async_stall'])} | {_spread(ratios['async_stall'])} |")
-        print(f"| asynchronous save, until written | {_spread(raw['async_total'])} | {_spread(total)} |")
+        stall = _spread(ratios["async_stall"])
+        print(f"| stall of an asynchronous save | {_spread(raw['async_stall'])} | {stall} | | |")
+        print(f"| asynchronous save, until written | {_spread(raw['async_total'])} | {_spread(total)} | | |")
     else:
-        print("| stall of an asynchronous save | n/a | n/a |")
+        print("| stall of an asynchronous save | n/a | n/a | | |")
     print(json.dumps(result))
 
 
