@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional, Protocol, cast
@@ -119,11 +120,26 @@ def join_tensors(plain: Any, tensors: dict, prefix: str) -> Any:
 # ------------------------------------------------------------------------------------------------
 
 
+#: Held while a torch file is written without its zip records' CRC32 (:func:`save_tensors_file`), so that two saves
+#: of the package never restore torch's option out of turn.
+_CRC32_OPTION = threading.Lock()
+
+
 def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
-    """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing."""
-    with open(path, "wb") as handle:
+    """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing.
+
+    The file's zip records carry no CRC32 (``torch.serialization.set_crc32_options(False)`` while it is written: a
+    second pass over every byte, which the XXH3-128 of the manifest makes redundant); ``torch.load`` reads it as any
+    other, and a zip tool would report the records' CRC32 as wrong. torch's option is global: a ``torch.save`` of
+    another thread that starts meanwhile also writes none."""
+    with open(path, "wb") as handle, _CRC32_OPTION:
         stream = HashingStream(handle)
-        torch.save(obj, cast(IO[bytes], stream))  # a binary stream: torch.save needs only write()
+        computed = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(obj, cast(IO[bytes], stream))  # a binary stream: torch.save needs only write()
+        finally:
+            torch.serialization.set_crc32_options(computed)
         handle.flush()
         os.fsync(handle.fileno())
     return stream.size, stream.digest
