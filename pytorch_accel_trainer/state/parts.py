@@ -22,8 +22,9 @@ The two layouts of the sharded parts:
 
 - **One file** (``one_file``: a state written by one process, the most common run). The parts' full state dicts,
   tensors and plain values together as ``state_dict()`` returns them, by part name, in ``parts.pt``: one
-  ``torch.save``, read back with ``torch.load(weights_only=True)`` (memory-mapped for the fit check, which reads the
-  names and shapes alone). It resumes on any number of processes: each loads the full tensors into its part (under
+  ``torch.save``, read back with ``torch.load(weights_only=True)`` as a resume verifies it
+  (:func:`read_parts_file_hashed`: the file read once), else memory-mapped from the verified file
+  (:func:`read_parts_file`). It resumes on any number of processes: each loads the full tensors into its part (under
   FSDP, its shard of them: a full state dict).
 - **Sharded** (``sharded``: several processes). Each process writes the part of the tensors it holds (under FSDP its
   shard; under DDP DCP's planner spreads the replicated tensors over the processes), in parallel, straight from the
