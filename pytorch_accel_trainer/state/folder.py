@@ -328,14 +328,14 @@ def verify_folder(folder: Path, processes: Optional[Processes] = None, read_part
         names = names[processes.rank :: processes.count]
     problem, read = None, {}
 
-    def check(name: str) -> tuple[int, str]:
+    def size_and_digest(name: str) -> tuple[int, str]:
         if read_parts and name == PARTS_FILE and manifest["layout"] == ONE_FILE:
             size, digest, read[name] = state_parts.read_parts_file_hashed(folder / name, files[name]["size"])
             return size, digest
         return file_digest(folder / name, files[name]["size"])
 
     with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
-        checks = {name: pool.submit(check, name) for name in sorted(names)}
+        checks = {name: pool.submit(size_and_digest, name) for name in sorted(names)}
         for name, check in checks.items():  # in name order: the first damaged file is named
             try:
                 _check_file(folder / name, files[name], check)
