@@ -308,7 +308,8 @@ def _validate_format_version(folder: Path, version: Any) -> None:
 
 def verify_folder(folder: Path, processes: Optional[Processes] = None, read_parts: bool = False) -> StoredState:
     """Check every file of a training state against its manifest (size, then XXH3-128), never through a link; the
-    files are hashed at once on threads (xxhash releases the GIL), each mapped in memory a window at a time. With
+    files are hashed at once (the largest on the calling thread, the others on threads: xxhash releases the GIL),
+    each mapped in memory a window at a time. With
     ``processes`` (every one of which must call this), each process hashes its share of the files (the largest
     first, dealt out in turn: under FSDP each its own shard) and the verdicts are gathered, so that every process
     raises the same error, or none.
@@ -335,8 +336,10 @@ def verify_folder(folder: Path, processes: Optional[Processes] = None, read_part
         return file_digest(folder / name, files[name]["size"])
 
     with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
-        checks = {name: pool.submit(size_and_digest, name) for name in sorted(names)}
-        for name, check in checks.items():  # in name order: the first damaged file is named
+        checks = {name: pool.submit(size_and_digest, name) for name in names[1:]}
+        if names:  # the largest on this thread, while the pool hashes the others: no wait for a thread to wake
+            checks[names[0]] = _run_now(size_and_digest, names[0])
+        for name, check in sorted(checks.items()):  # in name order: the first damaged file is named
             try:
                 _check_file(folder / name, files[name], check)
             except CheckpointError as error:
@@ -347,6 +350,16 @@ def verify_folder(folder: Path, processes: Optional[Processes] = None, read_part
     if problem is not None:
         raise CheckpointError(problem[1])
     return StoredState(folder, manifest, parts=read.get(PARTS_FILE))
+
+
+def _run_now(function, *arguments) -> Future:
+    """``function(*arguments)`` run on this thread, as a completed future (its result, or its error)."""
+    future: Future = Future()
+    try:
+        future.set_result(function(*arguments))
+    except Exception as error:
+        future.set_exception(error)
+    return future
 
 
 def _check_file(path: Path, expected: dict, check: Future) -> None:
