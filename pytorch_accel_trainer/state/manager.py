@@ -120,8 +120,9 @@ class TrainingStates:
     def find(self, location: Any) -> Optional[StoredState]:
         """The state to resume from ``location`` (one state, a folder of them, a run folder, or a URL of one of
         these), verified: :func:`find_resumable_state` (a one-file state's parts read as they are verified, for its
-        load), or for an object-storage URL :func:`find_remote_state`; ``None`` (start a new run) only for a folder that does not exist or is empty; a run folder means its
-        ``training_states`` folder. Every process must call this.
+        load), or for an object-storage URL :func:`find_remote_state`; ``None`` (start a new run) only for a folder
+        that does not exist or is empty; a run folder means its ``training_states`` folder. Every process must call
+        this.
 
         Raises:
             CheckpointError: ``location`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's
