@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -41,20 +42,39 @@ def _trainer(width: int, layers: int) -> Trainer:
     return trainer
 
 
-def _fsynced_torch_save(obj, path: Path) -> None:
-    with open(path, "wb") as handle:  # flushed to disk, as a training state is
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+def _fsynced_torch_save(obj, path: Path, crc32: bool = True) -> None:
+    """``torch.save`` flushed to disk, as a training state is; with ``crc32=False``, its zip records without their
+    CRC32, as a training state's torch files are written (their XXH3-128 is in the manifest)."""
+    computed = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(crc32)
+    try:
+        with open(path, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    finally:
+        torch.serialization.set_crc32_options(computed)
 
 
-def _timed(function) -> float:
-    start = time.perf_counter()
+def _timed(function, cpu_times: Optional[list] = None) -> float:
+    """The wall time of ``function()``; with ``cpu_times``, its CPU time (every thread of the process) is appended
+    there: on a machine shared with other jobs, what the call itself cost, without the waits for a core."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     function()
+    if cpu_times is not None:
+        cpu_times.append(time.process_time() - start_cpu)
     return time.perf_counter() - start
 
 
+def _spread(values: list) -> str:
+    """The median of ``values`` with their quartiles (the middle half of the repeats), in one cell."""
+    low, median, high = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return f"{median:.3f} ({low:.3f}-{high:.3f})"
+
+
 def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
+    """Time each side of each pair in every repeat, the side that runs first alternating from one repeat to the next
+    (the machine's drift falls on both); a pair's ratio is taken within its repeat, then summarised over them."""
     trainer = _trainer(width, layers)
     model, optimizer = trainer.get_model(), trainer.optimizer
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -64,28 +84,32 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
         for v in s.values()
         if torch.is_tensor(v)
     )
-    times = {
-        name: []
-        for name in ("torch_save", "torch_load", "state_save", "state_load", "sync_stall", "async_stall", "async_total")
-    }
+    compared = ("torch_save", "torch_save_no_crc", "torch_load", "state_save", "state_load")
+    times: dict = {name: [] for name in (*compared, "sync_stall", "async_stall", "async_total")}
+    cpu: dict = {name: [] for name in compared}
     has_async = "asynchronous" in safe_points.write_state.__code__.co_varnames
     for repeat in range(repeats):
-        plain = root / f"plain-{repeat}.pt"
-        times["torch_save"].append(
-            _timed(
-                lambda: _fsynced_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain)
-            )
-        )
+        plain, folder = root / f"plain-{repeat}.pt", root / f"states-{repeat}"
+
+        def torch_save(crc32: bool = True):
+            _fsynced_torch_save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, plain, crc32)
 
         def torch_load():
             loaded = torch.load(plain, map_location="cpu", weights_only=True)
             model.load_state_dict(loaded["model"])
             optimizer.load_state_dict(loaded["optimizer"])
 
-        times["torch_load"].append(_timed(torch_load))
-        folder = root / f"states-{repeat}"
-        times["state_save"].append(_timed(lambda: trainer.save_training_state(folder)))
-        times["state_load"].append(_timed(lambda: trainer.load_training_state(folder)))
+        pairs = [
+            (
+                ("torch_save", torch_save),
+                ("state_save", lambda: trainer.save_training_state(folder)),
+                ("torch_save_no_crc", lambda: torch_save(crc32=False)),
+            ),
+            (("torch_load", torch_load), ("state_load", lambda: trainer.load_training_state(folder))),
+        ]
+        for pair in pairs:
+            for name, function in pair if repeat % 2 == 0 else reversed(pair):
+                times[name].append(_timed(function, cpu[name]))
         position = trainer.run_state.position(None)
         times["sync_stall"].append(_timed(lambda: safe_points.write_state(trainer, root / f"sync-{repeat}", position)))
         if has_async:
@@ -98,14 +122,26 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
             times["async_total"].append(time.perf_counter() - start)
         for path in root.iterdir():
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    medians = {name: statistics.median(values) for name, values in times.items() if values}
+    ratios = {
+        "save": [ours / base for ours, base in zip(times["state_save"], times["torch_save"])],
+        "load": [ours / base for ours, base in zip(times["state_load"], times["torch_load"])],
+        "save_no_crc": [ours / base for ours, base in zip(times["state_save"], times["torch_save_no_crc"])],
+        "save_cpu": [ours / base for ours, base in zip(cpu["state_save"], cpu["torch_save"])],
+        "save_no_crc_cpu": [ours / base for ours, base in zip(cpu["state_save"], cpu["torch_save_no_crc"])],
+        "load_cpu": [ours / base for ours, base in zip(cpu["state_load"], cpu["torch_load"])],
+    }
+    if times["async_stall"]:
+        ratios["async_stall"] = [ours / base for ours, base in zip(times["async_stall"], times["sync_stall"])]
     return {
         "width": width,
         "layers": layers,
         "repeats": repeats,
         "state_mib": state_bytes / 2**20,
-        "median_s": medians,
+        "median_s": {name: statistics.median(values) for name, values in times.items() if values},
+        "median_ratio": {name: statistics.median(values) for name, values in ratios.items()},
         "raw_s": times,
+        "raw_cpu_s": cpu,
+        "raw_ratio": ratios,
     }
 
 
@@ -228,7 +264,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary folder)")
     parser.add_argument("--time-lost", action="store_true", help="training time lost per save, sync and async")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of --time-lost")
@@ -247,21 +283,29 @@ def main() -> None:
         result = measure(args.width, args.layers, args.repeats, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    m = result["median_s"]
-    print(f"state: {result['state_mib']:.0f} MiB (params + Adam moments), median of {args.repeats}\n")
-    print("| measure | seconds | ratio |\n|---|---|---|")
-    print(f"| torch.save + fsync | {m['torch_save']:.3f} | 1 |")
-    print(f"| save_training_state | {m['state_save']:.3f} | {m['state_save'] / m['torch_save']:.2f}x torch.save |")
-    print(f"| torch.load + load_state_dict | {m['torch_load']:.3f} | 1 |")
-    load_ratio = m["state_load"] / m["torch_load"]
-    print(f"| load_training_state (verify + load) | {m['state_load']:.3f} | {load_ratio:.2f}x torch.load |")
-    print(f"| stall of a synchronous save | {m['sync_stall']:.3f} | 1 |")
-    if "async_stall" in m:
-        stall_ratio, total_ratio = m["async_stall"] / m["sync_stall"], m["async_total"] / m["sync_stall"]
-        print(f"| stall of an asynchronous save | {m['async_stall']:.3f} | {stall_ratio:.2f}x synchronous |")
-        print(f"| asynchronous save, until written | {m['async_total']:.3f} | {total_ratio:.2f}x synchronous |")
+    raw, ratios = result["raw_s"], result["raw_ratio"]
+    print(f"state: {result['state_mib']:.0f} MiB (params + Adam moments), {args.repeats} repeats in {root.parent}")
+    print("seconds and ratios: median (lower-upper quartile); a ratio is taken within each repeat\n")
+    cpu = result["raw_cpu_s"]
+    print("| measure | seconds | ratio (goal) | CPU seconds | CPU-time ratio |\n|---|---|---|---|---|")
+    for label, name, ratio, goal in (
+        ("torch.save + fsync", "torch_save", "", ""),
+        ("save_training_state", "state_save", "save", " (<= 1.05)"),
+        ("torch.save + fsync without the zip's CRC32", "torch_save_no_crc", "", ""),
+        ("save_training_state over the row above", "state_save", "save_no_crc", ""),
+        ("torch.load + load_state_dict", "torch_load", "", ""),
+        ("load_training_state (verify + load)", "state_load", "load", " (<= 1.1)"),
+    ):
+        wall_ratio, cpu_ratio = (_spread(ratios[ratio]), _spread(ratios[f"{ratio}_cpu"])) if ratio else ("1", "1")
+        print(f"| {label} | {_spread(raw[name])} | {wall_ratio}{goal} | {_spread(cpu[name])} | {cpu_ratio} |")
+    print(f"| stall of a synchronous save | {_spread(raw['sync_stall'])} | 1 | | |")
+    if "async_stall" in ratios:
+        total = [ours / base for ours, base in zip(raw["async_total"], raw["sync_stall"])]
+        stall = _spread(ratios["async_stall"])
+        print(f"| stall of an asynchronous save | {_spread(raw['async_stall'])} | {stall} | | |")
+        print(f"| asynchronous save, until written | {_spread(raw['async_total'])} | {_spread(total)} | | |")
     else:
-        print("| stall of an asynchronous save | n/a | n/a |")
+        print("| stall of an asynchronous save | n/a | n/a | | |")
     print(json.dumps(result))
 
 

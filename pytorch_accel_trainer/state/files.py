@@ -174,6 +174,14 @@ class StoredState:
     manifest: dict = field(repr=False)
     #: The state's URL, for one downloaded from object storage (``folder`` is then its copy in the mirror).
     url: Optional[str] = field(default=None, compare=False)
+    #: A one-file state's sharded parts, read as its parts file was verified (``folder.verify_folder(read_parts=
+    #: True)``), for its load to take (:meth:`take_parts`): the file is read once.
+    parts: Optional[dict] = field(default=None, repr=False, compare=False)
+
+    def take_parts(self) -> Optional[dict]:
+        """The parts read as the state was verified (``None``: not read), handed over: the state keeps none."""
+        parts, self.parts = self.parts, None
+        return parts
 
     @property
     def order(self) -> tuple:
@@ -288,6 +296,9 @@ def _open_regular_file(path: Path) -> tuple[int, os.stat_result]:
 #: The part of a file mapped in memory at a time while it is hashed: what verifying a state adds to a process's
 #: resident memory, whatever the state's size (the pages are the page cache's; unmapped as the hash moves on).
 HASH_WINDOW = 64 * 1024 * 1024
+#: The pieces in which :class:`HashingStream` and :class:`HashingReader` hash the bytes they pass: each is hashed
+#: while it is in the CPU's cache, so that the checksum adds no pass over memory.
+HASH_PIECE = 1024 * 1024
 
 
 class HashingStream(io.RawIOBase):
@@ -303,9 +314,11 @@ class HashingStream(io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self._hasher.update(view)
+        for start in range(0, len(view), HASH_PIECE):  # each piece written while the hash left it in the CPU's cache
+            piece = view[start : start + HASH_PIECE]
+            self._hasher.update(piece)
+            self._handle.write(piece)
         self.size += len(view)
-        self._handle.write(view)
         return len(view)
 
     def tell(self) -> int:
@@ -323,6 +336,77 @@ class HashingStream(io.RawIOBase):
     @property
     def digest(self) -> str:
         return self._hasher.hexdigest()
+
+
+class HashingReader(io.RawIOBase):
+    """A read-only binary stream over the regular file ``path`` (opened without following a link) that computes the
+    file's size and XXH3-128 from the bytes read through it, as they land where they are read to: a reader that reads
+    the file in order (``torch.load`` reads a torch file's records in the order ``torch.save`` wrote them) has it
+    hashed with no second read. Bytes read ahead of what was hashed are left to be hashed when the hash reaches them
+    (a gap of at most :data:`HASH_PIECE` is read for the hash at once: a torch file's record headers); :meth:`finish`
+    reads and hashes whatever no read reached, and returns the size and digest, which the caller compares with the
+    manifest before it uses anything read.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        DamagedStateError: ``path`` is a symbolic link or not a regular file.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self._descriptor, status = _open_regular_file(path)
+        self.size, self._position, self._hashed, self._hasher = status.st_size, 0, 0, xxhash.xxh3_128()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._position = offset + {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self.size}[whence]
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        if self._hashed < self._position <= self._hashed + HASH_PIECE:
+            self._hash_up_to(self._position)
+        done = 0
+        while done < len(view):
+            start = self._position + done
+            read = os.preadv(self._descriptor, [view[done : done + HASH_PIECE]], start)
+            if read == 0:
+                break
+            if start <= self._hashed < start + read:  # the piece reaches past the hash: hashed while in the cache
+                self._hasher.update(view[done + self._hashed - start : done + read])
+                self._hashed = start + read
+            done += read
+        self._position += done
+        return done
+
+    def _hash_up_to(self, end: int) -> None:
+        scratch = bytearray(HASH_PIECE)
+        while self._hashed < end:
+            read = os.preadv(
+                self._descriptor, [memoryview(scratch)[: min(HASH_PIECE, end - self._hashed)]], self._hashed
+            )
+            if read == 0:
+                break
+            self._hasher.update(memoryview(scratch)[:read])
+            self._hashed += read
+
+    def finish(self) -> tuple[int, str]:
+        """Hash what no read reached; return the file's size and XXH3-128 (``""`` if it ended before its size)."""
+        self._hash_up_to(self.size)
+        return self.size, self._hasher.hexdigest() if self._hashed == self.size else ""
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._descriptor)
+        super().close()
 
 
 def file_digest(path: Path, expected_size: Optional[int] = None) -> tuple[int, str]:

@@ -35,6 +35,8 @@ from pytorch_accel_trainer.state.files import (
     FORMAT_VERSION,
     LATEST_NAME,
     MANIFEST_NAME,
+    ONE_FILE,
+    PARTS_FILE,
     TEMPORARY_PREFIX,
     TRAINER_FILE,
     WRITER_MARKER_PREFIX,
@@ -304,12 +306,17 @@ def _validate_format_version(folder: Path, version: Any) -> None:
         )
 
 
-def verify_folder(folder: Path, processes: Optional[Processes] = None) -> StoredState:
+def verify_folder(folder: Path, processes: Optional[Processes] = None, read_parts: bool = False) -> StoredState:
     """Check every file of a training state against its manifest (size, then XXH3-128), never through a link; the
-    files are hashed at once on threads (xxhash releases the GIL), each mapped in memory a window at a time. With
+    files are hashed at once (the largest on the calling thread, the others on threads: xxhash releases the GIL),
+    each mapped in memory a window at a time. With
     ``processes`` (every one of which must call this), each process hashes its share of the files (the largest
     first, dealt out in turn: under FSDP each its own shard) and the verdicts are gathered, so that every process
     raises the same error, or none.
+
+    With ``read_parts`` (a state about to be loaded), a one-file state's parts file, when this process hashes it, is
+    read into memory as it is hashed (:func:`~pytorch_accel_trainer.state.parts.read_parts_file_hashed`) and kept
+    on the returned state (``parts``) for its load: the file is read once, and what is loaded is what was verified.
 
     Raises:
         StateFormatError: the state is of another format version than the one read.
@@ -320,10 +327,19 @@ def verify_folder(folder: Path, processes: Optional[Processes] = None) -> Stored
     names = sorted(files, key=lambda name: (-files[name]["size"], name))
     if processes is not None and processes.count > 1:
         names = names[processes.rank :: processes.count]
-    problem = None
+    problem, read = None, {}
+
+    def size_and_digest(name: str) -> tuple[int, str]:
+        if read_parts and name == PARTS_FILE and manifest["layout"] == ONE_FILE:
+            size, digest, read[name] = state_parts.read_parts_file_hashed(folder / name, files[name]["size"])
+            return size, digest
+        return file_digest(folder / name, files[name]["size"])
+
     with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
-        checks = {name: pool.submit(file_digest, folder / name, files[name]["size"]) for name in sorted(names)}
-        for name, check in checks.items():  # in name order: the first damaged file is named
+        checks = {name: pool.submit(size_and_digest, name) for name in names[1:]}
+        if names:  # the largest on this thread, while the pool hashes the others: no wait for a thread to wake
+            checks[names[0]] = _run_now(size_and_digest, names[0])
+        for name, check in sorted(checks.items()):  # in name order: the first damaged file is named
             try:
                 _check_file(folder / name, files[name], check)
             except CheckpointError as error:
@@ -333,7 +349,17 @@ def verify_folder(folder: Path, processes: Optional[Processes] = None) -> Stored
         problem = min((found for found in processes.all_gather(problem) if found is not None), default=None)
     if problem is not None:
         raise CheckpointError(problem[1])
-    return StoredState(folder, manifest)
+    return StoredState(folder, manifest, parts=read.get(PARTS_FILE))
+
+
+def _run_now(function, *arguments) -> Future:
+    """``function(*arguments)`` run on this thread, as a completed future (its result, or its error)."""
+    future: Future = Future()
+    try:
+        future.set_result(function(*arguments))
+    except Exception as error:
+        future.set_exception(error)
+    return future
 
 
 def _check_file(path: Path, expected: dict, check: Future) -> None:

@@ -119,9 +119,10 @@ class TrainingStates:
 
     def find(self, location: Any) -> Optional[StoredState]:
         """The state to resume from ``location`` (one state, a folder of them, a run folder, or a URL of one of
-        these), verified: :func:`find_resumable_state` (or, for an object-storage URL, :func:`find_remote_state`);
-        ``None`` (start a new run) only for a folder that does not exist or is empty; a run folder means its
-        ``training_states`` folder. Every process must call this.
+        these), verified: :func:`find_resumable_state` (a one-file state's parts read as they are verified, for its
+        load), or for an object-storage URL :func:`find_remote_state`; ``None`` (start a new run) only for a folder
+        that does not exist or is empty; a run folder means its ``training_states`` folder. Every process must call
+        this.
 
         Raises:
             CheckpointError: ``location`` is a file, holds an Accelerate ``save_state`` (pytorch-accelerated's
@@ -136,7 +137,7 @@ class TrainingStates:
             return None  # the auto-resume of a preemptible job's first start: the folder is made by its first save
         if path.is_dir() and is_run_folder(path):
             return self.find(path / RUN_FOLDER_STATES)
-        stored = find_resumable_state(path, self.processes)
+        stored = find_resumable_state(path, self.processes, read_parts=True)  # to be loaded: read as verified
         found = [name for name in ACCELERATE_STATE_FILES if (path / name).is_file()]
         if stored is None and not found:
             content = _visible_entries(path)
@@ -452,7 +453,9 @@ def _download_newest(remote: RemoteStates, only: Optional[str]) -> Optional[str]
 # ------------------------------------------------------------------------------------------------
 
 
-def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> Optional[StoredState]:
+def find_resumable_state(
+    path: Path, processes: Optional[Processes] = None, read_parts: bool = False
+) -> Optional[StoredState]:
     """Return the training state to resume from ``path``, or ``None`` for a folder with none yet.
 
     ``path`` is one training state (a folder with a manifest) or a folder of them, of which the newest
@@ -463,7 +466,9 @@ def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> O
     whose trainer file disagrees with its manifest (an edited manifest) is a damaged one.
 
     With ``processes`` (every one of which must call this), each state is verified by them together, each hashing
-    its share of the files (:func:`verify_folder`).
+    its share of the files (:func:`verify_folder`). With ``read_parts`` (a state about to be loaded), the parts file
+    of the one-file state returned is read as it is verified, and kept on it for its load (``StoredState.parts``):
+    the load reads it no second time.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -486,7 +491,7 @@ def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> O
             "SaveTrainingStateCallback)."
         )
     if os.path.lexists(path / MANIFEST_NAME):
-        return verify_folder(path, processes)
+        return verify_folder(path, processes, read_parts)
     readable = {folder: _readable_state(folder) for folder in state_folders(path)}
     run_id = _run_to_resume(path, [state for state in readable.values() if state is not None])
     other_runs = [state for state in readable.values() if state is not None and state.run_id != run_id]
@@ -497,7 +502,7 @@ def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> O
         if known is not None and (known.run_id != run_id or stored is not None):
             continue  # another run's, or older than the state chosen: left alone
         try:
-            candidate = _verify_state_in(folder, processes)
+            candidate = _verify_state_in(folder, processes, read_parts)
         except CheckpointError as error:
             problems.append(error)
             continue
@@ -512,12 +517,12 @@ def find_resumable_state(path: Path, processes: Optional[Processes] = None) -> O
     return stored
 
 
-def _verify_state_in(folder: Path, processes: Optional[Processes] = None) -> StoredState:
+def _verify_state_in(folder: Path, processes: Optional[Processes] = None, read_parts: bool = False) -> StoredState:
     """A state of a folder of states, verified down to its trainer file (whose position must be the manifest's: an
     edited manifest must not make an older state look like the newest, and then stop the resume)."""
     if not is_real_directory(folder):
         raise CheckpointError(f"{folder}: a symbolic link; states are read only from folders inside {folder.parent}.")
-    stored = verify_folder(folder, processes)
+    stored = verify_folder(folder, processes, read_parts)
     load_trainer_file(stored)
     return stored
 

@@ -22,8 +22,9 @@ The two layouts of the sharded parts:
 
 - **One file** (``one_file``: a state written by one process, the most common run). The parts' full state dicts,
   tensors and plain values together as ``state_dict()`` returns them, by part name, in ``parts.pt``: one
-  ``torch.save``, read back with ``torch.load(weights_only=True)`` (memory-mapped for the fit check, which reads the
-  names and shapes alone). It resumes on any number of processes: each loads the full tensors into its part (under
+  ``torch.save``, read back with ``torch.load(weights_only=True)`` as a resume verifies it
+  (:func:`read_parts_file_hashed`: the file read once), else memory-mapped from the verified file
+  (:func:`read_parts_file`). It resumes on any number of processes: each loads the full tensors into its part (under
   FSDP, its shard of them: a full state dict).
 - **Sharded** (``sharded``: several processes). Each process writes the part of the tensors it holds (under FSDP its
   shard; under DDP DCP's planner spreads the replicated tensors over the processes), in parallel, straight from the
@@ -41,6 +42,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Optional, Protocol, cast
@@ -58,6 +60,7 @@ from pytorch_accel_trainer.state.files import (
     TEMPORARY_PREFIX,
     TRAINER_FILE,
     DamagedStateError,
+    HashingReader,
     HashingStream,
     StoredState,
     rank_file,
@@ -118,11 +121,26 @@ def join_tensors(plain: Any, tensors: dict, prefix: str) -> Any:
 # ------------------------------------------------------------------------------------------------
 
 
+#: Held while a torch file is written without its zip records' CRC32 (:func:`save_tensors_file`), so that two saves
+#: of the package never restore torch's option out of turn.
+_CRC32_OPTION = threading.Lock()
+
+
 def save_tensors_file(obj: Any, path: Path) -> tuple[int, str]:
-    """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing."""
-    with open(path, "wb") as handle:
+    """``torch.save`` to ``path``, flushed to disk; return its size and checksum, computed while writing.
+
+    The file's zip records carry no CRC32 (``torch.serialization.set_crc32_options(False)`` while it is written: a
+    second pass over every byte, which the XXH3-128 of the manifest makes redundant); ``torch.load`` reads it as any
+    other, and a zip tool would report the records' CRC32 as wrong. torch's option is global: a ``torch.save`` of
+    another thread that starts meanwhile also writes none."""
+    with open(path, "wb") as handle, _CRC32_OPTION:
         stream = HashingStream(handle)
-        torch.save(obj, cast(IO[bytes], stream))  # a binary stream: torch.save needs only write()
+        computed = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(obj, cast(IO[bytes], stream))  # a binary stream: torch.save needs only write()
+        finally:
+            torch.serialization.set_crc32_options(computed)
         handle.flush()
         os.fsync(handle.fileno())
     return stream.size, stream.digest
@@ -415,9 +433,36 @@ def read_parts_file(folder: Path, mmap: bool = False) -> dict:
     """
     path = folder / PARTS_FILE
     saved = load_tensors_file(path, mmap=mmap)
-    if not isinstance(saved, dict) or not all(isinstance(state, dict) for state in saved.values()):
+    if not _holds_parts(saved):
         raise CheckpointError(f"{path}: not the state dicts of a state's parts, by name; it was altered.")
     return saved
+
+
+def _holds_parts(saved: Any) -> bool:
+    return isinstance(saved, dict) and all(isinstance(state, dict) for state in saved.values())
+
+
+def read_parts_file_hashed(path: Path, expected_size: int) -> tuple[int, str, Optional[dict]]:
+    """Read a one-file state's parts file ``path`` as :func:`read_parts_file` does, while computing its size and
+    XXH3-128 from the very bytes read (:class:`~pytorch_accel_trainer.state.files.HashingReader`: each tensor's bytes
+    hashed as they land in it, no second read); return the size, the digest (``""``, the file left unread, when its
+    size is not ``expected_size``) and the parts, ``None`` when the file is no torch file of parts (a damaged one, whose
+    digest tells; an intact one is refused, saying why, by :func:`read_parts_file` when the state is loaded). The
+    parts are unverified until the digest matched the manifest: nothing may use them before.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        DamagedStateError: ``path`` is a symbolic link or not a regular file.
+    """
+    with HashingReader(path) as reader:
+        if reader.size != expected_size:
+            return reader.size, "", None
+        try:
+            saved = torch.load(cast(IO[bytes], reader), map_location="cpu", weights_only=True)
+        except Exception:  # unverified bytes: whatever torch raised, the digest (or read_parts_file) tells why
+            saved = None
+        size, digest = reader.finish()
+    return size, digest, saved if _holds_parts(saved) else None
 
 
 def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> StateContent:
@@ -440,7 +485,7 @@ def check_fit(stored: StoredState, shared: dict, parts: dict[str, Stateful]) -> 
         )
     live = StateContent(parts, {}, {}).split()
     if stored.layout == ONE_FILE:
-        saved = read_parts_file(folder, mmap=True)
+        saved = stored.parts if stored.parts is not None else read_parts_file(folder, mmap=True)
         shapes = {
             name: tuple(tensor.shape)
             for part in parts
@@ -482,14 +527,17 @@ def load_sharded(
     folder = stored.folder
     live = live or check_fit(stored, shared, parts)
     if stored.layout == ONE_FILE:
-        saved = read_parts_file(folder, mmap=True)  # the verified file's pages, read as they are copied
+        # read as the file was verified (fresh tensors, handed over), else the verified file's pages, as they are copied
+        verified = stored.take_parts()
+        saved = verified if verified is not None else read_parts_file(folder, mmap=True)
         for name, part in parts.items():
             if name not in saved:
                 raise CheckpointError(
                     f"{folder / PARTS_FILE}: holds no {name}, which its trainer file lists; it was altered."
                 )
             # a model copies what it is given; an optimizer keeps it, so it is given copies, never the mapped file
-            part.load_state_dict(saved[name] if isinstance(part, ModelState) else copy.deepcopy(saved[name]))
+            mapped = verified is None and not isinstance(part, ModelState)
+            part.load_state_dict(copy.deepcopy(saved[name]) if mapped else saved[name])
         return
     from pytorch_accel_trainer.state.shards import load_shards
 
