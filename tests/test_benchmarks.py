@@ -99,10 +99,10 @@ def test_save_and_resume_traces_stay_small():
     figures = persistence_trace.measure()
     save, resume = figures["save"], figures["resume"]
     assert save["functions"] <= 106 and save["files"] <= 15, "\n".join(save["listing"])
-    assert resume["functions"] <= 111 and resume["files"] <= 12, "\n".join(resume["listing"])
+    assert resume["functions"] <= 113 and resume["files"] <= 12, "\n".join(resume["listing"])
     # Named functions only (a comprehension or a lambda is read with the function that encloses it).
     assert save["named"]["functions"] <= 86 and save["named"]["files"] <= 15, "\n".join(save["listing"])
-    assert resume["named"]["functions"] <= 80 and resume["named"]["files"] <= 12, "\n".join(resume["listing"])
+    assert resume["named"]["functions"] <= 83 and resume["named"]["files"] <= 12, "\n".join(resume["listing"])
 
 
 #: The rows of benchmarks/sharded_state.py, in its order.
