@@ -127,15 +127,16 @@ def test_fp16_on_cpu_is_a_clear_error(tmp_path, precision, environment_precision
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    importlib.util.find_spec("transformer_engine") is not None or importlib.util.find_spec("msamp") is not None,
+    any(importlib.util.find_spec(backend) is not None for backend in ("transformer_engine", "msamp", "torchao")),
     reason="an fp8 backend is installed",
 )
 def test_fp8_without_backend_is_an_error(tmp_path):
-    """fp8 without a backend is an error that leaves the process usable."""
+    """fp8 without a backend is an error that leaves the process usable (Accelerate's error: its second backend is
+    MS-AMP up to 1.15, torchao from 1.16)."""
     result = run_in_fresh_process(tmp_path, "fp8")
 
     assert re.search(
-        r"Using `fp8` precision requires `transformer_engine` or `MS-AMP` to be installed", result["error"]
+        r"Using `fp8` precision requires `transformer_engine` or `(MS-AMP|torchao)` to be installed", result["error"]
     )
     assert result["mixed_precision"] == "bf16"
 

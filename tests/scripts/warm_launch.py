@@ -79,15 +79,10 @@ READ_AT_IMPORT = (
 READ_WHEN_USED = {"PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR"}
 
 #: What ``accelerate launch --multi_gpu --num_machines 1 --mixed_precision no --dynamo_backend no`` adds to the
-#: environment of each process, besides torchrun's per-process variables (``_process_environment``).
-ACCELERATE_ENV = {
-    "ACCELERATE_MIXED_PRECISION": "no",
-    "ACCELERATE_DYNAMO_BACKEND": "NO",
-    "ACCELERATE_DYNAMO_MODE": "default",
-    "ACCELERATE_DYNAMO_USE_FULLGRAPH": "False",
-    "ACCELERATE_DYNAMO_USE_DYNAMIC": "False",
-    "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "False",
-}
+#: environment of each process, besides torchrun's per-process variables (``_process_environment``): its
+#: ``ACCELERATE_*`` variables, as the installed Accelerate's launch computes them (``_accelerate_launch_env``; they
+#: differ between versions: 1.16 no longer sets ``ACCELERATE_DYNAMO_USE_DYNAMIC`` when it is not given).
+ACCELERATE_ENV: dict = {}
 
 #: How long a failed process's siblings have to end after SIGTERM before SIGKILL (torchrun's default).
 TERMINATE_GRACE_S = 30
@@ -194,6 +189,7 @@ def serve(socket_path: str) -> int:
 
     _import_optional_libraries()
 
+    ACCELERATE_ENV.update(_accelerate_launch_env())
     gc.freeze()  # the launches share these objects unchanged: their collector leaves them be (fewer copied pages)
     imported_env = dict(os.environ)
     imported_pythonpath = os.environ.get("PYTHONPATH", "").split(os.pathsep)
@@ -226,6 +222,19 @@ OPTIONAL_IMPORTS = (
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.distributed.tensor_parallel",
 )
+
+
+def _accelerate_launch_env() -> dict:
+    """The ``ACCELERATE_*`` variables that the installed Accelerate's ``accelerate launch --multi_gpu --num_processes 2
+    --num_machines 1 --mixed_precision no --dynamo_backend no`` gives each process (its own parser and
+    ``prepare_multi_gpu_env``)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    arguments = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    args = launch_command_parser().parse_args([*arguments, "--dynamo_backend", "no", "script.py"])
+    _validate_launch_command(args)
+    return {name: value for name, value in prepare_multi_gpu_env(args).items() if name.startswith("ACCELERATE_")}
 
 
 def _import_optional_libraries() -> None:
