@@ -1,8 +1,10 @@
 #!/bin/sh
 # The accelerate-dependent tests against the oldest Accelerate the package allows: the lower bound of setup.cfg's
-# install_requires, read from there, in a second environment. The main suite runs against the newest Accelerate pip
-# finds; CI runs this after it (the README's test command). About 55 s from nothing on 2 cores (20 s of install,
-# 34 s of tests). See docs/versions.md.
+# install_requires, read from there, installed alone (no dependencies) in a side folder, .venv/lowest-accelerate,
+# that goes first on the path of the test run and of every process it starts, over .venv's newer Accelerate (torch,
+# the package, the test tools and what Accelerate itself requires are .venv's): no second environment, no second
+# torch to install. The main suite runs against the newest Accelerate pip finds; CI runs this after it (the README's
+# test command). See docs/versions.md.
 #
 # Usage: sh tests/scripts/lowest_accelerate.sh [pytest arguments]
 set -eu
@@ -19,18 +21,18 @@ sys.exit(V(accelerate.__version__) != V('$lowest'))" 2>/dev/null; then
     echo "lowest_accelerate.sh: the main suite ran against accelerate $lowest, the lower bound: nothing more to test"
     exit 0
 fi
-# inside .venv's folder, which git, ruff and tests/test_lint.py's walk of the checkout skip (they would read all of
-# torch anywhere else), and which `python3 -m venv .venv` leaves alone
-venv=.venv/lowest-accelerate
-python3 -m venv "$venv"
-"$venv/bin/pip" install -q -U pip  # the pip of `python3 -m venv` (23.2) takes three times as long to resolve
-# --no-compile, then PYTHONDONTWRITEBYTECODE= below: Python compiles what the tests import, not all of torch (README)
-"$venv/bin/pip" install -q --no-compile -c constraints.txt torch
-"$venv/bin/pip" install -q --no-compile -c constraints.txt -e . "accelerate==$lowest" pytest pytest-xdist pytest-timeout
+# inside .venv's folder, which git, ruff and tests/test_lint.py's walk of the checkout skip
+side=.venv/lowest-accelerate
+.venv/bin/pip install -q --no-compile --no-deps --upgrade --target "$PWD/$side" "accelerate==$lowest"
+export PYTHONPATH="$PWD/$side${PYTHONPATH:+:$PYTHONPATH}"
+# the side folder's Accelerate, its version and the folder it is imported from, or stop
+.venv/bin/python -c "import sys, accelerate; from packaging.version import Version as V
+if V(accelerate.__version__) != V('$lowest') or not accelerate.__file__.startswith('$PWD/$side/'):
+    sys.exit(f'lowest_accelerate.sh: imported accelerate {accelerate.__version__} from {accelerate.__file__}')"
 
 # what depends on Accelerate: no private state outside accelerate_internals.py, 2 processes equal 1, accumulation,
 # exact resume (the shuffled order of a resumed epoch), FSDP2 on the CPU, and the process and precision set-up
-PYTHONDONTWRITEBYTECODE= exec "$venv/bin/python" -m pytest "$@" \
+PYTHONDONTWRITEBYTECODE= exec .venv/bin/python -m pytest "$@" \
     tests/test_accelerate_versions.py \
     tests/test_distributed.py::test_two_processes_equal_one \
     tests/test_distributed.py::test_one_process_set_up_under_launch \
