@@ -37,7 +37,10 @@ each process has the environment the agent gives it and, with ``-u``, the unbuff
 
 Not the same, so a test of these keeps ``real_launcher``: the launcher's own output and exit statuses (torchrun's
 error report), its handling of signals sent to it, restarts, and a variable that torch, Python or a library reads
-when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with that message).
+when it is imported (a launch whose environment changes one of READ_AT_IMPORT is refused with that message). And
+what happens in C++ as an interpreter that started with the process finalises: the gloo exit race of
+tests/test_exit.py aborted every new interpreter with the fix turned off, but no warm process (4 in 4, behind the
+real agents, with the shim preloaded in a server of their own), so that test launches new interpreters.
 """
 
 from __future__ import annotations
