@@ -11,11 +11,8 @@
 set -eu
 cd "$(dirname "$0")/../.."
 
-version=$(sed -n 's/^ *deepspeed==\([0-9][0-9.]*\).*/\1/p' setup.cfg)
-if [ -z "$version" ]; then
-    echo "setup.cfg has no 'deepspeed==X' line (its deepspeed extra) to take DeepSpeed's version from" >&2
-    exit 1
-fi
+. tests/scripts/setup_cfg_version.sh
+version=$(setup_cfg_version deepspeed "==" "deepspeed extra")
 # inside .venv's folder, which git, ruff and tests/test_lint.py's walk of the checkout skip; DeepSpeed's own
 # dependencies that .venv lacks (torch, numpy, pydantic, psutil, packaging, tqdm are there)
 .venv/bin/pip install -q --no-compile --no-deps --upgrade --target "$PWD/.venv/deepspeed" -c constraints.txt \

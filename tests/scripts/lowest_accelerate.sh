@@ -10,11 +10,8 @@
 set -eu
 cd "$(dirname "$0")/../.."
 
-lowest=$(sed -n 's/^ *accelerate>=\([0-9][0-9.]*\).*/\1/p' setup.cfg)
-if [ -z "$lowest" ]; then
-    echo "setup.cfg's install_requires has no 'accelerate>=X' line to take the lowest Accelerate from" >&2
-    exit 1
-fi
+. tests/scripts/setup_cfg_version.sh
+lowest=$(setup_cfg_version accelerate ">=" install_requires)
 # pip found no release newer than the lower bound: the main suite just ran against it, which is the whole range
 if .venv/bin/python -c "import sys, accelerate; from packaging.version import Version as V
 sys.exit(V(accelerate.__version__) != V('$lowest'))" 2>/dev/null; then
