@@ -4,8 +4,10 @@
 # Not in .venv itself: with DeepSpeed importable, Accelerate imports it in every run (accelerator.unwrap_model ->
 # extract_model_from_parallel imports DeepSpeedEngine whenever DeepSpeed is installed), which costs each training
 # process of the suite 3.5 to 8 s more on 2 busy cores and prints DeepSpeed's "Setting accelerator to CPU" warning
-# to stdout. The README's test command runs this before the suite (about 3 s with pip's cache, 16 s building
-# DeepSpeed's wheel without it, and the build of DeepSpeed's CPU op below).
+# to stdout.
+#
+# It needs only torch in .venv: the README's test command runs it beside the install of the test extra (`&`, then
+# `wait`), so that its build (below, about 45 s of one core) takes the core pip leaves idle.
 #
 # Usage: sh tests/scripts/install_deepspeed_aside.sh
 set -eu
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/../.."
 . tests/scripts/setup_cfg_version.sh
 version=$(setup_cfg_version deepspeed "==" "deepspeed extra")
 # inside .venv's folder, which git, ruff and tests/test_lint.py's walk of the checkout skip; DeepSpeed's own
-# dependencies that .venv lacks (torch, numpy, pydantic, psutil, packaging, tqdm are there)
+# dependencies that the test extra does not bring (it brings torch, numpy, pydantic, psutil, packaging, tqdm)
 .venv/bin/pip install -q --no-compile --no-deps --upgrade --target "$PWD/.venv/deepspeed" -c constraints.txt \
     "deepspeed==$version" hjson ninja py-cpuinfo msgpack einops
 
@@ -23,8 +25,16 @@ version=$(setup_cfg_version deepspeed "==" "deepspeed extra")
 # every other DeepSpeed process of the suite waited on under torch's build lock (one test took 100 s of a 10-minute
 # run). Built here, once per install, into the side folder, where conftest's deepspeed_environment points DeepSpeed's
 # launches (TORCH_EXTENSIONS_DIR). Where this fails, so would DeepSpeed's launches.
-TORCH_EXTENSIONS_DIR="$PWD/.venv/deepspeed/torch_extensions" PYTHONPATH="$PWD/.venv/deepspeed" .venv/bin/python -c '
+# Importing DeepSpeed to build it needs dependencies that the test extra brings to .venv; that install may be writing
+# them at this moment, so the build imports its own copies, from a folder removed after (about 5 s).
+build_deps="$PWD/.venv/deepspeed-build-deps"
+rm -rf "$build_deps"
+.venv/bin/pip install -q --no-compile --no-deps --target "$build_deps" -c constraints.txt \
+    numpy pydantic pydantic-core annotated-types typing-inspection typing-extensions psutil packaging tqdm
+TORCH_EXTENSIONS_DIR="$PWD/.venv/deepspeed/torch_extensions" PYTHONPATH="$PWD/.venv/deepspeed:$build_deps" \
+    .venv/bin/python -c '
 from deepspeed.comm.torch import build_shm_op
 if build_shm_op() is None:
     print("DeepSpeed has no shared-memory op to build on this machine")
 '
+rm -rf "$build_deps"
