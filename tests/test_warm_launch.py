@@ -12,11 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CPU_PROCESSES_ENV, launcher, real_launcher
+from conftest import (
+    CPU_PROCESSES_ENV,
+    accelerate_launch,
+    deepspeed_environment,
+    deepspeed_launcher,
+    launcher,
+    real_launcher,
+)
 
 PROBE = Path(__file__).parent / "scripts" / "launch_probe.py"
-#: Variables whose value each launch draws anew.
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+#: Variables whose value each launch draws anew (mlflow's session: each ``accelerate launch --use_deepspeed`` imports
+#: DeepSpeed, and so mlflow, and hands it on; the DeepSpeed server's imports drew it once).
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "_MLFLOW_TELEMETRY_SESSION_ID"}
+#: The launch options of the suite's DeepSpeed launches.
+DEEPSPEED = ("--use_deepspeed", "--zero_stage", "2")
 
 
 def _probe(launch, num_processes: int, folder: Path, *actions: str, env=None, **options):
@@ -40,6 +50,30 @@ def test_a_warm_launch_gives_and_ends_as_the_real_launch(tmp_path, num_processes
     real, real_seen = _probe(real_launcher, num_processes, tmp_path / "real", *actions, cwd=tmp_path)
     warm, warm_seen = _probe(launcher, num_processes, tmp_path / "warm", *actions, cwd=tmp_path)
     assert warm.returncode == real.returncode == (3 if num_processes == 1 else 1), (real.stderr[-2000:], warm.stderr)
+    _assert_same_processes(real_seen, warm_seen, num_processes)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(("num_processes", "actions"), [(1, ["exit3"]), (2, ["sleep", "exit3"])])
+def test_a_warm_deepspeed_launch_gives_and_ends_as_accelerate_launch(tmp_path, num_processes, actions):
+    """``deepspeed_launcher`` gives each process what ``accelerate launch --use_deepspeed --zero_stage 2`` gives it
+    (its ``ACCELERATE_*`` variables, torchrun's on one process too, the launch's folder on ``PYTHONPATH``, what
+    ``import deepspeed`` set in the launcher), and ends as it ends (1 when a process failed)."""
+    env = deepspeed_environment()
+    real, real_seen = _probe(
+        lambda n: accelerate_launch(n, *DEEPSPEED), num_processes, tmp_path / "real", *actions, env=env, cwd=tmp_path
+    )
+    warm, warm_seen = _probe(
+        lambda n: deepspeed_launcher(n, *DEEPSPEED), num_processes, tmp_path / "warm", *actions, env=env, cwd=tmp_path
+    )
+    assert warm.returncode == real.returncode == 1, (real.stderr[-2000:], warm.stderr)
+    assert {process["env"]["ACCELERATE_USE_DEEPSPEED"] for process in warm_seen} == {"true"}
+    _assert_same_processes(real_seen, warm_seen, num_processes)
+
+
+def _assert_same_processes(real_seen: list, warm_seen: list, num_processes: int) -> None:
+    """What each process of a real and of a warm launch saw is the same, but what each launch draws anew."""
     assert len(real_seen) == len(warm_seen) == num_processes
     draws = [process["draws"] for process in real_seen + warm_seen]
     for real_process, warm_process in zip(real_seen, warm_seen):
