@@ -136,7 +136,8 @@ def deepspeed_launcher(num_processes: int, *options: str) -> list:
     """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` processes as
     ``accelerate_launch(num_processes, *options)`` does (``options``: ``--use_deepspeed`` and DeepSpeed's, e.g.
     ``--zero_stage 2``; run with ``deepspeed_environment()``): the environment the installed Accelerate's launch gives
-    its processes, computed by its own parser, on any number of processes; but forked from a second warm launcher,
+    its processes, computed by its own parser, on any number of processes; without ``options``, as ``python -m
+    torch.distributed.run --nproc_per_node N`` does (torchrun's variables alone). Forked from a second warm launcher,
     started in ``deepspeed_environment()`` by the first call, that imported DeepSpeed (before transformers, which
     decides at import whether DeepSpeed is there) and its CPU op besides what ``launcher``'s imports. A new
     interpreter pays about 7 s of CPU to import DeepSpeed, Accelerate, transformers and the package, and the launcher

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,9 +23,9 @@ from conftest import (
 )
 
 PROBE = Path(__file__).parent / "scripts" / "launch_probe.py"
-#: Variables whose value each launch draws anew (mlflow's session: each ``accelerate launch --use_deepspeed`` imports
-#: DeepSpeed, and so mlflow, and hands it on; the DeepSpeed server's imports drew it once).
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "_MLFLOW_TELEMETRY_SESSION_ID"}
+#: Variables whose value each launch draws anew (plain torchrun's run id; mlflow's session: each ``accelerate launch
+#: --use_deepspeed`` imports DeepSpeed, and so mlflow, and hands it on; the DeepSpeed server's imports drew it once).
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "_MLFLOW_TELEMETRY_SESSION_ID"}
 #: The launch options of the suite's DeepSpeed launches.
 DEEPSPEED = ("--use_deepspeed", "--zero_stage", "2")
 
@@ -55,20 +56,35 @@ def test_a_warm_launch_gives_and_ends_as_the_real_launch(tmp_path, num_processes
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("num_processes", "actions"), [(1, ["exit3"]), (2, ["sleep", "exit3"])])
-def test_a_warm_deepspeed_launch_gives_and_ends_as_accelerate_launch(tmp_path, num_processes, actions):
+@pytest.mark.parametrize(
+    ("num_processes", "options", "actions"),
+    [(1, DEEPSPEED, ["exit3"]), (2, DEEPSPEED, ["sleep", "exit3"]), (1, (), ["exit3"])],
+    ids=["accelerate-1", "accelerate-2", "torchrun-1"],
+)
+def test_a_warm_deepspeed_launch_gives_and_ends_as_the_real_launch(tmp_path, num_processes, options, actions):
     """``deepspeed_launcher`` gives each process what ``accelerate launch --use_deepspeed --zero_stage 2`` gives it
     (its ``ACCELERATE_*`` variables, torchrun's on one process too, the launch's folder on ``PYTHONPATH``, what
-    ``import deepspeed`` set in the launcher), and ends as it ends (1 when a process failed)."""
+    ``import deepspeed`` set in the launcher), or without options what ``torchrun --nproc_per_node 1`` gives it
+    (examples/parallel_layouts.py's DeepSpeed runs); and ends as they end (1 when a process failed)."""
     env = deepspeed_environment()
-    real, real_seen = _probe(
-        lambda n: accelerate_launch(n, *DEEPSPEED), num_processes, tmp_path / "real", *actions, env=env, cwd=tmp_path
-    )
+
+    def real_launch(count: int) -> list:
+        if options:
+            return accelerate_launch(count, *options)
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(count)]
+
+    real, real_seen = _probe(real_launch, num_processes, tmp_path / "real", *actions, env=env, cwd=tmp_path)
     warm, warm_seen = _probe(
-        lambda n: deepspeed_launcher(n, *DEEPSPEED), num_processes, tmp_path / "warm", *actions, env=env, cwd=tmp_path
+        lambda count: deepspeed_launcher(count, *options),
+        num_processes,
+        tmp_path / "warm",
+        *actions,
+        env=env,
+        cwd=tmp_path,
     )
     assert warm.returncode == real.returncode == 1, (real.stderr[-2000:], warm.stderr)
-    assert {process["env"]["ACCELERATE_USE_DEEPSPEED"] for process in warm_seen} == {"true"}
+    used = {process["env"].get("ACCELERATE_USE_DEEPSPEED") for process in warm_seen}
+    assert used == ({"true"} if options else {None})
     _assert_same_processes(real_seen, warm_seen, num_processes)
 
 

@@ -56,6 +56,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 
 #: Variables (names, or the start of names) that Python, torch or the libraries it loads read as they start or are
 #: imported: a launch that changes one cannot be forked from the server's imports. Not every variable torch reads:
@@ -329,7 +330,7 @@ def _launch(connection: socket.socket, imported_env: dict, own_path: list, deeps
         message += connection.recv(1 << 20)
     request = json.loads(message)
     refused = _refusal(request, imported_env, deepspeed)
-    if refused is None and deepspeed:
+    if refused is None and request["accelerate_options"]:
         try:
             request["launch_env"] = _accelerate_deepspeed_env(request)
         except (Exception, SystemExit) as error:  # noqa: BLE001 - the launch's options, refused as accelerate would
@@ -339,7 +340,9 @@ def _launch(connection: socket.socket, imported_env: dict, own_path: list, deeps
         os._exit(0)
     num_processes = request["num_processes"]
     request["error_folder"] = tempfile.mkdtemp(prefix="torchelastic_")  # where torchrun's processes report errors
-    # torchrun's agent starts the processes of accelerate launch's DeepSpeed launches, one process included
+    # plain torchrun of one machine without --master_port: a c10d rendezvous on localhost, a run id of its own
+    request["run_id"] = str(uuid.uuid4()) if request["accelerate_options"] == "" else "none"
+    # torchrun's agent starts the processes of the DeepSpeed server's launches (accelerate launch's), one included
     port_pipes = [os.pipe() for _ in range(num_processes)] if num_processes > 1 or deepspeed else []
     children = {}
     for rank in range(num_processes):
@@ -391,8 +394,11 @@ def _refusal(request: dict, imported_env: dict, deepspeed: bool):
             else "a launch with accelerate launch options needs the DeepSpeed server: deepspeed_launcher "
             "(tests/conftest.py)"
         )
-    if deepspeed and "--use_deepspeed" not in request["accelerate_options"].split():
-        return f"the DeepSpeed server's launch options {request['accelerate_options']!r} lack --use_deepspeed"
+    if request["accelerate_options"] and "--use_deepspeed" not in request["accelerate_options"].split():
+        return (
+            f"the DeepSpeed server's accelerate launch options {request['accelerate_options']!r} lack "
+            "--use_deepspeed: give them, or none for torchrun's processes"
+        )
     read_at_import = READ_AT_IMPORT + DEEPSPEED_READ_AT_IMPORT if deepspeed else READ_AT_IMPORT
     env = {**DEEPSPEED_IMPORT_ENV, **request["env"]} if deepspeed else request["env"]
     changed = sorted(
@@ -444,12 +450,13 @@ def _signal_all(children: dict, statuses: dict, signum: int) -> None:
 
 
 def _process_environment(request: dict, rank: int, port) -> dict:
-    """The environment of process ``rank``: the client's, and on several processes what the real launch adds (of a
-    DeepSpeed launch, what its ``accelerate launch`` adds, on any number of processes)."""
+    """The environment of process ``rank``: the client's, and on several processes what the real launch adds; of the
+    DeepSpeed server's launches, on any number of processes, torchrun's variables, and what ``accelerate launch
+    --use_deepspeed ...`` adds where the launch has accelerate launch options (``launch_env``)."""
     env = dict(request.get("launch_env") or request["env"])
     num_processes = request["num_processes"]
-    if num_processes > 1 or "launch_env" in request:
-        if "launch_env" not in request:
+    if num_processes > 1 or request["accelerate_options"] is not None:
+        if request["accelerate_options"] is None:
             env.update(ACCELERATE_ENV)
         if num_processes > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
@@ -463,11 +470,11 @@ def _process_environment(request: dict, rank: int, port) -> dict:
             LOCAL_WORLD_SIZE=str(num_processes),
             GROUP_WORLD_SIZE="1",
             ROLE_WORLD_SIZE=str(num_processes),
-            MASTER_ADDR="127.0.0.1",
+            MASTER_ADDR="127.0.0.1" if request["accelerate_options"] != "" else "localhost",
             MASTER_PORT=port,
             TORCHELASTIC_RESTART_COUNT="0",
             TORCHELASTIC_MAX_RESTARTS="0",
-            TORCHELASTIC_RUN_ID="none",
+            TORCHELASTIC_RUN_ID=request["run_id"],
             TORCHELASTIC_USE_AGENT_STORE="True",
             TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
