@@ -3,8 +3,9 @@
 of CPU to import the first three (10 to 13 s of wall time on 2 busy cores), and a 2-process ``accelerate launch``
 three times that (the launcher and each process), most of what a multi-process test took.
 
-    python tests/scripts/warm_launch.py serve SOCKET                     # the server (tests/conftest.py starts it)
-    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES [-u] (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
+    python tests/scripts/warm_launch.py serve SOCKET [--deepspeed]       # the server (tests/conftest.py starts it)
+    python -S tests/scripts/warm_launch.py SOCKET NUM_PROCESSES [--accelerate OPTIONS] [-u] \
+        (SCRIPT | -m MODULE | -c CODE) [ARGUMENT ...]
 
 The second command is a launch, and tests/conftest.py's ``launcher(n)`` its start: the suite's
 ``subprocess.run([*launcher(n), script, ...], env=..., cwd=...)`` calls run unchanged. The client (no imports but the
@@ -28,6 +29,26 @@ client kills itself with it); on several processes, 0 if every process exited 0,
 process's siblings were ended (SIGTERM, then SIGKILL 30 s later, as torchrun does). The client killed (a test's
 timeout, ``process.kill()``) kills every process of its launch at once; a signal of FORWARDED_SIGNALS sent to the
 client goes to every process of its launch, as if sent to it.
+
+DeepSpeed has a server of its own (``serve SOCKET --deepspeed``, tests/conftest.py's ``deepspeed_launcher``), started
+in ``deepspeed_environment()`` (DeepSpeed's side folder first on ``PYTHONPATH``, ``TORCH_EXTENSIONS_DIR`` at the CPU op
+it built): transformers decides as it is imported whether DeepSpeed is there, so the other server, which never imports
+DeepSpeed (the other tests must not), cannot fork a DeepSpeed run. It imports DeepSpeed after torch and Accelerate and
+before the rest (a new interpreter pays about 7 s of CPU for DeepSpeed, Accelerate, transformers and the package, and
+``accelerate launch`` about 3 s), and loads DeepSpeed's CPU op for gloo's shared-memory collectives
+(``deepspeed_shm_comm``), which DeepSpeed keeps per process: a forked process finds it loaded instead of running ninja
+to find it built. Every launch of it is one of torchrun's agent, whatever its number of processes (torchrun's
+variables, a TCP store, an exit status of 0 or 1), and ``--accelerate OPTIONS`` (``--use_deepspeed --zero_stage 2``)
+gives each process what ``accelerate launch OPTIONS`` gives it, computed per launch by the installed Accelerate's own
+parser and ``prepare_deepspeed_cmd_env`` from the client's environment and folder (its ``ACCELERATE_*`` variables, the
+folder appended to ``PYTHONPATH``, and DEEPSPEED_IMPORT_ENV, which the launcher's ``import deepspeed`` set); empty
+OPTIONS give what ``torchrun --nproc_per_node N`` gives. Its launches are also refused where they change one of
+DEEPSPEED_READ_AT_IMPORT. What ``import deepspeed`` did before the fork, checked: it starts no thread; it detects the
+accelerator once (``DS_ACCELERATOR``, the CPU here) and keeps it, with the server's memory as the CPU accelerator's
+first ``max_memory_allocated``; its communication state (``deepspeed.comm``'s backend) is made only as a process sets
+up its process group, after the fork; a process of an empty-OPTIONS launch lacks what ``import deepspeed`` sets
+(``PYTORCH_NVML_BASED_CUDA_CHECK``), its import having run before; and a library's import that appends to ``sys.path``
+(setuptools' vendored packages) leaves the processes' ``sys.path`` as a new interpreter starts with it.
 
 A one-process launch can be the process of a real torchrun agent (``torchrun --no-python python -S warm_launch.py
 SOCKET 1 SCRIPT ...``, tests/conftest.py's ``torchrun_with_warm_processes``): the agent's rendezvous, restarts
