@@ -185,8 +185,10 @@ def torchrun_with_warm_processes(*options: str) -> list:
     return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", *launcher(1), "-u"]
 
 
-#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first)
-DEEPSPEED_ASIDE = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed"
+#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first),
+#: resolved: torch's build of DeepSpeed's CPU op records its sources' paths, and builds it again where they change (a
+#: checkout whose .venv links to another's)
+DEEPSPEED_ASIDE = (pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed").resolve()
 
 
 def deepspeed_environment() -> dict:
