@@ -181,3 +181,14 @@ def test_a_variable_read_at_import_is_refused(tmp_path):
     completed, seen = _probe(launcher, 1, tmp_path / "probe", env=env)
     assert completed.returncode != 0 and not seen
     assert "['TORCH_SHOW_CPP_STACKTRACES']" in completed.stderr and "real_launcher" in completed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_variable_deepspeed_reads_at_import_is_refused(tmp_path):
+    """DeepSpeed picks its accelerator as it is imported (``DS_ACCELERATOR``), which the DeepSpeed server did before:
+    such a launch is refused with what to use instead."""
+    env = {**deepspeed_environment(), "DS_ACCELERATOR": "cpu"}
+    completed, seen = _probe(lambda count: deepspeed_launcher(count, *DEEPSPEED), 1, tmp_path / "probe", env=env)
+    assert completed.returncode != 0 and not seen
+    assert "['DS_ACCELERATOR']" in completed.stderr and "accelerate_launch" in completed.stderr
