@@ -46,13 +46,13 @@ def pytest_report_header(config):
 #: file's time changes by much.
 LONGEST_FILES = (
     "test_callbacks_distributed.py",
-    "test_fsdp.py",  # three DeepSpeed launches (about 100 s), new interpreters: DeepSpeed is not in the warm launcher
     "test_tune.py",
     "test_streams.py",
     "test_restarts.py",
     "test_resume_processes.py",
     "test_notebooks.py",
     "test_benchmarks.py",
+    "test_fsdp.py",  # 37 s on one worker (43 s of CPU), its DeepSpeed launches forked (deepspeed_launcher)
     "test_exit.py",
     "test_docs_code.py",
     "test_multi_node.py",
@@ -117,8 +117,9 @@ def accelerate_launch(num_processes: int, *mode: str) -> list:
 #: Forks the suite's launches from an interpreter that already imported torch, Accelerate and the package.
 WARM_LAUNCH_SCRIPT = pathlib.Path(__file__).parent / "scripts" / "warm_launch.py"
 
-#: This test process's warm launcher (its server and socket), started by its first launch.
-_warm_server: dict = {}
+#: This test process's warm launchers (their servers and sockets), by kind ("plain", "deepspeed"), each started by
+#: its first launch.
+_warm_servers: dict = {}
 
 
 def launcher(num_processes: int) -> list:
@@ -128,20 +129,48 @@ def launcher(num_processes: int) -> list:
     launcher, tests/scripts/warm_launch.py, which says what differs): a new interpreter pays about 4.5 s of CPU for
     those imports (10 to 13 s of wall time on 2 busy cores). Its first call starts this test process's warm
     launcher."""
-    if not _warm_server:
-        folder = tempfile.mkdtemp(prefix="warm-launch-")
+    return [sys.executable, "-S", str(WARM_LAUNCH_SCRIPT), _warm_socket("plain", CPU_PROCESSES_ENV), str(num_processes)]
+
+
+def deepspeed_launcher(num_processes: int, *options: str) -> list:
+    """The start of a command that runs a script (appended, with its arguments) on ``num_processes`` processes as
+    ``accelerate_launch(num_processes, *options)`` does (``options``: ``--use_deepspeed`` and DeepSpeed's, e.g.
+    ``--zero_stage 2``; run with ``deepspeed_environment()``): the environment the installed Accelerate's launch gives
+    its processes, computed by its own parser, on any number of processes; without ``options``, as ``python -m
+    torch.distributed.run --nproc_per_node N`` does (torchrun's variables alone). Forked from a second warm launcher,
+    started in ``deepspeed_environment()`` by the first call, that imported DeepSpeed (before transformers, which
+    decides at import whether DeepSpeed is there) and its CPU op besides what ``launcher``'s imports. A new
+    interpreter pays about 7 s of CPU to import DeepSpeed, Accelerate, transformers and the package, and the launcher
+    about 3 s. Skips the test where DeepSpeed is not installed (``deepspeed_environment``)."""
+    socket_path = _warm_socket("deepspeed", deepspeed_environment(), "--deepspeed")
+    return [
+        sys.executable,
+        "-S",
+        str(WARM_LAUNCH_SCRIPT),
+        socket_path,
+        str(num_processes),
+        "--accelerate",
+        " ".join(options),
+    ]
+
+
+def _warm_socket(kind: str, env: dict, *serve_options: str) -> str:
+    """The socket of this test process's warm launcher of ``kind``, started in ``env`` (with ``serve_options``) if it
+    is not yet."""
+    if kind not in _warm_servers:
+        folder = tempfile.mkdtemp(prefix=f"warm-launch-{kind}-")
         socket_path = os.path.join(folder, "socket")
         with open(f"{socket_path}.log", "wb") as log:
             server = subprocess.Popen(
-                [sys.executable, str(WARM_LAUNCH_SCRIPT), "serve", socket_path],
+                [sys.executable, str(WARM_LAUNCH_SCRIPT), "serve", socket_path, *serve_options],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=CPU_PROCESSES_ENV,
+                env=env,
             )
-        _warm_server.update(server=server, socket=socket_path)
+        _warm_servers[kind] = socket_path
         atexit.register(_stop_warm_server, server, folder)
-    return [sys.executable, "-S", str(WARM_LAUNCH_SCRIPT), _warm_server["socket"], str(num_processes)]
+    return _warm_servers[kind]
 
 
 def torchrun_with_warm_processes(*options: str) -> list:
@@ -156,8 +185,10 @@ def torchrun_with_warm_processes(*options: str) -> list:
     return [sys.executable, "-m", "torch.distributed.run", *options, "--no-python", *launcher(1), "-u"]
 
 
-#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first)
-DEEPSPEED_ASIDE = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed"
+#: where tests/scripts/install_deepspeed_aside.sh installs DeepSpeed (the README's test command runs it first),
+#: resolved: torch's build of DeepSpeed's CPU op records its sources' paths, and builds it again where they change (a
+#: checkout whose .venv links to another's)
+DEEPSPEED_ASIDE = (pathlib.Path(__file__).resolve().parents[1] / ".venv" / "deepspeed").resolve()
 
 
 def deepspeed_environment() -> dict:

@@ -4,6 +4,9 @@ DeepSpeed ZeRO 1, 2 and 3 training states resume bit for bit (``tests/scripts/de
 Accelerate 1.15 never selects FSDP on a CPU, so ``tests/scripts/fsdp_train.py`` switches its state to FSDP after
 creating it; everything after that (sharding, clipping, state dicts) is Accelerate's and torch's real FSDP2 code.
 ``docs/fsdp_deepspeed.md`` says what this covers and what needs a GPU (``benchmarks/gpu_checks/fsdp_check.py``).
+The DeepSpeed runs are forked from the warm DeepSpeed launcher (``deepspeed_launcher`` of tests/conftest.py) with the
+environment ``accelerate launch --use_deepspeed --zero_stage 2`` gives; tests/test_warm_launch.py compares it with the
+real launch's.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import accelerate_launch, deepspeed_environment, launcher
+from conftest import deepspeed_environment, deepspeed_launcher, launcher
 from torch import nn
 
 from pytorch_accel_trainer.state.training_state import verify_folder
@@ -132,7 +135,7 @@ def test_fsdp_on_cpu_falls_back_to_ddp(tmp_path):
 @pytest.mark.slow
 def test_deepspeed_steps_once_per_update(tmp_path):
     """DeepSpeed steps once per update, and refuses what it would ignore."""
-    deepspeed_launch = accelerate_launch(1, "--use_deepspeed", "--zero_stage", "2")
+    deepspeed_launch = deepspeed_launcher(1, "--use_deepspeed", "--zero_stage", "2")
     deepspeed = _launch(tmp_path / "deepspeed", "deepspeed", deepspeed_launch)
     plain = _launch(tmp_path / "plain", "plain", launcher(1))  # the reference: one plain process, no DeepSpeed
 
@@ -155,7 +158,7 @@ def test_deepspeed_steps_once_per_update(tmp_path):
 def _launch_deepspeed_states(output: pathlib.Path, num_processes: int, stages: str) -> dict:
     output.mkdir(parents=True)
     completed = subprocess.run(
-        [*accelerate_launch(num_processes, "--use_deepspeed", "--zero_stage", "2"), str(DEEPSPEED_STATES_SCRIPT)]
+        [*deepspeed_launcher(num_processes, "--use_deepspeed", "--zero_stage", "2"), str(DEEPSPEED_STATES_SCRIPT)]
         + [str(output), stages],
         env=deepspeed_environment(),
         capture_output=True,

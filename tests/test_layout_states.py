@@ -10,7 +10,8 @@
 
 One module-scoped fixture makes the 7 launches (the warm launcher: about 2 min on 2 cores); the tests read them.
 DeepSpeed ZeRO 2 and 3 on one process run with DeepSpeed installed aside
-(``sh tests/scripts/install_deepspeed_aside.sh``, which the README's test command runs).
+(``sh tests/scripts/install_deepspeed_aside.sh``, which the README's test command runs), under torchrun's environment
+forked from the warm DeepSpeed launcher (``deepspeed_launcher(1)`` of tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import os
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import deepspeed_environment, launcher
+from conftest import deepspeed_environment, deepspeed_launcher, launcher
 
 pytest.importorskip("transformers.distributed", reason="transformers 5 applies a Llama's plan to an existing model")
 
@@ -140,8 +140,7 @@ def test_consolidate_reads_a_two_dimensional_state_without_a_process_group(runs)
 def test_deepspeed_stopped_and_resumed_is_bit_for_bit(tmp_path, stage):
     """One process, DeepSpeed from its side folder (``deepspeed_environment``)."""
     env = deepspeed_environment()
-    # new interpreters, DeepSpeed on their path (the warm launcher's have not imported it)
-    one_process = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    one_process = deepspeed_launcher(1)  # as torchrun --nproc_per_node 1, forked from the DeepSpeed server
     layout = ("--deepspeed-stage", stage)
     uninterrupted = _result(
         _run(1, *layout, "--save-dir", tmp_path / "run", "--save-every", STOP, command=one_process, env=env)

@@ -8,15 +8,26 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import CPU_PROCESSES_ENV, launcher, real_launcher
+from conftest import (
+    CPU_PROCESSES_ENV,
+    accelerate_launch,
+    deepspeed_environment,
+    deepspeed_launcher,
+    launcher,
+    real_launcher,
+)
 
 PROBE = Path(__file__).parent / "scripts" / "launch_probe.py"
-#: Variables whose value each launch draws anew.
-PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+#: Variables whose value each launch draws anew (plain torchrun's run id; mlflow's session: each ``accelerate launch
+#: --use_deepspeed`` imports DeepSpeed, and so mlflow, and hands it on; the DeepSpeed server's imports drew it once).
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RUN_ID", "_MLFLOW_TELEMETRY_SESSION_ID"}
+#: The launch options of the suite's DeepSpeed launches.
+DEEPSPEED = ("--use_deepspeed", "--zero_stage", "2")
 
 
 def _probe(launch, num_processes: int, folder: Path, *actions: str, env=None, **options):
@@ -40,6 +51,45 @@ def test_a_warm_launch_gives_and_ends_as_the_real_launch(tmp_path, num_processes
     real, real_seen = _probe(real_launcher, num_processes, tmp_path / "real", *actions, cwd=tmp_path)
     warm, warm_seen = _probe(launcher, num_processes, tmp_path / "warm", *actions, cwd=tmp_path)
     assert warm.returncode == real.returncode == (3 if num_processes == 1 else 1), (real.stderr[-2000:], warm.stderr)
+    _assert_same_processes(real_seen, warm_seen, num_processes)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("num_processes", "options", "actions"),
+    [(1, DEEPSPEED, ["exit3"]), (2, DEEPSPEED, ["sleep", "exit3"]), (1, (), ["exit3"])],
+    ids=["accelerate-1", "accelerate-2", "torchrun-1"],
+)
+def test_a_warm_deepspeed_launch_gives_and_ends_as_the_real_launch(tmp_path, num_processes, options, actions):
+    """``deepspeed_launcher`` gives each process what ``accelerate launch --use_deepspeed --zero_stage 2`` gives it
+    (its ``ACCELERATE_*`` variables, torchrun's on one process too, the launch's folder on ``PYTHONPATH``, what
+    ``import deepspeed`` set in the launcher), or without options what ``torchrun --nproc_per_node 1`` gives it
+    (examples/parallel_layouts.py's DeepSpeed runs); and ends as they end (1 when a process failed)."""
+    env = deepspeed_environment()
+
+    def real_launch(count: int) -> list:
+        if options:
+            return accelerate_launch(count, *options)
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(count)]
+
+    real, real_seen = _probe(real_launch, num_processes, tmp_path / "real", *actions, env=env, cwd=tmp_path)
+    warm, warm_seen = _probe(
+        lambda count: deepspeed_launcher(count, *options),
+        num_processes,
+        tmp_path / "warm",
+        *actions,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert warm.returncode == real.returncode == 1, (real.stderr[-2000:], warm.stderr)
+    used = {process["env"].get("ACCELERATE_USE_DEEPSPEED") for process in warm_seen}
+    assert used == ({"true"} if options else {None})
+    _assert_same_processes(real_seen, warm_seen, num_processes)
+
+
+def _assert_same_processes(real_seen: list, warm_seen: list, num_processes: int) -> None:
+    """What each process of a real and of a warm launch saw is the same, but what each launch draws anew."""
     assert len(real_seen) == len(warm_seen) == num_processes
     draws = [process["draws"] for process in real_seen + warm_seen]
     for real_process, warm_process in zip(real_seen, warm_seen):
@@ -131,3 +181,14 @@ def test_a_variable_read_at_import_is_refused(tmp_path):
     completed, seen = _probe(launcher, 1, tmp_path / "probe", env=env)
     assert completed.returncode != 0 and not seen
     assert "['TORCH_SHOW_CPP_STACKTRACES']" in completed.stderr and "real_launcher" in completed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_variable_deepspeed_reads_at_import_is_refused(tmp_path):
+    """DeepSpeed picks its accelerator as it is imported (``DS_ACCELERATOR``), which the DeepSpeed server did before:
+    such a launch is refused with what to use instead."""
+    env = {**deepspeed_environment(), "DS_ACCELERATOR": "cpu"}
+    completed, seen = _probe(lambda count: deepspeed_launcher(count, *DEEPSPEED), 1, tmp_path / "probe", env=env)
+    assert completed.returncode != 0 and not seen
+    assert "['DS_ACCELERATOR']" in completed.stderr and "accelerate_launch" in completed.stderr
