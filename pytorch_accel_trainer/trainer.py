@@ -55,6 +55,7 @@ from pytorch_accel_trainer.loop.batches import (
     build_dataloader,
     call_batch_hook,
     dataset_and_dataloader,
+    end_dataloader_workers,
     forward_batch,
     numbered_batches,
     real_rows_in_batch,
@@ -404,7 +405,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         safe_points.validate_resume_target(stored_state, options.num_epochs, options.max_num_train_steps)
         self._start_training_run(train_dataset, eval_dataset, options)
         self._load_resume_plan(stored_state, options)
-        self._run_training()
+        try:
+            self._run_training()
+        finally:
+            end_dataloader_workers(self.train_dataloader, self.eval_dataloader)
         watched_metric = self.callback_handler.watched_metric()
         return create_train_result(self.run_state, get_run_config(self), self.run_history, watched_metric)
 
@@ -1005,7 +1009,10 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         )
         self._check_eval_batch_size()
         counts = metric_counts(self.run_history)
-        self._run_evaluation()
+        try:
+            self._run_evaluation()
+        finally:
+            end_dataloader_workers(self.eval_dataloader)
         return metrics_recorded_since(self.run_history, counts)
 
     def _run_evaluation(self) -> None:
@@ -1088,6 +1095,7 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
                 self._run_predict_epoch(dataloader, collector)
         finally:
             self.predict_dataloader = None
+            end_dataloader_workers(dataloader)
             self._unwrap_models()
         result = collector.result()  # with output_dir, the main process writes the last chunk and the index
         if output_dir is not None:

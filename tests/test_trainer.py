@@ -257,6 +257,31 @@ def test_default_dataloader_workers():
     assert trainer.run_config.train_per_device_batch_size == 4
 
 
+def test_dataloader_workers_end_with_their_run():
+    """The workers a run's dataloaders keep between epochs end with the run (a train() stopped inside its epoch, an
+    evaluate(), a predict()), not whenever the garbage collector frees the dataloaders; a dataloader iterated again
+    starts new ones."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    trainer = make_trainer(make_linear())
+    workers = {"num_workers": 2}
+    trainer.train(
+        linear_dataset(16),
+        num_epochs=2,
+        eval_dataset=linear_dataset(8),
+        per_device_batch_size=2,
+        max_num_train_steps=3,  # inside the first epoch: the training dataloader's workers are busy prefetching
+        train_dataloader_kwargs=workers,
+        eval_dataloader_kwargs=workers,
+    )
+    assert set(multiprocessing.active_children()) == before
+    assert len(list(trainer.train_dataloader)) == 8  # iterated again: new workers, every batch
+    trainer.evaluate(linear_dataset(8), per_device_batch_size=2, dataloader_kwargs=workers)
+    trainer.predict(linear_dataset(8), per_device_batch_size=2, dataloader_kwargs=workers)
+    assert set(multiprocessing.active_children()) == before
+
+
 def test_run_config_frozen_with_peer_fields():
     """The run config is frozen and has pytorch-accelerated's fields."""
     trainer = make_trainer(make_linear())

@@ -41,6 +41,22 @@ def merge_dataloader_kwargs(defaults: dict, overrides: Optional[dict], dataset: 
     return kwargs
 
 
+def end_dataloader_workers(*dataloaders: Any) -> None:
+    """Stop the worker processes that the dataloaders of a run keep between epochs (``persistent_workers``, which
+    :func:`merge_dataloader_kwargs` sets when there are workers), as the run ends: a dataloader iterated again starts
+    them again. Left alone, they would outlive the run (``num_workers`` processes per dataloader) until the garbage
+    collector frees the dataloader, and their shutdown would come wherever the collector runs: where it ran inside a
+    thread's start, in a second ``train()`` of the same process, the workers did not end and each was waited for
+    until torch's 5-s join timeout (10 s with 2 workers)."""
+    for dataloader in dataloaders:
+        for loader in (dataloader, getattr(dataloader, "base_dataloader", None)):  # Accelerate's wrapper, and its own
+            iterator = getattr(loader, "_iterator", None)  # where torch's DataLoader keeps its persistent workers
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+                loader._iterator = None  # type: ignore[union-attr]  # the next iteration starts new workers
+
+
 def dataset_and_dataloader(data: Any) -> tuple[Any, Optional[DataLoader]]:
     """Split what ``train()`` / ``evaluate()`` received into a dataset and, if it is a DataLoader, the DataLoader."""
     return (data.dataset, data) if isinstance(data, DataLoader) else (data, None)
