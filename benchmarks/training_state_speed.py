@@ -2,7 +2,7 @@
 long does an asynchronous save stall training, and how much training time does a save cost? See benchmarks/README.md.
 
     python benchmarks/training_state_speed.py [--width 2048] [--layers 3] [--repeats 5]
-    python benchmarks/training_state_speed.py --time-lost [--rounds 5] [--threads 1] [--dir /dev/shm]
+    python benchmarks/training_state_speed.py --time-lost [--saves 20] [--every 12] [--threads 1] [--dir /dev/shm]
 
 Prints a markdown table and one JSON line; ``asynchronous`` rows show ``n/a`` on versions without it.
 """
@@ -146,117 +146,100 @@ def measure(width: int, layers: int, repeats: int, root: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# Training time lost per save: runs with saves against the same run without, interleaved in one process
+# Training time lost per save: the steps after each save against the quiet steps of the same run
 # ------------------------------------------------------------------------------------------------
 
 #: The run: 12 x Linear(1024, 1024) with AdamW (140 MiB of weights and moments), batches of 8.
 LOST_WIDTH, LOST_LAYERS, LOST_BATCH = 1024, 12, 8
-LOST_MODES = ("none", "sync", "async")
+LOST_MODES = ("sync", "async")
+LOST_WARM_UP = 2  # saves of each mode not counted: the first allocate what later ones reuse
 
 
-class SaveEvery(TrainerCallback):
-    """Asks for a training state after every ``every`` updates but the last (whose save the end of the run would
-    wait for: it could not overlap training)."""
+class AlternatingSaves(TrainerCallback):
+    """Times every update of the run, and asks for a training state after every ``every`` updates, synchronous and
+    asynchronous in turn, ``saves`` of each."""
 
-    def __init__(self, folder: Path, every: int, last: int, asynchronous: bool) -> None:
-        self.folder, self.every, self.last, self.asynchronous = folder, every, last, asynchronous
+    def __init__(self, folder: Path, every: int, saves: int) -> None:
+        self.folder, self.every = folder, every
+        self.updates = every * (2 * saves + 1)  # a quiet interval after the last save
+        self.marks: list = []  # perf_counter as the epoch starts and as each update ends
+        self.writing: list = []  # per update: a background save was still being written as it ended
+
+    def on_train_epoch_start(self, trainer, **kwargs):
+        self.marks.append(time.perf_counter())
 
     def on_optimizer_step_end(self, trainer, num_update_steps_completed: int = 0, **kwargs):
-        if num_update_steps_completed % self.every == 0 and num_update_steps_completed < self.last:
-            trainer.save_training_state(self.folder, asynchronous=self.asynchronous, max_checkpoints=2)
+        from pytorch_accel_trainer.state import async_save
+
+        self.marks.append(time.perf_counter())
+        self.writing.append(async_save.saver.writing)
+        update = num_update_steps_completed
+        if update % self.every == 0 and update < self.updates - self.every + 1:
+            mode = LOST_MODES[(update // self.every - 1) % len(LOST_MODES)]
+            trainer.save_training_state(self.folder, asynchronous=mode == "async", max_checkpoints=2)
 
 
-def train_once(mode: str, folder: Path, updates: int, every: int, starts: list) -> float:
-    """The wall time of one ``train()`` of ``updates`` updates (which waits for the last background save) with a
-    save every ``every`` updates, synchronous or asynchronous, or none (``mode``). An asynchronous run's writer
-    process, if this version has one, is started and ready before it (its start-up appended to ``starts``)."""
+def measure_time_lost(saves: int, threads: int, every: int, root: Path) -> dict:
+    """One run in this process (torch on ``threads`` threads) with ``saves`` saves of each mode (after
+    :data:`LOST_WARM_UP` more), ``every`` updates apart. A save asked for after update ``n`` is taken as update
+    ``n + 1`` starts; what it cost training is the time of updates ``n + 1`` to ``n + every // 2`` over the run's
+    quiet updates (the rest of each interval), each taken as the median over that mode's saves, so that bursts of
+    other jobs on the host fall out."""
+    torch.set_num_threads(threads)
+    callback = AlternatingSaves(root / "states", every, saves + LOST_WARM_UP)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(LOST_WIDTH, LOST_WIDTH) for _ in range(LOST_LAYERS)))
-    callbacks: list = [] if mode == "none" else [SaveEvery(folder, every, updates, mode == "async")]
-    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=1e-4), callbacks=callbacks)
+    trainer = Trainer(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=1e-4), callbacks=[callback])
+    updates = callback.updates
     data = TensorDataset(torch.randn(updates * LOST_BATCH, LOST_WIDTH), torch.randn(updates * LOST_BATCH, LOST_WIDTH))
-    if mode == "async":
-        _start_writer(starts)
-    start = time.perf_counter()
     trainer.train(data, num_epochs=1, per_device_batch_size=LOST_BATCH)
-    seconds = time.perf_counter() - start
-    shutil.rmtree(folder, ignore_errors=True)
-    return seconds
-
-
-def _start_writer(starts: list) -> None:
-    """Start the background saves' writer process, if this version has one (a once-per-run cost, paid before the
-    timed run and reported apart), and append the seconds until it is ready to ``starts``."""
-    from pytorch_accel_trainer.state import async_save
-
-    if hasattr(async_save, "start_writer"):
-        start = time.perf_counter()
-        async_save.start_writer(wait=True)
-        starts.append(time.perf_counter() - start)
-
-
-def measure_time_lost(rounds: int, threads: int, updates: int, every: int, root: Path) -> dict:
-    """``rounds`` rounds of the three modes in this process (torch on ``threads`` threads), the order rotated from
-    round to round, after a warm-up run; per round, what each save mode lost per save against the round's run
-    without saves (host drift between rounds cancels out)."""
-    torch.set_num_threads(threads)
-    saves = len([update for update in range(every, updates, every)])
-    starts: list = []
-    train_once("async", root / "warm-up", updates, every, [])  # warm-up: imports, allocator, page cache
-    runs: dict = {mode: [] for mode in LOST_MODES}
-    for round_index in range(rounds):
-        order = LOST_MODES[round_index % 3 :] + LOST_MODES[: round_index % 3]
-        for mode in order:
-            runs[mode].append(train_once(mode, root / mode, updates, every, starts))
-    lost = {mode: [(run - none) / saves for run, none in zip(runs[mode], runs["none"])] for mode in ("sync", "async")}
+    seconds = [end - start for start, end in zip(callback.marks, callback.marks[1:])]  # seconds[u - 1]: update u
+    affected = every // 2
+    after: dict = {mode: [[] for _ in range(affected)] for mode in LOST_MODES}  # per offset, per save
+    quiet: list = []
+    unfinished = 0
+    for index, saved_after in enumerate(range(every, updates - every + 1, every)):
+        mode = LOST_MODES[index % len(LOST_MODES)]
+        quiet += seconds[saved_after + affected : saved_after + every]
+        if index // len(LOST_MODES) < LOST_WARM_UP:
+            continue
+        for offset in range(affected):
+            after[mode][offset].append(seconds[saved_after + offset])
+        unfinished += callback.writing[saved_after + affected - 1]
+    step = statistics.median(quiet)
+    lost = {mode: [statistics.median(values) - step for values in after[mode]] for mode in LOST_MODES}
     return {
-        "rounds": rounds,
-        "threads": threads,
-        "updates": updates,
         "saves": saves,
-        "writer_start_s": starts,
-        "train_s": runs,
-        "lost_per_save_s": lost,
+        "threads": threads,
+        "every": every,
+        "updates": updates,
+        "state_dir": str(root),
+        "quiet_update_s": step,
+        "lost_per_offset_s": lost,
+        "lost_per_save_s": {mode: sum(values) for mode, values in lost.items()},
+        "async_writes_unfinished": unfinished,
+        "update_s": seconds,
     }
 
 
-def _quartiles(values: list) -> tuple:
-    if len(values) < 2:
-        return values[0], values[0]
-    quartiles = statistics.quantiles(values, n=4)
-    return quartiles[0], quartiles[2]
-
-
 def print_time_lost(result: dict) -> None:
-    lost = result["lost_per_save_s"]
-    median = {mode: statistics.median(values) for mode, values in lost.items()}
+    lost, offsets = result["lost_per_save_s"], result["lost_per_offset_s"]
+    every = result["every"]
     print(
-        f"training time lost per save: {result['rounds']} rounds in one process, {result['threads']} torch "
-        f"thread(s), {result['updates']} updates, {result['saves']} saves a run\n"
+        f"training time lost per save: one run, {result['threads']} torch thread(s), {result['saves']} saves of each "
+        f"mode, {every} updates apart, states in {result['state_dir']}\n"
     )
-    print("| save | median ms | quartiles ms | min - max ms | ratio |\n|---|---|---|---|---|")
-    for mode in ("sync", "async"):
-        low, high = _quartiles(lost[mode])
-        spread = f"{min(lost[mode]) * 1000:.0f} - {max(lost[mode]) * 1000:.0f}"
-        ratio = median[mode] / median["sync"]
-        print(
-            f"| {mode} | {median[mode] * 1000:.0f} | {low * 1000:.0f} - {high * 1000:.0f} | {spread} | "
-            f"{ratio:.2f}x synchronous |"
-        )
-    runs, saves = result["train_s"], result["saves"]
-    fastest = {mode: (min(runs[mode]) - min(runs["none"])) / saves for mode in ("sync", "async")}
     print(
-        f"\nfrom the fastest run of each mode (the least disturbed by other jobs): sync {fastest['sync'] * 1000:.0f} "
-        f"ms, async {fastest['async'] * 1000:.0f} ms a save ({fastest['async'] / fastest['sync']:.2f}x)"
+        f"| save | lost per save, ms | ratio (goal: async <= 0.1x) | updates 1-{every // 2} after it, ms over quiet |"
     )
-    none = runs["none"]
-    print(f"run without saves: median {statistics.median(none):.2f} s, {min(none):.2f} - {max(none):.2f} s")
-    if result["writer_start_s"]:
-        starts = result["writer_start_s"]
-        print(
-            f"writer process start-up (once per run, before each timed asynchronous run): median "
-            f"{statistics.median(starts):.2f} s, {min(starts):.2f} - {max(starts):.2f} s"
-        )
+    print("|---|---|---|---|")
+    for mode in LOST_MODES:
+        per_offset = ", ".join(f"{value * 1000:+.0f}" for value in offsets[mode])
+        print(f"| {mode} | {lost[mode] * 1000:.1f} | {lost[mode] / lost['sync']:.3f}x | {per_offset} |")
+    print(
+        f"\nquiet update (median): {result['quiet_update_s'] * 1000:.1f} ms; asynchronous writes still under way "
+        f"{every // 2} updates after their save: {result['async_writes_unfinished']}"
+    )
     print(json.dumps(result))
 
 
@@ -267,15 +250,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dir", default=None, help="where the files are written (default: a temporary folder)")
     parser.add_argument("--time-lost", action="store_true", help="training time lost per save, sync and async")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of --time-lost")
+    parser.add_argument("--saves", type=int, default=20, help="saves of each mode of --time-lost")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of --time-lost")
-    parser.add_argument("--updates", type=int, default=90, help="updates of each --time-lost run")
-    parser.add_argument("--every", type=int, default=15, help="updates between saves of --time-lost")
+    parser.add_argument("--every", type=int, default=12, help="updates between saves of --time-lost")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="state-speed-", dir=args.dir))
     if args.time_lost:
         try:
-            print_time_lost(measure_time_lost(args.rounds, args.threads, args.updates, args.every, root))
+            print_time_lost(measure_time_lost(args.saves, args.threads, args.every, root))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         return

@@ -148,6 +148,7 @@ from pytorch_accel_trainer.run_config import (
 )
 from pytorch_accel_trainer.schedulers.scheduler_base import warn_if_schedule_is_in_epochs
 from pytorch_accel_trainer.schedulers.timm import TimmSchedulerMixin
+from pytorch_accel_trainer.state.async_save import saver as background_saver
 from pytorch_accel_trainer.state.files import StoredState
 from pytorch_accel_trainer.state.manager import TrainingStates
 from pytorch_accel_trainer.state.parts import Processes
@@ -872,6 +873,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
             accumulation.finish_window(step, state, self._accelerator, self.model)
         if config.gradient_clip_norm is not None or config.gradient_clip_value is not None or self.track_gradient_norm:
             self._clip_gradients()
+        if background_saver.staging is not None:  # an asynchronous save still copies the weights this update changes
+            background_saver.wait_for_staging()
         self.optimizer_step()
         # fp16: the gradient scaler skips an update whose gradients overflowed, and the scheduler must not step
         skipped = self._accelerator.scaler is not None and self._accelerator.optimizer_step_was_skipped
@@ -1246,6 +1249,8 @@ class Trainer(ExtraModelsMixin, PersistenceMixin):
         """
         if event in self.callback_handler.unheard_events:
             return  # no callback handles it: the common case of the step events
+        if background_saver.staging is not None and event != "on_train_step_end":
+            background_saver.wait_for_staging()  # callbacks may change the weights an asynchronous save still copies
         try:
             self.callback_handler.call_event(event, self, **kwargs)
         except StopTrainingError as error:

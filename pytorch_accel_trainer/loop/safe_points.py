@@ -31,7 +31,12 @@ from pytorch_accel_trainer.loop.stream_position import (
     replay_message,
     validate_stream_resume,
 )
-from pytorch_accel_trainer.loop.trainer_parts import read_training_state, restore_rng_state, state_content
+from pytorch_accel_trainer.loop.trainer_parts import (
+    changed_by_updates_only,
+    read_training_state,
+    restore_rng_state,
+    state_content,
+)
 from pytorch_accel_trainer.parallel.distributed import print_on_node
 from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.restarts import describe_restarted_attempt
@@ -239,7 +244,8 @@ def take_requested_saves(trainer: "Trainer", step: Optional[int] = None) -> set:
     folders' parents. Also called as a run ends, so that a save asked for after its last update is not lost."""
     saved_to = set()
     for parent, request in trainer.run_state.take_save_requests().items():
-        write_state(trainer, parent, trainer.run_state.position(step), **request)
+        # inside an epoch the next update is the loop's: an asynchronous save copies beside its forward and backward
+        write_state(trainer, parent, trainer.run_state.position(step), **request, copy_beside_step=step is not None)
         saved_to.add(parent)
     return saved_to
 
@@ -253,14 +259,21 @@ def write_state(
     max_rolling=None,
     asynchronous=False,
     name=None,
+    copy_beside_step=False,
 ) -> Location:
     """Write a training state of ``trainer`` under ``parent`` and say so; every process must call this.
 
     The trainer hands its parts to :class:`~pytorch_accel_trainer.state.manager.TrainingStates`, which writes them
     (see :meth:`~pytorch_accel_trainer.state.manager.TrainingStates.save`: a save in the background waited for
-    first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned."""
+    first, ``asynchronous``, object storage); the folder of the new state (its URL in a store) is returned.
+
+    ``copy_beside_step``: the loop takes the save between two updates and waits for
+    ``async_save.saver.wait_for_staging()`` before the next: an asynchronous save then copies the parameters and the
+    optimizer's state on its background thread, beside the next forward and backward passes (``async_save.py``)."""
     started = time.monotonic()
     content = state_content(trainer, position, checkpoint_kwargs)
+    if asynchronous and copy_beside_step:
+        content.changed_by_updates_only = changed_by_updates_only(trainer)
     fields = {
         "num_update_steps_completed": trainer.num_update_steps_completed,
         "position": asdict(position),

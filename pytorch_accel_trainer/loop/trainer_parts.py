@@ -32,6 +32,7 @@ from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.loop.stream_position import stream_split_fact, stream_state_name
 from pytorch_accel_trainer.parallel.layout import layout_of
 from pytorch_accel_trainer.parallel.sharded import deepspeed_engine, inner_optimizer, state_module
+from pytorch_accel_trainer.state.async_save import data_pointer
 from pytorch_accel_trainer.state.deepspeed_engine import FACTS_KEY, DeepSpeedEngineState, check_engine_fits
 from pytorch_accel_trainer.state.files import DEEPSPEED, StoredState, rank_file, validate_plain
 from pytorch_accel_trainer.state.folder import history_epoch, load_tensors_file, load_trainer_file
@@ -91,6 +92,17 @@ def sharded_parts(trainer: "Trainer", names: Optional[Iterable[str]] = None) -> 
             optimizer = inner_optimizer(trainer.extra_optimizers[name])
             parts[f"{EXTRA_OPTIMIZER_PART}{name}"] = OptimizerState(extra, optimizer)
     return parts if names is None else {name: parts[name] for name in names}
+
+
+def changed_by_updates_only(trainer: "Trainer") -> frozenset:
+    """The data pointers of the model's parameters and of its optimizer's state: the tensors that only the loop's
+    optimizer update changes (``StateContent.changed_by_updates_only``). Extra models and optimizers are left out:
+    a hook may step those anywhere."""
+    tensors: list[torch.Tensor] = list(trainer.model.parameters())
+    if trainer.optimizer is not None:
+        optimizer_state = inner_optimizer(trainer.optimizer).state.values()
+        tensors += [value for state in optimizer_state for value in state.values() if isinstance(value, torch.Tensor)]
+    return frozenset(pointer for pointer in map(data_pointer, tensors) if pointer)
 
 
 def _callback_states(callbacks: Iterable) -> dict:

@@ -1,11 +1,20 @@
-"""Training states saved in the background: the loop waits only while each process copies its part to host memory.
+"""Training states saved in the background: the loop waits only while each process copies its part to host memory,
+and inside a run not even for most of that.
 
 :func:`save_in_background` stages the state: every process copies its own shard of the tensors (under FSDP its
 shard only; staged with torch's own helpers, as ``torch.distributed.checkpoint.async_save`` stages, into host buffers
-kept from one save to the next: one staging copy at most) and its plain values into host memory, on the training
-thread. A background thread per process then writes the copy with the protocol of a synchronous save (temporary
-folder, each process its own files checksummed as written, the manifest last, rename, ``latest``, pruning), so a
-crash at any point still leaves the last good state and no state that looks complete.
+kept from one save to the next: one staging copy at most) and its plain values into host memory. A background thread
+per process then writes the copy with the protocol of a synchronous save (temporary folder, each process its own files
+checksummed as written, the manifest last, rename, ``latest``, pruning), so a crash at any point still leaves the last
+good state and no state that looks complete.
+
+Inside a run, the tensors that only an optimizer update changes (the model's parameters, the optimizer's state:
+``StateContent.changed_by_updates_only``) are copied by the background thread while the next step's forward and
+backward passes run, as torchtitan stages asynchronously: the loop waits for that copy before its next optimizer
+update (:meth:`BackgroundSaver.wait_for_staging`) and before firing any event but ``on_train_step_end``. Every other
+tensor (buffers, which a forward pass may change) is copied before the loop goes on. A tensor changed in place between
+the save and that wait (its autograd version counter moved) fails the save there, on every process, before anything is
+written.
 
 The background threads of the processes run the save's collectives (DCP's for a sharded state, the checksums' gather,
 the barriers) in a process group of their own, over gloo, created once: they never meet training's collectives (NCCL's
@@ -19,14 +28,14 @@ import atexit
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Iterable, Optional
 
 import torch
 
 from pytorch_accel_trainer.errors import CheckpointError
 from pytorch_accel_trainer.state.files import unused_folder_name
 from pytorch_accel_trainer.state.folder import write_training_state
-from pytorch_accel_trainer.state.parts import Processes, StateContent
+from pytorch_accel_trainer.state.parts import Processes, StateContent, agreed
 
 
 class HostBuffers:
@@ -39,23 +48,100 @@ class HostBuffers:
         self._buffers: Optional[dict] = None
         self._layout: Optional[list] = None
 
-    def stage(self, tensors: dict) -> dict:
+    def stage(self, tensors: dict, later: Collection[int] = ()) -> tuple[dict, Optional["LaterCopy"]]:
         """Copies of ``tensors`` (flat names to tensors or DTensors: of a DTensor, this process's shard alone) in host
-        memory (pinned when CUDA is used), in the buffers of the previous save when the tensors are the same."""
+        memory (pinned when CUDA is used), in the buffers of the previous save when the tensors are the same.
+
+        The tensors whose data pointer is in ``later`` are left to the returned :class:`LaterCopy` (``None`` when
+        none is), for the background thread; the others are copied now."""
         layout = [(name, tuple(tensor.shape), tensor.dtype, type(tensor)) for name, tensor in tensors.items()]
         if self._buffers is None or layout != self._layout:
             self._buffers, self._layout = {name: _host_buffer(tensor) for name, tensor in tensors.items()}, layout
-        for name, tensor in tensors.items():
-            _local(self._buffers[name]).copy_(_local(tensor).detach(), non_blocking=True)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        buffers = dict(self._buffers)
+        deferred = [name for name, tensor in tensors.items() if data_pointer(tensor) in later]
+        now = [name for name in tensors if name not in set(deferred)]
+        _copy(buffers, tensors, now)
+        if now and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies are complete before training changes the originals
-        return dict(self._buffers)
+        return buffers, (LaterCopy(buffers, {name: tensors[name] for name in deferred}) if deferred else None)
 
     def clear(self) -> None:
         self._buffers = self._layout = None
 
 
 host_buffers = HostBuffers()
+
+
+def _copy(buffers: dict, tensors: dict, names: Iterable[str]) -> None:
+    for name in names:
+        _local(buffers[name]).copy_(_local(tensors[name]).detach(), non_blocking=True)
+
+
+def data_pointer(tensor: torch.Tensor) -> int:
+    """Where the tensor's (or DTensor's shard's) data starts; 0 for an empty one, never deferred."""
+    local = _local(tensor)
+    return local.data_ptr() if local.numel() else 0
+
+
+class LaterCopy:
+    """The copy, made on the background thread as the next step's forward and backward passes run, of the tensors
+    that only an optimizer update changes. The loop holds its next update back until :meth:`judge` (called by
+    :meth:`BackgroundSaver.wait_for_staging`) has found the copy made and no tensor changed; only then does the
+    background thread write the state.
+
+    Each tensor's autograd version counter is read as the save is taken and again by :meth:`judge`: a tensor changed
+    in place between the two (by anything but the update the loop holds back) fails the save on every process,
+    whether or not its copy came first, naming it. A change made through ``.data``, which bypasses the counter, is not
+    seen."""
+
+    def __init__(self, buffers: dict, tensors: dict) -> None:
+        self.buffers, self.tensors = buffers, tensors
+        self.versions = {name: _local(tensor)._version for name, tensor in tensors.items()}
+        self.copied = threading.Event()  # set by the background thread, the copy made (or failed)
+        self.judged = threading.Event()  # set by the training thread, the counters read again
+        self.settled = threading.Event()  # set by the background thread, every process's verdict known
+        self.spoilt: Optional[str] = None
+        self.failed = False
+        self._device = next((_local(t).device for t in tensors.values() if _local(t).device.type == "cuda"), None)
+        self._ready = torch.cuda.Event() if self._device is not None else None
+        if self._ready is not None:  # on CUDA: the training stream's work up to the save (the update that made them)
+            self._ready.record(torch.cuda.current_stream(self._device))
+
+    def copy_then_await_judgement(self) -> None:
+        """Copy the tensors into their host buffers, then wait for :meth:`judge` (background thread).
+
+        Raises:
+            CheckpointError: a tensor was changed in place between the save and the judgement.
+        """
+        try:
+            if self._ready is None:
+                _copy(self.buffers, self.tensors, self.tensors)
+            else:
+                with torch.cuda.device(self._device):
+                    stream = torch.cuda.Stream()
+                    stream.wait_event(self._ready)  # ordered after the update that made the values, beside training
+                    with torch.cuda.stream(stream):
+                        _copy(self.buffers, self.tensors, self.tensors)
+                    stream.synchronize()
+        finally:
+            self.copied.set()
+        self.judged.wait()
+        if self.spoilt is not None:
+            raise CheckpointError(self.spoilt)
+
+    def judge(self) -> None:
+        """Wait for the copy, then read the version counters again (training thread, before the next update)."""
+        self.copied.wait()
+        changed = [name for name, tensor in self.tensors.items() if _local(tensor)._version != self.versions[name]]
+        if changed:
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            self.spoilt = (
+                f"{changed[0]!r}{more} was changed in place between the asynchronous save and the next optimizer "
+                "update, while the save copied it. Inside a run, the parameters and the optimizer's state are copied "
+                "beside the next forward and backward passes: change them in optimizer_step() or after it (an "
+                "on_optimizer_step_end callback), or save with asynchronous=False."
+            )
+        self.judged.set()
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -95,17 +181,21 @@ def to_host(value: Any) -> Any:
     return value
 
 
-def stage(content: StateContent) -> StateContent:
-    """``content`` in host memory: its tensors in :data:`host_buffers`, its plain values copied."""
+def stage(content: StateContent) -> tuple[StateContent, Optional[LaterCopy]]:
+    """``content`` in host memory: its tensors in :data:`host_buffers` (those of ``content.changed_by_updates_only``
+    by the returned :class:`LaterCopy`, when it is not ``None``), its plain values copied."""
     if content.tensors is None:
         content.split()
-    return replace(
+    tensors, later = host_buffers.stage(content.tensors or {}, content.changed_by_updates_only)
+    staged = replace(
         content,
-        tensors=host_buffers.stage(content.tensors or {}),
+        tensors=tensors,
         plain=to_host(content.plain),
         shared=to_host(content.shared),
         own=to_host(content.own),
+        changed_by_updates_only=frozenset(),
     )
+    return staged, later
 
 
 _save_group: Any = None
@@ -139,9 +229,17 @@ def save_in_background(
     background = _background_processes(processes)
     chosen = unused_folder_name(parent, name).name if processes.is_main else None
     final = parent / background.broadcast(chosen)  # each machine's folder under its own parent
-    staged = stage(content)
+    staged, later = stage(content)
 
     def write() -> Path:
+        if later is not None:
+            try:  # every process learns of a copy that failed anywhere, before any file is written
+                agreed(background, later.copy_then_await_judgement, f"its copy of the training state {final.name}")
+            except BaseException:
+                later.failed = True
+                raise
+            finally:
+                later.settled.set()
         folder = write_training_state(
             parent, staged, fields, background, final.name, max_rolling, node_local=remote is not None
         )
@@ -149,7 +247,7 @@ def save_in_background(
             remote.publish_collectively(folder, background)
         return folder
 
-    saver.submit(write)
+    saver.submit(write, later)
     return final
 
 
@@ -160,15 +258,24 @@ class BackgroundSaver:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._folder: Optional[Path] = None
+        #: the copy of the save under way that the background thread still makes (see :meth:`wait_for_staging`)
+        self.staging: Optional[LaterCopy] = None
 
     @property
     def pending(self) -> bool:
+        """A save was submitted and not yet waited for (it may be written already)."""
         return self._thread is not None
 
-    def submit(self, write) -> None:
+    @property
+    def writing(self) -> bool:
+        """A save is being written now."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, write, staging: Optional[LaterCopy] = None) -> None:
         """Run ``write`` (which returns the state's folder) in the background, after the save under way (whose error,
-        if any, is raised here)."""
+        if any, is raised here); ``staging``: the copy ``write`` makes first, waited for by :meth:`wait_for_staging`."""
         self.wait()
+        self.staging = staging
         self._thread = threading.Thread(target=self._write, args=(write,), name="training-state-save", daemon=False)
         self._thread.start()
 
@@ -178,6 +285,22 @@ class BackgroundSaver:
         except BaseException as error:  # kept for the main thread: raised at the next save or the end of the run
             self._error = error
 
+    def wait_for_staging(self) -> None:
+        """Wait until the save under way has its copy of the tensors that only an optimizer update changes: the loop
+        calls this before its next update and before the events that run users' code.
+
+        Raises:
+            CheckpointError: the copy failed (a tensor changed in place meanwhile): raised at once, before training
+                goes on without the state it asked for.
+        """
+        staging, self.staging = self.staging, None
+        if staging is None:
+            return
+        staging.judge()
+        staging.settled.wait()
+        if staging.failed:
+            self.wait()
+
     def wait(self) -> Optional[Path]:
         """Wait for the save under way; return its folder (``None`` when none was under way).
 
@@ -186,6 +309,8 @@ class BackgroundSaver:
         """
         if self._thread is None:
             return None
+        if self.staging is not None:
+            self.wait_for_staging()  # the copy is judged, or the thread would wait for it
         self._thread.join()
         self._thread, folder, error = None, self._folder, self._error
         self._folder = self._error = None

@@ -331,6 +331,9 @@ class StateContent:
     #: the flat tensors of the sharded parts and their plain trees, once split (:meth:`split`)
     tensors: Optional[dict] = field(default=None, repr=False)
     plain: Optional[dict] = field(default=None, repr=False)
+    #: data pointers of the tensors that only an optimizer update changes (parameters, optimizer state), which an
+    #: asynchronous save inside a run copies while the next step's forward and backward passes run (``async_save.py``)
+    changed_by_updates_only: frozenset = field(default=frozenset(), repr=False)
 
     def split(self) -> "StateContent":
         """Read each sharded part's ``state_dict()`` once: its tensors (live, not copied) and its plain tree."""

@@ -88,6 +88,9 @@ class LogSamples(TrainerCallback):
 
 
 def main(config):
+    if config.get("weight_changed_out"):
+        run_weight_changed_beside_save(config)
+        return
     run(config)
     if config.get("then_resume_from"):  # then again from one of the states it saved, to its end
         state = f"{config['save_dir']}/{config['then_resume_from']}"
@@ -122,6 +125,35 @@ def run_out_of_time(out):
         "by_time_budget": trainer.run_state.stopped_by_time_budget,
     }
     Path(f"{out}.{rank}.json").write_text(json.dumps(summary))
+
+
+class ChangesWeightInForward(IndexedTrainer):
+    """On process ``rank`` only, changes the first layer's weight in place in the forward pass after update 3: between
+    an asynchronous save and the next update."""
+
+    rank = 1
+
+    def calculate_train_batch_loss(self, batch):
+        if self.num_update_steps_completed == 3 and self.accelerator.process_index == self.rank:
+            with torch.no_grad():
+                self.get_model()[0].weight.add_(0.0)
+        return super().calculate_train_batch_loss(batch)
+
+
+def run_weight_changed_beside_save(config):
+    """Asynchronous saves after each update, and one process changing a weight beside the save of update 3: each
+    process writes what ``train()`` raised and after which update to ``weight_changed_out`` + ``.<rank>.json``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    saves = SaveTrainingStateCallback(config["save_dir"], save_every_n_steps=1, asynchronous=True)
+    trainer = ChangesWeightInForward(model, nn.MSELoss(), torch.optim.AdamW(model.parameters()), callbacks=[saves])
+    try:
+        trainer.train(IndexedDataset(32), num_epochs=1, per_device_batch_size=2)
+        raised = None
+    except Exception as error:
+        raised = f"{type(error).__name__}: {error}"
+    summary = {"raised": raised, "updates": trainer.num_update_steps_completed}
+    Path(f"{config['weight_changed_out']}.{trainer.accelerator.process_index}.json").write_text(json.dumps(summary))
 
 
 def run(config):
