@@ -201,13 +201,19 @@ class _ChangesWeightInForward(Trainer):
         return super().calculate_train_batch_loss(batch, batch_idx)
 
 
-def _run_with_buffers(folder, asynchronous, trainer_class=Trainer, callbacks=(), stop_after=None):
-    """Six updates of a model whose forward pass changes its buffers (batch norm), a state saved after each."""
+def _run_with_buffers(folder, asynchronous, trainer_class=Trainer, callbacks=(), stop_after=None, accumulation=1):
+    """Six updates of a model whose forward pass changes its buffers (batch norm), a state saved after each
+    (``accumulation``: micro-batches per update, each window's forward and backward passes all beside the copy)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
     callbacks = [_SaveAfter(folder, asynchronous, stop_after), *callbacks]
     trainer = trainer_class(model, nn.MSELoss(), torch.optim.AdamW(model.parameters(), lr=0.01), callbacks=callbacks)
-    trainer.train(regression_dataset(24), num_epochs=1, per_device_batch_size=4)
+    trainer.train(
+        regression_dataset(24 * accumulation),
+        num_epochs=1,
+        per_device_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+    )
     return trainer
 
 
@@ -215,14 +221,17 @@ def _states_bytes(folder):
     return {state.folder.name: _state_files(state.folder) for state in list_complete_states(folder)}
 
 
-@pytest.mark.parametrize("case", ["buffers", "weights changed at on_train_step_start", "stopped as it saves"])
+@pytest.mark.parametrize(
+    "case", ["buffers", "accumulation", "weights changed at on_train_step_start", "stopped as it saves"]
+)
 def test_async_save_in_a_run_holds_the_values_of_its_update(tmp_path, case):
     """An asynchronous save inside a run copies the parameters and optimizer state beside the next forward and
     backward passes, yet writes the bytes a synchronous save writes: buffers that the next forward pass changes are
-    copied before it, a callback's in-place change at ``on_train_step_start`` waits for the copy, and a run stopped
+    copied before it, a window of several micro-batches runs beside the copy, a callback's in-place change at ``on_train_step_start`` waits for the copy, and a run stopped
     as a state is taken still writes it whole."""
     options = {
         "buffers": {},
+        "accumulation": {"accumulation": 3},
         "weights changed at on_train_step_start": {"callbacks": [_ChangesWeightInPlace()]},
         "stopped as it saves": {"stop_after": 4},
     }[case]

@@ -51,7 +51,8 @@ class SaveTrainingStateCallback(TrainerCallback):
             run-history metric.
         greater_is_better: whether a larger ``watch_metric`` is better.
         save_on_signals: the signals that save and exit; ``()`` to leave signals alone.
-        asynchronous: stall training only while each state is copied to host memory and write it in the
+        asynchronous: stall training only while each state is copied to host memory (inside an epoch, the
+            parameters and the optimizer's state beside the next forward and backward passes) and write it in the
             background (any number of processes; see ``Trainer.save_training_state``).
         allow_other_runs: write beside the states of other runs in ``save_dir`` instead of refusing to start; a
             resume from ``save_dir`` then continues the run saved last.

@@ -146,8 +146,11 @@ class PersistenceMixin:
                 names starting with ``.`` are kept by the folder for itself (``ValueError``).
             asynchronous: during a run, stall the loop only while each process copies its part of the state to host
                 memory, and write it on a background thread of each process (any number of processes, FSDP
-                included); the next save and the end of ``train()`` wait for it and raise its error. Outside a run
-                the save is synchronous, and under DeepSpeed too (its engine writes its own files; warned once).
+                included); the next save and the end of ``train()`` wait for it and raise its error. Inside an epoch
+                the parameters and the optimizer's state are copied beside the next forward and backward passes:
+                change them in place only in ``optimizer_step()`` or after it, else that save fails at the next update
+                (``CheckpointError``; see "Asynchronous saves" in ``docs/training_state.md``). Outside a run the save
+                is synchronous, and under DeepSpeed too (its engine writes its own files; warned once).
             allow_other_runs: save even though ``output_dir`` holds the states of another run (by default an
                 error: see "Run identity" in ``docs/training_state.md``); this run's pruning and ``latest`` keep to
                 its own states.
