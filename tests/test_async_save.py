@@ -227,8 +227,8 @@ def _states_bytes(folder):
 def test_async_save_in_a_run_holds_the_values_of_its_update(tmp_path, case):
     """An asynchronous save inside a run copies the parameters and optimizer state beside the next forward and
     backward passes, yet writes the bytes a synchronous save writes: buffers that the next forward pass changes are
-    copied before it, a window of several micro-batches runs beside the copy, a callback's in-place change at ``on_train_step_start`` waits for the copy, and a run stopped
-    as a state is taken still writes it whole."""
+    copied before it, a window of several micro-batches runs beside the copy, a callback's in-place change at
+    ``on_train_step_start`` waits for the copy, and a run stopped as a state is taken still writes it whole."""
     options = {
         "buffers": {},
         "accumulation": {"accumulation": 3},
