@@ -2,7 +2,7 @@
 long does an asynchronous save stall training, and how much training time does a save cost? See benchmarks/README.md.
 
     python benchmarks/training_state_speed.py [--width 2048] [--layers 3] [--repeats 5]
-    python benchmarks/training_state_speed.py --time-lost [--saves 20] [--every 12] [--threads 1] [--dir /dev/shm]
+    python benchmarks/training_state_speed.py --time-lost [--saves 20] [--every 12] [--threads 1] [--processes 5]
 
 Prints a markdown table and one JSON line; ``asynchronous`` rows show ``n/a`` on versions without it.
 """
@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -243,6 +245,40 @@ def print_time_lost(result: dict) -> None:
     print(json.dumps(result))
 
 
+def time_lost_in_fresh_processes(count: int, arguments: list) -> list:
+    """The ``--time-lost`` results of ``count`` fresh processes of this script, one after the other (``arguments``:
+    the options they share)."""
+    results = []
+    for _ in range(count):
+        command = [sys.executable, str(Path(__file__).resolve()), "--time-lost", "--json-only", *arguments]
+        completed = subprocess.run(command, capture_output=True, text=True, check=True)
+        results.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def print_time_lost_in_processes(results: list) -> None:
+    """One line per fresh process, then the median over them of each mode's loss per save, and its ratio."""
+    first = results[0]
+    print(
+        f"training time lost per save: {len(results)} fresh processes, each one run, {first['threads']} torch "
+        f"thread(s), {first['saves']} saves of each mode, {first['every']} updates apart\n"
+    )
+    print("| process | synchronous save lost, ms | asynchronous save lost, ms | ratio | quiet update, ms |")
+    print("|---|---|---|---|---|")
+    for index, result in enumerate(results, 1):
+        lost = result["lost_per_save_s"]
+        print(
+            f"| {index} | {lost['sync'] * 1000:.1f} | {lost['async'] * 1000:.1f} | {lost['async'] / lost['sync']:.3f}x "
+            f"| {result['quiet_update_s'] * 1000:.1f} |"
+        )
+    median = {mode: statistics.median(r["lost_per_save_s"][mode] for r in results) for mode in LOST_MODES}
+    print(
+        f"| median | {median['sync'] * 1000:.1f} | {median['async'] * 1000:.1f} | "
+        f"{median['async'] / median['sync']:.3f}x (goal: <= 0.1x) | |"
+    )
+    print(json.dumps({"processes": results, "median_lost_per_save_s": median}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
@@ -253,13 +289,22 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=20, help="saves of each mode of --time-lost")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of --time-lost")
     parser.add_argument("--every", type=int, default=12, help="updates between saves of --time-lost")
+    parser.add_argument("--processes", type=int, default=1, help="--time-lost in this many fresh processes")
+    parser.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.time_lost and args.processes > 1:
+        shared = ["--saves", str(args.saves), "--threads", str(args.threads), "--every", str(args.every)]
+        print_time_lost_in_processes(
+            time_lost_in_fresh_processes(args.processes, shared + (["--dir", args.dir] if args.dir else []))
+        )
+        return
     root = Path(tempfile.mkdtemp(prefix="state-speed-", dir=args.dir))
     if args.time_lost:
         try:
-            print_time_lost(measure_time_lost(args.saves, args.threads, args.every, root))
+            result = measure_time_lost(args.saves, args.threads, args.every, root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+        print(json.dumps(result)) if args.json_only else print_time_lost(result)
         return
     try:
         result = measure(args.width, args.layers, args.repeats, root)

@@ -178,3 +178,41 @@ def test_memory_growth_benchmark_quick(tmp_path):
         assert math.isfinite(row["slope_mib_per_step"])
     assert results["goals"] == [] and "| `trainer_default` |" in (tmp_path / "results.md").read_text()
     assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_time_lost_per_save_benchmark_in_fresh_processes():
+    """``training_state_speed.py --time-lost --processes 2`` (one save of each mode after the warm-up ones): each
+    fresh process times every update of its run and reports each mode's loss per save, the median of the two comes
+    last, and no state is left behind; timings are never judged."""
+    completed = subprocess.run(
+        [
+            *launcher(1),  # the driver forked warm; the processes it measures are fresh, as it says
+            str(REPO_ROOT / "benchmarks" / "training_state_speed.py"),
+            "--time-lost",
+            "--processes",
+            "2",
+            "--saves",
+            "1",
+            "--every",
+            "4",
+        ],
+        env=benchmark_environment(),
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    lines = completed.stdout.strip().splitlines()
+    assert [line.split(" |")[0] for line in lines if line.startswith("| ") and line[2] in "12m"] == [
+        "| 1",
+        "| 2",
+        "| median",
+    ]
+    results = json.loads(lines[-1])
+    assert len(results["processes"]) == 2
+    for result in results["processes"]:
+        assert result["updates"] == 4 * (2 * (1 + 2) + 1) and len(result["update_s"]) == result["updates"]
+        assert set(result["lost_per_save_s"]) == {"sync", "async"}
+        assert not Path(result["state_dir"]).exists()
